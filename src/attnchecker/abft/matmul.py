@@ -1,0 +1,65 @@
+"""One protected matmul, end to end: encode from the operands, multiply, verify, correct.
+
+``protected_matmul(a, b)`` returns ``(c, report)`` where ``c`` is ``a @ b`` with any detected
+error corrected in place, and ``report`` is a tensor-only :class:`~attnchecker.abft.eec.Report`.
+It works under autograd: the product is an ordinary ``torch.matmul`` node and the correction
+edits its output in place without recording anything, so the gradients with respect to ``a``
+and ``b`` are exactly those of the fault-free product, and any later op that saves ``c`` for
+backward saves the corrected values.
+
+``corrupt`` is the fault-injection point: a callable that receives the product between the
+multiply and the verification and edits it in place (a returned view of it is ignored) or
+returns a replacement of the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from attnchecker.abft.checksum import BOTH, encode
+from attnchecker.abft.eec import Report, correct_
+
+__all__ = ["Corruptor", "protected_matmul"]
+
+Corruptor = Callable[[Tensor], Tensor | None]
+
+
+def _compute_operands(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """The operands the GEMM really multiplies: under autocast, their low-precision casts."""
+    dev = a.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return a.to(dt), b.to(dt)
+    dt = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dt), b.to(dt)
+
+
+def protected_matmul(
+    a: Tensor,
+    b: Tensor,
+    *,
+    check: str = BOTH,
+    corrupt: Corruptor | None = None,
+) -> tuple[Tensor, Report]:
+    """``a @ b`` for a (..., M, K), b (..., K, N) with checksum verification and correction.
+
+    ``check`` selects the checked vectors: ``"rows"``, ``"cols"`` or ``"both"`` (the default; it
+    corrects 0D, 1R and 1C errors, one direction alone corrects 0D only).
+    """
+    if a.dim() < 2 or b.dim() < 2:
+        raise ValueError(f"operands must be at least 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"inner dimensions differ: {tuple(a.shape)} @ {tuple(b.shape)}")
+    a, b = _compute_operands(a, b)
+    a_d, b_d = a.detach(), b.detach()
+    sums = encode(a_d, b_d, check=check)
+    c = torch.matmul(a, b)  # (..., M, K) @ (..., K, N) -> (..., M, N)
+    if corrupt is not None:
+        with torch.no_grad():
+            out = corrupt(c)
+            if out is not None and out.untyped_storage().data_ptr() != c.untyped_storage().data_ptr():
+                c.copy_(out)  # a replacement, not a view of c edited in place
+    return c, correct_(c, sums, a_d, b_d)

@@ -1,0 +1,122 @@
+"""``attnchecker demo``: extreme errors land in an attention GEMM and are located and corrected.
+
+A real, short demonstration of the math core on an attention-shaped product
+AS = Q K^T, (B, nh, L, d) @ (B, nh, d, L): each scenario corrupts the product between the
+multiply and the verification, then shows what the checksums found and what they repaired,
+against the fault-free product. A last check shows that the gradients through a corrected
+product equal the fault-free gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import Tensor
+
+from attnchecker.abft import Pattern, ValueKind, protected_matmul
+from attnchecker.inject import exponent_flip
+
+__all__ = ["run_math_demo"]
+
+B, NH, L, D = 2, 4, 128, 64
+
+
+@dataclass(frozen=True)
+class _Scenario:
+    name: str
+    corrupt: Callable[[Tensor], None]
+    at: tuple[int, int, int, int]  # (b, h, q, k): the element whose values are printed
+
+
+def _set(index: tuple, value: float | Callable[[Tensor], Tensor]) -> Callable[[Tensor], None]:
+    def corrupt(c: Tensor) -> None:
+        c[index] = value(c[index]) if callable(value) else value
+
+    return corrupt
+
+
+_SCENARIOS = (
+    _Scenario("INF, one element", _set((1, 2, 17, 90), float("inf")), (1, 2, 17, 90)),
+    _Scenario("NaN, one element", _set((0, 3, 127, 0), float("nan")), (0, 3, 127, 0)),
+    _Scenario("near-INF 1e10, one element", _set((1, 0, 64, 127), 1e10), (1, 0, 64, 127)),
+    _Scenario("exponent bit flip", _set((0, 1, 5, 6), exponent_flip), (0, 1, 5, 6)),
+    _Scenario("INF across a row (Q fault)", _set((1, 1, 40), float("inf")), (1, 1, 40, 3)),
+    _Scenario("NaN down a column (K fault)", _set((0, 2, slice(None), 77), float("nan")), (0, 2, 9, 77)),
+    _Scenario("2D block of 1e10", _set((1, 3, slice(3, 6), slice(8, 11)), 1e10), (1, 3, 4, 9)),
+)
+
+
+def run_math_demo(console: Console | None = None, seed: int = 0) -> list[dict[str, object]]:
+    """Run every scenario, print a table, return one record per scenario."""
+    console = console or Console(width=max(Console().width, 132))
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, NH, L, D, generator=g, requires_grad=True)
+    k = torch.randn(B, NH, L, D, generator=g, requires_grad=True)
+    clean = (q @ k.mT).detach()  # (B, nh, L, L)
+    console.print(
+        f"[bold]attnchecker math core[/]: AS = Q K^T with Q, K of shape {tuple(q.shape)} (fp32); "
+        "each fault lands in AS after the multiply, before the check."
+    )
+    table = Table(show_lines=False)
+    cols = ("fault", "pattern", "value", "found at", "delivered", "corrected", "fault-free", "max|err|", "result")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("fault", "result") else "right", no_wrap=True)
+    records = []
+    for sc in _SCENARIOS:
+        delivered = {}
+
+        def corrupt(c: Tensor, sc: _Scenario = sc) -> None:
+            sc.corrupt(c)
+            delivered["v"] = float(c[sc.at])
+
+        with torch.no_grad():
+            c, rep = protected_matmul(q, k.mT, corrupt=corrupt)
+        b, h = sc.at[:2]
+        ok = bool(rep.corrected[b, h])
+        err = float((c - clean).abs().max())
+        rec = {
+            "scenario": sc.name,
+            "pattern": Pattern(int(rep.pattern[b, h])).name,
+            "kind": ValueKind(int(rep.kind[b, h])).name,
+            "located": (int(rep.row[b, h]), int(rep.col[b, h])),
+            "delivered": delivered["v"],
+            "corrected": float(c[sc.at]),
+            "fault_free": float(clean[sc.at]),
+            "max_abs_error": err,
+            "status": "corrected" if ok else ("flagged" if bool(rep.detected[b, h]) else "missed"),
+        }
+        records.append(rec)
+        table.add_row(
+            sc.name, rec["pattern"], rec["kind"].lower(), str(rec["located"]), f"{rec['delivered']:.4g}",
+            f"{rec['corrected']:.5g}", f"{rec['fault_free']:.5g}", f"{err:.2g}",
+            ("[green]" if ok else "[yellow]") + str(rec["status"]),
+        )
+    console.print(table)
+    console.print(
+        "pattern: D0 one element, R1 a whole row, C1 a whole column, D2 several rows and columns. "
+        "A D2 block is beyond what checksums can repair: it is flagged uncorrectable and left as "
+        "delivered, never silently mis-corrected (protected attention escalates by recomputing)."
+    )
+    records.append(_gradient_check(q, k, console))
+    return records
+
+
+def _gradient_check(q: Tensor, k: Tensor, console: Console) -> dict[str, object]:
+    def loss(corrupt: Callable[[Tensor], None] | None) -> Tensor:
+        c, _ = protected_matmul(q, k.mT, corrupt=corrupt)
+        return (c / D**0.5).softmax(-1).square().sum()
+
+    l0 = loss(None)
+    g0 = torch.autograd.grad(l0, (q, k))
+    l1 = loss(_set((1, 2, slice(None), 31), float("nan")))
+    g1 = torch.autograd.grad(l1, (q, k))
+    diff = max(float((x - y).abs().max()) for x, y in zip(g0, g1, strict=True))
+    console.print(
+        f"Gradients through softmax(AS) with a NaN column corrected: loss {l1.item():.6f} vs "
+        f"fault-free {l0.item():.6f}; max |grad difference| over Q and K = {diff:.2g}."
+    )
+    return {"scenario": "gradient", "loss": l1.item(), "loss_fault_free": l0.item(), "max_grad_diff": diff}

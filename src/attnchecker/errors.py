@@ -1,0 +1,31 @@
+"""Exceptions raised at attnchecker's boundaries (the hot path keeps errors as tensor state)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AttnCheckerError",
+    "ConfigError",
+    "NoMatchingModuleError",
+    "UncorrectableFaultError",
+    "UnsupportedModelError",
+]
+
+
+class AttnCheckerError(Exception):
+    """Base class of every error attnchecker raises on purpose."""
+
+
+class ConfigError(AttnCheckerError, ValueError):
+    """A configuration value is invalid; the message says how to fix it."""
+
+
+class NoMatchingModuleError(AttnCheckerError, ValueError):
+    """A configuration selected no module of the model."""
+
+
+class UnsupportedModelError(AttnCheckerError):
+    """The model family has no adapter; the message lists the supported families."""
+
+
+class UncorrectableFaultError(AttnCheckerError):
+    """A detected fault could not be corrected and the policy is to raise."""
