@@ -45,7 +45,9 @@ _SCENARIOS = (
     _Scenario("near-INF 1e10, one element", _set((1, 0, 64, 127), 1e10), (1, 0, 64, 127)),
     _Scenario("exponent bit flip", _set((0, 1, 5, 6), exponent_flip), (0, 1, 5, 6)),
     _Scenario("INF across a row (Q fault)", _set((1, 1, 40), float("inf")), (1, 1, 40, 3)),
-    _Scenario("NaN down a column (K fault)", _set((0, 2, slice(None), 77), float("nan")), (0, 2, 9, 77)),
+    _Scenario(
+        "NaN down a column (K fault)", _set((0, 2, slice(None), 77), float("nan")), (0, 2, 9, 77)
+    ),
     _Scenario("2D block of 1e10", _set((1, 3, slice(3, 6), slice(8, 11)), 1e10), (1, 3, 4, 9)),
 )
 
@@ -62,16 +64,28 @@ def run_math_demo(console: Console | None = None, seed: int = 0) -> list[dict[st
         "each fault lands in AS after the multiply, before the check."
     )
     table = Table(show_lines=False)
-    cols = ("fault", "pattern", "value", "found at", "delivered", "corrected", "fault-free", "max|err|", "result")
+    cols = (
+        "fault",
+        "pattern",
+        "value",
+        "found at",
+        "delivered",
+        "corrected",
+        "fault-free",
+        "max|err|",
+        "result",
+    )
     for col in cols:
-        table.add_column(col, justify="left" if col in ("fault", "result") else "right", no_wrap=True)
+        table.add_column(
+            col, justify="left" if col in ("fault", "result") else "right", no_wrap=True
+        )
     records = []
     for sc in _SCENARIOS:
-        delivered = {}
+        delivered: dict[str, float] = {}
 
-        def corrupt(c: Tensor, sc: _Scenario = sc) -> None:
+        def corrupt(c: Tensor, sc: _Scenario = sc, seen: dict[str, float] = delivered) -> None:
             sc.corrupt(c)
-            delivered["v"] = float(c[sc.at])
+            seen["v"] = float(c[sc.at])
 
         with torch.no_grad():
             c, rep = protected_matmul(q, k.mT, corrupt=corrupt)
@@ -91,8 +105,14 @@ def run_math_demo(console: Console | None = None, seed: int = 0) -> list[dict[st
         }
         records.append(rec)
         table.add_row(
-            sc.name, rec["pattern"], rec["kind"].lower(), str(rec["located"]), f"{rec['delivered']:.4g}",
-            f"{rec['corrected']:.5g}", f"{rec['fault_free']:.5g}", f"{err:.2g}",
+            sc.name,
+            rec["pattern"],
+            rec["kind"].lower(),
+            str(rec["located"]),
+            f"{rec['delivered']:.4g}",
+            f"{rec['corrected']:.5g}",
+            f"{rec['fault_free']:.5g}",
+            f"{err:.2g}",
             ("[green]" if ok else "[yellow]") + str(rec["status"]),
         )
     console.print(table)
@@ -119,4 +139,9 @@ def _gradient_check(q: Tensor, k: Tensor, console: Console) -> dict[str, object]
         f"Gradients through softmax(AS) with a NaN column corrected: loss {l1.item():.6f} vs "
         f"fault-free {l0.item():.6f}; max |grad difference| over Q and K = {diff:.2g}."
     )
-    return {"scenario": "gradient", "loss": l1.item(), "loss_fault_free": l0.item(), "max_grad_diff": diff}
+    return {
+        "scenario": "gradient",
+        "loss": l1.item(),
+        "loss_fault_free": l0.item(),
+        "max_grad_diff": diff,
+    }

@@ -9,13 +9,21 @@ Contract of :func:`correct_`: given the delivered C (..., M, N) and its referenc
    bad row, several bad columns), 1C (several bad rows, one bad column), 2D or several bad
    vectors in a one-direction check (uncorrectable), or bad operands (the reference itself is
    not finite: uncorrectable here);
-3. corrects in place: a 0D element is reconstructed from its row's reference checksum and the
-   other elements of the row (a masked sum that excludes it, so INF - INF never occurs); a 1R row
-   or 1C column is rebuilt from the operands (one row of A times B), which is what the
-   column-wise reconstruction computes but without a pass over all of C;
+3. corrects in place. With the operands at hand (the normal case: ``protected_matmul`` and the
+   attention pipeline keep them), each corrected value is recomputed from them: row i of A times
+   column j of B for a 0D element, row i of A times B for a whole bad row (1R), A times column j
+   of B for a whole bad column (1C). Column-wise reconstruction of a bad row would need the sums
+   of every column without that row, a full pass over C; the rebuild costs one vector-matrix
+   product and is exact. Without operands, a 0D element is reconstructed from its row's
+   reference checksum and the other elements of the row (EEC; a masked sum that excludes it,
+   so INF - INF never occurs);
 4. re-verifies the corrected row and column (plain and weighted sums) and keeps a correction
    only if both agree with their references. A wrong location therefore never passes silently:
-   the matrix is reported uncorrectable and left as delivered.
+   the matrix is reported uncorrectable and left as delivered. A rebuilt value is exact up to
+   rounding, so its check uses the plain tolerance and any error left elsewhere in the vector
+   must be below it; a reconstructed value is itself known only to within the row's tolerance,
+   which the check must allow (the weighted sum sees it pos + 1 times), so without operands a
+   second, smaller error in the same vector can be absorbed into the correction.
 
 Everything is fixed-size tensor work per matrix (one candidate row and one candidate column are
 gathered, fixed and scattered back): no ``.item()``, no branch on tensor values, no host
@@ -31,7 +39,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnchecker.abft.checksum import BOTH, COLS, ROWS, Checksums, recompute, weights
+from attnchecker.abft.checksum import BOTH, ROWS, Checksums, recompute, weights
 
 __all__ = ["NEAR_INF", "Pattern", "Report", "ValueKind", "correct_"]
 
@@ -149,24 +157,27 @@ def _locate(vec: Tensor, d: Tensor, tol: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(use_ratio, loc, loudest), reliable
 
 
-def _verified(vec: Tensor, ref: Tensor, tol: Tensor, pos: Tensor, slack: Tensor) -> Tensor:
+def _verified(vec: Tensor, ref: Tensor, tol: Tensor, pos: Tensor, slack: Tensor | float) -> Tensor:
     """Does the corrected vec (..., n) match its reference sums ref (..., 2) within tol (..., 2)?
 
     The element at ``pos`` (...) was replaced by a value known to within ``slack`` (...), which
     the plain sum sees once and the weighted sum (pos + 1) times.
     """
     sums = vec @ weights(vec.shape[-1], vec.device).T  # (..., n) @ (n, 2) -> (..., 2)
+    slack = torch.as_tensor(slack, device=vec.device).expand(pos.shape)
     extra = torch.stack([slack, slack * (pos + 1)], -1)  # (..., 2)
     return ((ref - sums).abs() <= tol + extra).all(-1)
 
 
 def _transpose(sums: Checksums) -> Checksums:
-    t = lambda x: None if x is None else x.mT  # noqa: E731
+    t = lambda x: None if x is None else x.mT
     return Checksums(t(sums.cols), t(sums.rows), t(sums.col_tol), t(sums.row_tol))
 
 
 @torch.no_grad()
-def correct_(c: Tensor, sums: Checksums, a: Tensor | None = None, b: Tensor | None = None) -> Report:
+def correct_(
+    c: Tensor, sums: Checksums, a: Tensor | None = None, b: Tensor | None = None
+) -> Report:
     """Verify C = a @ b against ``sums`` and correct it in place; see the module docstring.
 
     c: (..., M, N). ``a`` (..., M, K) and ``b`` (..., K, N) are optional: with them, whole rows
@@ -175,7 +186,9 @@ def correct_(c: Tensor, sums: Checksums, a: Tensor | None = None, b: Tensor | No
     if sums.rows is None and sums.cols is None:
         raise ValueError("sums holds neither row nor column checksums")
     if sums.rows is None:  # columns only: work on C^T = b^T a^T, whose rows are C's columns
-        rep = correct_(c.mT, _transpose(sums), None if b is None else b.mT, None if a is None else a.mT)
+        rep = correct_(
+            c.mT, _transpose(sums), None if b is None else b.mT, None if a is None else a.mT
+        )
         return rep._replace(row=rep.col, col=rep.row, bad_rows=None, bad_cols=rep.bad_rows)
     has_cols = sums.cols is not None
     check = BOTH if has_cols else ROWS
@@ -199,11 +212,15 @@ def correct_(c: Tensor, sums: Checksums, a: Tensor | None = None, b: Tensor | No
     # Candidate position (i, j): the first bad row and column; where one direction saw nothing
     # (an error below its tolerance, or no column check), locate within the other's vector.
     i = _first(bad_row)
-    j, sure = _locate(_gather_row(c, i).float(), _gather_row(d_row, i), _gather_row(sums.row_tol, i))
+    j, sure = _locate(
+        _gather_row(c, i).float(), _gather_row(d_row, i), _gather_row(sums.row_tol, i)
+    )
     if has_cols:
         j_col = _first(bad_col)
         i_in, sure_in = _locate(
-            _gather_col(c, j_col).float(), _gather_col(d_col, j_col), _gather_col(sums.col_tol, j_col)
+            _gather_col(c, j_col).float(),
+            _gather_col(d_col, j_col),
+            _gather_col(sums.col_tol, j_col),
         )
         sure = torch.where(n_col > 0, torch.where(n_row > 0, True, sure_in), sure)
         j = torch.where(n_col > 0, j_col, j)
@@ -212,29 +229,37 @@ def correct_(c: Tensor, sums: Checksums, a: Tensor | None = None, b: Tensor | No
     x_old = _pick(row, j)  # (...)
     row_ref, row_tol = _gather_row(sums.rows, i), _gather_row(sums.row_tol, i)  # (..., 2)
 
-    # 0D: reconstruct from the row's reference and the other elements of the row.
-    others = torch.where(torch.arange(N, device=c.device) == j[..., None], 0.0, row).sum(-1)
-    x_new = row_ref[..., 0] - others  # (...)
+    have_ops = a is not None and b is not None
     fixable = (n_row <= 1) & (n_col <= 1) & sure
+    if have_ops:
+        # Values from the operands: row i of A times B (and column j), exact up to rounding.
+        a_b = a.expand(*batch, M, a.shape[-1])  # (..., M, K)
+        b_b = b.expand(*batch, b.shape[-2], N)  # (..., K, N)
+        row_ab = (_gather_row(a_b, i)[..., None, :] @ b_b).squeeze(-2).float()  # (..., N)
+        x_new = _pick(row_ab, j)
+        slack: Tensor | float = 0.0
+    else:
+        # EEC: reconstruct from the row's reference and the other elements of the row (masked,
+        # so INF - INF never occurs). The result is known only to within the row's tolerance.
+        others = torch.where(torch.arange(N, device=c.device) == j[..., None], 0.0, row).sum(-1)
+        x_new = row_ref[..., 0] - others  # (...)
+        slack = row_tol[..., 0]
     new_row = row
     if has_cols:
         col = _gather_col(c, j).float()  # (..., M)
         new_col = col
-        if a is not None and b is not None:
-            # 1R / 1C: rebuild the one bad row (column) from the operands, at its bad positions.
-            a_b = a.expand(*batch, M, a.shape[-1])  # (..., M, K)
-            b_b = b.expand(*batch, b.shape[-2], N)  # (..., K, N)
-            row_ab = (_gather_row(a_b, i)[..., None, :] @ b_b).squeeze(-2).float()  # (..., N)
+        if have_ops:
+            # 1R / 1C: the one bad row (column) is rebuilt whole, so that an error below the
+            # other direction's tolerance does not survive either.
             col_ab = (a_b @ _gather_col(b_b, j)[..., None]).squeeze(-1).float()  # (..., M)
             is_1r = (n_row == 1) & (n_col >= 2)
             is_1c = (n_row >= 2) & (n_col == 1)
-            new_row = torch.where(is_1r[..., None] & bad_col, row_ab, row)
-            new_col = torch.where(is_1c[..., None] & bad_row, col_ab, col)
-            x_new = torch.where(is_1r, _pick(row_ab, j), torch.where(is_1c, _pick(col_ab, i), x_new))
+            new_row = torch.where(is_1r[..., None], row_ab, row)
+            new_col = torch.where(is_1c[..., None], col_ab, col)
+            x_new = torch.where(is_1c, _pick(col_ab, i), x_new)
             fixable |= is_1r | is_1c
     # Round to C's dtype first, so that verification sees what will be stored.
     x_new = x_new.to(c.dtype).float()
-    slack = row_tol[..., 0]  # the reconstructed element is known to within the row's tolerance
     new_row = _put(new_row.to(c.dtype).float(), j, x_new)
     ok = _verified(new_row, row_ref, row_tol, j, slack)
     if has_cols:
@@ -245,9 +270,17 @@ def correct_(c: Tensor, sums: Checksums, a: Tensor | None = None, b: Tensor | No
     detected = (n_row > 0) | (n_col > 0)
     corrected = detected & fixable & ref_ok & ok
     keep = corrected[..., None]
-    c.scatter_(-2, i[..., None, None].expand(*batch, 1, N), torch.where(keep, new_row, row).to(c.dtype)[..., None, :])
+    c.scatter_(
+        -2,
+        i[..., None, None].expand(*batch, 1, N),
+        torch.where(keep, new_row, row).to(c.dtype)[..., None, :],
+    )
     if has_cols:
-        c.scatter_(-1, j[..., None, None].expand(*batch, M, 1), torch.where(keep, new_col, col).to(c.dtype)[..., None])
+        c.scatter_(
+            -1,
+            j[..., None, None].expand(*batch, M, 1),
+            torch.where(keep, new_col, col).to(c.dtype)[..., None],
+        )
 
     pattern = torch.full(batch, Pattern.NONE, dtype=torch.int8, device=c.device)
     many_r, many_c = n_row >= 2, n_col >= 2

@@ -8,8 +8,8 @@ and ``b`` are exactly those of the fault-free product, and any later op that sav
 backward saves the corrected values.
 
 ``corrupt`` is the fault-injection point: a callable that receives the product between the
-multiply and the verification and edits it in place (a returned view of it is ignored) or
-returns a replacement of the same shape.
+multiply and the verification and either edits it in place (returning None or a view, which is
+ignored) or returns a new tensor of the same shape that replaces it.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def protected_matmul(
     corrects 0D, 1R and 1C errors, one direction alone corrects 0D only).
     """
     if a.dim() < 2 or b.dim() < 2:
-        raise ValueError(f"operands must be at least 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(
+            f"operands must be at least 2-D, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"inner dimensions differ: {tuple(a.shape)} @ {tuple(b.shape)}")
     a, b = _compute_operands(a, b)
@@ -60,6 +62,10 @@ def protected_matmul(
     if corrupt is not None:
         with torch.no_grad():
             out = corrupt(c)
-            if out is not None and out.untyped_storage().data_ptr() != c.untyped_storage().data_ptr():
-                c.copy_(out)  # a replacement, not a view of c edited in place
+            if out is not None and out is not c and out._base is None:  # a replacement, not a view
+                if out.shape != c.shape:
+                    raise ValueError(
+                        f"corrupt returned shape {tuple(out.shape)}, expected {tuple(c.shape)}"
+                    )
+                c.copy_(out)
     return c, correct_(c, sums, a_d, b_d)

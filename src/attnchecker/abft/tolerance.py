@@ -12,12 +12,12 @@ With u_acc the unit roundoff of the accumulation (fp32, 2^-24) and u_out that of
 the classical worst-case bound gamma_n = n u for a sum of n terms in any order (Higham,
 "Accuracy and Stability of Numerical Algorithms", 2nd ed., sec. 3.1):
 
-1. the GEMM accumulates each x_j over k terms:           |err| <= k u_acc sum_k |A_ik B_kj|
+1. the GEMM accumulates each x_j over k terms:    |err| <= k u_acc sum_k |A_ik B_kj|
 2. rounding x_j to C's dtype (deterministic; dominant for bf16/fp16 outputs):
-                                                          |err| <= u_out |x_j| <= u_out sum_k |A_ik B_kj|
-3. the recomputed sum r over n elements:                 |err| <= n u_acc m
-4. the reference c = A_i (B e): n-term inner sums, then a k-term dot product:
-                                                          |err| <= (n + k) u_acc m
+                                                   |err| <= u_out |x_j| <= u_out sum_k |A_ik B_kj|
+3. the recomputed sum r over n elements:          |err| <= n u_acc m
+4. the reference c = A_i (B e), n-term inner sums then a k-term dot product:
+                                                   |err| <= (n + k) u_acc m
 
 Summed over the vector: |d| <= (u_out + 2 (k + n) u_acc) m. Worst-case, not probabilistic,
 bounds are used on purpose: the thin matrix-vector products that compute checksums accumulate
@@ -51,13 +51,17 @@ def _accumulation_roundoff(dtype: torch.dtype, device: torch.device) -> float:
     return unit_roundoff(torch.float32)
 
 
-def magnitude_factor(out_dtype: torch.dtype, device: torch.device, *, inner: int, length: int) -> float:
+def magnitude_factor(
+    out_dtype: torch.dtype, device: torch.device, *, inner: int, length: int
+) -> float:
     """The factor f such that |c - r| <= f * m for one checked vector (see the module docstring).
 
     ``inner`` is the GEMM's reduction length k, ``length`` the number n of elements summed by
     the checksum of one vector.
     """
-    return unit_roundoff(out_dtype) + 2 * (inner + length) * _accumulation_roundoff(out_dtype, device)
+    return unit_roundoff(out_dtype) + 2 * (inner + length) * _accumulation_roundoff(
+        out_dtype, device
+    )
 
 
 def underflow_floor(out_dtype: torch.dtype, *, length: int) -> float:

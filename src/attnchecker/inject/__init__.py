@@ -1,4 +1,4 @@
-"""Fault injection: pure tensor edits that model hardware faults (more arrives with the injector)."""
+"""Fault injection: pure tensor edits that model hardware faults."""
 
 from attnchecker.inject.kinds import exponent_flip, exponent_flip_bit, flip_bit
 

@@ -1,0 +1,54 @@
+"""The public surface: light imports, the CLI, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attnchecker
+from attnchecker import cli
+from attnchecker.abft import protected_matmul
+
+
+def test_import_loads_no_transformers_no_matplotlib():
+    code = (
+        "import sys, attnchecker, attnchecker.abft, attnchecker.inject;"
+        "bad = [m for m in ('transformers', 'matplotlib') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_public_names_exist():
+    for name in attnchecker.__all__:
+        assert hasattr(attnchecker, name), name
+
+
+def test_bad_operands_raise_clear_errors():
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        protected_matmul(torch.zeros(3, 4), torch.zeros(5, 6))
+    with pytest.raises(ValueError, match="at least 2-D"):
+        protected_matmul(torch.zeros(4), torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="check must be one of"):
+        protected_matmul(torch.zeros(3, 4), torch.zeros(4, 2), check="diagonal")
+
+
+def test_demo_corrects_every_correctable_scenario(capsys):
+    from attnchecker.demo import run_math_demo
+
+    records = run_math_demo(seed=3)
+    by_name = {r["scenario"]: r for r in records}
+    assert by_name["2D block of 1e10"]["status"] == "flagged"
+    corrected = [r for r in records[:-2] if r["status"] == "corrected"]
+    assert len(corrected) == len(records) - 2
+    for r in corrected:
+        assert abs(r["corrected"] - r["fault_free"]) < 1e-3
+    assert records[-1]["max_grad_diff"] < 1e-5
+    assert "corrected" in capsys.readouterr().out
+
+
+def test_cli_demo_exit_code():
+    assert cli.main(["demo", "--seed", "1"]) == 0
