@@ -43,11 +43,17 @@ def protected_matmul(
     *,
     check: str = BOTH,
     corrupt: Corruptor | None = None,
+    lines: bool = True,
+    a_abs: Tensor | None = None,
+    b_abs: Tensor | None = None,
 ) -> tuple[Tensor, Report]:
     """``a @ b`` for a (..., M, K), b (..., K, N) with checksum verification and correction.
 
-    ``check`` selects the checked vectors: ``"rows"``, ``"cols"`` or ``"both"`` (the default; it
-    corrects 0D, 1R and 1C errors, one direction alone corrects 0D only).
+    ``check`` selects the checked vectors: ``"rows"``, ``"cols"`` or ``"both"`` (the default;
+    it corrects 0D errors, and whole bad rows and columns when ``lines`` is on; one direction
+    alone corrects 0D only). ``lines=False`` keeps the always-on correction work at
+    O(M + N + K) per matrix instead of reading both operands again. ``a_abs`` / ``b_abs`` are
+    the magnitude hints of :func:`~attnchecker.abft.checksum.encode`.
     """
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError(
@@ -57,7 +63,7 @@ def protected_matmul(
         raise ValueError(f"inner dimensions differ: {tuple(a.shape)} @ {tuple(b.shape)}")
     a, b = _compute_operands(a, b)
     a_d, b_d = a.detach(), b.detach()
-    sums = encode(a_d, b_d, check=check)
+    sums = encode(a_d, b_d, check=check, a_abs=a_abs, b_abs=b_abs)
     c = torch.matmul(a, b)  # (..., M, K) @ (..., K, N) -> (..., M, N)
     if corrupt is not None:
         with torch.no_grad():
@@ -68,4 +74,4 @@ def protected_matmul(
                         f"corrupt returned shape {tuple(out.shape)}, expected {tuple(c.shape)}"
                     )
                 c.copy_(out)
-    return c, correct_(c, sums, a_d, b_d)
+    return c, correct_(c, sums, a_d, b_d, lines=lines)

@@ -62,7 +62,7 @@ def _assert_close_to_clean(
     plain-checksum tolerance of the vector it was reconstructed from (its row, or its column
     when only columns are checked) plus one rounding to C's dtype."""
     sums = encode(a, b)
-    tol = sums.col_tol[..., 0:1, :] if check == "cols" else sums.row_tol[..., 0:1]
+    tol = sums.col_tol[..., 0:1, :] if check == "cols" else sums.row_tol[..., 0, :, None]
     err = (c.double() - clean.double()).abs()
     bound = tol.double() + unit_roundoff(c.dtype) * clean.double().abs()
     assert torch.isfinite(c).all()
