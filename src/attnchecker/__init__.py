@@ -4,6 +4,7 @@ Importing this package loads torch only (no transformers, no matplotlib, no CUDA
 """
 
 from attnchecker.abft import Pattern, Report, ValueKind, protected_matmul
+from attnchecker.attention.config import ABFTConfig
 from attnchecker.errors import (
     AttnCheckerError,
     ConfigError,
@@ -11,18 +12,24 @@ from attnchecker.errors import (
     UncorrectableFaultError,
     UnsupportedModelError,
 )
+from attnchecker.models import Event, ProtectionHandle, protect_, unprotect_
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ABFTConfig",
     "AttnCheckerError",
     "ConfigError",
+    "Event",
     "NoMatchingModuleError",
     "Pattern",
+    "ProtectionHandle",
     "Report",
     "UncorrectableFaultError",
     "UnsupportedModelError",
     "ValueKind",
     "__version__",
+    "protect_",
     "protected_matmul",
+    "unprotect_",
 ]

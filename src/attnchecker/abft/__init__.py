@@ -7,7 +7,7 @@
 """
 
 from attnchecker.abft.checksum import Checksums, encode, recompute
-from attnchecker.abft.eec import NEAR_INF, Pattern, Report, ValueKind, correct_
+from attnchecker.abft.eec import NEAR_INF, Pattern, Report, ValueKind, classify, correct_
 from attnchecker.abft.matmul import Corruptor, protected_matmul
 from attnchecker.abft.tolerance import magnitude_factor, unit_roundoff
 
@@ -18,6 +18,7 @@ __all__ = [
     "Pattern",
     "Report",
     "ValueKind",
+    "classify",
     "correct_",
     "encode",
     "magnitude_factor",

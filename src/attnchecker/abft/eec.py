@@ -40,7 +40,7 @@ from torch import Tensor
 
 from attnchecker.abft.checksum import BOTH, ROWS, Checksums, recompute, weights
 
-__all__ = ["NEAR_INF", "Pattern", "Report", "ValueKind", "correct_"]
+__all__ = ["NEAR_INF", "Pattern", "Report", "ValueKind", "classify", "correct_"]
 
 NEAR_INF = 1e10
 """A finite value of at least this magnitude is classified as near-INF (the reference rule)."""
@@ -122,12 +122,7 @@ class Report(NamedTuple):
     @property
     def kind(self) -> Tensor:
         """(...) int8 :class:`ValueKind` of the delivered value at the located position."""
-        x = self.value
-        k = torch.where(x.abs() >= NEAR_INF, ValueKind.NEAR_INF, ValueKind.FINITE)
-        k = torch.where(x == float("inf"), ValueKind.POS_INF, k)
-        k = torch.where(x == float("-inf"), ValueKind.NEG_INF, k)
-        k = torch.where(x.isnan(), ValueKind.NAN, k)
-        return torch.where(self.detected, k, ValueKind.NONE).to(torch.int8)
+        return torch.where(self.detected, classify(self.value), ValueKind.NONE).to(torch.int8)
 
     def counts(self) -> dict[str, Tensor]:
         """0-dim int64 tensors: no host sync."""
@@ -146,6 +141,14 @@ class Report(NamedTuple):
         return self._replace(
             row=self.col, col=self.row, bad_rows=self.bad_cols, bad_cols=self.bad_rows
         )
+
+
+def classify(x: Tensor) -> Tensor:
+    """The :class:`ValueKind` of every element of x, as int8 (FINITE for ordinary values)."""
+    k = torch.where(x.abs() >= NEAR_INF, ValueKind.NEAR_INF, ValueKind.FINITE)
+    k = torch.where(x == float("inf"), ValueKind.POS_INF, k)
+    k = torch.where(x == float("-inf"), ValueKind.NEG_INF, k)
+    return torch.where(x.isnan(), ValueKind.NAN, k).to(torch.int8)
 
 
 def _first(mask: Tensor) -> Tensor:

@@ -1,0 +1,71 @@
+"""``ABFTConfig``: what protected attention checks and what it does about errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from attnchecker.errors import ConfigError
+
+__all__ = ["OPS", "POLICIES", "ABFTConfig"]
+
+OPS = ("q", "k", "v", "scores", "probs", "context", "out")
+"""The checked operations, named by the site whose output they verify: the Q, K and V projections,
+the scores Q K^T, the softmax probabilities, the context P V and the output projection."""
+
+POLICIES = ("raise", "skip_step", "warn")
+MODES = ("passing", "naive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ABFTConfig:
+    """How :func:`attnchecker.protect_` protects a model. Defaults check everything, every step.
+
+    - ``ops``: which operations are verified (a subset of :data:`OPS`); the others still expose
+      their named sites, so an empty tuple gives an instrumented but unprotected model.
+    - ``layers``: indices of the attention layers to protect (None: all).
+    - ``mode``: ``"passing"`` derives references from upstream clean data where the algebra
+      allows it (the Q/K/V token sums feed the scores check), ``"naive"`` encodes every GEMM
+      from its own operands (the baseline it is measured against).
+    - ``policy``: what :meth:`ProtectionHandle.drain` does about an uncorrectable error.
+    - ``max_rows``: token rows of a projection output that may be recomputed per call (covers
+      whole-row errors and 2D blocks spanning up to this many tokens).
+    - ``max_heads``: (batch, head) matrices of scores / probabilities / context that may be
+      recomputed per call (any pattern inside them).
+    - ``tolerance_scale``: multiplies every derived tolerance (>= 1 makes checks less sensitive).
+    """
+
+    ops: tuple[str, ...] = OPS
+    layers: tuple[int, ...] | None = None
+    mode: str = "passing"
+    policy: str = "raise"
+    max_rows: int = 4
+    max_heads: int = 2
+    tolerance_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ops, str):
+            raise ConfigError(f"ops must be a tuple of op names, e.g. ops=({self.ops!r},)")
+        unknown = sorted(set(self.ops) - set(OPS))
+        if unknown:
+            raise ConfigError(f"unknown ops {unknown}; choose from {list(OPS)}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        for name in ("max_rows", "max_heads"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not self.tolerance_scale >= 1.0:
+            raise ConfigError(
+                f"tolerance_scale must be >= 1 (the derived tolerance is already a bound on "
+                f"rounding error), got {self.tolerance_scale!r}"
+            )
+        if self.layers is not None:
+            if any(not isinstance(i, int) or i < 0 for i in self.layers):
+                raise ConfigError(f"layers must be non-negative layer indices, got {self.layers!r}")
+            object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+        object.__setattr__(self, "ops", tuple(op for op in OPS if op in self.ops))
+
+    def replace(self, **changes: object) -> ABFTConfig:
+        return dataclasses.replace(self, **changes)

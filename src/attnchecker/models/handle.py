@@ -1,0 +1,182 @@
+"""``ProtectionHandle``: what protection touched, its counters, and its events."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from attnchecker.attention.config import OPS, ABFTConfig
+from attnchecker.attention.state import RECORD_FIELDS, AttentionState, Clock, SiteHook
+from attnchecker.errors import UncorrectableFaultError
+
+__all__ = ["Event", "ProtectionHandle", "pattern_of"]
+
+SCHEMA_VERSION = 1
+
+
+def pattern_of(n_rows: int, n_cols: int) -> str:
+    """0D (one element), 1R (one row), 1C (one column), 2D (several of both)."""
+    if n_rows <= 1 and n_cols <= 1:
+        return "0D"
+    if n_rows <= 1:
+        return "1R"
+    if n_cols <= 1:
+        return "1C"
+    return "2D"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One check that found something. ``action``: corrected (0D / 1R / 1C rebuilt from the
+    operands), recomputed (a 2D pattern, its rows or heads recomputed) or uncorrectable."""
+
+    step: int
+    module: str
+    layer: int
+    op: str
+    pattern: str
+    kind: str
+    action: str
+    n_rows: int
+    n_cols: int
+    replay: bool
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+_KINDS = ("none", "+inf", "-inf", "nan", "near_inf", "finite")
+
+
+class _Detach:
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+
+    def remove(self) -> None:
+        self._fn()
+
+
+class ProtectionHandle:
+    """Returned by :func:`attnchecker.protect_`; one per protected model."""
+
+    def __init__(self, config: ABFTConfig, states: dict[str, AttentionState], clock: Clock) -> None:
+        self.config = config
+        self._states = states
+        self._clock = clock
+        self._undo: list[Callable[[], None]] = []
+        self.skip_requested = False
+
+    @property
+    def modules(self) -> list[str]:
+        """Qualified names of the protected attention modules."""
+        return list(self._states)
+
+    @property
+    def step(self) -> int:
+        """Forward passes of the model seen so far (one per training step)."""
+        return self._clock.step
+
+    def state(self, module: str) -> AttentionState:
+        return self._states[module]
+
+    def attach(
+        self, hook: SiteHook, *, sites: Iterable[str] = OPS, modules: Iterable[str] | None = None
+    ) -> _Detach:
+        """Run ``hook`` at the named ``sites`` of the given protected ``modules`` (all by default).
+
+        The hook sees each site's tensor between the operation and its check and may edit it in
+        place: this is how faults are placed. Returns an object whose ``remove()`` detaches it.
+        """
+        sites = list(sites)
+        if unknown := sorted(set(sites) - set(OPS)):
+            raise ValueError(f"unknown sites {unknown}; choose from {list(OPS)}")
+        names = self.modules if modules is None else list(modules)
+        if unknown := sorted(set(names) - set(self._states)):
+            raise ValueError(f"not protected modules: {unknown}")
+        targets = [(self._states[n].hooks[s]) for n in names for s in sites]
+        for lst in targets:
+            lst.append(hook)
+
+        def detach() -> None:
+            for lst in targets:
+                if hook in lst:
+                    lst.remove(hook)
+
+        return _Detach(detach)
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Totals per op since protection (forward passes only, not checkpointing replays)."""
+        totals = [s.totals for s in self._states.values() if s.totals is not None]
+        out = {op: {"detected": 0, "corrected": 0, "uncorrectable": 0} for op in OPS}
+        if totals:
+            summed = torch.stack([t.cpu() for t in totals]).sum(0).tolist()
+            for op, (det, cor, unc) in zip(OPS, summed, strict=True):
+                out[op] = {"detected": det, "corrected": cor, "uncorrectable": unc}
+        return out
+
+    def drain(self) -> list[Event]:
+        """Events recorded since the last drain (one host sync), with the policy applied:
+        ``raise`` raises :class:`UncorrectableFaultError` on an uncorrectable event, ``warn``
+        warns, ``skip_step`` sets :attr:`skip_requested` for the training loop to honour."""
+        pending = [(name, st, rec) for name, st in self._states.items() for rec in st.pending]
+        for st in self._states.values():
+            st.pending.clear()
+        self.skip_requested = False
+        if not pending:
+            return []
+        values = torch.stack([rec for _, _, (_, _, _, rec) in pending]).tolist()  # the one sync
+        events = []
+        for (name, st, (step, op, replay, _)), v in zip(pending, values, strict=True):
+            rec = dict(zip(RECORD_FIELDS, v, strict=True))
+            if not rec["detected"]:
+                continue
+            pattern = pattern_of(rec["n_rows"], rec["n_cols"])
+            if not rec["corrected"]:
+                action = "uncorrectable"
+            else:
+                action = "recomputed" if pattern == "2D" else "corrected"
+            events.append(
+                Event(
+                    step,
+                    name,
+                    st.layer,
+                    op,
+                    pattern,
+                    _KINDS[rec["kind"]],
+                    action,
+                    rec["n_rows"],
+                    rec["n_cols"],
+                    replay,
+                )
+            )
+        bad = [e for e in events if e.action == "uncorrectable"]
+        if bad:
+            self._apply_policy(bad)
+        return events
+
+    def _apply_policy(self, bad: list[Event]) -> None:
+        msg = f"{len(bad)} uncorrectable error(s), first: {bad[0]}"
+        if self.config.policy == "raise":
+            raise UncorrectableFaultError(msg)
+        if self.config.policy == "warn":
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        self.skip_requested = self.config.policy == "skip_step"
+
+    def summary(self) -> dict[str, object]:
+        """Protected modules, checked ops, steps and counters, as plain data."""
+        return {
+            "modules": self.modules,
+            "ops": list(self.config.ops),
+            "mode": self.config.mode,
+            "steps": self.step,
+            "counters": self.counters(),
+        }
+
+    def _remove(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()

@@ -1,0 +1,133 @@
+"""``protect_`` and ``unprotect_``: one call to check a model's attention, one to undo it.
+
+Protection wraps, it does not copy: forward hooks on the projection submodules check and repair
+their outputs, and the attention core is routed through :func:`attnchecker.attention.core.attend`.
+No parameter, buffer or module is added or replaced, so ``state_dict()`` is unchanged and
+``unprotect_`` restores the model exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from attnchecker.attention.checks import Projection, projection_check_, weight_sums
+from attnchecker.attention.config import ABFTConfig
+from attnchecker.attention.state import AttentionState, Clock
+from attnchecker.errors import ConfigError, NoMatchingModuleError
+from attnchecker.models.handle import ProtectionHandle
+from attnchecker.models.registry import ProjectionSpec, adapter_for
+
+__all__ = ["protect_", "unprotect_"]
+
+_HANDLE = "_attnchecker_handle"
+CORE = "_attnchecker_core"
+
+
+def _projection(spec: ProjectionSpec) -> Projection:
+    m = spec.module
+    if spec.conv1d:  # y = addmm(b, x, W) with W stored (in, out)
+
+        def compute(x: Tensor, features: Tensor | None) -> Tensor:
+            if features is None:
+                return torch.addmm(m.bias, x, m.weight)
+            return torch.addmm(
+                m.bias.index_select(0, features), x, m.weight.index_select(1, features)
+            )
+
+        return Projection(m.weight.T, m.bias, compute)
+
+    def compute_linear(x: Tensor, features: Tensor | None) -> Tensor:
+        if features is None:
+            return F.linear(x, m.weight, m.bias)
+        bias = None if m.bias is None else m.bias.index_select(0, features)
+        return F.linear(x, m.weight.index_select(0, features), bias)
+
+    return Projection(m.weight, m.bias, compute_linear)
+
+
+def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..., None]:
+    checked = [s for s in spec.sites if state.checks(s)]
+    key = spec.sites[0]
+
+    def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
+        x = args[0]
+        if y.dim() != 3 or x.dim() != 3:
+            return
+        width = y.shape[-1] // len(spec.sites)
+        for i, site in enumerate(spec.sites):
+            state.site(site, y[..., i * width : (i + 1) * width])
+        if not checked:
+            return
+        proj = _projection(spec)
+        sums = weight_sums(proj, spec.groups, state.cache.get(key))
+        state.cache[key] = sums
+        records, refs = projection_check_(
+            y,
+            x,
+            proj,
+            sums,
+            max_rows=state.config.max_rows,
+            parts=len(spec.sites),
+            scale=state.config.tolerance_scale,
+        )
+        state.passing[key] = refs
+        for site, rec in zip(spec.sites, records, strict=True):
+            if site in checked:
+                state.record(site, rec)
+
+    return hook
+
+
+def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHandle:
+    """Protect every attention layer of a supported Hugging Face model in place.
+
+    Raises :class:`~attnchecker.errors.UnsupportedModelError` for an unknown family and
+    :class:`~attnchecker.errors.NoMatchingModuleError` when ``config.layers`` selects nothing.
+    """
+    config = ABFTConfig() if config is None else config
+    if not isinstance(config, ABFTConfig):
+        raise ConfigError(f"config must be an ABFTConfig, got {type(config).__name__}")
+    if getattr(model, _HANDLE, None) is not None:
+        raise ConfigError(
+            "the model is already protected; call attnchecker.unprotect_(model) first"
+        )
+    adapter = adapter_for(model)
+    blocks = adapter.blocks(model)
+    chosen = [b for b in blocks if config.layers is None or b.layer in config.layers]
+    if not chosen:
+        raise NoMatchingModuleError(
+            f"layers={config.layers} selects none of the {len(blocks)} attention layers "
+            f"(indices {sorted(b.layer for b in blocks)})"
+        )
+    clock = Clock()
+    states = {b.name: AttentionState(b.name, b.layer, config, clock) for b in chosen}
+    handle = ProtectionHandle(config, states, clock)
+    for b in blocks:
+        setattr(b.core, CORE, (b.spec, states.get(b.name)))
+    handle._undo.append(lambda: [delattr(b.core, CORE) for b in blocks])
+    for b in chosen:
+        for p in b.projections:
+            handle._undo.append(
+                p.module.register_forward_hook(_projection_hook(states[b.name], p)).remove
+            )
+    handle._undo.append(adapter.install(model, blocks))
+
+    def tick(*_: object) -> None:
+        clock.step += 1
+
+    handle._undo.append(model.register_forward_pre_hook(tick).remove)
+    setattr(model, _HANDLE, handle)
+    handle._undo.append(lambda: delattr(model, _HANDLE))
+    return handle
+
+
+def unprotect_(model: nn.Module) -> None:
+    """Remove protection: hooks, patches and attributes; the model is as it was."""
+    handle = getattr(model, _HANDLE, None)
+    if handle is None:
+        raise ConfigError("the model is not protected")
+    handle._remove()
