@@ -160,32 +160,47 @@ def projection_check_(
     col_rec = y.sum(1, dtype=torch.float32)  # (B, N)
     row_rec = y.view(B, L, G, N // G).sum(-1, dtype=torch.float32)  # (B, L, G)
     col_tol = _factor(y, x, proj.weight, inner=K, length=L) * scale * col_mag
+    col_tol += underflow_floor(y.dtype, length=L)
     row_tol = _factor(y, x, proj.weight, inner=K, length=N // G) * scale * row_mag
-    bad_c = _bad(col_ref, col_rec, col_tol + underflow_floor(y.dtype, length=L))  # (B, N)
-    bad_rg = _bad(row_ref, row_rec, row_tol + underflow_floor(y.dtype, length=N // G))  # (B, L, G)
+    row_tol += underflow_floor(y.dtype, length=N // G)
+    bad_c = _bad(col_ref, col_rec, col_tol)  # (B, N)
+    bad_rg = _bad(row_ref, row_rec, row_tol)  # (B, L, G)
     bad_r = bad_rg.any(-1)  # (B, L)
     n_rows = bad_r.sum()
 
     y2, x2 = y.data.view(B * L, N), x.reshape(B * L, K)
     flat_r, flat_c = bad_r.view(-1), bad_c.view(-1)
     t0, j = flat_r.to(torch.uint8).argmax(), flat_c.to(torch.uint8).argmax()  # first flagged
-    kind = classify(y2[t0, j % N]).long()
+    kind = classify(y2.view(-1).index_select(0, (t0 * N + j % N).view(1))).long()[0]
     # Token rows: the first max_rows flagged ones (any rows when fewer are flagged).
     R = min(max_rows, B * L)
     rows = flat_r.to(torch.uint8).topk(R, sorted=False).indices  # (R,)
     take = flat_r.index_select(0, rows)[:, None]  # (R, 1)
-    new_rows = proj.compute(x2.index_select(0, rows), None)  # (R, N)
-    y2.index_copy_(0, rows, torch.where(take, new_rows.to(y.dtype), y2.index_select(0, rows)))
+    new_rows = proj.compute(x2.index_select(0, rows), None).to(y.dtype)  # (R, N)
+    y2.index_copy_(0, rows, torch.where(take, new_rows, y2.index_select(0, rows)))
+    row_sums = new_rows.view(R, G, N // G).sum(-1, dtype=torch.float32)  # (R, G)
+    pick = lambda t: t.reshape(B * L, G).index_select(0, rows)
+    rows_ok = ~_bad(pick(row_ref), row_sums, pick(row_tol))
+    rows_fixed = (n_rows >= 1) & (n_rows <= R) & (rows_ok.all(-1) | ~take[:, 0]).all()
     # One feature column, over every token of every sample: the first flagged feature.
     cols_bad = bad_c.any(0)  # (N,)
     f = cols_bad.to(torch.uint8).argmax()
-    new_col = proj.compute(x2, f.view(1))  # (B*L, 1)
-    y2[:, f] = torch.where(cols_bad[f], new_col[:, 0].to(y.dtype), y2[:, f])
+    new_col = proj.compute(x2, f.view(1)).to(y.dtype)  # (B*L, 1)
+    f = f.view(1)  # index tensors, never Python ints: converting one would synchronise
+    fixed = torch.where(cols_bad.index_select(0, f), new_col, y2.index_select(1, f))
+    y2.index_copy_(1, f, fixed)
+    col_sums = new_col.view(B, L).sum(-1, dtype=torch.float32)  # (B,)
+    col_ok = ~_bad(col_ref.index_select(1, f)[:, 0], col_sums, col_tol.index_select(1, f)[:, 0])
+    col_fixed = (cols_bad.sum() == 1) & col_ok.all()
 
-    repaired = ((n_rows >= 1) & (n_rows <= R)) | (cols_bad.sum() == 1)
+    # Repaired: every flagged row recomputed, or the one flagged feature, and the recomputed
+    # values match their references (they do not when the input itself was bad).
+    repaired = rows_fixed | col_fixed
     records = []
-    for bad_cols, bad_groups in zip(bad_c.chunk(parts, -1), bad_rg.chunk(parts, -1), strict=True):
-        nr, nc = bad_groups.any(-1).sum(), bad_cols.sum()
+    for bad_cols, bad_groups in zip(
+        cols_bad.chunk(parts, -1), bad_rg.chunk(parts, -1), strict=True
+    ):
+        nr, nc = bad_groups.any(-1).sum(), bad_cols.sum()  # tokens, features of the flat GEMM
         records.append(_record((nr + nc) > 0, repaired, nr, nc, kind))
     return records, ProjectionRefs(col_ref, col_mag + col_tol, row_ref, row_mag + row_tol)
 
@@ -196,9 +211,13 @@ Recompute = Callable[[Tensor, Tensor], Tensor]  # (b_idx, h_idx) (Kh,) -> (Kh, L
 
 
 def _repair_heads_(
-    t: Tensor, bad: Tensor, tol: Tensor, recompute: Recompute, max_heads: int
+    t: Tensor, ref: Tensor | float, tol: Tensor, bad: Tensor, recompute: Recompute, max_heads: int
 ) -> Tensor:
-    """Recompute up to ``max_heads`` flagged matrices of t (B, H, L, M); bad, tol: (B, H, L)."""
+    """Recompute up to ``max_heads`` flagged matrices of t (B, H, L, M); ref, tol, bad: (B, H, L).
+
+    A repair counts only if the recomputed rows match their references: they do not when an
+    operand was already bad (a fault upstream that could not be repaired).
+    """
     B, H = t.shape[:2]
     head_bad = bad.any(-1).view(-1)  # (B*H,)
     Kh = min(max_heads, B * H)
@@ -209,11 +228,15 @@ def _repair_heads_(
     take = head_bad.index_select(0, idx)
     t.data[b_idx, h_idx] = torch.where(take[:, None, None], new, old)
     # The pattern and kind of the first candidate: elements that moved beyond their row's tolerance.
-    moved = ~((new[0].float() - old[0].float()).abs() <= tol[b_idx[0], h_idx[0]][:, None])  # (L, M)
-    worst = torch.where(moved, 1.0, 0.0).view(-1).argmax()
-    kind = classify(old[0].reshape(-1)[worst]).long()
+    tol0 = tol.view(B * H, -1).index_select(0, idx[:1])[0]  # (L,): rows of the first candidate
+    moved = ~((new[0].float() - old[0].float()).abs() <= tol0[:, None])  # (L, M)
+    worst = moved.view(-1).to(torch.uint8).argmax().view(1)
+    kind = classify(old[0].reshape(-1).index_select(0, worst)).long()[0]
+    ref_k = ref if isinstance(ref, float) else ref.view(B * H, -1).index_select(0, idx)  # (Kh, L)
+    ok = ~_bad(ref_k, new.sum(-1, dtype=torch.float32), tol.view(B * H, -1).index_select(0, idx))
     n_heads = head_bad.sum()
-    return _record(n_heads > 0, n_heads <= Kh, moved.any(-1).sum(), moved.any(-2).sum(), kind)
+    repaired = (n_heads <= Kh) & (ok.all(-1) | ~take).all()
+    return _record(n_heads > 0, repaired, moved.any(-1).sum(), moved.any(-2).sum(), kind)
 
 
 @torch.no_grad()
@@ -237,7 +260,7 @@ def scores_check_(
         mag = (k32.abs().sum(-2)[..., None, :] @ q32.abs().mT).squeeze(-2) * abs(alpha)
     rec = s.sum(-1, dtype=torch.float32)  # (B, H, L)
     tol = _factor(s, q, k, inner=d, length=Lk) * scale * mag + underflow_floor(s.dtype, length=Lk)
-    return _repair_heads_(s, _bad(ref, rec, tol), tol, recompute, max_heads)
+    return _repair_heads_(s, ref, tol, _bad(ref, rec, tol), recompute, max_heads)
 
 
 @torch.no_grad()
@@ -253,7 +276,7 @@ def probs_check_(p: Tensor, *, recompute: Recompute, max_heads: int, scale: floa
     Lk = p.shape[-1]
     rec = p.sum(-1, dtype=torch.float32)
     tol = torch.full_like(rec, 2 * scale * (unit_roundoff(p.dtype) + (8 + Lk) * _U32))
-    return _repair_heads_(p, _bad(1.0, rec, tol), tol, recompute, max_heads)
+    return _repair_heads_(p, 1.0, tol, _bad(1.0, rec, tol), recompute, max_heads)
 
 
 @torch.no_grad()
@@ -273,4 +296,4 @@ def context_check_(
     ref, mag = both.unbind(-2)
     rec = c.sum(-1, dtype=torch.float32)
     tol = _factor(c, p, v, inner=Lk, length=d) * scale * mag + underflow_floor(c.dtype, length=d)
-    return _repair_heads_(c, _bad(ref, rec, tol), tol, recompute, max_heads)
+    return _repair_heads_(c, ref, tol, _bad(ref, rec, tol), recompute, max_heads)

@@ -1,0 +1,126 @@
+"""The public surface: clear errors, policies, and the transformers structures adapters rely on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from attnchecker import (
+    ABFTConfig,
+    ConfigError,
+    NoMatchingModuleError,
+    UncorrectableFaultError,
+    UnsupportedModelError,
+    protect_,
+    unprotect_,
+)
+from attnchecker.models.registry import adapter_for
+from attnchecker.models.tiny import FAMILIES, build
+
+from .helpers import batch
+
+
+def test_transformers_version_is_the_one_adapters_were_written_for():
+    assert transformers.__version__.startswith("5.24"), (
+        "re-run the contract tests and update adapters"
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_contract_of_each_family(family):
+    """The structures the adapters rely on. If transformers changes them, this fails loudly."""
+    model = build(family)
+    blocks = adapter_for(model).blocks(model)
+    assert [b.layer for b in blocks] == list(range(model.config.num_hidden_layers))
+    for b in blocks:
+        kinds = {type(p.module).__name__ for p in b.projections}
+        assert kinds <= {"Linear", "Conv1D"}
+        assert sorted(s for p in b.projections for s in p.sites) == sorted(["q", "k", "v", "out"])
+    core = blocks[0].core
+    if family == "gpt2":
+        assert blocks[0].projections[0].module.weight.shape == (32, 96)  # Conv1D: (in, 3 * out)
+        assert hasattr(core, "reorder_and_upcast_attn") and hasattr(core, "scaling")
+    if family == "gpt_neo":
+        assert callable(core._attn) and core.bias.dtype == torch.bool
+        assert [b.core.attention_type for b in blocks] == ["global", "local"]
+    if family == "llama":
+        assert core.num_key_value_groups == 2 and core.k_proj.out_features == 16
+
+
+def test_unsupported_model_names_the_supported_families():
+    cfg = transformers.DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, vocab_size=50)
+    model = transformers.AutoModel.from_config(cfg)
+    with pytest.raises(UnsupportedModelError, match="bert, gpt2, gpt_neo, llama"):
+        protect_(model)
+    with pytest.raises(UnsupportedModelError):
+        protect_(nn.Linear(3, 3))
+
+
+def test_config_matching_nothing():
+    with pytest.raises(NoMatchingModuleError, match="indices"):
+        protect_(build("bert"), ABFTConfig(layers=(7,)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ops": ("q", "qk")}, "unknown ops"),
+        ({"ops": "q"}, "tuple of op names"),
+        ({"mode": "fast"}, "mode must be"),
+        ({"policy": "ignore"}, "policy must be"),
+        ({"max_rows": 0}, "positive integer"),
+        ({"tolerance_scale": 0.5}, ">= 1"),
+        ({"layers": (-1,)}, "non-negative"),
+    ],
+)
+def test_bad_config_values(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ABFTConfig(**kwargs)
+
+
+def test_protect_twice_and_unprotect_unprotected():
+    model = build("gpt2")
+    protect_(model)
+    with pytest.raises(ConfigError, match="already protected"):
+        protect_(model)
+    unprotect_(model)
+    with pytest.raises(ConfigError, match="not protected"):
+        unprotect_(model)
+
+
+def _uncorrectable(policy):
+    """NaN in three heads of the scores with max_heads=1: beyond the repair budget."""
+    model = build("bert")
+    handle = protect_(model, ABFTConfig(policy=policy, max_heads=1))
+    handle.attach(
+        lambda c: c.tensor[:, :3, 2, 2].fill_(float("nan")) if c.site == "scores" else None
+    )
+    model(**batch("bert"))
+    return handle
+
+
+def test_policy_raise():
+    handle = _uncorrectable("raise")
+    with pytest.raises(UncorrectableFaultError, match="uncorrectable"):
+        handle.drain()
+    assert handle.drain() == []  # drained even when raising
+
+
+def test_policy_warn_and_skip_step():
+    with pytest.warns(RuntimeWarning, match="uncorrectable"):
+        events = _uncorrectable("warn").drain()
+    assert {e.action for e in events} == {"uncorrectable"}
+    handle = _uncorrectable("skip_step")
+    assert handle.drain() and handle.skip_requested
+    assert handle.drain() == [] and not handle.skip_requested
+
+
+def test_summary_is_plain_data():
+    model = build("gpt_neo")
+    handle = protect_(model)
+    model(**batch("gpt_neo"))
+    s = handle.summary()
+    assert s["steps"] == 1 and s["mode"] == "passing" and len(s["modules"]) == 2
+    assert s["counters"]["scores"] == {"detected": 0, "corrected": 0, "uncorrectable": 0}

@@ -1,0 +1,134 @@
+"""Runtime behaviour: no host sync, gradient checkpointing, bf16 autocast, many clean steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnchecker import protect_
+from attnchecker.models.tiny import FAMILIES, build
+
+from .helpers import KINDS, batch, max_diff, models, train_step
+
+_SYNCING = {
+    torch.ops.aten._local_scalar_dense.default,  # .item(), bool(tensor), int(tensor)
+    torch.ops.aten.nonzero.default,  # data-dependent shapes synchronise on accelerators
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.is_nonzero.default,
+}
+
+
+class _CountSyncs(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _SYNCING:
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_protection_adds_no_host_sync(family):
+    """A clean protected forward + backward synchronises exactly as often as the plain model
+    (transformers itself may synchronise, e.g. while building masks; protection adds nothing)."""
+    protected, plain = models(family)
+    protect_(protected)
+    inputs = batch(family)
+    counts = []
+    for model in (plain, protected):
+        with _CountSyncs() as mode:
+            model(**inputs).loss.backward()
+        counts.append(mode.calls)
+    assert counts[1] == counts[0]
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_gradient_checkpointing_replays_are_checked_not_counted(family):
+    base, ref = models(family)
+    base.activation_checkpointing_enable()
+    ref.activation_checkpointing_enable()
+    inputs = batch(family)
+    want = train_step(ref, inputs)
+    handle = protect_(base)
+    calls = {"forward": 0, "replay": 0}
+
+    def fault(c):
+        if c.site == "scores" and c.layer == 0:
+            calls["replay" if c.replay else "forward"] += 1
+            if not c.replay:
+                c.tensor[0, 1, 2, 3] = float("inf")
+
+    handle.attach(fault)
+    got = train_step(base, inputs)
+    assert calls == {"forward": 1, "replay": 1}
+    assert torch.allclose(got[0], want[0], rtol=1e-6)
+    assert max_diff(got[1], want[1]) <= 1e-5
+    assert handle.counters()["scores"] == {"detected": 1, "corrected": 1, "uncorrectable": 0}
+    events = handle.drain()
+    assert [(e.op, e.replay) for e in events] == [("scores", False)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_autocast_clean_and_faulty(family):
+    protected, plain = models(family)
+    inputs = batch(family)
+    handle = protect_(protected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = train_step(protected, inputs)
+        want = train_step(plain, inputs)
+    assert torch.equal(got[0], want[0])
+    assert max_diff(got[1], want[1]) == 0.0
+    assert handle.drain() == []
+
+    # and a fault under autocast is corrected to bf16 precision
+    faulty, ref = copy.deepcopy(plain), copy.deepcopy(plain)
+    h = protect_(faulty)
+    h.attach(
+        lambda c: c.tensor[1, 3].fill_(float("nan")) if c.site == "q" and c.layer == 1 else None
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = train_step(faulty, inputs)
+        want = train_step(ref, inputs)
+    assert torch.allclose(got[0], want[0], rtol=1e-2)
+    assert max_diff(got[1], want[1]) <= 1e-2
+    assert [e.action for e in h.drain()] == ["corrected"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_no_false_alarm_over_many_training_steps(family, autocast):
+    model = build(family)
+    model.train()
+    handle = protect_(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(25):
+        inputs = batch(family, seed=step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert handle.drain() == []
+    assert handle.step == 25
+
+
+def test_sites_fire_on_an_instrumented_unprotected_model():
+    from attnchecker import ABFTConfig
+
+    model = build("llama")
+    handle = protect_(model, ABFTConfig(ops=()))
+    seen = []
+    handle.attach(lambda c: seen.append((c.layer, c.site, tuple(c.tensor.shape))))
+    model(**batch("llama"))
+    sites = [s for _, s, _ in seen]
+    assert sites == ["q", "k", "v", "scores", "probs", "context", "out"] * 2
+    assert dict(((layer, s), shape) for layer, s, shape in seen)[(0, "k")] == (2, 16, 16)  # GQA
+
+
+def test_kind_table_is_complete():
+    assert set(KINDS) == {"inf", "-inf", "nan", "1e10", "exp_flip", "random_large"}
