@@ -13,15 +13,15 @@ import copy
 import pytest
 import torch
 
-from attnchecker import protect_
+from attnchecker import ABFTConfig, protect_
 from attnchecker.models.tiny import FAMILIES
 
 from .helpers import KINDS, PATTERNS, SITES, batch, max_diff, models, pattern_index, train_step
 
 
-def _faulty_step(base, inputs, site, kind, pattern, layer=0):
+def _faulty_step(base, inputs, site, kind, pattern, layer=0, mode="passing"):
     model = copy.deepcopy(base)
-    handle = protect_(model)
+    handle = protect_(model, ABFTConfig(mode=mode))
     fired = []
 
     def fault(call):
@@ -36,8 +36,10 @@ def _faulty_step(base, inputs, site, kind, pattern, layer=0):
     return result, handle.drain()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_fault_is_corrected(family):
+@pytest.mark.parametrize(
+    ("family", "mode"), [(f, "passing") for f in FAMILIES] + [("bert", "naive"), ("llama", "naive")]
+)
+def test_every_fault_is_corrected(family, mode):
     base, ref = models(family)
     inputs = batch(family)
     loss0, grads0, params0 = train_step(ref, inputs)
@@ -45,7 +47,9 @@ def test_every_fault_is_corrected(family):
     for site in SITES:
         for kind in KINDS:
             for pattern in PATTERNS:
-                (loss, grads, params), events = _faulty_step(base, inputs, site, kind, pattern)
+                (loss, grads, params), events = _faulty_step(
+                    base, inputs, site, kind, pattern, mode=mode
+                )
                 ok = (
                     torch.allclose(loss, loss0, rtol=1e-6, atol=0)
                     and max_diff(grads, grads0) <= 1e-5
@@ -86,8 +90,6 @@ def test_events_describe_the_fault(site, pattern, expected):
 
 def test_unprotected_model_dies_under_the_same_fault():
     """The control: the same fault through the same site, with checks off, makes the loss NaN."""
-    from attnchecker import ABFTConfig
-
     model, _ = models("gpt2")
     handle = protect_(model, ABFTConfig(ops=()))
 

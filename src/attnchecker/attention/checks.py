@@ -23,6 +23,7 @@ autograd's version check.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -33,9 +34,12 @@ from attnchecker.abft.eec import classify
 from attnchecker.abft.tolerance import magnitude_factor, underflow_floor, unit_roundoff
 
 __all__ = [
+    "InputSums",
     "Projection",
+    "ProjectionBounds",
     "WeightSums",
     "context_check_",
+    "input_sums",
     "probs_check_",
     "projection_check_",
     "scores_check_",
@@ -93,42 +97,72 @@ class Projection(NamedTuple):
     compute: Callable[[Tensor, Tensor | None], Tensor]
 
 
+class _Ident:
+    """Identity of a tensor that does not keep it alive: a freed tensor's memory is reused at
+    once, so its address cannot key a cache."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, t: Tensor | None) -> None:
+        self.ref = None if t is None else weakref.ref(t)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Ident):
+            return False
+        if self.ref is None or other.ref is None:
+            return self.ref is other.ref
+        a = self.ref()
+        return a is not None and a is other.ref()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class WeightSums(NamedTuple):
     """Weight-derived sums, recomputed only when a parameter changes (their ``key``)."""
 
-    key: tuple[int, ...]
-    w_abs: Tensor  # (N, K) fp32
-    groups: Tensor  # (K, G): column g sums the rows of W in output group g (a head)
-    groups_abs: Tensor  # (K, G), the same of |W|
+    key: tuple[object, ...]
+    row_sums: Tensor  # (K, P): W summed over each part's outputs (y row sums = x @ this + b)
+    norms: Tensor  # (N,): ||W_o||_2 of every output feature o
+    group_norms: Tensor  # (G,): sums of those norms over each head group of outputs
     bias: Tensor  # (N,) fp32, zeros without bias
-    bias_groups: Tensor  # (G,)
-    bias_groups_abs: Tensor  # (G,)
 
 
-def weight_sums(proj: Projection, n_groups: int, cached: WeightSums | None) -> WeightSums:
+def weight_sums(
+    proj: Projection, n_groups: int, parts: int, cached: WeightSums | None
+) -> WeightSums:
     w, b = proj.weight, proj.bias
-    key = (w.data_ptr(), w._version, -1 if b is None else b._version, n_groups)
+    key = (_Ident(w), w._version, _Ident(b), -1 if b is None else b._version, n_groups, parts)
     if cached is not None and cached.key == key:
         return cached
     with torch.no_grad(), _no_autocast(w.device):
-        N, K = w.shape
         w32 = w.float()
-        w_abs = w32.abs()
-        groups = w32.view(n_groups, N // n_groups, K).sum(1).T.contiguous()  # (K, G)
-        groups_abs = w_abs.view(n_groups, N // n_groups, K).sum(1).T.contiguous()
-        b32 = torch.zeros(N, device=w.device) if b is None else b.float()
-        b_groups = b32.view(n_groups, -1).sum(-1)
-        b_groups_abs = b32.abs().view(n_groups, -1).sum(-1)
-    return WeightSums(key, w_abs, groups, groups_abs, b32, b_groups, b_groups_abs)
+        norms = torch.linalg.vector_norm(w32, dim=1)  # (N,)
+        bias = torch.zeros(w.shape[0], device=w.device) if b is None else b.float()
+        row_sums = w32.view(parts, -1, w.shape[1]).sum(1).T.contiguous()  # (K, P)
+    return WeightSums(key, row_sums, norms, norms.view(n_groups, -1).sum(-1), bias)
 
 
-class ProjectionRefs(NamedTuple):
-    """Clean references a projection check leaves for downstream checks (checksum passing)."""
+class InputSums(NamedTuple):
+    """What the checks need from a projection input x (B, L, K), shared by Q, K and V."""
 
-    col_ref: Tensor  # (B, N): per-sample token sums of y, from x and W
-    col_mag: Tensor  # (B, N): their magnitude bound (>= per-sample token sums of |y|)
-    row_ref: Tensor  # (B, L, G): per-token, per-group feature sums of y
-    row_mag: Tensor  # (B, L, G): >= per-token, per-group sums of |y|
+    key: tuple[object, ...]
+    norms: Tensor  # (B, L): ||x_t||_2 of every token
+
+
+def input_sums(x: Tensor, cached: InputSums | None) -> InputSums:
+    key = (_Ident(x), x._version)
+    if cached is not None and cached.key == key:
+        return cached
+    with torch.no_grad(), _no_autocast(x.device):
+        return InputSums(key, torch.linalg.vector_norm(x.float(), dim=-1))
+
+
+class ProjectionBounds(NamedTuple):
+    """Magnitude bounds a projection check leaves for the attention checks (``mode="passing"``):
+    by Cauchy-Schwarz, sum_k |x_tk| |W_ok| <= ||x_t|| ||W_o||, so without touching y:"""
+
+    head_rows: Tensor  # (B, L, G): >= sum over the outputs o of head g of |y_to|
+    features: Tensor  # (B, N): >= sum over the tokens of one sample of |y_to|
 
 
 @torch.no_grad()
@@ -136,73 +170,66 @@ def projection_check_(
     y: Tensor,
     x: Tensor,
     proj: Projection,
-    sums: WeightSums,
+    w_sums: WeightSums,
+    x_sums: InputSums,
     *,
     max_rows: int,
     parts: int = 1,
     scale: float = 1.0,
-) -> tuple[list[Tensor], ProjectionRefs]:
+) -> tuple[list[Tensor], ProjectionBounds]:
     """Check y (B, L, N) = x (B, L, K) W^T + b and repair it in place; see the module docstring.
 
-    ``parts`` splits the features into equal consecutive parts (a fused Q|K|V projection) that
-    get one record each; the repair is shared.
+    Rows: every token's sum over all N outputs against x_t . W^T 1 + sum(b), within the rounding
+    bound. Columns: a range check, no reference needed: a feature whose sum over all tokens
+    exceeds the bound on sum_t |y_to| holds an error that large (extreme errors: INF, NaN,
+    near-INF); it locates whole-column errors that flag every row. ``parts`` splits the
+    features into equal consecutive parts (a fused Q|K|V projection) that get a record each.
     """
     B, L, N = y.shape
-    K = x.shape[-1]
-    G = sums.groups.shape[-1]
-    with _no_autocast(y.device):
-        x32 = x.float()
-        x_abs = x32.abs()
-        col_ref = x32.sum(1) @ proj.weight.float().T + L * sums.bias  # (B, K) @ (K, N) -> (B, N)
-        col_mag = x_abs.sum(1) @ sums.w_abs.T + L * sums.bias.abs()
-        row_ref = x32 @ sums.groups + sums.bias_groups  # (B, L, K) @ (K, G) -> (B, L, G)
-        row_mag = x_abs @ sums.groups_abs + sums.bias_groups_abs
-    col_rec = y.sum(1, dtype=torch.float32)  # (B, N)
-    row_rec = y.view(B, L, G, N // G).sum(-1, dtype=torch.float32)  # (B, L, G)
-    col_tol = _factor(y, x, proj.weight, inner=K, length=L) * scale * col_mag
-    col_tol += underflow_floor(y.dtype, length=L)
-    row_tol = _factor(y, x, proj.weight, inner=K, length=N // G) * scale * row_mag
-    row_tol += underflow_floor(y.dtype, length=N // G)
-    bad_c = _bad(col_ref, col_rec, col_tol)  # (B, N)
-    bad_rg = _bad(row_ref, row_rec, row_tol)  # (B, L, G)
-    bad_r = bad_rg.any(-1)  # (B, L)
-    n_rows = bad_r.sum()
-
+    K, P = x.shape[-1], parts
     y2, x2 = y.data.view(B * L, N), x.reshape(B * L, K)
-    flat_r, flat_c = bad_r.view(-1), bad_c.view(-1)
-    t0, j = flat_r.to(torch.uint8).argmax(), flat_c.to(torch.uint8).argmax()  # first flagged
-    kind = classify(y2.view(-1).index_select(0, (t0 * N + j % N).view(1))).long()[0]
+    with _no_autocast(y.device):
+        bias_p = w_sums.bias.view(P, -1).sum(-1)  # (P,)
+        row_ref = x2.float() @ w_sums.row_sums + bias_p  # (B*L, K) @ (K, P) -> (B*L, P)
+    b_abs = w_sums.bias.abs()
+    row_mag = x_sums.norms.view(-1, 1) * w_sums.norms.view(P, -1).sum(-1) + b_abs.view(P, -1).sum(
+        -1
+    )
+    col_mag = x_sums.norms.sum() * w_sums.norms + (B * L) * b_abs  # (N,)
+    row_tol = _factor(y, x, proj.weight, inner=K, length=N // P) * scale * row_mag  # (B*L, P)
+    row_tol += underflow_floor(y.dtype, length=N // P)
+
+    def row_flags() -> Tensor:  # (B*L, P)
+        return _bad(row_ref, y2.view(B * L, P, N // P).sum(-1, dtype=torch.float32), row_tol)
+
+    bad_rp = row_flags()
+    bad_r = bad_rp.any(-1)  # (B*L,)
+    bad_c = ~(y2.sum(0, dtype=torch.float32).abs() <= col_mag)  # (N,): NaN compares False
+    t0, f0 = bad_r.to(torch.uint8).argmax(), bad_c.to(torch.uint8).argmax()  # first flagged
+    kind = classify(y2.view(-1).index_select(0, (t0 * N + f0).view(1))).long()[0]
+
     # Token rows: the first max_rows flagged ones (any rows when fewer are flagged).
     R = min(max_rows, B * L)
-    rows = flat_r.to(torch.uint8).topk(R, sorted=False).indices  # (R,)
-    take = flat_r.index_select(0, rows)[:, None]  # (R, 1)
+    rows = bad_r.to(torch.uint8).topk(R, sorted=False).indices  # (R,)
     new_rows = proj.compute(x2.index_select(0, rows), None).to(y.dtype)  # (R, N)
+    take = bad_r.index_select(0, rows)[:, None]
     y2.index_copy_(0, rows, torch.where(take, new_rows, y2.index_select(0, rows)))
-    row_sums = new_rows.view(R, G, N // G).sum(-1, dtype=torch.float32)  # (R, G)
-    pick = lambda t: t.reshape(B * L, G).index_select(0, rows)
-    rows_ok = ~_bad(pick(row_ref), row_sums, pick(row_tol))
-    rows_fixed = (n_rows >= 1) & (n_rows <= R) & (rows_ok.all(-1) | ~take[:, 0]).all()
-    # One feature column, over every token of every sample: the first flagged feature.
-    cols_bad = bad_c.any(0)  # (N,)
-    f = cols_bad.to(torch.uint8).argmax()
-    new_col = proj.compute(x2, f.view(1)).to(y.dtype)  # (B*L, 1)
-    f = f.view(1)  # index tensors, never Python ints: converting one would synchronise
-    fixed = torch.where(cols_bad.index_select(0, f), new_col, y2.index_select(1, f))
-    y2.index_copy_(1, f, fixed)
-    col_sums = new_col.view(B, L).sum(-1, dtype=torch.float32)  # (B,)
-    col_ok = ~_bad(col_ref.index_select(1, f)[:, 0], col_sums, col_tol.index_select(1, f)[:, 0])
-    col_fixed = (cols_bad.sum() == 1) & col_ok.all()
-
-    # Repaired: every flagged row recomputed, or the one flagged feature, and the recomputed
-    # values match their references (they do not when the input itself was bad).
-    repaired = rows_fixed | col_fixed
+    # One feature column over every token (the flattened GEMM's column): the first flagged.
+    f = f0.view(1)  # index tensors, never Python ints: converting one would synchronise
+    new_col = proj.compute(x2, f).to(y.dtype)  # (B*L, 1)
+    y2.index_copy_(1, f, torch.where(bad_c.index_select(0, f), new_col, y2.index_select(1, f)))
+    # Repaired only if the rows now pass (they do not when x itself was bad: an upstream fault).
+    n_rows, n_cols = bad_r.sum(), bad_c.sum()
+    repaired = ~row_flags().any() & ((n_rows <= R) | (n_cols == 1))
     records = []
-    for bad_cols, bad_groups in zip(
-        cols_bad.chunk(parts, -1), bad_rg.chunk(parts, -1), strict=True
-    ):
-        nr, nc = bad_groups.any(-1).sum(), bad_cols.sum()  # tokens, features of the flat GEMM
+    for p, cols in enumerate(bad_c.chunk(P)):
+        nr, nc = bad_rp[:, p].sum(), cols.sum()
         records.append(_record((nr + nc) > 0, repaired, nr, nc, kind))
-    return records, ProjectionRefs(col_ref, col_mag + col_tol, row_ref, row_mag + row_tol)
+    head_rows = x_sums.norms[..., None] * w_sums.group_norms + b_abs.view(
+        len(w_sums.group_norms), -1
+    ).sum(-1)
+    features = x_sums.norms.sum(1)[:, None] * w_sums.norms + L * b_abs
+    return records, ProjectionBounds(head_rows, features)
 
 
 # ------------------------------------------------------ heads: scores, probs, context
@@ -228,15 +255,23 @@ def _repair_heads_(
     take = head_bad.index_select(0, idx)
     t.data[b_idx, h_idx] = torch.where(take[:, None, None], new, old)
     # The pattern and kind of the first candidate: elements that moved beyond their row's tolerance.
-    tol0 = tol.view(B * H, -1).index_select(0, idx[:1])[0]  # (L,): rows of the first candidate
+    tol0 = tol.reshape(B * H, -1).index_select(0, idx[:1])[0]  # (L,): rows of the first candidate
     moved = ~((new[0].float() - old[0].float()).abs() <= tol0[:, None])  # (L, M)
     worst = moved.view(-1).to(torch.uint8).argmax().view(1)
     kind = classify(old[0].reshape(-1).index_select(0, worst)).long()[0]
-    ref_k = ref if isinstance(ref, float) else ref.view(B * H, -1).index_select(0, idx)  # (Kh, L)
-    ok = ~_bad(ref_k, new.sum(-1, dtype=torch.float32), tol.view(B * H, -1).index_select(0, idx))
+    ref_k = (
+        ref if isinstance(ref, float) else ref.reshape(B * H, -1).index_select(0, idx)
+    )  # (Kh, L)
+    ok = ~_bad(ref_k, new.sum(-1, dtype=torch.float32), tol.reshape(B * H, -1).index_select(0, idx))
     n_heads = head_bad.sum()
     repaired = (n_heads <= Kh) & (ok.all(-1) | ~take).all()
     return _record(n_heads > 0, repaired, moved.any(-1).sum(), moved.any(-2).sum(), kind)
+
+
+def _rowdot(x: Tensor, v: Tensor) -> Tensor:
+    """Every row of x (B, H, L, d) dotted with v (B, H, d): (B, H, L). Elementwise, so that the
+    head-strided views attention works on are read in place (a matmul would copy them)."""
+    return (x * v[:, :, None, :]).sum(-1)
 
 
 @torch.no_grad()
@@ -249,15 +284,22 @@ def scores_check_(
     recompute: Recompute,
     max_heads: int,
     scale: float = 1.0,
+    bounds: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """Check s = alpha q k^T (B, H, L, Lk) from q (B, H, L, d) and k (B, H, Lk, d), by rows."""
+    """Check s = alpha q k^T (B, H, L, Lk) from q (B, H, L, d) and k (B, H, Lk, d), by rows.
+
+    Reference: sum_j s_ij = alpha q_i . sum_j k_j. Magnitude: sum_j sum_f |q_if| |k_jf|, from
+    the operands, or bounded without touching them by ``bounds`` = (q_rows (B, H, L) >= sum_f
+    |q_if| per head, k_max (B, H) >= max_f sum_j |k_jf|), which the projections leave behind.
+    """
     d, Lk = q.shape[-1], k.shape[-2]
     with _no_autocast(s.device):
         q32, k32 = q.float(), k.float()
-        ref = (k32.sum(-2)[..., None, :] @ q32.mT).squeeze(
-            -2
-        ) * alpha  # (B,H,1,d) @ (B,H,d,L) -> (B,H,L)
-        mag = (k32.abs().sum(-2)[..., None, :] @ q32.abs().mT).squeeze(-2) * abs(alpha)
+        ref = _rowdot(q32, k32.sum(-2)) * alpha  # (B, H, L)
+        if bounds is None:
+            mag = _rowdot(q32.abs(), k32.abs().sum(-2)) * abs(alpha)
+        else:
+            mag = bounds[0] * bounds[1][..., None] * abs(alpha)
     rec = s.sum(-1, dtype=torch.float32)  # (B, H, L)
     tol = _factor(s, q, k, inner=d, length=Lk) * scale * mag + underflow_floor(s.dtype, length=Lk)
     return _repair_heads_(s, ref, tol, _bad(ref, rec, tol), recompute, max_heads)
@@ -281,18 +323,30 @@ def probs_check_(p: Tensor, *, recompute: Recompute, max_heads: int, scale: floa
 
 @torch.no_grad()
 def context_check_(
-    c: Tensor, p: Tensor, v: Tensor, *, recompute: Recompute, max_heads: int, scale: float = 1.0
+    c: Tensor,
+    p: Tensor,
+    v: Tensor,
+    *,
+    recompute: Recompute,
+    max_heads: int,
+    scale: float = 1.0,
+    v_rows: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """Check c = p v, (B, H, L, d) from probabilities p (B, H, L, Lk) and v (B, H, Lk, d), per row.
+    """Check c = p v, (B, H, L, d) from probabilities p (B, H, L, Lk) and v (B, H, Lk, d), by rows.
 
-    p is non-negative (softmax, then dropout's scaling), so it is its own magnitude: one pass
-    over p yields the reference and its bound together.
+    Reference: sum_f c_if = sum_j p_ij (sum_f v_jf); p is non-negative (softmax, then dropout's
+    scaling), so it is its own magnitude and one pass over p gives the reference and its bound.
+    ``v_rows`` = (sum_f v_jf, a bound on sum_f |v_jf|), both (B, H, Lk), when the V projection
+    check has them; otherwise they come from v.
     """
     Lk, d = v.shape[-2], v.shape[-1]
     with _no_autocast(c.device):
-        v32 = v.float()
-        sums = torch.stack([v32.sum(-1), v32.abs().sum(-1)], -2)  # (B, H, 2, Lk)
-        both = sums @ p.float().mT  # (B, H, 2, Lk) @ (B, H, Lk, L) -> (B, H, 2, L)
+        if v_rows is None:
+            v32 = v.float()
+            v_rows = (v32.sum(-1), v32.abs().sum(-1))
+        both = (
+            torch.stack(v_rows, -2) @ p.float().mT
+        )  # (B, H, 2, Lk) @ (B, H, Lk, L) -> (B, H, 2, L)
     ref, mag = both.unbind(-2)
     rec = c.sum(-1, dtype=torch.float32)
     tol = _factor(c, p, v, inner=Lk, length=d) * scale * mag + underflow_floor(c.dtype, length=d)

@@ -39,6 +39,41 @@ class CoreSpec:
     probs_to_value_dtype: bool = False  # GPT-2, GPT-Neo: probs.type(value.dtype)
     transpose_out: bool = True  # return (B, L, nh, d); False returns (B, nh, L, d)
     contiguous_out: bool = True
+    has_rope: bool = False  # rotary embeddings rotate Q and K between projection and scores
+    rope_scale: float | None = None  # their cos/sin scale, when known
+
+
+def _head_major(t: Tensor, n_rep: int) -> Tensor:
+    """(B, L, Hkv) per-token, per-head values -> (B, Hkv * n_rep, L), K/V heads repeated."""
+    t = t.transpose(1, 2)
+    return t.repeat_interleave(n_rep, dim=1) if n_rep > 1 else t
+
+
+def _passed_bounds(state: AttentionState | None, spec: CoreSpec, n_rep: int):
+    """The bounds the projection checks left (``mode="passing"``), in the core's layout.
+
+    Rotary embeddings mix feature pairs of a head: |rot(q)_f| <= s (|q_f| + |q_f'|), which at most
+    doubles (times the cos/sin scale s) a head's L1 norm of Q and the per-feature bound of K.
+    """
+    if state is None or state.config.mode != "passing":
+        return None, None
+    q_rows, k_feat = state.passing.pop("q_rows", None), state.passing.pop("k_features", None)
+    v_rows = state.passing.pop("v_rows", None)
+    scores_bounds = None
+    if (
+        q_rows is not None
+        and k_feat is not None
+        and (spec.rope_scale is not None or not spec.has_rope)
+    ):
+        rope = 1.0 if not spec.has_rope else 2.0 * spec.rope_scale
+        B = k_feat.shape[0]
+        n_kv = q_rows.shape[-1] // n_rep
+        k_max = k_feat.view(B, n_kv, -1).amax(-1)  # (B, Hkv)
+        k_max = k_max.repeat_interleave(n_rep, dim=1) if n_rep > 1 else k_max
+        scores_bounds = (q_rows.transpose(1, 2) * rope, k_max * rope)
+    if v_rows is not None:
+        v_rows = tuple(_head_major(t, n_rep) for t in v_rows)
+    return scores_bounds, v_rows
 
 
 def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -67,9 +102,11 @@ def attend(
     ``upcast_reordered`` is GPT-2's ``reorder_and_upcast_attn``: fp32 scores with the scaling
     folded into the GEMM.
     """
+    n_rep = module.num_key_value_groups if spec.repeat_kv else 1
+    scores_bounds, v_rows = _passed_bounds(state, spec, n_rep)
     if spec.repeat_kv:
-        key = _repeat_kv(key, module.num_key_value_groups)
-        value = _repeat_kv(value, module.num_key_value_groups)
+        key = _repeat_kv(key, n_rep)
+        value = _repeat_kv(value, n_rep)
     if spec.upcast_qk:
         query, key = query.to(torch.float32), key.to(torch.float32)
     B, H, L, d = query.shape
@@ -111,7 +148,14 @@ def attend(
         state.site("scores", scores)
         if state.checks("scores"):
             rec = scores_check_(
-                scores, query, key, alpha=alpha, recompute=scores_of, max_heads=heads, scale=scale
+                scores,
+                query,
+                key,
+                alpha=alpha,
+                recompute=scores_of,
+                max_heads=heads,
+                scale=scale,
+                bounds=scores_bounds,
             )
             state.record("scores", rec)
     probs = probs_of(scores)  # (B, nh, L, Lk)
@@ -137,6 +181,7 @@ def attend(
                 recompute=lambda b, h: torch.matmul(probs[b, h], value[b, h]),
                 max_heads=heads,
                 scale=scale,
+                v_rows=v_rows,
             )
             state.record("context", rec)
     if spec.transpose_out:

@@ -18,8 +18,6 @@ from attnchecker.attention.core import CoreSpec
 from attnchecker.models.interface import install_interface
 from attnchecker.models.registry import Adapter, AttentionBlock, ProjectionSpec, named, register
 
-SPEC = CoreSpec(repeat_kv=True, softmax_fp32=True)
-
 
 def _is_llama_attention(m: nn.Module) -> bool:
     return all(
@@ -34,6 +32,10 @@ class LlamaAdapter(Adapter):
     model_types = ("llama", "mistral", "qwen2")
 
     def blocks(self, model: nn.Module) -> list[AttentionBlock]:
+        rotary = [m for _, m in named(model, lambda m: hasattr(m, "inv_freq"))]
+        scales = {getattr(m, "attention_scaling", None) for m in rotary}
+        scale = scales.pop() if len(scales) == 1 else None  # unknown: bounds come from Q and K
+        spec = CoreSpec(repeat_kv=True, softmax_fp32=True, has_rope=True, rope_scale=scale)
         out = []
         for i, (name, m) in enumerate(named(model, _is_llama_attention)):
             layer = m.layer_idx if isinstance(getattr(m, "layer_idx", None), int) else i
@@ -45,7 +47,7 @@ class LlamaAdapter(Adapter):
                 ProjectionSpec(("v",), m.v_proj, nkv),
                 ProjectionSpec(("out",), m.o_proj, nh),
             )
-            out.append(AttentionBlock(name, layer, m, projections, SPEC))
+            out.append(AttentionBlock(name, layer, m, projections, spec))
         return out
 
     def install(self, model: nn.Module, blocks: list[AttentionBlock]) -> Callable[[], None]:

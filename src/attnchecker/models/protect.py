@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from attnchecker.attention.checks import Projection, projection_check_, weight_sums
+from attnchecker.attention.checks import Projection, input_sums, projection_check_, weight_sums
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.state import AttentionState, Clock
 from attnchecker.errors import ConfigError, NoMatchingModuleError
@@ -63,23 +63,46 @@ def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..
         if not checked:
             return
         proj = _projection(spec)
-        sums = weight_sums(proj, spec.groups, state.cache.get(key))
-        state.cache[key] = sums
-        records, refs = projection_check_(
+        w_sums = weight_sums(proj, spec.groups, len(spec.sites), state.cache.get(key))
+        x_sums = input_sums(x, state.cache.get("input"))  # shared by projections of one input
+        state.cache[key], state.cache["input"] = w_sums, x_sums
+        records, bounds = projection_check_(
             y,
             x,
             proj,
-            sums,
+            w_sums,
+            x_sums,
             max_rows=state.config.max_rows,
             parts=len(spec.sites),
             scale=state.config.tolerance_scale,
         )
-        state.passing[key] = refs
         for site, rec in zip(spec.sites, records, strict=True):
             if site in checked:
                 state.record(site, rec)
+        if state.config.mode == "passing":
+            _leave_bounds(state, spec, y, bounds)
 
     return hook
+
+
+def _leave_bounds(state: AttentionState, spec: ProjectionSpec, y: Tensor, bounds) -> None:
+    """Checksum passing: what the attention checks can take from this projection instead of
+    recomputing it from Q, K and V (magnitude bounds, and V's per-head row sums once V is
+    checked and repaired)."""
+    B, L, N = y.shape
+    P = len(spec.sites)
+    width, groups = N // P, spec.groups // P
+    for i, site in enumerate(spec.sites):
+        if not state.checks(site):
+            continue
+        heads = bounds.head_rows[..., i * groups : (i + 1) * groups]  # (B, L, G)
+        if site == "q":
+            state.passing["q_rows"] = heads
+        elif site == "k":
+            state.passing["k_features"] = bounds.features[:, i * width : (i + 1) * width]
+        elif site == "v":
+            part = y[..., i * width : (i + 1) * width].reshape(B, L, groups, -1)
+            state.passing["v_rows"] = (part.sum(-1, dtype=torch.float32), heads)
 
 
 def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHandle:

@@ -22,7 +22,13 @@ _SIZES = {  # hidden, layers, heads
 
 
 def family_config(
-    family: str, size: str = "tiny", *, vocab_size: int = 128, max_len: int = 64, **overrides: Any
+    family: str,
+    size: str = "tiny",
+    *,
+    layers: int | None = None,
+    vocab_size: int = 128,
+    max_len: int = 64,
+    **overrides: Any,
 ):
     """A transformers config for ``family`` at ``size`` (tiny, small, base = hidden 768)."""
     import transformers as tf
@@ -31,7 +37,8 @@ def family_config(
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     if size not in _SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(_SIZES)}")
-    hidden, layers, heads = _SIZES[size]
+    hidden, default_layers, heads = _SIZES[size]
+    layers = default_layers if layers is None else layers
     common: dict[str, Any] = {"vocab_size": vocab_size}
     if family in ("bert", "roberta"):
         cls = tf.BertConfig if family == "bert" else tf.RobertaConfig
@@ -57,7 +64,8 @@ def family_config(
             num_layers=layers,
             num_heads=heads,
             max_position_embeddings=max_len,
-            attention_types=[[["global", "local"], layers // 2]],
+            attention_types=[[["global", "local"], layers // 2]]
+            + ([[["global"], 1]] if layers % 2 else []),
             window_size=max(4, max_len // 8),
             **common,
         )
