@@ -15,7 +15,7 @@ computes (up to the rounding of a smaller GEMM):
 - scores, probabilities and context (B, nh, L, M): query rows are checked; up to ``max_heads``
   flagged (batch, head) matrices are recomputed, which repairs any pattern inside them.
 
-Each check returns an int64 record (:data:`~attnchecker.attention.state.RECORD_FIELDS`).
+Each check returns a float64 record (:data:`~attnchecker.attention.state.RECORD_FIELDS`).
 Repairs write through ``.data``: the repaired tensor may already be saved for backward (softmax
 saves its output), and the saved values must become the repaired ones without tripping
 autograd's version check.
@@ -30,7 +30,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnchecker.abft.eec import classify
 from attnchecker.abft.tolerance import magnitude_factor, underflow_floor, unit_roundoff
 
 __all__ = [
@@ -67,18 +66,12 @@ def _factor(out: Tensor, *operands: Tensor, inner: int, length: int) -> float:
 
 
 def _record(
-    detected: Tensor, repaired: Tensor, n_rows: Tensor, n_cols: Tensor, kind: Tensor
+    detected: Tensor, repaired: Tensor, n_rows: Tensor, n_cols: Tensor, value: Tensor
 ) -> Tensor:
-    corrected = detected & repaired
-    parts = [
-        detected,
-        corrected,
-        detected & ~corrected,
-        n_rows * detected,
-        n_cols * detected,
-        kind * detected,
-    ]
-    return torch.stack([p.long() for p in parts])
+    """The float64 record of one check (:data:`~attnchecker.attention.state.RECORD_FIELDS`); the
+    delivered value is kept raw and classified (INF, NaN, near-INF...) only when drained."""
+    parts = (detected, detected & repaired, n_rows, n_cols, value)
+    return torch.stack([t.to(torch.float64) for t in parts])
 
 
 # --------------------------------------------------------------------------------- projections
@@ -206,7 +199,7 @@ def projection_check_(
     bad_r = bad_rp.any(-1)  # (B*L,)
     bad_c = ~(y2.sum(0, dtype=torch.float32).abs() <= col_mag)  # (N,): NaN compares False
     t0, f0 = bad_r.to(torch.uint8).argmax(), bad_c.to(torch.uint8).argmax()  # first flagged
-    kind = classify(y2.view(-1).index_select(0, (t0 * N + f0).view(1))).long()[0]
+    value = y2.view(-1).index_select(0, (t0 * N + f0).view(1))[0]
 
     # Token rows: the first max_rows flagged ones (any rows when fewer are flagged).
     R = min(max_rows, B * L)
@@ -224,7 +217,7 @@ def projection_check_(
     records = []
     for p, cols in enumerate(bad_c.chunk(P)):
         nr, nc = bad_rp[:, p].sum(), cols.sum()
-        records.append(_record((nr + nc) > 0, repaired, nr, nc, kind))
+        records.append(_record((nr + nc) > 0, repaired, nr, nc, value))
     head_rows = x_sums.norms[..., None] * w_sums.group_norms + b_abs.view(
         len(w_sums.group_norms), -1
     ).sum(-1)
@@ -254,18 +247,18 @@ def _repair_heads_(
     new = recompute(b_idx, h_idx).to(t.dtype)
     take = head_bad.index_select(0, idx)
     t.data[b_idx, h_idx] = torch.where(take[:, None, None], new, old)
-    # The pattern and kind of the first candidate: elements that moved beyond their row's tolerance.
+    # The pattern of the first candidate: elements that moved beyond their row's tolerance.
     tol0 = tol.reshape(B * H, -1).index_select(0, idx[:1])[0]  # (L,): rows of the first candidate
     moved = ~((new[0].float() - old[0].float()).abs() <= tol0[:, None])  # (L, M)
     worst = moved.view(-1).to(torch.uint8).argmax().view(1)
-    kind = classify(old[0].reshape(-1).index_select(0, worst)).long()[0]
+    value = old[0].reshape(-1).index_select(0, worst)[0]
     ref_k = (
         ref if isinstance(ref, float) else ref.reshape(B * H, -1).index_select(0, idx)
     )  # (Kh, L)
     ok = ~_bad(ref_k, new.sum(-1, dtype=torch.float32), tol.reshape(B * H, -1).index_select(0, idx))
     n_heads = head_bad.sum()
     repaired = (n_heads <= Kh) & (ok.all(-1) | ~take).all()
-    return _record(n_heads > 0, repaired, moved.any(-1).sum(), moved.any(-2).sum(), kind)
+    return _record(n_heads > 0, repaired, moved.any(-1).sum(), moved.any(-2).sum(), value)
 
 
 def _rowdot(x: Tensor, v: Tensor) -> Tensor:

@@ -19,9 +19,10 @@ from attnchecker.attention.config import OPS, ABFTConfig
 
 __all__ = ["RECORD_FIELDS", "AttentionState", "Clock", "SiteCall", "SiteHook", "in_replay"]
 
-RECORD_FIELDS = ("detected", "corrected", "uncorrectable", "n_rows", "n_cols", "kind")
-"""The int64 vector one check appends: counts of flagged rows / columns of its unit (token rows
-and features for a projection, query rows and key columns of the worst head for attention)."""
+RECORD_FIELDS = ("detected", "corrected", "n_rows", "n_cols", "value")
+"""The float64 vector one check appends: flags, the counts of flagged rows / columns of its unit
+(tokens and features for a projection, query rows and key columns of the first flagged head for
+attention) and the delivered value at the first flagged position."""
 
 MAX_PENDING = 100_000
 
@@ -66,7 +67,7 @@ class AttentionState:
     pending: deque[tuple[int, str, bool, Tensor]] = field(
         default_factory=lambda: deque(maxlen=MAX_PENDING)
     )
-    totals: Tensor | None = None  # (len(OPS), 3) int64: detected, corrected, uncorrectable
+    totals: Tensor | None = None  # (len(OPS), 2) float64: detected, corrected
     cache: dict[str, Any] = field(default_factory=dict)  # weight-derived sums, keyed by site
     passing: dict[str, Any] = field(default_factory=dict)  # clean references for downstream checks
 
@@ -87,11 +88,11 @@ class AttentionState:
                     tensor.data.copy_(out)
 
     def record(self, op: str, rec: Tensor) -> None:
-        """Append one check's record (int64, :data:`RECORD_FIELDS`) and count it."""
+        """Append one check's record (float64, :data:`RECORD_FIELDS`) and count it."""
         replay = in_replay()
         self.pending.append((self.clock.step, op, replay, rec))
         if replay:
             return  # a checkpointing replay repeats a forward already counted
         if self.totals is None or self.totals.device != rec.device:
-            self.totals = torch.zeros(len(OPS), 3, dtype=torch.int64, device=rec.device)
-        self.totals[OPS.index(op)] += rec[:3]
+            self.totals = torch.zeros(len(OPS), 2, dtype=torch.float64, device=rec.device)
+        self.totals[OPS.index(op)] += rec[:2]

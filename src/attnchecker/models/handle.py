@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 
+from attnchecker.abft.eec import NEAR_INF
 from attnchecker.attention.config import OPS, ABFTConfig
 from attnchecker.attention.state import RECORD_FIELDS, AttentionState, Clock, SiteHook
 from attnchecker.errors import UncorrectableFaultError
@@ -49,7 +51,13 @@ class Event:
         return asdict(self)
 
 
-_KINDS = ("none", "+inf", "-inf", "nan", "near_inf", "finite")
+def kind_of(value: float) -> str:
+    """What a delivered value looked like: +inf, -inf, nan, near_inf (|x| >= 1e10) or finite."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "+inf" if value > 0 else "-inf"
+    return "near_inf" if abs(value) >= NEAR_INF else "finite"
 
 
 class _Detach:
@@ -113,9 +121,9 @@ class ProtectionHandle:
         totals = [s.totals for s in self._states.values() if s.totals is not None]
         out = {op: {"detected": 0, "corrected": 0, "uncorrectable": 0} for op in OPS}
         if totals:
-            summed = torch.stack([t.cpu() for t in totals]).sum(0).tolist()
-            for op, (det, cor, unc) in zip(OPS, summed, strict=True):
-                out[op] = {"detected": det, "corrected": cor, "uncorrectable": unc}
+            summed = torch.stack([t.cpu() for t in totals]).sum(0).long().tolist()
+            for op, (det, cor) in zip(OPS, summed, strict=True):
+                out[op] = {"detected": det, "corrected": cor, "uncorrectable": det - cor}
         return out
 
     def drain(self) -> list[Event]:
@@ -134,7 +142,8 @@ class ProtectionHandle:
             rec = dict(zip(RECORD_FIELDS, v, strict=True))
             if not rec["detected"]:
                 continue
-            pattern = pattern_of(rec["n_rows"], rec["n_cols"])
+            n_rows, n_cols = int(rec["n_rows"]), int(rec["n_cols"])
+            pattern = pattern_of(n_rows, n_cols)
             if not rec["corrected"]:
                 action = "uncorrectable"
             else:
@@ -146,10 +155,10 @@ class ProtectionHandle:
                     st.layer,
                     op,
                     pattern,
-                    _KINDS[rec["kind"]],
+                    kind_of(rec["value"]),
                     action,
-                    rec["n_rows"],
-                    rec["n_cols"],
+                    n_rows,
+                    n_cols,
                     replay,
                 )
             )
