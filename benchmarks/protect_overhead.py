@@ -62,38 +62,47 @@ def _capture(module, run):
     return seen["call"]
 
 
-def measure(family: str, layers: int, reps: int) -> dict[str, object]:
+def _breakdown(attn, args, kwargs, calls: int = 5) -> dict[str, float]:
+    """Mean ms per attention forward spent inside each check's profiler range."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            attn(*args, **kwargs)
+    out = {op: 0.0 for op in OPS}
+    for ev in prof.key_averages():
+        if ev.key.startswith("attnchecker."):
+            for op in ev.key.removeprefix("attnchecker.").split("+"):
+                out[op] += ev.cpu_time_total / 1e3 / calls / len(ev.key.split("+"))
+    return out
+
+
+def measure(family: str, layers: int, reps: int, mode: str) -> dict[str, object]:
     g = torch.Generator().manual_seed(0)
     plain = build(family, "base", task="cls", layers=layers, max_len=L)
     plain.train()
+    protected = copy.deepcopy(plain)
+    protect_(protected, ABFTConfig(mode=mode))
     inputs = _inputs(g)
-    variants = {"plain": plain}
-    for name, cfg in [("protected", ABFTConfig()), ("instrumented", ABFTConfig(ops=()))] + [
-        (f"only_{op}", ABFTConfig(ops=(op,))) for op in OPS
-    ]:
-        m = copy.deepcopy(plain)
-        protect_(m, cfg)
-        variants[name] = m
     # Training step: plain vs protected, alternated.
-    steps = alternate({k: _stepper(variants[k], inputs) for k in ("plain", "protected")}, reps, warmup=2)
+    steps = alternate({"plain": _stepper(plain, inputs), "protected": _stepper(protected, inputs)}, reps, warmup=2)
     step_ratio = statistics.median(p / q for p, q in zip(steps["protected"], steps["plain"], strict=True))
-    # Attention forward of layer 0, every variant alternated.
+    # Attention forward of layer 0 (projections, core, output projection), alternated.
     args, kwargs = _capture(_attention_module(plain, family), lambda: plain(**inputs))
-    attn = {k: _attention_module(m, family) for k, m in variants.items()}
-    fwd = alternate({k: (lambda a=a: a(*args, **kwargs)) for k, a in attn.items()}, reps * 3, warmup=3)
-    ratio = lambda k: statistics.median(p / q for p, q in zip(fwd[k], fwd["plain"], strict=True))  # noqa: E731
-    base = median_ms(fwd["instrumented"])
+    attn = {"plain": _attention_module(plain, family), "protected": _attention_module(protected, family)}
+    fwd = alternate({k: (lambda a=a: a(*args, **kwargs)) for k, a in attn.items()}, reps * 4, warmup=3)
+    ratio = statistics.median(p / q for p, q in zip(fwd["protected"], fwd["plain"], strict=True))
     return {
         "family": family,
         "layers": layers,
+        "mode": mode,
         "step_plain_ms": median_ms(steps["plain"]),
         "step_protected_ms": median_ms(steps["protected"]),
         "step_overhead": step_ratio - 1,
         "attn_plain_ms": median_ms(fwd["plain"]),
         "attn_protected_ms": median_ms(fwd["protected"]),
-        "attn_overhead": ratio("protected") - 1,
-        "instrumentation_ms": base - median_ms(fwd["plain"]),
-        "check_ms": {op: median_ms(fwd[f"only_{op}"]) - base for op in OPS},
+        "attn_overhead": ratio - 1,
+        "check_ms": _breakdown(attn["protected"], args, kwargs),
     }
 
 
@@ -106,25 +115,26 @@ def _markdown(rows: list[dict[str, object]], env: dict[str, object], reps: int) 
         f"L = {L}, fp32, train mode, sequence classification. Medians of alternated repetitions; "
         "overhead = median of per-pair (protected / plain) - 1. Nothing subtracted.",
         "",
-        "| family | layers | step plain ms | step protected ms | step overhead | attention fwd plain ms | protected ms | attention overhead |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | mode | layers | step plain ms | step protected ms | step overhead | attention fwd plain ms | protected ms | attention overhead |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['family']} | {r['layers']} | {r['step_plain_ms']:.1f} | {r['step_protected_ms']:.1f} | "
+            f"| {r['family']} | {r['mode']} | {r['layers']} | {r['step_plain_ms']:.1f} | {r['step_protected_ms']:.1f} | "
             f"{100 * r['step_overhead']:.1f}% | {r['attn_plain_ms']:.2f} | {r['attn_protected_ms']:.2f} | "
             f"{100 * r['attn_overhead']:.1f}% |"
         )
     lines += [
         "",
-        "Breakdown of one attention layer's forward (ms): the sites alone (instrumented, no checks), then each check alone.",
+        "Where the cost sits: ms of one attention layer's forward spent inside each check (profiler ranges, "
+        "mean of 5 calls; a fused Q|K|V check is split evenly).",
         "",
-        "| family | sites | " + " | ".join(OPS) + " |",
-        "|---|---|" + "---|" * len(OPS),
+        "| family | mode | " + " | ".join(OPS) + " | total |",
+        "|---|---|" + "---|" * (len(OPS) + 1),
     ]
     for r in rows:
         checks = " | ".join(f"{r['check_ms'][op]:.2f}" for op in OPS)
-        lines.append(f"| {r['family']} | {r['instrumentation_ms']:.2f} | {checks} |")
+        lines.append(f"| {r['family']} | {r['mode']} | {checks} | {sum(r['check_ms'].values()):.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -133,14 +143,15 @@ def main() -> None:
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--modes", nargs="+", default=["passing"], choices=["passing", "naive"])
     args = ap.parse_args()
     env = environment()
     rows = []
-    for fam in args.families:
-        r = measure(fam, args.layers, args.reps)
+    for fam, mode in [(f, m) for f in args.families for m in args.modes]:
+        r = measure(fam, args.layers, args.reps, mode)
         rows.append(r)
         print(
-            f"{fam:8s} step {r['step_plain_ms']:7.1f} -> {r['step_protected_ms']:7.1f} ms ({100 * r['step_overhead']:+.1f}%)  "
+            f"{fam:8s} {mode:7s} step {r['step_plain_ms']:7.1f} -> {r['step_protected_ms']:7.1f} ms ({100 * r['step_overhead']:+.1f}%)  "
             f"attention {r['attn_plain_ms']:6.2f} -> {r['attn_protected_ms']:6.2f} ms ({100 * r['attn_overhead']:+.1f}%)  "
             f"checks " + " ".join(f"{op}={v:.2f}" for op, v in r["check_ms"].items())
         )

@@ -111,13 +111,18 @@ class _Ident:
 
 
 class WeightSums(NamedTuple):
-    """Weight-derived sums, recomputed only when a parameter changes (their ``key``)."""
+    """Weight-derived sums, recomputed only when a parameter changes (their ``key``). A fused
+    projection has P equal parts (Q|K|V); G head groups split the outputs for the bounds."""
 
     key: tuple[object, ...]
-    row_sums: Tensor  # (K, P): W summed over each part's outputs (y row sums = x @ this + b)
-    norms: Tensor  # (N,): ||W_o||_2 of every output feature o
-    group_norms: Tensor  # (G,): sums of those norms over each head group of outputs
-    bias: Tensor  # (N,) fp32, zeros without bias
+    row_sums: tuple[Tensor, ...]  # P x (K,): W summed over a part's outputs
+    bias_parts: Tensor  # (P,): b summed over a part's outputs
+    norm_parts: Tensor  # (P,): sum of ||W_o||_2 over a part's outputs o
+    abs_bias_parts: Tensor  # (P,): sum of |b_o| over a part's outputs
+    norms: Tensor  # (N,): ||W_o||_2 of every output o
+    abs_bias: Tensor  # (N,)
+    head_norms: Tensor  # (G,): sum of ||W_o||_2 over a head group
+    head_abs_bias: Tensor  # (G,)
 
 
 def weight_sums(
@@ -128,18 +133,33 @@ def weight_sums(
     if cached is not None and cached.key == key:
         return cached
     with torch.no_grad(), _no_autocast(w.device):
+        N, K = w.shape
         w32 = w.float()
         norms = torch.linalg.vector_norm(w32, dim=1)  # (N,)
-        bias = torch.zeros(w.shape[0], device=w.device) if b is None else b.float()
-        row_sums = w32.view(parts, -1, w.shape[1]).sum(1).T.contiguous()  # (K, P)
-    return WeightSums(key, row_sums, norms, norms.view(n_groups, -1).sum(-1), bias)
+        bias = torch.zeros(N, device=w.device) if b is None else b.float()
+        row_sums = tuple(w32.view(parts, -1, K).sum(1))  # P x (K,)
+        by_part = lambda t: t.view(parts, -1).sum(-1)
+        by_head = lambda t: t.view(n_groups, -1).sum(-1)
+        return WeightSums(
+            key,
+            row_sums,
+            by_part(bias),
+            by_part(norms),
+            by_part(bias.abs()),
+            norms,
+            bias.abs(),
+            by_head(norms),
+            by_head(bias.abs()),
+        )
 
 
 class InputSums(NamedTuple):
     """What the checks need from a projection input x (B, L, K), shared by Q, K and V."""
 
     key: tuple[object, ...]
-    norms: Tensor  # (B, L): ||x_t||_2 of every token
+    norms: Tensor  # (B * L, 1): ||x_t||_2 of every token
+    sample_norms: Tensor  # (B, 1): summed over each sample's tokens
+    total_norm: Tensor  # (): summed over all tokens
 
 
 def input_sums(x: Tensor, cached: InputSums | None) -> InputSums:
@@ -147,7 +167,8 @@ def input_sums(x: Tensor, cached: InputSums | None) -> InputSums:
     if cached is not None and cached.key == key:
         return cached
     with torch.no_grad(), _no_autocast(x.device):
-        return InputSums(key, torch.linalg.vector_norm(x.float(), dim=-1))
+        norms = torch.linalg.vector_norm(x.float(), dim=-1)  # (B, L)
+        return InputSums(key, norms.view(-1, 1), norms.sum(1, keepdim=True), norms.sum())
 
 
 class ProjectionBounds(NamedTuple):
@@ -167,30 +188,26 @@ def projection_check_(
     x_sums: InputSums,
     *,
     max_rows: int,
-    parts: int = 1,
     scale: float = 1.0,
 ) -> tuple[list[Tensor], ProjectionBounds]:
     """Check y (B, L, N) = x (B, L, K) W^T + b and repair it in place; see the module docstring.
 
-    Rows: every token's sum over all N outputs against x_t . W^T 1 + sum(b), within the rounding
-    bound. Columns: a range check, no reference needed: a feature whose sum over all tokens
-    exceeds the bound on sum_t |y_to| holds an error that large (extreme errors: INF, NaN,
-    near-INF); it locates whole-column errors that flag every row. ``parts`` splits the
-    features into equal consecutive parts (a fused Q|K|V projection) that get a record each.
+    Rows: every token's sum over each part's outputs against x_t . (W^T 1) + sum(b), within the
+    rounding bound. Columns: a range check that needs no reference: a feature whose sum over
+    all tokens exceeds the bound on sum_t |y_to| holds an error that large (INF, NaN, near-INF);
+    it locates whole-column errors, which flag every row. Each of the P parts (Q|K|V of a fused
+    projection) gets its own record.
     """
     B, L, N = y.shape
-    K, P = x.shape[-1], parts
+    K, P = x.shape[-1], len(w_sums.row_sums)
     y2, x2 = y.data.view(B * L, N), x.reshape(B * L, K)
     with _no_autocast(y.device):
-        bias_p = w_sums.bias.view(P, -1).sum(-1)  # (P,)
-        row_ref = x2.float() @ w_sums.row_sums + bias_p  # (B*L, K) @ (K, P) -> (B*L, P)
-    b_abs = w_sums.bias.abs()
-    row_mag = x_sums.norms.view(-1, 1) * w_sums.norms.view(P, -1).sum(-1) + b_abs.view(P, -1).sum(
-        -1
-    )
-    col_mag = x_sums.norms.sum() * w_sums.norms + (B * L) * b_abs  # (N,)
-    row_tol = _factor(y, x, proj.weight, inner=K, length=N // P) * scale * row_mag  # (B*L, P)
+        x32 = x2.float()
+        row_ref = torch.stack([x32 @ r for r in w_sums.row_sums], -1) + w_sums.bias_parts  # (BL, P)
+    factor = _factor(y, x, proj.weight, inner=K, length=N // P) * scale
+    row_tol = (x_sums.norms * w_sums.norm_parts + w_sums.abs_bias_parts) * factor
     row_tol += underflow_floor(y.dtype, length=N // P)
+    col_mag = x_sums.total_norm * w_sums.norms + (B * L) * w_sums.abs_bias  # (N,)
 
     def row_flags() -> Tensor:  # (B*L, P)
         return _bad(row_ref, y2.view(B * L, P, N // P).sum(-1, dtype=torch.float32), row_tol)
@@ -198,17 +215,17 @@ def projection_check_(
     bad_rp = row_flags()
     bad_r = bad_rp.any(-1)  # (B*L,)
     bad_c = ~(y2.sum(0, dtype=torch.float32).abs() <= col_mag)  # (N,): NaN compares False
-    t0, f0 = bad_r.to(torch.uint8).argmax(), bad_c.to(torch.uint8).argmax()  # first flagged
-    value = y2.view(-1).index_select(0, (t0 * N + f0).view(1))[0]
+    bad_r8, bad_c8 = bad_r.to(torch.uint8), bad_c.to(torch.uint8)
+    value = y2.view(-1).index_select(0, (bad_r8.argmax() * N + bad_c8.argmax()).view(1))[0]
 
     # Token rows: the first max_rows flagged ones (any rows when fewer are flagged).
     R = min(max_rows, B * L)
-    rows = bad_r.to(torch.uint8).topk(R, sorted=False).indices  # (R,)
+    rows = bad_r8.topk(R, sorted=False).indices  # (R,)
     new_rows = proj.compute(x2.index_select(0, rows), None).to(y.dtype)  # (R, N)
     take = bad_r.index_select(0, rows)[:, None]
     y2.index_copy_(0, rows, torch.where(take, new_rows, y2.index_select(0, rows)))
     # One feature column over every token (the flattened GEMM's column): the first flagged.
-    f = f0.view(1)  # index tensors, never Python ints: converting one would synchronise
+    f = bad_c8.argmax().view(1)  # index tensors, never Python ints: those would synchronise
     new_col = proj.compute(x2, f).to(y.dtype)  # (B*L, 1)
     y2.index_copy_(1, f, torch.where(bad_c.index_select(0, f), new_col, y2.index_select(1, f)))
     # Repaired only if the rows now pass (they do not when x itself was bad: an upstream fault).
@@ -218,10 +235,8 @@ def projection_check_(
     for p, cols in enumerate(bad_c.chunk(P)):
         nr, nc = bad_rp[:, p].sum(), cols.sum()
         records.append(_record((nr + nc) > 0, repaired, nr, nc, value))
-    head_rows = x_sums.norms[..., None] * w_sums.group_norms + b_abs.view(
-        len(w_sums.group_norms), -1
-    ).sum(-1)
-    features = x_sums.norms.sum(1)[:, None] * w_sums.norms + L * b_abs
+    head_rows = x_sums.norms.view(B, L, 1) * w_sums.head_norms + w_sums.head_abs_bias
+    features = x_sums.sample_norms * w_sums.norms + L * w_sums.abs_bias
     return records, ProjectionBounds(head_rows, features)
 
 

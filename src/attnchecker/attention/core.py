@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from attnchecker.attention.checks import context_check_, probs_check_, scores_check_
 from attnchecker.attention.state import AttentionState
@@ -147,42 +148,45 @@ def attend(
     if state is not None:
         state.site("scores", scores)
         if state.checks("scores"):
-            rec = scores_check_(
-                scores,
-                query,
-                key,
-                alpha=alpha,
-                recompute=scores_of,
-                max_heads=heads,
-                scale=scale,
-                bounds=scores_bounds,
-            )
+            with record_function("attnchecker.scores"):
+                rec = scores_check_(
+                    scores,
+                    query,
+                    key,
+                    alpha=alpha,
+                    recompute=scores_of,
+                    max_heads=heads,
+                    scale=scale,
+                    bounds=scores_bounds,
+                )
             state.record("scores", rec)
     probs = probs_of(scores)  # (B, nh, L, Lk)
     if state is not None:
         state.site("probs", probs)
         if state.checks("probs"):
-            rec = probs_check_(
-                probs,
-                recompute=lambda b, h: probs_of(scores[b, h], b, h),
-                max_heads=heads,
-                scale=scale,
-            )
+            with record_function("attnchecker.probs"):
+                rec = probs_check_(
+                    probs,
+                    recompute=lambda b, h: probs_of(scores[b, h], b, h),
+                    max_heads=heads,
+                    scale=scale,
+                )
             state.record("probs", rec)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     context = torch.matmul(probs, value)  # (B, nh, L, d)
     if state is not None:
         state.site("context", context)
         if state.checks("context"):
-            rec = context_check_(
-                context,
-                probs,
-                value,
-                recompute=lambda b, h: torch.matmul(probs[b, h], value[b, h]),
-                max_heads=heads,
-                scale=scale,
-                v_rows=v_rows,
-            )
+            with record_function("attnchecker.context"):
+                rec = context_check_(
+                    context,
+                    probs,
+                    value,
+                    recompute=lambda b, h: torch.matmul(probs[b, h], value[b, h]),
+                    max_heads=heads,
+                    scale=scale,
+                    v_rows=v_rows,
+                )
             state.record("context", rec)
     if spec.transpose_out:
         context = context.transpose(1, 2)

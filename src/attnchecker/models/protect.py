@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.profiler import record_function
 
 from attnchecker.attention.checks import Projection, input_sums, projection_check_, weight_sums
 from attnchecker.attention.config import ABFTConfig
@@ -51,7 +52,7 @@ def _projection(spec: ProjectionSpec) -> Projection:
 
 def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..., None]:
     checked = [s for s in spec.sites if state.checks(s)]
-    key = spec.sites[0]
+    label = f"attnchecker.{'+'.join(checked)}"  # a profiler range per check, for benchmarks
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
         x = args[0]
@@ -60,29 +61,33 @@ def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..
         width = y.shape[-1] // len(spec.sites)
         for i, site in enumerate(spec.sites):
             state.site(site, y[..., i * width : (i + 1) * width])
-        if not checked:
-            return
-        proj = _projection(spec)
-        w_sums = weight_sums(proj, spec.groups, len(spec.sites), state.cache.get(key))
-        x_sums = input_sums(x, state.cache.get("input"))  # shared by projections of one input
-        state.cache[key], state.cache["input"] = w_sums, x_sums
-        records, bounds = projection_check_(
-            y,
-            x,
-            proj,
-            w_sums,
-            x_sums,
-            max_rows=state.config.max_rows,
-            parts=len(spec.sites),
-            scale=state.config.tolerance_scale,
-        )
-        for site, rec in zip(spec.sites, records, strict=True):
-            if site in checked:
-                state.record(site, rec)
-        if state.config.mode == "passing":
-            _leave_bounds(state, spec, y, bounds)
+        if checked:
+            with record_function(label):
+                _check_projection(state, spec, x, y)
 
     return hook
+
+
+def _check_projection(state: AttentionState, spec: ProjectionSpec, x: Tensor, y: Tensor) -> None:
+    key = spec.sites[0]
+    proj = _projection(spec)
+    w_sums = weight_sums(proj, spec.groups, len(spec.sites), state.cache.get(key))
+    x_sums = input_sums(x, state.cache.get("input"))  # shared by the projections of one input
+    state.cache[key], state.cache["input"] = w_sums, x_sums
+    records, bounds = projection_check_(
+        y,
+        x,
+        proj,
+        w_sums,
+        x_sums,
+        max_rows=state.config.max_rows,
+        scale=state.config.tolerance_scale,
+    )
+    for site, rec in zip(spec.sites, records, strict=True):
+        if state.checks(site):
+            state.record(site, rec)
+    if state.config.mode == "passing":
+        _leave_bounds(state, spec, y, bounds)
 
 
 def _leave_bounds(state: AttentionState, spec: ProjectionSpec, y: Tensor, bounds) -> None:
