@@ -35,6 +35,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/abft_overhead.py
 	$(BIN)/python benchmarks/detection_threshold.py
+	$(BIN)/python benchmarks/protect_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

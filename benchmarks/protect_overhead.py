@@ -80,6 +80,7 @@ def _breakdown(attn, args, kwargs, calls: int = 5) -> dict[str, float]:
 def measure(family: str, layers: int, reps: int, mode: str) -> dict[str, object]:
     g = torch.Generator().manual_seed(0)
     plain = build(family, "base", task="cls", layers=layers, max_len=L)
+    plain.config.use_cache = False  # the captured attention call must not grow a KV cache
     plain.train()
     protected = copy.deepcopy(plain)
     protect_(protected, ABFTConfig(mode=mode))

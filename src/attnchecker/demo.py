@@ -18,6 +18,7 @@ from rich.table import Table
 from torch import Tensor
 
 from attnchecker.abft import Pattern, ValueKind, protected_matmul
+from attnchecker.attention.state import SiteCall
 from attnchecker.inject import exponent_flip
 
 __all__ = ["run_math_demo"]
@@ -145,3 +146,99 @@ def _gradient_check(q: Tensor, k: Tensor, console: Console) -> dict[str, object]
         "loss_fault_free": l0.item(),
         "max_grad_diff": diff,
     }
+
+
+_MODEL_FAULTS = (
+    ("INF in one score", "scores", lambda t: t[0, 1, 5, 3].fill_(float("inf"))),
+    ("NaN across a K row", "k", lambda t: t[1, 7].fill_(float("nan"))),
+    ("1e10 down a context column", "context", lambda t: t[0, 2, :, 4].fill_(1e10)),
+    (
+        "exponent flip in the output projection",
+        "out",
+        lambda t: t[1, 3, 9].copy_(exponent_flip(t[1, 3, 9])),
+    ),
+    (
+        "2D block of NaN in the probabilities",
+        "probs",
+        lambda t: t[1, 0, 2:6, 1:5].fill_(float("nan")),
+    ),
+)
+
+
+def run_model_demo(
+    console: Console | None = None, family: str = "gpt2", seed: int = 0
+) -> list[dict[str, object]]:
+    """One AdamW training step of a small model per fault, unprotected and protected, against
+    the fault-free step; prints a table and returns one record per fault."""
+    import copy
+
+    from attnchecker import ABFTConfig, protect_
+    from attnchecker.models.tiny import build
+
+    console = console or Console(width=max(Console().width, 132))
+    torch.manual_seed(seed)
+    base = build(family, "small", max_len=64, seed=seed)
+    base.train()
+    ids = torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(seed))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def step(model: torch.nn.Module) -> tuple[float, dict[str, Tensor], dict[str, Tensor]]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        torch.manual_seed(seed + 1)
+        loss = model(**inputs).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        return loss.item(), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+        return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+    loss0, grads0, params0 = step(copy.deepcopy(base))
+    console.print(
+        f"\n[bold]protect_(model)[/]: one training step of a {family} model (hidden 256, 4 layers) "
+        f"per fault, landing in layer 0; fault-free loss {loss0:.6f}."
+    )
+    table = Table()
+    cols = ("fault", "site", "unprotected loss", "protected loss", "|grad diff|", "|param diff|")
+    for col in (*cols, "events"):
+        table.add_column(
+            col, justify="left" if col in ("fault", "events") else "right", no_wrap=True
+        )
+    records = []
+    for name, site, edit in _MODEL_FAULTS:
+        row: dict[str, object] = {"fault": name, "site": site}
+        for arm, config in (("unprotected", ABFTConfig(ops=())), ("protected", ABFTConfig())):
+            model = copy.deepcopy(base)
+            handle = protect_(model, config)
+
+            def fault(c: SiteCall, site: str = site, edit: Callable = edit) -> None:
+                if c.site == site and c.layer == 0:
+                    edit(c.tensor)
+
+            handle.attach(fault)
+            loss, grads, params = step(model)
+            row[f"{arm}_loss"] = loss
+            row[f"{arm}_grad_diff"] = diff(grads, grads0)
+            row[f"{arm}_param_diff"] = diff(params, params0)
+            row[f"{arm}_events"] = [
+                f"{e.op} {e.pattern} {e.kind} {e.action}" for e in handle.drain()
+            ]
+        records.append(row)
+        table.add_row(
+            name,
+            site,
+            f"{row['unprotected_loss']:.6f}",
+            f"{row['protected_loss']:.6f}",
+            f"{row['protected_grad_diff']:.1e}",
+            f"{row['protected_param_diff']:.1e}",
+            "; ".join(row["protected_events"]),
+        )
+    console.print(table)
+    console.print(
+        "Unprotected, every fault reaches the loss or the weights. Protected, the loss equals "
+        "the fault-free one and gradients agree to rounding (a repaired value comes from a "
+        "smaller GEMM, which sums in another order); AdamW's first step divides by |grad|, "
+        "which can magnify that rounding on near-zero gradients to ~1e-4 in the parameters."
+    )
+    return records

@@ -69,3 +69,35 @@ def test_classification_heads_work():
         inputs = batch(family)
         inputs["labels"] = torch.tensor([0, 1])
         assert torch.isfinite(model(**inputs).loss)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"scale_attn_by_inverse_layer_idx": True},
+        {"reorder_and_upcast_attn": True},
+        {"scale_attn_weights": False},
+    ],
+)
+def test_gpt2_scale_options(options):
+    """GPT-2's scaling options, including the fp32 reordered path, are reproduced exactly, and a
+    fault under them is still corrected."""
+    protected, plain = models("gpt2", **options)
+    inputs = batch("gpt2")
+    handle = protect_(protected)
+    got, want = train_step(protected, inputs), train_step(plain, inputs)
+    assert torch.equal(got[0], want[0]) and max_diff(got[1], want[1]) == 0.0
+
+    faulty, ref = models("gpt2", **options)
+    h = protect_(faulty)
+    h.attach(
+        lambda c: (
+            c.tensor[1, 2, 4, 1].fill_(float("nan"))
+            if c.site == "scores" and c.layer == 1
+            else None
+        )
+    )
+    got, want = train_step(faulty, inputs), train_step(ref, inputs)
+    assert torch.allclose(got[0], want[0], rtol=1e-6) and max_diff(got[1], want[1]) <= 1e-5
+    assert [e.action for e in h.drain()] == ["corrected"]
+    assert handle.drain() == []

@@ -52,3 +52,16 @@ def test_demo_corrects_every_correctable_scenario(capsys):
 
 def test_cli_demo_exit_code():
     assert cli.main(["demo", "--seed", "1"]) == 0
+
+
+def test_model_demo_shows_unprotected_failing_and_protected_exact():
+    from attnchecker.demo import run_model_demo
+
+    records = run_model_demo(family="llama")
+    assert len(records) == 5
+    for r in records:
+        assert r["unprotected_param_diff"] > 1e-3 or r["unprotected_loss"] != r["unprotected_loss"]
+        assert r["protected_grad_diff"] < 1e-5
+        assert r["protected_events"] and all(
+            "uncorrectable" not in e for e in r["protected_events"]
+        )
