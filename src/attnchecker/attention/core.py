@@ -16,6 +16,7 @@ checksum passing from the projection input X to Q and K, so the check takes Q an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,19 @@ def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x[:, :, None].expand(B, nkv, n_rep, L, d).reshape(B, nkv * n_rep, L, d)
 
 
+def _site_and_check(
+    state: AttentionState | None, op: str, tensor: Tensor, check: Callable[[], Tensor]
+) -> None:
+    """Run the site's hooks on ``tensor``, then its check (in a profiler range) if enabled."""
+    if state is None:
+        return
+    state.site(op, tensor)
+    if state.checks(op):
+        with record_function(f"attnchecker.{op}"):
+            rec = check()
+        state.record(op, rec)
+
+
 def attend(
     module: nn.Module,
     spec: CoreSpec,
@@ -145,49 +159,29 @@ def attend(
         return p.type(value.dtype) if spec.probs_to_value_dtype else p
 
     scores = scores_of()  # (B, nh, L, Lk)
-    if state is not None:
-        state.site("scores", scores)
-        if state.checks("scores"):
-            with record_function("attnchecker.scores"):
-                rec = scores_check_(
-                    scores,
-                    query,
-                    key,
-                    alpha=alpha,
-                    recompute=scores_of,
-                    max_heads=heads,
-                    scale=scale,
-                    bounds=scores_bounds,
-                )
-            state.record("scores", rec)
+    _site_and_check(
+        state, "scores", scores,
+        lambda: scores_check_(
+            scores, query, key, alpha=alpha, recompute=scores_of, max_heads=heads, scale=scale,
+            bounds=scores_bounds,
+        ),
+    )  # fmt: skip
     probs = probs_of(scores)  # (B, nh, L, Lk)
-    if state is not None:
-        state.site("probs", probs)
-        if state.checks("probs"):
-            with record_function("attnchecker.probs"):
-                rec = probs_check_(
-                    probs,
-                    recompute=lambda b, h: probs_of(scores[b, h], b, h),
-                    max_heads=heads,
-                    scale=scale,
-                )
-            state.record("probs", rec)
+    _site_and_check(
+        state, "probs", probs,
+        lambda: probs_check_(
+            probs, recompute=lambda b, h: probs_of(scores[b, h], b, h), max_heads=heads, scale=scale
+        ),
+    )  # fmt: skip
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     context = torch.matmul(probs, value)  # (B, nh, L, d)
-    if state is not None:
-        state.site("context", context)
-        if state.checks("context"):
-            with record_function("attnchecker.context"):
-                rec = context_check_(
-                    context,
-                    probs,
-                    value,
-                    recompute=lambda b, h: torch.matmul(probs[b, h], value[b, h]),
-                    max_heads=heads,
-                    scale=scale,
-                    v_rows=v_rows,
-                )
-            state.record("context", rec)
+    _site_and_check(
+        state, "context", context,
+        lambda: context_check_(
+            context, probs, value, recompute=lambda b, h: torch.matmul(probs[b, h], value[b, h]),
+            max_heads=heads, scale=scale, v_rows=v_rows,
+        ),
+    )  # fmt: skip
     if spec.transpose_out:
         context = context.transpose(1, 2)
         if spec.contiguous_out:

@@ -12,12 +12,18 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from attnchecker.attention.core import CoreSpec, attend
-from attnchecker.models.registry import Adapter, AttentionBlock, ProjectionSpec, named, register
+from attnchecker.models.registry import (
+    CORE,
+    Adapter,
+    AttentionBlock,
+    ProjectionSpec,
+    named,
+    register,
+)
 
 SPEC = CoreSpec(
     upcast_qk=True, scale=False, causal_bias=True, probs_to_value_dtype=True, transpose_out=False
 )
-CORE = "_attnchecker_core"
 
 
 def _is_gpt_neo_attention(m: nn.Module) -> bool:

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from attnchecker.attention.core import attend
+from attnchecker.models.registry import CORE
 
 __all__ = ["NAME", "install_interface"]
 
 NAME = "attnchecker"
-CORE = "_attnchecker_core"
 
 
 def _attention(

@@ -20,12 +20,11 @@ from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.state import AttentionState, Clock
 from attnchecker.errors import ConfigError, NoMatchingModuleError
 from attnchecker.models.handle import ProtectionHandle
-from attnchecker.models.registry import ProjectionSpec, adapter_for
+from attnchecker.models.registry import CORE, ProjectionSpec, adapter_for
 
 __all__ = ["protect_", "unprotect_"]
 
 _HANDLE = "_attnchecker_handle"
-CORE = "_attnchecker_core"
 
 
 def _projection(spec: ProjectionSpec) -> Projection:

@@ -17,7 +17,18 @@ from torch import nn
 from attnchecker.attention.core import CoreSpec
 from attnchecker.errors import UnsupportedModelError
 
-__all__ = ["REGISTRY", "Adapter", "AttentionBlock", "ProjectionSpec", "adapter_for", "register"]
+__all__ = [
+    "CORE",
+    "REGISTRY",
+    "Adapter",
+    "AttentionBlock",
+    "ProjectionSpec",
+    "adapter_for",
+    "register",
+]
+
+CORE = "_attnchecker_core"
+"""Attribute that carries (CoreSpec, AttentionState | None) on every attention core module."""
 
 
 @dataclass(frozen=True)
