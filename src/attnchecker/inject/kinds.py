@@ -1,4 +1,4 @@
-"""Bit-level edits of floating-point tensors (pure functions, no state).
+"""Fault kinds: pure edits of the elements of a tensor selected by an index (no state).
 
 The reference fault of the published ATTNChecker study flips one exponent bit of an fp32 GEMM
 output: bit 30 (the top exponent bit) if |x| < 2, else bit 29. For |x| < 1 this multiplies x by
@@ -9,10 +9,12 @@ bits 14 / 13, factors 2^16 and 2^8).
 
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch import Tensor
 
-__all__ = ["exponent_flip", "exponent_flip_bit", "flip_bit"]
+__all__ = ["FaultKind", "apply_kind", "exponent_flip", "exponent_flip_bit", "flip_bit"]
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 _TOP_EXPONENT_BIT = {torch.float32: 30, torch.bfloat16: 14, torch.float16: 14}
@@ -45,3 +47,64 @@ def exponent_flip_bit(x: Tensor) -> Tensor:
 def exponent_flip(x: Tensor) -> Tensor:
     """A copy of ``x`` with the reference exponent bit of every element flipped."""
     return flip_bit(x, exponent_flip_bit(x))
+
+
+class FaultKind(enum.StrEnum):
+    """What a fault does to each selected element."""
+
+    BIT_FLIP = "bit_flip"  # flip bit ``bit``
+    EXPONENT_FLIP = "exponent_flip"  # the reference rule above
+    INF = "inf"
+    NEG_INF = "-inf"
+    NAN = "nan"
+    NEAR_INF = "near_inf"  # set to ``value`` (1e10 by default; saturates to INF in fp16)
+    SCALE = "scale"  # multiply by ``value``
+    RANDOM = "random"  # a random finite value, log-uniform in magnitude in [1, ``value``]
+
+
+def _edited(
+    kind: FaultKind,
+    old: Tensor,
+    *,
+    bit: int | None,
+    value: float | None,
+    generator: torch.Generator | None,
+) -> Tensor:
+    if kind is FaultKind.BIT_FLIP:
+        if bit is None:
+            raise ValueError("a bit_flip fault needs bit=")
+        return flip_bit(old, bit)
+    if kind is FaultKind.EXPONENT_FLIP:
+        return exponent_flip(old)
+    if kind is FaultKind.SCALE:
+        return old * (2.0 if value is None else value)
+    if kind is FaultKind.RANDOM:
+        top = 1e8 if value is None else value
+        u = torch.rand(old.shape, generator=generator, dtype=torch.float64)
+        sign = torch.where(torch.rand(old.shape, generator=generator) < 0.5, -1.0, 1.0)
+        return (sign * top**u).to(old.dtype).to(old.device)
+    fill = {
+        FaultKind.INF: float("inf"),
+        FaultKind.NEG_INF: float("-inf"),
+        FaultKind.NAN: float("nan"),
+    }
+    v = fill.get(kind, 1e10 if value is None else value)
+    return torch.full(old.shape, v, dtype=torch.float32, device=old.device).to(old.dtype)
+
+
+def apply_kind(
+    kind: FaultKind | str,
+    t: Tensor,
+    index: tuple | Tensor,
+    *,
+    bit: int | None = None,
+    value: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Edit ``t[index]`` in place as ``kind`` says; return (old values, new values)."""
+    kind = FaultKind(kind)
+    with torch.no_grad():
+        old = t[index].clone()
+        new = _edited(kind, old, bit=bit, value=value, generator=generator)
+        t[index] = new
+    return old, new

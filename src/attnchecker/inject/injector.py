@@ -1,0 +1,183 @@
+"""``Injector(model, plan)``: put a plan's faults into a model while it trains, then leave no trace.
+
+Attention sites go through the named sites of protected attention: on a protected model the
+faults land between each operation and its check; on a plain model the injector instruments it
+(``protect_`` with no checks) for the duration, so protected and unprotected runs meet the very
+same faults. Module outputs, gradients and optimizer state are reached with ordinary hooks.
+Every fault fires at most once, never during a gradient-checkpointing replay, and every hook is
+removed on exit, even when the body raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from attnchecker.attention.config import ABFTConfig
+from attnchecker.attention.state import SiteCall, in_replay
+from attnchecker.errors import ConfigError
+from attnchecker.inject.kinds import apply_kind
+from attnchecker.inject.plan import Fault, FaultPlan
+
+__all__ = ["FaultRecord", "Injector"]
+
+_SHOWN = 16  # values kept per record
+
+
+@dataclass(frozen=True)
+class FaultRecord:
+    """One fired fault: where, when, and the values before and after (the first 16)."""
+
+    fault: int  # index in the plan
+    site: str
+    layer: int | None
+    step: int
+    index: str
+    n_elements: int
+    old: list[float]
+    new: list[float]
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _first_tensor(output: object) -> Tensor | None:
+    if isinstance(output, Tensor):
+        return output
+    values = (
+        output.values()
+        if isinstance(output, dict)
+        else output
+        if isinstance(output, tuple | list)
+        else ()
+    )
+    return next((v for v in values if isinstance(v, Tensor)), None)
+
+
+class Injector:
+    """Context manager that fires ``plan``'s faults in ``model`` (and ``optimizer`` for
+    ``optim:`` sites). ``records`` lists the fired faults, ``unfired`` the others."""
+
+    def __init__(
+        self, model: nn.Module, plan: FaultPlan, *, optimizer: torch.optim.Optimizer | None = None
+    ):
+        self.model, self.plan, self.optimizer = model, plan, optimizer
+        self.records: list[FaultRecord] = []
+        self.step = 0
+        self._fired: set[int] = set()
+        self._undo: list[Callable[[], None]] = []
+
+    @property
+    def unfired(self) -> list[Fault]:
+        return [f for i, f in enumerate(self.plan.faults) if i not in self._fired]
+
+    def __enter__(self) -> Injector:
+        try:
+            self._install()
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _install(self) -> None:
+        from attnchecker.models.protect import protect_, unprotect_
+
+        def tick(*_: object) -> None:
+            self.step += 1
+
+        self._undo.append(self.model.register_forward_pre_hook(tick).remove)
+        faults = list(enumerate(self.plan.faults))
+        if any(f.family == "attention" for _, f in faults):
+            handle = getattr(self.model, "_attnchecker_handle", None)
+            if handle is None:
+                handle = protect_(self.model, ABFTConfig(ops=()))
+                self._undo.append(lambda: unprotect_(self.model))
+            self._undo.append(handle.attach(self._on_site).remove)
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names too
+        for i, f in faults:
+            if f.family == "module":
+                module = self.model.get_submodule(f.site.split(":", 1)[1])
+                self._undo.append(module.register_forward_hook(partial(self._on_module, i)).remove)
+            elif f.family == "grad":
+                name = f.site.split(":", 1)[1]
+                if name not in params:
+                    raise ConfigError(f"no parameter {name!r} in the model")
+                self._undo.append(params[name].register_hook(partial(self._on_grad, i)).remove)
+            elif f.family == "optim":
+                if self.optimizer is None:
+                    raise ConfigError(f"fault at {f.site!r} needs Injector(..., optimizer=...)")
+                name, key = f.site.split(":", 2)[1:]
+                if name not in params:
+                    raise ConfigError(f"no parameter {name!r} in the model")
+                hook = partial(self._on_optimizer, i, params[name], key)
+                self._undo.append(self.optimizer.register_step_post_hook(hook).remove)
+
+    def _due(self, i: int, fault: Fault) -> bool:
+        return i not in self._fired and fault.step == self.step and not in_replay()
+
+    def _fire(self, i: int, t: Tensor, layer: int | None) -> None:
+        fault = self.plan.faults[i]
+        index = fault.index(t.shape, self.plan.generator(i))
+        old, new = apply_kind(
+            fault.kind, t, index, bit=fault.bit, value=fault.value, generator=self.plan.generator(i)
+        )
+        self._fired.add(i)
+        flat_old, flat_new = old.reshape(-1), new.reshape(-1)
+        self.records.append(
+            FaultRecord(
+                i, fault.site, layer, self.step, _describe(index), flat_old.numel(),
+                flat_old[:_SHOWN].double().tolist(), flat_new[:_SHOWN].double().tolist(),
+            )
+        )  # fmt: skip
+
+    def _on_site(self, call: SiteCall) -> None:
+        for i, f in enumerate(self.plan.faults):
+            if (
+                f.family == "attention"
+                and f.site == call.site
+                and f.layer == call.layer
+                and self._due(i, f)
+            ):
+                self._fire(i, call.tensor, call.layer)
+
+    def _on_module(self, i: int, module: nn.Module, args: object, output: object) -> None:
+        t = _first_tensor(output)
+        if t is not None and self._due(i, self.plan.faults[i]):
+            self._fire(i, t.data, None)
+
+    def _on_grad(self, i: int, grad: Tensor) -> Tensor | None:
+        # Backward runs inside an autograd node: check the step only (no replay test).
+        fault = self.plan.faults[i]
+        if i in self._fired or fault.step != self.step:
+            return None
+        grad = grad.clone()
+        self._fire(i, grad, None)
+        return grad
+
+    def _on_optimizer(self, i: int, param: Tensor, key: str, *_: object) -> None:
+        fault = self.plan.faults[i]
+        state = self.optimizer.state.get(param, {})
+        if i not in self._fired and fault.step == self.step and isinstance(state.get(key), Tensor):
+            self._fire(i, state[key].data, None)
+
+
+def _describe(index: tuple) -> str:
+    def one(x: object) -> str:
+        if isinstance(x, slice):
+            return ":" if x.start is None and x.stop is None else f"{x.start}:{x.stop}"
+        if isinstance(x, Tensor):
+            return "[" + ",".join(str(v) for v in x.tolist()) + "]"
+        return str(x)
+
+    return "(" + ", ".join(one(x) for x in index) + ")"
