@@ -28,7 +28,11 @@ B, L = 8, 128
 
 def _inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
     ids = torch.randint(3, 128, (B, L), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones(B, L, dtype=torch.long), "labels": ids[:, 0] % 2}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(B, L, dtype=torch.long),
+        "labels": ids[:, 0] % 2,
+    }
 
 
 def _stepper(model, inputs):
@@ -44,8 +48,16 @@ def _stepper(model, inputs):
 
 def _attention_module(model, family):
     """The module that runs one whole attention layer (projections, core, output projection)."""
-    names = {"bert": "attention", "roberta": "attention", "gpt2": "attn", "gpt_neo": "attn", "llama": "self_attn"}
-    layer0 = next(m for n, m in model.named_modules() if n.endswith(".0") and hasattr(m, names[family]))
+    names = {
+        "bert": "attention",
+        "roberta": "attention",
+        "gpt2": "attn",
+        "gpt_neo": "attn",
+        "llama": "self_attn",
+    }
+    layer0 = next(
+        m for n, m in model.named_modules() if n.endswith(".0") and hasattr(m, names[family])
+    )
     return getattr(layer0, names[family])
 
 
@@ -86,12 +98,21 @@ def measure(family: str, layers: int, reps: int, mode: str) -> dict[str, object]
     protect_(protected, ABFTConfig(mode=mode))
     inputs = _inputs(g)
     # Training step: plain vs protected, alternated.
-    steps = alternate({"plain": _stepper(plain, inputs), "protected": _stepper(protected, inputs)}, reps, warmup=2)
-    step_ratio = statistics.median(p / q for p, q in zip(steps["protected"], steps["plain"], strict=True))
+    steps = alternate(
+        {"plain": _stepper(plain, inputs), "protected": _stepper(protected, inputs)}, reps, warmup=2
+    )
+    step_ratio = statistics.median(
+        p / q for p, q in zip(steps["protected"], steps["plain"], strict=True)
+    )
     # Attention forward of layer 0 (projections, core, output projection), alternated.
     args, kwargs = _capture(_attention_module(plain, family), lambda: plain(**inputs))
-    attn = {"plain": _attention_module(plain, family), "protected": _attention_module(protected, family)}
-    fwd = alternate({k: (lambda a=a: a(*args, **kwargs)) for k, a in attn.items()}, reps * 4, warmup=3)
+    attn = {
+        "plain": _attention_module(plain, family),
+        "protected": _attention_module(protected, family),
+    }
+    fwd = alternate(
+        {k: (lambda a=a: a(*args, **kwargs)) for k, a in attn.items()}, reps * 4, warmup=3
+    )
     ratio = statistics.median(p / q for p, q in zip(fwd["protected"], fwd["plain"], strict=True))
     return {
         "family": family,
@@ -135,7 +156,9 @@ def _markdown(rows: list[dict[str, object]], env: dict[str, object], reps: int) 
     ]
     for r in rows:
         checks = " | ".join(f"{r['check_ms'][op]:.2f}" for op in OPS)
-        lines.append(f"| {r['family']} | {r['mode']} | {checks} | {sum(r['check_ms'].values()):.2f} |")
+        lines.append(
+            f"| {r['family']} | {r['mode']} | {checks} | {sum(r['check_ms'].values()):.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -156,7 +179,11 @@ def main() -> None:
             f"attention {r['attn_plain_ms']:6.2f} -> {r['attn_protected_ms']:6.2f} ms ({100 * r['attn_overhead']:+.1f}%)  "
             f"checks " + " ".join(f"{op}={v:.2f}" for op, v in r["check_ms"].items())
         )
-    stem = write("protect_overhead", {"environment": env, "reps": args.reps, "rows": rows}, _markdown(rows, env, args.reps))
+    stem = write(
+        "protect_overhead",
+        {"environment": env, "reps": args.reps, "rows": rows},
+        _markdown(rows, env, args.reps),
+    )
     print(f"wrote {stem}.json / .md")
 
 
