@@ -18,6 +18,27 @@ def _demo(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _campaign(args: argparse.Namespace) -> int:
+    from attnchecker.inject.campaign import CampaignConfig, run_campaign
+    from attnchecker.report import campaign_report
+
+    cfg = CampaignConfig(
+        families=tuple(args.families), sites=tuple(args.sites), kinds=tuple(args.kinds),
+        patterns=tuple(args.patterns), trials=args.trials, steps=args.steps, layer=args.layer,
+        size=args.size, seed=args.seed, workers=args.workers, rank=args.rank, world=args.world,
+    )  # fmt: skip
+    summary = run_campaign(cfg, args.out)
+    print(f"{summary['trials']} trials in {args.out}; report: {campaign_report(args.out)}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from attnchecker.report import campaign_report
+
+    print(campaign_report(args.out))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from attnchecker import __version__
 
@@ -30,6 +51,27 @@ def _parser() -> argparse.ArgumentParser:
         "--family", default="gpt2", choices=["bert", "roberta", "gpt2", "gpt_neo", "llama"]
     )
     demo.set_defaults(func=_demo)
+
+    from attnchecker.attention.config import OPS
+
+    camp = sub.add_parser("campaign", help="fault-injection campaign: trials, rates, report")
+    camp.add_argument("--out", required=True, help="run directory (resumes if it has trials)")
+    camp.add_argument("--families", nargs="+", default=["bert", "roberta", "gpt2", "gpt_neo"])
+    camp.add_argument("--sites", nargs="+", default=list(OPS))
+    camp.add_argument("--kinds", nargs="+", default=["inf", "nan", "near_inf", "exponent_flip"])
+    camp.add_argument("--patterns", nargs="+", default=["0D"])
+    camp.add_argument("--trials", type=int, default=1, help="trials per combination")
+    camp.add_argument("--steps", type=int, default=3, help="training steps per run")
+    camp.add_argument("--layer", type=int, default=0)
+    camp.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
+    camp.add_argument("--seed", type=int, default=0)
+    camp.add_argument("--workers", type=int, default=1, help="processes")
+    camp.add_argument("--rank", type=int, default=0, help="this shard (e.g. under torchrun)")
+    camp.add_argument("--world", type=int, default=1, help="number of shards")
+    camp.set_defaults(func=_campaign)
+    rep = sub.add_parser("report", help="rebuild a campaign's report.md from its files")
+    rep.add_argument("out")
+    rep.set_defaults(func=_report)
     return p
 
 

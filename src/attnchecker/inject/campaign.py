@@ -1,0 +1,278 @@
+"""Fault-injection campaigns: many trials, appended as they finish, resumable, parallel, sharded.
+
+``run_campaign(CampaignConfig(...), out)`` enumerates families x sites x kinds x patterns x
+trials (each with its own seed), skips the trials already in ``out/trials*.jsonl`` (a killed
+campaign resumes with no trial lost or counted twice: a trial is written, flushed and synced as
+one line when it finishes, and a torn last line is ignored), runs the rest in worker processes,
+and writes ``meta.json`` (config, seed, versions) and ``summary.json`` (rates per family x site
+x kind x arm). With ``rank``/``world`` a campaign is split across machines: each shard writes
+its own ``trials.rank<r>.jsonl`` and :func:`summarize` merges whatever files are there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import platform
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attnchecker.attention.config import OPS
+from attnchecker.errors import ConfigError
+
+__all__ = ["CampaignConfig", "load_trials", "run_campaign", "summarize", "trial_specs"]
+
+SCHEMA_VERSION = 1
+OUTCOMES = ("masked", "silent_deviation", "loss_spike", "non_trainable")
+RESULTS = ("corrected", "recomputed", "uncorrectable", "missed", "not_needed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CampaignConfig:
+    families: tuple[str, ...] = ("bert", "roberta", "gpt2", "gpt_neo")
+    sites: tuple[str, ...] = OPS
+    kinds: tuple[str, ...] = ("inf", "nan", "near_inf", "exponent_flip")
+    patterns: tuple[str, ...] = ("0D",)
+    trials: int = 1  # per combination, each with its own seed (fault position)
+    steps: int = 3  # training steps per run; the fault fires at step 1
+    layer: int = 0
+    size: str = "tiny"
+    batch: int = 4
+    seq_len: int = 32
+    lr: float = 1e-3
+    seed: int = 0
+    tolerance: float = 1e-5  # relative loss deviation still counted as 'masked'
+    param_tolerance: float | None = None  # absolute parameter drift still 'masked' (None: lr)
+    spike_factor: float = 10.0
+    workers: int = 1
+    rank: int = 0
+    world: int = 1
+
+    def __post_init__(self) -> None:
+        from attnchecker.inject.kinds import FaultKind
+        from attnchecker.inject.plan import FaultPattern
+        from attnchecker.models.tiny import FAMILIES
+
+        for name, values, allowed in [
+            ("families", self.families, FAMILIES),
+            ("sites", self.sites, OPS),
+            ("kinds", self.kinds, [k.value for k in FaultKind]),
+            ("patterns", self.patterns, [p.value for p in FaultPattern]),
+        ]:
+            if bad := sorted(set(values) - set(allowed)):
+                raise ConfigError(f"unknown {name} {bad}; choose from {list(allowed)}")
+        if "bit_flip" in self.kinds:
+            raise ConfigError("campaigns use exponent_flip for bit flips (a bit_flip needs a bit)")
+        if self.trials < 1 or self.steps < 1 or self.workers < 1:
+            raise ConfigError("trials, steps and workers must be >= 1")
+        if not 0 <= self.rank < self.world:
+            raise ConfigError(
+                f"rank must be in [0, world), got rank={self.rank}, world={self.world}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def trial_specs(cfg: CampaignConfig) -> list[dict[str, Any]]:
+    """Every trial of the campaign, in a fixed order with stable ids (this shard's share)."""
+    specs = []
+    i = 0
+    for fam in cfg.families:
+        for site in cfg.sites:
+            for kind in cfg.kinds:
+                for pattern in cfg.patterns:
+                    for rep in range(cfg.trials):
+                        if i % cfg.world == cfg.rank:
+                            spec = {
+                                "id": i,
+                                "family": fam,
+                                "site": site,
+                                "kind": kind,
+                                "pattern": pattern,
+                            }
+                            specs.append(spec | {"rep": rep, "seed": cfg.seed * 100_003 + i})
+                        i += 1
+    return specs
+
+
+def _trials_file(out: Path, cfg: CampaignConfig) -> Path:
+    return out / ("trials.jsonl" if cfg.world == 1 else f"trials.rank{cfg.rank}.jsonl")
+
+
+def load_trials(out: Path) -> list[dict[str, Any]]:
+    """Every complete trial line of every shard file under ``out`` (a torn last line is skipped)."""
+    rows = []
+    for path in sorted(Path(out).glob("trials*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # interrupted while writing: the trial reruns on resume
+    return rows
+
+
+# ----------------------------------------------------------------------------- workers
+
+_SETUPS: dict[str, Any] = {}
+
+
+def _setup(cfg: CampaignConfig, family: str):
+    if family not in _SETUPS:
+        import torch
+
+        from attnchecker.inject.trial import reference
+        from attnchecker.models.tiny import build
+
+        model = build(family, cfg.size, seed=cfg.seed, max_len=max(64, cfg.seq_len))
+        model.config.use_cache = False
+        model.train()
+        g = torch.Generator().manual_seed(cfg.seed)
+        batches = []
+        for _ in range(cfg.steps):
+            ids = torch.randint(3, 128, (cfg.batch, cfg.seq_len), generator=g)
+            batches.append(
+                {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            )
+        _SETUPS[family] = reference(family, model, batches, cfg.lr, cfg.layer)
+    return _SETUPS[family]
+
+
+def _run_one(args: tuple[CampaignConfig, dict[str, Any]]) -> dict[str, Any]:
+    import torch
+
+    from attnchecker.inject.plan import Fault
+    from attnchecker.inject.trial import run_arm
+
+    torch.set_num_threads(1)
+    cfg, spec = args
+    setup = _setup(cfg, spec["family"])
+    fault = Fault(
+        step=1,
+        site=spec["site"],
+        kind=spec["kind"],
+        pattern=spec["pattern"],
+        layer=cfg.layer,
+        size=(2, 3),
+    )
+    arms = {
+        arm: run_arm(
+            setup,
+            fault,
+            spec["seed"],
+            protected=arm == "protected",
+            tol=cfg.tolerance,
+            param_tol=cfg.lr if cfg.param_tolerance is None else cfg.param_tolerance,
+            spike=cfg.spike_factor,
+        )
+        for arm in ("unprotected", "protected")
+    }
+    return spec | {"schema_version": SCHEMA_VERSION, "ref_final_loss": setup.ref_losses[-1], **arms}
+
+
+def run_campaign(cfg: CampaignConfig, out: str | Path, *, progress: bool = True) -> dict[str, Any]:
+    """Run (or resume) the campaign into ``out``; returns the summary of all trials there."""
+    import torch
+    import transformers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "schema_version": SCHEMA_VERSION,
+        "config": cfg.to_dict(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+    }  # fmt: skip
+    (out / ("meta.json" if cfg.world == 1 else f"meta.rank{cfg.rank}.json")).write_text(
+        json.dumps(meta, indent=2)
+    )
+    done = {t["id"] for t in load_trials(out)}
+    todo = [s for s in trial_specs(cfg) if s["id"] not in done]
+    path = _trials_file(out, cfg)
+    _drop_torn_tail(path)
+    with path.open("a") as f, _Progress(len(todo), progress) as advance:
+        for row in _results(cfg, todo):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            advance()
+    summary = summarize(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a line left half-written by a killed run, so appending starts on a fresh line."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def _results(cfg: CampaignConfig, todo: list[dict[str, Any]]):
+    jobs = [(cfg, s) for s in todo]
+    if cfg.workers == 1:
+        yield from map(_run_one, jobs)
+        return
+    with mp.get_context("spawn").Pool(cfg.workers) as pool:
+        yield from pool.imap_unordered(_run_one, jobs, chunksize=4)
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import Progress
+
+        self._bar = Progress()
+        self._bar.start()
+        task = self._bar.add_task("trials", total=self.total)
+        return lambda: self._bar.advance(task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._bar.stop()
+
+
+def summarize(out: str | Path) -> dict[str, Any]:
+    """Rates per family x site x kind x arm from the trial files alone."""
+    rows = load_trials(Path(out))
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(r["family"], r["site"], r["kind"])].append(r)
+    cells = []
+    for (fam, site, kind), rs in sorted(groups.items()):
+        for arm in ("unprotected", "protected"):
+            outcomes = Counter(r[arm]["outcome"] for r in rs)
+            cell = {"family": fam, "site": site, "kind": kind, "arm": arm, "trials": len(rs)}
+            cell |= {f"{o}_rate": outcomes[o] / len(rs) for o in OUTCOMES}
+            if arm == "protected":
+                results = Counter(r[arm]["result"] for r in rs)
+                cell |= {f"{x}_rate": results[x] / len(rs) for x in RESULTS}
+            else:
+                for where in ("scores", "context", "out", "next_input"):
+                    cell[f"propagation_{where}"] = dict(
+                        Counter(r[arm]["propagation"][where] for r in rs)
+                    )
+            cells.append(cell)
+    failing = [
+        {k: r[k] for k in ("id", "family", "site", "kind", "pattern", "seed")}
+        | {"result": r["protected"]["result"], "outcome": r["protected"]["outcome"]}
+        for r in rows
+        if r["protected"]["outcome"] != "masked"
+        or r["protected"]["result"] in ("uncorrectable", "missed")
+    ]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "trials": len(rows),
+        "cells": cells,
+        "protected_failures": failing,
+    }

@@ -1,0 +1,210 @@
+"""One campaign trial: the same short training fault-free, unprotected and protected.
+
+A trial puts one fault (a :class:`~attnchecker.inject.plan.Fault` at step 1 of a chosen layer)
+into a short training run twice, once without and once with ``protect_``, and classifies:
+
+- the *outcome* of each run against the fault-free run: ``masked`` (every step's loss within
+  ``tol`` relative, parameters within ``param_tol`` absolute: a repaired value comes from a
+  smaller GEMM that rounds differently, and AdamW's first steps divide by |grad|, which can turn
+  that rounding into up to ~lr of parameter difference on near-zero gradients),
+  ``silent_deviation`` (finite but different), ``loss_spike`` (a loss above
+  ``spike_factor`` times the fault-free maximum) or ``non_trainable`` (a non-finite loss or
+  non-finite parameters);
+- for the unprotected run, the *propagation pattern* of the error at the scores, context and
+  output projection of the faulty layer and at the next layer's input (none, 0D, 1R, 1C, 2D);
+- for the protected run, what protection did: ``corrected``, ``recomputed``, ``uncorrectable``,
+  ``missed`` (not detected but the outcome is not masked) or ``not_needed`` (masked, not detected).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnchecker.attention.config import ABFTConfig
+from attnchecker.inject.injector import Injector
+from attnchecker.inject.plan import Fault, FaultPlan
+
+__all__ = ["TrialSetup", "observe_pattern", "reference", "run_arm"]
+
+OBSERVED = ("scores", "context", "out", "next_input")
+
+
+@dataclass
+class TrialSetup:
+    """What every trial of one family shares: the model, data and the fault-free reference."""
+
+    family: str
+    model: nn.Module
+    batches: list[dict[str, Tensor]]
+    lr: float
+    ref_losses: list[float]
+    ref_params: dict[str, Tensor]
+    ref_seen: dict[str, Tensor]  # clean tensors at the observed places, step 1
+
+
+def _train(model: nn.Module, batches: list[dict[str, Tensor]], lr: float, seed: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    torch.manual_seed(seed)  # the same dropout masks in every arm
+    losses = []
+    for inputs in batches:
+        loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _observe(model: nn.Module, handle: Any, layer: int, seen: dict[str, Tensor]) -> list[Any]:
+    """Record clones of the observed tensors at step 1 of ``layer``; returns the detachers."""
+
+    def at_site(call: Any) -> None:
+        if call.layer == layer and call.step == 1 and not call.replay and call.site in OBSERVED:
+            seen.setdefault(call.site, call.tensor.detach().clone())
+
+    detach = [handle.attach(at_site, sites=("scores", "context", "out"))]
+    nxt = _layer_after(model, layer)
+    if nxt is not None:
+
+        def pre(module: nn.Module, args: tuple) -> None:
+            if "next_input" not in seen and args and isinstance(args[0], Tensor):
+                seen["next_input"] = args[0].detach().clone()
+
+        detach.append(nxt.register_forward_pre_hook(pre))
+    return detach
+
+
+def _layer_after(model: nn.Module, layer: int) -> nn.Module | None:
+    """The transformer block ``layer + 1`` (the one whose input shows what left ``layer``)."""
+    for name, m in model.named_modules():
+        parts = name.split(".")
+        if parts[-1] == str(layer + 1) and parts[-2] in ("layer", "h", "layers"):
+            return m
+    return None
+
+
+def observe_pattern(clean: Tensor | None, faulty: Tensor | None, tol: float = 1e-5) -> str:
+    """none / 0D / 1R / 1C / 2D of the elements that differ, in the matrix (last two dims) that
+    differs most; 'none' when nothing differs beyond ``tol`` (relative)."""
+    from attnchecker.models.handle import pattern_of
+
+    if clean is None or faulty is None:
+        return "n/a"
+    a, b = clean.double(), faulty.double()
+    differs = ~((a - b).abs() <= tol * (1 + a.abs())) & ~(a.isnan() & b.isnan())
+    if a.dim() == 2:
+        differs = differs[None]
+    mats = differs.reshape(-1, *differs.shape[-2:])
+    if not mats.any():
+        return "none"
+    worst = mats[int(mats.flatten(1).sum(1).argmax())]
+    return pattern_of(int(worst.any(-1).sum()), int(worst.any(-2).sum()))
+
+
+def _outcome(
+    losses: list[float],
+    params: dict[str, Tensor],
+    setup: TrialSetup,
+    tol: float,
+    param_tol: float,
+    spike: float,
+) -> tuple[str, float]:
+    drift = max(float((params[k] - v).abs().max()) for k, v in setup.ref_params.items())
+    finite = all(math.isfinite(x) for x in losses) and all(
+        torch.isfinite(p).all() for p in params.values()
+    )
+    if not finite:
+        return "non_trainable", drift
+    if max(losses) > spike * max(setup.ref_losses):
+        return "loss_spike", drift
+    loss_dev = max(
+        abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, setup.ref_losses, strict=True)
+    )
+    return ("masked" if loss_dev <= tol and drift <= param_tol else "silent_deviation"), drift
+
+
+def run_arm(
+    setup: TrialSetup,
+    fault: Fault,
+    seed: int,
+    *,
+    protected: bool,
+    tol: float,
+    param_tol: float,
+    spike: float,
+) -> dict[str, Any]:
+    """One faulty training run; returns its outcome, propagation and protection result."""
+    from attnchecker.models.protect import protect_
+
+    model = copy.deepcopy(setup.model)
+    handle = protect_(model, ABFTConfig(policy="warn") if protected else ABFTConfig(ops=()))
+    plan = FaultPlan((fault,), seed)
+    seen: dict[str, Tensor] = {}
+    with Injector(model, plan) as inj:
+        detach = _observe(model, handle, fault.layer, seen) if not protected else []
+        losses = _train(model, setup.batches, setup.lr, seed=0)
+        for d in detach:
+            d.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        events = handle.drain()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    outcome, drift = _outcome(losses, params, setup, tol, param_tol, spike)
+    out: dict[str, Any] = {
+        "outcome": outcome,
+        "fired": bool(inj.records),
+        "final_loss": losses[-1],
+        "param_drift": drift,
+    }
+    if inj.records:
+        r = inj.records[0]
+        out["fault"] = {
+            "index": r.index,
+            "n_elements": r.n_elements,
+            "old": r.old[:4],
+            "new": r.new[:4],
+        }
+    if protected:
+        mine = [e for e in events if e.op == fault.site and e.layer == fault.layer]
+        actions = {e.action for e in events}
+        if "uncorrectable" in actions:
+            result = "uncorrectable"
+        elif "recomputed" in actions:
+            result = "recomputed"
+        elif "corrected" in actions:
+            result = "corrected"
+        else:
+            result = "not_needed" if outcome == "masked" else "missed"
+        out.update(
+            result=result, detected_at_site=bool(mine), events=[e.to_dict() for e in events][:8]
+        )
+    else:
+        out["propagation"] = {
+            k: observe_pattern(setup.ref_seen.get(k), seen.get(k)) for k in OBSERVED
+        }
+    return out
+
+
+def reference(
+    family: str, model: nn.Module, batches: list[dict[str, Tensor]], lr: float, layer: int
+) -> TrialSetup:
+    """Run the fault-free training once and keep what trials compare against."""
+    from attnchecker.models.protect import protect_, unprotect_
+
+    probe = copy.deepcopy(model)
+    handle = protect_(probe, ABFTConfig(ops=()))
+    seen: dict[str, Tensor] = {}
+    detach = _observe(probe, handle, layer, seen)
+    losses = _train(probe, batches, lr, seed=0)
+    for d in detach:
+        d.remove()
+    unprotect_(probe)
+    params = {n: p.detach().clone() for n, p in probe.named_parameters()}
+    return TrialSetup(family, model, batches, lr, losses, params, seen)
