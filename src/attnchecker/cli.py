@@ -22,9 +22,14 @@ def _campaign(args: argparse.Namespace) -> int:
     from attnchecker.inject.campaign import CampaignConfig, run_campaign
     from attnchecker.report import campaign_report
 
+    def split(
+        values: list[str],
+    ) -> tuple[str, ...]:  # "a,b c" -> (a, b, c); "-inf" needs a comma list
+        return tuple(v for arg in values for v in arg.split(",") if v)
+
     cfg = CampaignConfig(
-        families=tuple(args.families), sites=tuple(args.sites), kinds=tuple(args.kinds),
-        patterns=tuple(args.patterns), trials=args.trials, steps=args.steps, layer=args.layer,
+        families=split(args.families), sites=split(args.sites), kinds=split(args.kinds),
+        patterns=split(args.patterns), trials=args.trials, steps=args.steps, layer=args.layer,
         size=args.size, seed=args.seed, workers=args.workers, rank=args.rank, world=args.world,
     )  # fmt: skip
     summary = run_campaign(cfg, args.out)
@@ -58,7 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     camp.add_argument("--out", required=True, help="run directory (resumes if it has trials)")
     camp.add_argument("--families", nargs="+", default=["bert", "roberta", "gpt2", "gpt_neo"])
     camp.add_argument("--sites", nargs="+", default=list(OPS))
-    camp.add_argument("--kinds", nargs="+", default=["inf", "nan", "near_inf", "exponent_flip"])
+    camp.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["inf", "nan", "near_inf", "exponent_flip"],
+        help="fault kinds; give -inf inside a comma list, e.g. --kinds inf,-inf,nan",
+    )
     camp.add_argument("--patterns", nargs="+", default=["0D"])
     camp.add_argument("--trials", type=int, default=1, help="trials per combination")
     camp.add_argument("--steps", type=int, default=3, help="training steps per run")

@@ -18,9 +18,12 @@ def _pct(x: float) -> str:
 
 
 def _propagation(rows: list[dict[str, Any]]) -> list[str]:
-    """The most frequent pattern per site and observation point (unprotected, extreme kinds)."""
+    """The most frequent patterns per site and observation point: unprotected runs, one-element
+    faults of the extreme kinds (the setting of the spec's propagation table)."""
     table = defaultdict(lambda: defaultdict(Counter))
     for r in rows:
+        if r["pattern"] != "0D" or r["kind"] not in _KEY_KINDS:
+            continue
         for where, pat in r["unprotected"]["propagation"].items():
             table[r["site"]][where][pat] += 1
     lines = [
@@ -80,7 +83,14 @@ def campaign_report(out: str | Path) -> Path:
             f"{_pct(c['corrected_rate'])} | {_pct(c['recomputed_rate'])} | {_pct(c['uncorrectable_rate'])} | "
             f"{_pct(c['missed_rate'])} | {_pct(c['not_needed_rate'])} | {_pct(c['masked_rate'])} |"
         )
-    lines += ["", "## Propagation of one faulty element (unprotected, most frequent patterns)", ""]
+    lines += [
+        "",
+        "## Propagation of one faulty element (unprotected; INF, NaN, near-INF, exponent flip)",
+        "",
+        "Pattern of the elements that differ from the fault-free run, in the matrix that differs "
+        "most (`none`: the error never got there, e.g. a masked score).",
+        "",
+    ]
     lines += _propagation(rows)
     fails = summary["protected_failures"]
     lines += ["", f"## Protected trials that were not masked or not repaired: {len(fails)}", ""]
