@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -30,7 +31,9 @@ def _campaign(args: argparse.Namespace) -> int:
     cfg = CampaignConfig(
         families=split(args.families), sites=split(args.sites), kinds=split(args.kinds),
         patterns=split(args.patterns), trials=args.trials, steps=args.steps, layer=args.layer,
-        size=args.size, seed=args.seed, workers=args.workers, rank=args.rank, world=args.world,
+        size=args.size, seed=args.seed, workers=args.workers,
+        rank=int(os.environ.get("RANK", 0)) if args.rank is None else args.rank,
+        world=int(os.environ.get("WORLD_SIZE", 1)) if args.world is None else args.world,
     )  # fmt: skip
     summary = run_campaign(cfg, args.out)
     print(f"{summary['trials']} trials in {args.out}; report: {campaign_report(args.out)}")
@@ -76,8 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     camp.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
     camp.add_argument("--seed", type=int, default=0)
     camp.add_argument("--workers", type=int, default=1, help="processes")
-    camp.add_argument("--rank", type=int, default=0, help="this shard (e.g. under torchrun)")
-    camp.add_argument("--world", type=int, default=1, help="number of shards")
+    camp.add_argument(
+        "--rank", type=int, default=None, help="this shard (default: $RANK, torchrun)"
+    )
+    camp.add_argument("--world", type=int, default=None, help="shards (default: $WORLD_SIZE)")
     camp.set_defaults(func=_campaign)
     rep = sub.add_parser("report", help="rebuild a campaign's report.md from its files")
     rep.add_argument("out")

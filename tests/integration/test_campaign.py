@@ -85,3 +85,25 @@ def test_cli_campaign_and_report(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| bert | v | inf | 1 |" in report and (tmp_path / "non_trainable_by_site.png").exists()
     assert cli.main(["report", str(tmp_path)]) == 0
+
+
+def test_cli_takes_its_shard_from_torchrun_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = [
+        "campaign",
+        "--out",
+        str(tmp_path),
+        "--families",
+        "gpt2",
+        "--sites",
+        "q",
+        "v",
+        "--kinds",
+        "nan",
+        "--steps",
+        "1",
+    ]
+    assert cli.main(args) == 0
+    assert [p.name for p in tmp_path.glob("trials*.jsonl")] == ["trials.rank1.jsonl"]
+    assert [r["id"] for r in load_trials(tmp_path)] == [1]
