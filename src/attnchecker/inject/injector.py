@@ -63,9 +63,15 @@ class Injector:
     ``optim:`` sites). ``records`` lists the fired faults, ``unfired`` the others."""
 
     def __init__(
-        self, model: nn.Module, plan: FaultPlan, *, optimizer: torch.optim.Optimizer | None = None
+        self,
+        model: nn.Module,
+        plan: FaultPlan,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        step_fn: Callable[[], int] | None = None,
     ):
         self.model, self.plan, self.optimizer = model, plan, optimizer
+        self._step_fn = step_fn  # a training loop's own step (replays after a rollback repeat it)
         self.records: list[FaultRecord] = []
         self.step = 0
         self._fired: set[int] = set()
@@ -123,8 +129,13 @@ class Injector:
                 hook = partial(self._on_optimizer, i, params[name], key)
                 self._undo.append(self.optimizer.register_step_post_hook(hook).remove)
 
+    @property
+    def current_step(self) -> int:
+        """The loop's step when it gave ``step_fn``, else the number of forward passes so far."""
+        return self.step if self._step_fn is None else self._step_fn()
+
     def _due(self, i: int, fault: Fault) -> bool:
-        return i not in self._fired and fault.step == self.step and not in_replay()
+        return i not in self._fired and fault.step == self.current_step and not in_replay()
 
     def _fire(self, i: int, t: Tensor, layer: int | None) -> None:
         fault = self.plan.faults[i]
@@ -136,7 +147,7 @@ class Injector:
         flat_old, flat_new = old.reshape(-1), new.reshape(-1)
         self.records.append(
             FaultRecord(
-                i, fault.site, layer, self.step, _describe(index), flat_old.numel(),
+                i, fault.site, layer, self.current_step, _describe(index), flat_old.numel(),
                 flat_old[:_SHOWN].double().tolist(), flat_new[:_SHOWN].double().tolist(),
             )
         )  # fmt: skip
@@ -159,7 +170,7 @@ class Injector:
     def _on_grad(self, i: int, grad: Tensor) -> Tensor | None:
         # Backward runs inside an autograd node: check the step only (no replay test).
         fault = self.plan.faults[i]
-        if i in self._fired or fault.step != self.step:
+        if i in self._fired or fault.step != self.current_step:
             return None
         grad = grad.clone()
         self._fire(i, grad, None)
@@ -168,7 +179,11 @@ class Injector:
     def _on_optimizer(self, i: int, param: Tensor, key: str, *_: object) -> None:
         fault = self.plan.faults[i]
         state = self.optimizer.state.get(param, {})
-        if i not in self._fired and fault.step == self.step and isinstance(state.get(key), Tensor):
+        if (
+            i not in self._fired
+            and fault.step == self.current_step
+            and isinstance(state.get(key), Tensor)
+        ):
             self._fire(i, state[key].data, None)
 
 

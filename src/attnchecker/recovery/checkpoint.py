@@ -1,0 +1,141 @@
+"""Checkpoint / restore, the baseline protection is compared with.
+
+A checkpoint is a directory ``step-000120/`` holding ``tensors.safetensors`` (model parameters,
+optimizer state tensors, the torch RNG state) and ``meta.json`` (step, data position,
+optimizer scalars, the SHA-256 of the tensor file). It is written to a temporary directory and
+renamed into place, so a crash never leaves a half checkpoint under a real name. Loading never
+unpickles anything; a checkpoint whose hash, size or JSON does not check out raises
+:class:`CheckpointError` and :meth:`CheckpointManager.restore` falls back to the previous one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnchecker.errors import AttnCheckerError
+
+__all__ = ["CheckpointError", "CheckpointManager", "NonTrainableDetector"]
+
+
+class CheckpointError(AttnCheckerError):
+    """A checkpoint is missing, truncated or corrupted."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class CheckpointManager:
+    """Save every ``every`` steps into ``directory``, keep the newest ``keep``."""
+
+    def __init__(self, directory: str | Path, *, every: int, keep: int = 2) -> None:
+        if every < 1 or keep < 1:
+            raise ValueError("every and keep must be >= 1")
+        self.directory, self.every, self.keep = Path(directory), every, keep
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def steps(self) -> list[int]:
+        return sorted(
+            int(p.name.split("-")[1]) for p in self.directory.glob("step-*") if p.is_dir()
+        )
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, **extra: Any
+    ) -> Path:
+        from safetensors.torch import save_file
+
+        tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+        opt = optimizer.state_dict()
+        scalars: dict[str, Any] = {}
+        for pid, state in opt["state"].items():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    tensors[f"optim.{pid}.{key}"] = value.detach().contiguous()
+                else:
+                    scalars[f"{pid}.{key}"] = value
+        tensors["rng.torch"] = torch.get_rng_state()
+        final = self.directory / f"step-{step:06d}"
+        tmp = self.directory / f".tmp-{step:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file(tensors, str(tmp / "tensors.safetensors"))
+        meta = {
+            "step": step,
+            "optimizer_scalars": scalars,
+            "param_groups": opt["param_groups"],
+            "sha256": _sha256(tmp / "tensors.safetensors"),
+            "extra": extra,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in self.steps()[: -self.keep]:
+            shutil.rmtree(self.directory / f"step-{old:06d}", ignore_errors=True)
+        return final
+
+    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load one checkpoint into ``model`` and ``optimizer``; returns its metadata."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = self.directory / f"step-{step:06d}"
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            if _sha256(path / "tensors.safetensors") != meta["sha256"]:
+                raise CheckpointError(f"{path}: tensor file does not match its recorded SHA-256")
+            tensors = load_file(str(path / "tensors.safetensors"))
+        except (OSError, json.JSONDecodeError, KeyError, SafetensorError) as e:
+            raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from e
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        state: dict[int, dict[str, Any]] = {}
+        for k, v in tensors.items():
+            if k.startswith("optim."):
+                _, pid, key = k.split(".", 2)
+                state.setdefault(int(pid), {})[key] = v
+        for k, v in meta["optimizer_scalars"].items():
+            pid, key = k.split(".", 1)
+            state.setdefault(int(pid), {})[key] = v
+        optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        torch.set_rng_state(tensors["rng.torch"])
+        return meta
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load the newest valid checkpoint, falling back to older ones; raises if none loads."""
+        errors = []
+        for step in reversed(self.steps()):
+            try:
+                return self.load(step, model, optimizer)
+            except CheckpointError as e:
+                errors.append(str(e))
+        raise CheckpointError(
+            "no valid checkpoint in " + str(self.directory) + ": " + "; ".join(errors)
+        )
+
+
+class NonTrainableDetector:
+    """A non-trainable step: a NaN/INF loss or gradient norm, or a loss spike above ``factor``
+    times the maximum of the first ``warmup`` losses (checked once those are seen)."""
+
+    def __init__(self, factor: float = 10.0, warmup: int = 100) -> None:
+        self.factor, self.warmup = factor, warmup
+        self.first: list[float] = []
+
+    def __call__(self, loss: float, grad_norm: float) -> str | None:
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+            return "non_finite"
+        if len(self.first) >= min(self.warmup, 3) and loss > self.factor * max(self.first):
+            return "spike"
+        if len(self.first) < self.warmup:
+            self.first.append(loss)
+        return None

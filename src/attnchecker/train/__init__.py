@@ -1,0 +1,1 @@
+"""One readable training loop shared by the CLI, the demo and the benchmarks, and its data."""
