@@ -10,12 +10,17 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from attnchecker.demo import run_math_demo, run_model_demo
+    from attnchecker.demo import run_math_demo, run_model_demo, run_training_demo
 
     records = run_math_demo(seed=args.seed)
     failed = [r for r in records[:-1] if r["status"] == "missed"]
     model = run_model_demo(family=args.family, seed=args.seed)
     failed += [r for r in model if r["protected_grad_diff"] > 1e-5]
+    if args.steps > 0:
+        s = run_training_demo(args.out, family=args.family, steps=args.steps)
+        failed += (
+            [] if s["unprotected"]["non_trainable"] and not s["protected"]["non_trainable"] else [s]
+        )
     return 1 if failed else 0
 
 
@@ -58,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--family", default="gpt2", choices=["bert", "roberta", "gpt2", "gpt_neo", "llama"]
     )
+    demo.add_argument("--out", default="runs/demo", help="where the training demo writes its runs")
+    demo.add_argument("--steps", type=int, default=60, help="training demo steps (0: skip it)")
     demo.set_defaults(func=_demo)
 
     from attnchecker.attention.config import OPS

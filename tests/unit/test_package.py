@@ -51,7 +51,7 @@ def test_demo_corrects_every_correctable_scenario(capsys):
 
 
 def test_cli_demo_exit_code():
-    assert cli.main(["demo", "--seed", "1"]) == 0
+    assert cli.main(["demo", "--seed", "1", "--steps", "0"]) == 0
 
 
 def test_model_demo_shows_unprotected_failing_and_protected_exact():

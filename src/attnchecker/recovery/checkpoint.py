@@ -22,7 +22,7 @@ from torch import nn
 
 from attnchecker.errors import AttnCheckerError
 
-__all__ = ["CheckpointError", "CheckpointManager", "NonTrainableDetector"]
+__all__ = ["CheckpointError", "CheckpointManager", "NonTrainableDetector", "save_weights"]
 
 
 class CheckpointError(AttnCheckerError):
@@ -31,6 +31,24 @@ class CheckpointError(AttnCheckerError):
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict without the second name of tied weights (GPT-2's lm_head is wte)."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in model.state_dict().items():
+        if v.data_ptr() not in seen:
+            seen.add(v.data_ptr())
+            out[k] = v
+    return out
+
+
+def _load_unique_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    missing = set(model.state_dict()) - set(state)
+    if missing - (set(model.state_dict()) - set(_unique_state(model))):
+        raise CheckpointError(f"checkpoint lacks {sorted(missing)[:5]}")
+    model.load_state_dict(state, strict=False)  # tied names follow their storage
 
 
 class CheckpointManager:
@@ -55,7 +73,7 @@ class CheckpointManager:
     ) -> Path:
         from safetensors.torch import save_file
 
-        tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+        tensors = {f"model.{k}": v.detach().contiguous() for k, v in _unique_state(model).items()}
         opt = optimizer.state_dict()
         scalars: dict[str, Any] = {}
         for pid, state in opt["state"].items():
@@ -97,7 +115,7 @@ class CheckpointManager:
             tensors = load_file(str(path / "tensors.safetensors"))
         except (OSError, json.JSONDecodeError, KeyError, SafetensorError) as e:
             raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from e
-        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        _load_unique_state(model, {k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
         state: dict[int, dict[str, Any]] = {}
         for k, v in tensors.items():
             if k.startswith("optim."):
@@ -139,3 +157,10 @@ class NonTrainableDetector:
         if len(self.first) < self.warmup:
             self.first.append(loss)
         return None
+
+
+def save_weights(model: nn.Module, path: str | Path) -> None:
+    """The model's weights as safetensors (tied weights stored once)."""
+    from safetensors.torch import save_model
+
+    save_model(model, str(path))

@@ -1,0 +1,238 @@
+"""The training loop: one readable loop for the CLI, the demo and the benchmarks.
+
+``train(TrainConfig(...), out, faults=plan)`` trains a model from ``models.tiny`` presets on the
+offline corpus, optionally protected and/or with the checkpoint/restore baseline, and writes a
+run directory: ``meta.json``, ``metrics.jsonl`` (one line per step), ``events.jsonl`` (fired
+faults, protection events, rollbacks), ``model.safetensors`` and ``summary.json``.
+
+The loop reads the loss and gradient norm once per step (its single host sync, at the step
+boundary), drains protection events there, and then decides: a non-trainable step (NaN/INF loss
+or gradient norm, or a loss spike) rolls back to the last checkpoint when the baseline is on
+(faults are transient, so the replay does not meet them again), or marks the run non-trainable;
+a step with an uncorrectable error under ``policy="skip_step"`` is skipped (a guarded optimizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnchecker.attention.config import ABFTConfig
+from attnchecker.errors import ConfigError
+
+__all__ = ["TrainConfig", "train"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    family: str = "gpt2"
+    size: str = "tiny"
+    task: str = "lm"  # lm: causal LM (decoders) / masked LM (BERT, RoBERTa); cls: tragedy or not
+    steps: int = 50
+    batch: int = 8
+    seq_len: int = 64
+    lr: float = 3e-4
+    seed: int = 0
+    protect: bool = False
+    abft: ABFTConfig | None = None
+    recovery: str = "none"  # none | checkpoint
+    checkpoint_every: int = 10
+    bf16: bool = False
+    data: tuple[str, ...] | None = None  # text files or folders; default: Shakespeare
+    vocab_size: int = 2048
+    stop_when_non_trainable: bool = True
+
+    def __post_init__(self) -> None:
+        if self.task not in ("lm", "cls"):
+            raise ConfigError(f"task must be 'lm' or 'cls', got {self.task!r}")
+        if self.recovery not in ("none", "checkpoint"):
+            raise ConfigError(f"recovery must be 'none' or 'checkpoint', got {self.recovery!r}")
+        if self.steps < 1 or self.batch < 1 or self.seq_len < 2 or self.checkpoint_every < 1:
+            raise ConfigError("steps, batch and checkpoint_every must be >= 1, seq_len >= 2")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["abft"] = None if self.abft is None else dataclasses.asdict(self.abft)
+        return d
+
+
+def _write(f, row: dict[str, Any]) -> None:
+    f.write(json.dumps(row) + "\n")
+    f.flush()
+
+
+def train(
+    cfg: TrainConfig, out: str | Path, *, faults=None, progress: bool = True
+) -> dict[str, Any]:
+    """Train as ``cfg`` says into the run directory ``out``; returns the summary."""
+    import transformers
+
+    from attnchecker.inject.injector import Injector
+    from attnchecker.models.protect import protect_
+    from attnchecker.models.tiny import build
+    from attnchecker.recovery.checkpoint import (
+        CheckpointManager,
+        NonTrainableDetector,
+        save_weights,
+    )
+    from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = load_corpus(list(cfg.data) if cfg.data else None)
+    blocks = TokenBlocks.build(corpus, tokenizer_for(corpus, cfg.vocab_size), cfg.seq_len)
+    tragedy = blocks.label_names.index("tragedies") if "tragedies" in blocks.label_names else -1
+    model = build(
+        cfg.family,
+        cfg.size,
+        task=cfg.task,
+        seed=cfg.seed,
+        vocab_size=blocks.vocab_size,
+        max_len=cfg.seq_len,
+    )
+    model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    handle = protect_(model, cfg.abft or ABFTConfig(policy="warn")) if cfg.protect else None
+    detector = NonTrainableDetector()
+    ckpt = (
+        CheckpointManager(out / "checkpoints", every=cfg.checkpoint_every)
+        if cfg.recovery == "checkpoint"
+        else None
+    )
+    meta = {
+        "config": cfg.to_dict(),
+        "faults": None if faults is None else json.loads(faults.to_json()),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "data": {
+            "texts": len(corpus.texts),
+            "blocks": int(blocks.ids.shape[0]),
+            "vocab": blocks.vocab_size,
+        },
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    step, non_trainable, last_loss = 0, False, float("nan")
+    totals = {
+        "save_s": 0.0,
+        "load_s": 0.0,
+        "saves": 0,
+        "rollbacks": 0,
+        "replayed_steps": 0,
+        "skipped": 0,
+    }
+    counts = {"detected": 0, "corrected": 0, "uncorrectable": 0}
+    torch.manual_seed(cfg.seed)
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        inj = (
+            stack.enter_context(Injector(model, faults, step_fn=lambda: step + 1))
+            if faults
+            else None
+        )
+        metrics = stack.enter_context((out / "metrics.jsonl").open("w"))
+        events_f = stack.enter_context((out / "events.jsonl").open("w"))
+        bar = stack.enter_context(_bar(cfg.steps, progress))
+        if ckpt is not None:
+            t0 = time.perf_counter()
+            ckpt.save(0, model, opt)
+            totals["save_s"] += time.perf_counter() - t0
+            totals["saves"] += 1
+        fired_seen = 0
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            x, y = blocks.batch(step, cfg.batch, cfg.seed)
+            labels = x if cfg.task == "lm" else (y == tragedy).long()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss = model(input_ids=x, attention_mask=torch.ones_like(x), labels=labels).loss
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            loss_v, grad_v = loss.item(), grad_norm.item()  # the step's one host sync
+            for r in inj.records[fired_seen:] if inj else []:
+                _write(events_f, {"type": "fault", **r.to_dict()})
+            fired_seen = len(inj.records) if inj else 0
+            events = handle.drain() if handle else []
+            for e in events:
+                counts["detected"] += 1
+                counts["corrected" if e.action != "uncorrectable" else "uncorrectable"] += 1
+                _write(events_f, {"type": "protection", **e.to_dict()})
+            status = detector(loss_v, grad_v)
+            if status and ckpt is not None:
+                opt.zero_grad(set_to_none=True)
+                t1 = time.perf_counter()
+                restored = ckpt.restore(model, opt)
+                totals["load_s"] += time.perf_counter() - t1
+                totals["rollbacks"] += 1
+                totals["replayed_steps"] += step + 1 - restored["step"]
+                _write(
+                    events_f,
+                    {
+                        "type": "rollback",
+                        "at_step": step + 1,
+                        "to_step": restored["step"],
+                        "reason": status,
+                    },
+                )
+                step = restored["step"]
+                continue
+            if status:
+                non_trainable = True
+            if handle is not None and handle.skip_requested:
+                opt.zero_grad(set_to_none=True)
+                totals["skipped"] += 1
+                _write(events_f, {"type": "skipped_step", "step": step + 1})
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            step += 1
+            last_loss = loss_v
+            dt = time.perf_counter() - t0
+            row = {"step": step, "loss": loss_v, "grad_norm": grad_v, "step_time_s": dt,
+                   "faults_injected": fired_seen, "status": status or "ok"}  # fmt: skip
+            _write(metrics, row)
+            bar(step, loss_v, row["step_time_s"], fired_seen, counts["corrected"])
+            if ckpt is not None and ckpt.due(step):
+                t1 = time.perf_counter()
+                ckpt.save(step, model, opt)
+                totals["save_s"] += time.perf_counter() - t1
+                totals["saves"] += 1
+            if non_trainable and cfg.stop_when_non_trainable:
+                break
+    wall = time.perf_counter() - t_start
+    save_weights(model, out / "model.safetensors")
+    summary = {
+        "final_loss": last_loss,
+        "non_trainable": non_trainable,
+        "steps_done": step,
+        "faults_injected": len(inj.records) if inj else 0,
+        "faults_detected": counts["detected"],
+        "faults_corrected": counts["corrected"],
+        "uncorrectable": counts["uncorrectable"],
+        "wall_time_s": wall,
+        **totals,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+@contextlib.contextmanager
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        yield lambda *a: None
+        return
+    from rich.progress import Progress, TextColumn
+
+    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[info]}")) as p:
+        task = p.add_task("training", total=total, info="")
+
+        def update(step: int, loss: float, dt: float, injected: int, corrected: int) -> None:
+            info = f"loss {loss:.3f} {1e3 * dt:.0f} ms/step faults {injected} corrected {corrected}"
+            p.update(task, completed=step, info=info)
+
+        yield update
