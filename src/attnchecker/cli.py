@@ -46,9 +46,46 @@ def _campaign(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from attnchecker.report import campaign_report
+    from pathlib import Path
 
-    print(campaign_report(args.out))
+    from attnchecker.report import campaign_report
+    from attnchecker.report.training import demo_report
+
+    out = Path(args.out)
+    if any(out.glob("trials*.jsonl")):
+        print(campaign_report(out))
+    elif (out / "summary.json").exists() and (out / "reference").is_dir():
+        print(demo_report(out))
+    else:
+        print(f"{out}: neither a campaign nor a demo run directory", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from attnchecker.attention.config import ABFTConfig
+    from attnchecker.inject import FaultPlan
+    from attnchecker.train.loop import TrainConfig, train
+
+    faults = None
+    if args.faults:
+        faults = FaultPlan.from_json(Path(args.faults).read_text())
+    elif args.fault_rate > 0:
+        n = max(1, round(args.fault_rate * args.steps))
+        kinds = ("inf", "nan", "near_inf", "exponent_flip")
+        faults = FaultPlan.sample(n, args.seed, kinds=kinds, steps=tuple(range(1, args.steps + 1)))
+    cfg = TrainConfig(
+        family=args.family, size=args.size, task=args.task, steps=args.steps, batch=args.batch,
+        seq_len=args.seq_len, lr=args.lr, seed=args.seed, protect=args.protect,
+        abft=ABFTConfig(policy=args.policy) if args.protect else None, recovery=args.recovery,
+        checkpoint_every=args.checkpoint_every, bf16=args.bf16,
+        data=tuple(args.data) if args.data else None,
+    )  # fmt: skip
+    summary = train(cfg, args.out, faults=faults)
+    print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -91,7 +128,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     camp.add_argument("--world", type=int, default=None, help="shards (default: $WORLD_SIZE)")
     camp.set_defaults(func=_campaign)
-    rep = sub.add_parser("report", help="rebuild a campaign's report.md from its files")
+    tr = sub.add_parser("train", help="train a model, optionally protected, under faults")
+    tr.add_argument("--out", required=True, help="run directory")
+    tr.add_argument(
+        "--family", default="gpt2", choices=["bert", "roberta", "gpt2", "gpt_neo", "llama"]
+    )
+    tr.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
+    tr.add_argument("--task", default="lm", choices=["lm", "cls"])
+    tr.add_argument("--steps", type=int, default=50)
+    tr.add_argument("--batch", type=int, default=8)
+    tr.add_argument("--seq-len", type=int, default=64)
+    tr.add_argument("--lr", type=float, default=3e-4)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--protect", action="store_true", help="protect_ the model")
+    tr.add_argument("--policy", default="warn", choices=["raise", "skip_step", "warn"])
+    tr.add_argument("--recovery", default="none", choices=["none", "checkpoint"])
+    tr.add_argument("--checkpoint-every", type=int, default=10)
+    tr.add_argument("--bf16", action="store_true", help="CPU bf16 autocast")
+    tr.add_argument("--data", nargs="+", help="text files or folders (default: Shakespeare)")
+    tr.add_argument("--faults", help="a fault plan as JSON (FaultPlan.to_json)")
+    tr.add_argument("--fault-rate", type=float, default=0.0, help="faults per step, sampled")
+    tr.set_defaults(func=_train)
+    rep = sub.add_parser("report", help="rebuild a campaign's or the demo's report from its files")
     rep.add_argument("out")
     rep.set_defaults(func=_report)
     return p

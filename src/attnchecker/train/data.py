@@ -93,7 +93,28 @@ class TokenBlocks:
 
     @classmethod
     def build(cls, corpus: Corpus, tokenizer, seq_len: int) -> TokenBlocks:
+        """Tokenise and cut every text into blocks (cached: the plays take seconds to encode)."""
+        from safetensors.torch import load_file, save_file
+
+        digest = hashlib.sha256(
+            ("\x00".join(corpus.texts) + tokenizer.to_str() + str(seq_len)).encode()
+        ).hexdigest()[:16]
+        path = _cache_dir() / f"blocks-{digest}.safetensors"
         names = tuple(sorted(set(corpus.labels)))
+        if path.exists():
+            t = load_file(str(path))
+            return cls(t["ids"], t["labels"], names, tokenizer.get_vocab_size())
+        blocks = cls._encode(corpus, tokenizer, seq_len, names)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({"ids": blocks.ids, "labels": blocks.labels}, str(tmp))
+        tmp.replace(path)
+        return blocks
+
+    @classmethod
+    def _encode(
+        cls, corpus: Corpus, tokenizer, seq_len: int, names: tuple[str, ...]
+    ) -> TokenBlocks:
         blocks, labels = [], []
         for text, label in zip(corpus.texts, corpus.labels, strict=True):
             ids = torch.tensor(tokenizer.encode(text).ids, dtype=torch.long)
@@ -101,6 +122,10 @@ class TokenBlocks:
             if n:
                 blocks.append(ids[: n * seq_len].view(n, seq_len))
                 labels.append(torch.full((n,), names.index(label), dtype=torch.long))
+        if not blocks:
+            raise ValueError(
+                f"no text is {seq_len} tokens long: use a shorter seq_len or more text"
+            )
         return cls(torch.cat(blocks), torch.cat(labels), names, tokenizer.get_vocab_size())
 
     def batch(self, step: int, batch_size: int, seed: int) -> tuple[Tensor, Tensor]:

