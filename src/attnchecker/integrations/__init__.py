@@ -1,0 +1,5 @@
+"""Integrations with training frameworks."""
+
+from attnchecker.integrations.trainer import AttnCheckerCallback
+
+__all__ = ["AttnCheckerCallback"]
