@@ -64,6 +64,15 @@ def _report(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     import json
+    import subprocess
+
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:  # relaunch under torchrun
+        argv = list(args.argv)
+        i = argv.index("--nproc")
+        del argv[i : i + 2]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc_per_node", str(args.nproc), "-m", "attnchecker.cli", *argv]
+        return subprocess.call(cmd)
     from pathlib import Path
 
     from attnchecker.attention.config import ABFTConfig
@@ -148,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--data", nargs="+", help="text files or folders (default: Shakespeare)")
     tr.add_argument("--faults", help="a fault plan as JSON (FaultPlan.to_json)")
     tr.add_argument("--fault-rate", type=float, default=0.0, help="faults per step, sampled")
+    tr.add_argument("--nproc", type=int, default=1, help="processes: DDP through torchrun")
     tr.set_defaults(func=_train)
     rep = sub.add_parser("report", help="rebuild a campaign's or the demo's report from its files")
     rep.add_argument("out")
@@ -157,6 +167,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return int(args.func(args))
 
 

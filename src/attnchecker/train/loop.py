@@ -10,6 +10,11 @@ boundary), drains protection events there, and then decides: a non-trainable ste
 or gradient norm, or a loss spike) rolls back to the last checkpoint when the baseline is on
 (faults are transient, so the replay does not meet them again), or marks the run non-trainable;
 a step with an uncorrectable error under ``policy="skip_step"`` is skipped (a guarded optimizer).
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) the model is wrapped in ``DistributedDataParallel``
+(gloo on CPU, nccl on GPU), each rank trains on its own data, faults hit ``fault_rank`` only,
+and the ranks agree on every decision (they share the worst loss and the skip flag). Protection
+repairs a fault before the gradient all-reduce, so all ranks keep identical parameters.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.errors import ConfigError
@@ -48,6 +55,7 @@ class TrainConfig:
     data: tuple[str, ...] | None = None  # text files or folders; default: Shakespeare
     vocab_size: int = 2048
     stop_when_non_trainable: bool = True
+    fault_rank: int = 0  # under torch.distributed, the rank whose computations meet the faults
 
     def __post_init__(self) -> None:
         if self.task not in ("lm", "cls"):
@@ -84,7 +92,13 @@ def train(
     )
     from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
 
-    out = Path(out)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1 and cfg.recovery != "none":
+        raise ConfigError("checkpoint recovery is not supported with several processes yet")
+    owns_group = world > 1 and not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    out = Path(out) if rank == 0 else Path(out) / f"rank{rank}"
     out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(list(cfg.data) if cfg.data else None)
     blocks = TokenBlocks.build(corpus, tokenizer_for(corpus, cfg.vocab_size), cfg.seq_len)
@@ -101,6 +115,9 @@ def train(
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     handle = protect_(model, cfg.abft or ABFTConfig(policy="warn")) if cfg.protect else None
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if rank != cfg.fault_rank:
+        faults = None  # a fault is one node's: the others compute cleanly
     detector = NonTrainableDetector()
     ckpt = (
         CheckpointManager(out / "checkpoints", every=cfg.checkpoint_every)
@@ -147,12 +164,16 @@ def train(
         fired_seen = 0
         while step < cfg.steps:
             t0 = time.perf_counter()
-            x, y = blocks.batch(step, cfg.batch, cfg.seed)
+            x, y = blocks.batch(step * world + rank, cfg.batch, cfg.seed)  # each rank its own data
             labels = x if cfg.task == "lm" else (y == tragedy).long()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss = model(input_ids=x, attention_mask=torch.ones_like(x), labels=labels).loss
+                loss = net(input_ids=x, attention_mask=torch.ones_like(x), labels=labels).loss
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            if world > 1:  # every rank must take the same decision: share the worst loss
+                worst = torch.stack([loss.detach(), grad_norm]).nan_to_num(float("inf"))
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                loss, grad_norm = worst[0], worst[1]
             loss_v, grad_v = loss.item(), grad_norm.item()  # the step's one host sync
             for r in inj.records[fired_seen:] if inj else []:
                 _write(events_f, {"type": "fault", **r.to_dict()})
@@ -162,7 +183,12 @@ def train(
                 counts["detected"] += 1
                 counts["corrected" if e.action != "uncorrectable" else "uncorrectable"] += 1
                 _write(events_f, {"type": "protection", **e.to_dict()})
-            if handle is not None and handle.skip_requested:  # the guarded optimizer: no update
+            skip = handle is not None and handle.skip_requested
+            if world > 1:
+                flag = torch.tensor(float(skip))
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                skip = bool(flag)
+            if skip:  # the guarded optimizer: no update
                 opt.zero_grad(set_to_none=True)
                 totals["skipped"] += 1
                 _write(events_f, {"type": "skipped_step", "step": step + 1})
@@ -204,6 +230,9 @@ def train(
                 break
     wall = time.perf_counter() - t_start
     save_weights(model, out / "model.safetensors")
+    if owns_group:
+        dist.barrier()
+        dist.destroy_process_group()
     summary = {
         "final_loss": last_loss,
         "non_trainable": non_trainable,

@@ -1,0 +1,50 @@
+"""Two real processes under torchrun (gloo): a fault on one rank is repaired before the gradient
+all-reduce, so both ranks end with the same parameters as a fault-free two-rank run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnchecker import cli
+from attnchecker.inject import FaultPlan
+
+pytestmark = pytest.mark.distributed
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_two_ranks_stay_identical_and_equal_to_fault_free(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNCHECKER_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "t.txt").write_text("To be, or not to be, that is the question.\n" * 400)
+    plan = FaultPlan.builder().at(2).site("scores", layer=0).kind("nan").pattern("1R").add().build()
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    common = ["train", "--nproc", "2", "--steps", "3", "--batch", "2", "--seq-len", "32"]
+    common += ["--data", str(tmp_path / "texts"), "--protect"]
+    assert cli.main([*common, "--out", str(tmp_path / "clean")]) == 0
+    assert (
+        cli.main(
+            [*common, "--out", str(tmp_path / "faulty"), "--faults", str(tmp_path / "plan.json")]
+        )
+        == 0
+    )
+    runs = {
+        name: [
+            _weights(tmp_path / name / "model.safetensors"),
+            _weights(tmp_path / name / "rank1" / "model.safetensors"),
+        ]
+        for name in ("clean", "faulty")
+    }
+    for k, v in runs["faulty"][0].items():
+        assert torch.equal(v, runs["faulty"][1][k]), k  # ranks identical
+        assert torch.allclose(v, runs["clean"][0][k], atol=1e-5), k  # and equal to fault-free
+    import json
+
+    events = (tmp_path / "faulty" / "events.jsonl").read_text()
+    assert '"type": "fault"' in events and '"action": "corrected"' in events
+    assert not json.loads((tmp_path / "faulty" / "summary.json").read_text())["non_trainable"]
