@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/abft_overhead.py
 	$(BIN)/python benchmarks/detection_threshold.py
 	$(BIN)/python benchmarks/protect_overhead.py
+	$(BIN)/python benchmarks/recovery_cost.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -49,15 +49,17 @@ def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from attnchecker.report import campaign_report
-    from attnchecker.report.training import demo_report
+    from attnchecker.report.training import demo_report, run_report
 
     out = Path(args.out)
     if any(out.glob("trials*.jsonl")):
         print(campaign_report(out))
     elif (out / "summary.json").exists() and (out / "reference").is_dir():
         print(demo_report(out))
+    elif (out / "metrics.jsonl").exists():
+        print(run_report(out))
     else:
-        print(f"{out}: neither a campaign nor a demo run directory", file=sys.stderr)
+        print(f"{out}: not a campaign, demo or training run directory", file=sys.stderr)
         return 2
     return 0
 
@@ -159,7 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--fault-rate", type=float, default=0.0, help="faults per step, sampled")
     tr.add_argument("--nproc", type=int, default=1, help="processes: DDP through torchrun")
     tr.set_defaults(func=_train)
-    rep = sub.add_parser("report", help="rebuild a campaign's or the demo's report from its files")
+    rep = sub.add_parser("report", help="rebuild a campaign's, demo's or run's report from files")
     rep.add_argument("out")
     rep.set_defaults(func=_report)
     return p

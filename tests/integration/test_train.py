@@ -185,3 +185,6 @@ def test_cli_train_with_a_fault_plan_file(tmp_path, data):
     assert cli.main(args) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["faults_injected"] == summary["faults_corrected"] == 1
+    assert cli.main(["report", str(tmp_path / "run")]) == 0
+    assert "faults_corrected" in (tmp_path / "run" / "report.html").read_text()
+    assert cli.main(["report", str(tmp_path)]) == 2

@@ -121,3 +121,41 @@ def _row(arm: str, summary: dict[str, Any]) -> list[str]:
         "yes" if s["non_trainable"] else "no", f"{s['wall_time_s']:.1f}",
         "" if arm == "reference" else f"{100 * (s['wall_time_s'] / ref - 1):+.0f}%", recovery,
     ]  # fmt: skip
+
+
+def run_report(run: str | Path) -> Path:
+    """One ``attnchecker train`` run directory -> ``report.html`` with its loss curve and events."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = Path(run)
+    rows = read_metrics(run)
+    summary = json.loads((run / "summary.json").read_text())
+    events = _events(run)
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    for e in events:
+        if e.get("type") == "fault":
+            ax.axvline(e["step"], color="grey", ls=":", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    fig.tight_layout()
+    fig.savefig(run / "loss.png", dpi=120)
+    plt.close(fig)
+    kinds = {}
+    for e in events:
+        kinds[e.get("type", "?")] = kinds.get(e.get("type", "?"), 0) + 1
+    items = "".join(
+        f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
+        for k, v in summary.items()
+    )
+    page = f"""<!doctype html><meta charset="utf-8"><title>attnchecker run</title>
+<style>body{{font-family:sans-serif;max-width:50em;margin:2em auto}}td{{padding:.2em .6em;border-bottom:1px solid #ddd}}</style>
+<h1>{html.escape(str(run))}</h1><table>{items}</table>
+<p>events: {html.escape(json.dumps(kinds))}</p><img src="loss.png" alt="loss">
+"""
+    path = run / "report.html"
+    path.write_text(page)
+    return path
