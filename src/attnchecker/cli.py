@@ -100,6 +100,20 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sdc(args: argparse.Namespace) -> int:
+    import json
+
+    from attnchecker.sdc import LockstepConfig, run_lockstep
+
+    cfg = LockstepConfig(
+        level=args.level, family=args.family, size=args.size, steps=args.steps, seed=args.seed,
+        data=tuple(args.data) if args.data else None,
+    )  # fmt: skip
+    summary = run_lockstep(cfg, args.out)
+    print(json.dumps({k: v for k, v in summary.items() if k != "per_layer_drift"}, indent=2))
+    return 0 if summary["deterministic"] else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     from attnchecker import __version__
 
@@ -161,6 +175,19 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--fault-rate", type=float, default=0.0, help="faults per step, sampled")
     tr.add_argument("--nproc", type=int, default=1, help="processes: DDP through torchrun")
     tr.set_defaults(func=_train)
+    sdc = sub.add_parser("sdc", help="SDC analysis: a healthy and a faulty replica in lockstep")
+    sdc_sub = sdc.add_subparsers(dest="sdc_command", required=True)
+    lock = sdc_sub.add_parser("lockstep", help="level 1 (submodules), 2 (steps) or 3 (a period)")
+    lock.add_argument("--level", type=int, choices=[1, 2, 3], default=1)
+    lock.add_argument("--out", required=True)
+    lock.add_argument(
+        "--family", default="llama", choices=["bert", "roberta", "gpt2", "gpt_neo", "llama"]
+    )
+    lock.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
+    lock.add_argument("--steps", type=int, default=20)
+    lock.add_argument("--seed", type=int, default=0)
+    lock.add_argument("--data", nargs="+", help="text files or folders (default: Shakespeare)")
+    lock.set_defaults(func=_sdc)
     rep = sub.add_parser("report", help="rebuild a campaign's, demo's or run's report from files")
     rep.add_argument("out")
     rep.set_defaults(func=_report)

@@ -1,0 +1,98 @@
+"""SDC lockstep in one process: the determinism gate and the study's shape at three levels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnchecker import cli
+from attnchecker.models.tiny import FAMILIES, build
+from attnchecker.sdc import STUDY_NODE, LockstepConfig, SDCModel, boundaries, run_lockstep
+
+
+@pytest.fixture
+def text(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNCHECKER_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text(
+        "To be, or not to be, that is the question; whether tis nobler.\n" * 500
+    )
+    return (str(tmp_path / "t"),)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_boundaries_of_every_family(family):
+    sites = boundaries(build(family))
+    assert [(layer, kind) for _, layer, kind, _ in sites] == [
+        (0, "attention"),
+        (0, "mlp"),
+        (1, "attention"),
+        (1, "mlp"),
+    ]
+
+
+def test_corruption_rate_and_severity_are_as_configured():
+    model = SDCModel(rate=0.01, log_rel_min=-3, log_rel_max=-3, tail=0.0)
+    t = torch.ones(100_000)
+    hits = model.corrupt_(t, site_rate=0.01, generator=torch.Generator().manual_seed(0))
+    changed = (t != 1).sum().item()
+    assert 800 < hits < 1200 and changed <= hits
+    assert torch.allclose((t[t != 1] - 1).abs(), torch.full((changed,), 1e-3), rtol=1e-3)
+    assert not SDCModel(onset=5).active(4) and SDCModel(onset=5).active(5)
+    assert [SDCModel(burst=2, gap=3).active(s) for s in range(1, 8)] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]
+
+
+def test_level1_gate_and_isolation(text, tmp_path):
+    s = run_lockstep(LockstepConfig(level=1, steps=4, data=text), tmp_path / "l1")
+    assert s["gate_mismatches"] == 0 and s["deterministic"]
+    assert 1e-7 <= s["mismatch_frequency"] <= 3e-2  # the study's range
+    rows = [json.loads(x) for x in (tmp_path / "l1" / "steps.jsonl").read_text().splitlines()]
+    assert {r["direction"] for r in rows} == {"forward", "backward"}
+    assert {r["submodule"] for r in rows} == {"attention", "mlp"}
+    clean = run_lockstep(
+        LockstepConfig(level=1, steps=2, data=text, sdc=SDCModel(rate=0, mlp_rate=0)),
+        tmp_path / "c",
+    )
+    assert clean["mismatch_frequency"] == 0.0  # no fault model: the replicas agree bit for bit
+
+
+def test_level2_and_level3_shape(text, tmp_path):
+    s2 = run_lockstep(LockstepConfig(level=2, steps=20, data=text, sdc=STUDY_NODE), tmp_path / "l2")
+    assert 1e-3 < s2["worst_gradient_nsr"] < 0.2  # a few percent
+    s3 = run_lockstep(LockstepConfig(level=3, steps=20, data=text), tmp_path / "l3")
+    assert s3["final_param_drift"] > 0  # the weights moved apart ...
+    assert s3["final_loss"]["faulty"] == pytest.approx(
+        s3["final_loss"]["healthy"], rel=1e-3
+    )  # ... loss did not
+    assert s3["control_param_drift"] > 0 and "control_prediction_divergence" in s3
+
+
+def test_cli_sdc_lockstep(text, tmp_path):
+    assert (
+        cli.main(
+            [
+                "sdc",
+                "lockstep",
+                "--level",
+                "2",
+                "--steps",
+                "3",
+                "--out",
+                str(tmp_path / "o"),
+                "--data",
+                *text,
+            ]
+        )
+        == 0
+    )
+    assert "worst_gradient_nsr" in json.loads((tmp_path / "o" / "summary.json").read_text())
