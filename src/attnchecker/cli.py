@@ -114,6 +114,29 @@ def _sdc(args: argparse.Namespace) -> int:
     return 0 if summary["deterministic"] else 1
 
 
+def _sdc_record(args: argparse.Namespace) -> int:
+    from attnchecker.sdc import STUDY_NODE
+    from attnchecker.sdc.fingerprint import record_run
+
+    sdc = STUDY_NODE if args.faulty else None
+    data = tuple(args.data) if args.data else None
+    path = record_run(
+        args.out, family=args.family, steps=args.steps, seed=args.seed, data=data, sdc=sdc
+    )
+    print(path)
+    return 0
+
+
+def _sdc_compare(args: argparse.Namespace) -> int:
+    import json
+
+    from attnchecker.sdc.fingerprint import compare
+
+    result = compare(args.a, args.b)
+    print(json.dumps(result, indent=2))
+    return 0 if result["identical"] else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     from attnchecker import __version__
 
@@ -188,6 +211,20 @@ def _parser() -> argparse.ArgumentParser:
     lock.add_argument("--seed", type=int, default=0)
     lock.add_argument("--data", nargs="+", help="text files or folders (default: Shakespeare)")
     lock.set_defaults(func=_sdc)
+    rec = sdc_sub.add_parser("record", help="record per-step fingerprints of a short training")
+    rec.add_argument("--out", required=True, help="JSONL file")
+    rec.add_argument(
+        "--family", default="llama", choices=["bert", "roberta", "gpt2", "gpt_neo", "llama"]
+    )
+    rec.add_argument("--steps", type=int, default=10)
+    rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--data", nargs="+")
+    rec.add_argument("--faulty", action="store_true", help="run under the study-shaped SDC preset")
+    rec.set_defaults(func=_sdc_record)
+    cmp_ = sdc_sub.add_parser("compare", help="first divergence and drift of two recordings")
+    cmp_.add_argument("a")
+    cmp_.add_argument("b")
+    cmp_.set_defaults(func=_sdc_compare)
     rep = sub.add_parser("report", help="rebuild a campaign's, demo's or run's report from files")
     rep.add_argument("out")
     rep.set_defaults(func=_report)

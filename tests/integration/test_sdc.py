@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,20 @@ def test_cli_sdc_lockstep(text, tmp_path):
         == 0
     )
     assert "worst_gradient_nsr" in json.loads((tmp_path / "o" / "summary.json").read_text())
+
+
+def test_record_and_compare_from_files(text, tmp_path):
+    a, b, c = (str(tmp_path / f"{n}.jsonl") for n in "abc")
+    base = ["sdc", "record", "--steps", "3", "--data", *text]
+    assert cli.main([*base, "--out", a]) == 0
+    assert cli.main([*base, "--out", b]) == 0
+    assert cli.main([*base, "--out", c, "--faulty"]) == 0
+    assert cli.main(["sdc", "compare", a, b]) == 0  # two healthy runs: identical, exit 0
+    assert cli.main(["sdc", "compare", a, c]) == 1
+    from attnchecker.sdc.fingerprint import compare
+
+    ac, ca = compare(a, c), compare(c, a)
+    assert ac["first_divergence"] == ca["first_divergence"] and ac["first_divergence"]["step"] == 1
+    assert ac["compared"] == 3 * 4 * 2  # steps x boundaries x (forward, backward)
+    line = json.loads(Path(a).read_text().splitlines()[0])
+    assert {"sum", "norm", "absmax", "nonfinite", "hash"} <= set(line)
