@@ -64,17 +64,23 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
-    import json
+def _relaunch(args: argparse.Namespace) -> int:
+    """Run this same command under torchrun with ``--nproc`` processes (gloo on CPU)."""
     import subprocess
 
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:  # relaunch under torchrun
-        argv = list(args.argv)
-        i = argv.index("--nproc")
-        del argv[i : i + 2]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc_per_node", str(args.nproc), "-m", "attnchecker.cli", *argv]
-        return subprocess.call(cmd)
+    argv = list(args.argv)
+    i = argv.index("--nproc")
+    del argv[i : i + 2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc_per_node", str(args.nproc), "-m", "attnchecker.cli", *argv]
+    return subprocess.call(cmd)
+
+
+def _train(args: argparse.Namespace) -> int:
+    import json
+
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _relaunch(args)
     from pathlib import Path
 
     from attnchecker.attention.config import ABFTConfig
@@ -104,13 +110,17 @@ def _sdc(args: argparse.Namespace) -> int:
     import json
 
     from attnchecker.sdc import LockstepConfig, run_lockstep
+    from attnchecker.sdc.twin import in_twin_mode, run_twin
 
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _relaunch(args)
     cfg = LockstepConfig(
         level=args.level, family=args.family, size=args.size, steps=args.steps, seed=args.seed,
         data=tuple(args.data) if args.data else None,
     )  # fmt: skip
-    summary = run_lockstep(cfg, args.out)
-    print(json.dumps({k: v for k, v in summary.items() if k != "per_layer_drift"}, indent=2))
+    summary = run_twin(cfg, args.out) if in_twin_mode() else run_lockstep(cfg, args.out)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "per_layer_drift"}, indent=2))
     return 0 if summary["deterministic"] else 1
 
 
@@ -210,6 +220,9 @@ def _parser() -> argparse.ArgumentParser:
     lock.add_argument("--steps", type=int, default=20)
     lock.add_argument("--seed", type=int, default=0)
     lock.add_argument("--data", nargs="+", help="text files or folders (default: Shakespeare)")
+    lock.add_argument(
+        "--nproc", type=int, default=1, choices=[1, 2], help="2: healthy rank 0, faulty rank 1"
+    )
     lock.set_defaults(func=_sdc)
     rec = sdc_sub.add_parser("record", help="record per-step fingerprints of a short training")
     rec.add_argument("--out", required=True, help="JSONL file")

@@ -114,3 +114,21 @@ def test_record_and_compare_from_files(text, tmp_path):
     assert ac["compared"] == 3 * 4 * 2  # steps x boundaries x (forward, backward)
     line = json.loads(Path(a).read_text().splitlines()[0])
     assert {"sum", "norm", "absmax", "nonfinite", "hash"} <= set(line)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_two_ranks_match_one_process(text, tmp_path, level):
+    args = ["sdc", "lockstep", "--level", str(level), "--steps", "3", "--data", *text]
+    assert cli.main([*args, "--out", str(tmp_path / "one")]) == 0
+    assert cli.main([*args, "--out", str(tmp_path / "two"), "--nproc", "2"]) == 0
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["mode"] == "two_ranks" and two["gate_mismatches"] == 0
+    keys = {
+        1: ["mismatch_frequency", "mismatch_severity"],
+        2: ["worst_gradient_nsr", "mean_gradient_nsr"],
+        3: ["final_param_drift", "control_param_drift", "prediction_divergence"],
+    }[level]
+    for k in keys:
+        assert two[k] == pytest.approx(one[k], rel=1e-6, abs=1e-12), k
