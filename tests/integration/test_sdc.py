@@ -132,3 +132,13 @@ def test_two_ranks_match_one_process(text, tmp_path, level):
     }[level]
     for k in keys:
         assert two[k] == pytest.approx(one[k], rel=1e-6, abs=1e-12), k
+
+
+def test_detectors_side_by_side(text):
+    from attnchecker.sdc.detectors import DetectorTrial, run_detectors
+
+    r = run_detectors(DetectorTrial(steps=4, onset=2, replica_every=2, data=text))
+    assert r["step_replay"]["detected"] and r["abft"]["detected"] and r["replica_check"]["detected"]
+    assert r["abft"]["latency_steps"] == 0
+    assert not r["loss_check"]["detected"]  # small SDC does not move the loss: the study's point
+    assert not any(v["false_alarm"] for v in r.values())
