@@ -58,6 +58,10 @@ def _report(args: argparse.Namespace) -> int:
         print(demo_report(out))
     elif (out / "metrics.jsonl").exists():
         print(run_report(out))
+    elif (out / "steps.jsonl").exists() and (out / "summary.json").exists():
+        from attnchecker.report.sdc import sdc_report
+
+        print(sdc_report(out))
     else:
         print(f"{out}: not a campaign, demo or training run directory", file=sys.stderr)
         return 2
@@ -120,6 +124,9 @@ def _sdc(args: argparse.Namespace) -> int:
     )  # fmt: skip
     summary = run_twin(cfg, args.out) if in_twin_mode() else run_lockstep(cfg, args.out)
     if int(os.environ.get("RANK", "0")) == 0:
+        from attnchecker.report.sdc import sdc_report
+
+        sdc_report(args.out)
         print(json.dumps({k: v for k, v in summary.items() if k != "per_layer_drift"}, indent=2))
     return 0 if summary["deterministic"] else 1
 

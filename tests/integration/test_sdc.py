@@ -97,6 +97,8 @@ def test_cli_sdc_lockstep(text, tmp_path):
         == 0
     )
     assert "worst_gradient_nsr" in json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert (tmp_path / "o" / "report.html").exists() and (tmp_path / "o" / "level2.png").exists()
+    assert cli.main(["report", str(tmp_path / "o")]) == 0
 
 
 def test_record_and_compare_from_files(text, tmp_path):

@@ -135,7 +135,10 @@ def _mismatch(faulty: Tensor, healthy: Tensor) -> tuple[int, float]:
     n = int(differ.sum())
     if n == 0:
         return 0, 0.0
-    rel = ((f - h).abs() / h.abs().clamp_min(1e-30))[differ]
+    # |h| is floored at 1e-6 of the tensor's largest |h|: exact zeros (masked positions, zero
+    # gradients) would otherwise make the mean relative difference infinite.
+    floor = 1e-6 * float(h.abs().nan_to_num(0.0, 0.0, 0.0).max().clamp_min(1e-30))
+    rel = ((f - h).abs() / h.abs().clamp_min(floor))[differ]
     return n, float(rel.nan_to_num(float("inf")).mean())
 
 
@@ -295,7 +298,14 @@ def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
                 for name, rep, seed, hook in arms:
                     losses[name].append(rep.step(_inputs(blocks, step, cfg, seed), step, hook))
                     rep.update()
-                f.write(json.dumps({"step": step, **{k: v[-1] for k, v in losses.items()}}) + "\n")
+                drift = {
+                    "drift": _drift(faulty.model, healthy.model),
+                    "control_drift": _drift(control.model, healthy.model),
+                }
+                f.write(
+                    json.dumps({"step": step, **{k: v[-1] for k, v in losses.items()}, **drift})
+                    + "\n"
+                )
             held = _inputs(blocks, 10_000, cfg, cfg.seed + 99)
             summary |= {
                 "final_param_drift": _drift(faulty.model, healthy.model),
