@@ -87,7 +87,7 @@ def main() -> None:
         "",
         f"`python benchmarks/sdc_detectors.py --trials {args.trials}`; torch {env['torch']}, {env['date']}. Tiny models, "
         "12 steps, study-shaped SDC preset (per element 1e-3 in attention at q/k/v/scores/probs/context/out, 3e-4 at MLP "
-        "outputs, relative errors 1e-8..1e-2 with a 2% tail to 1e3) from step 4; latency in steps from the onset; false "
+        "outputs, relative errors 1e-8..1e-2 with a 1% tail to 1e3) from step 4; latency in steps from the onset; false "
         "alarms on the same runs without faults. Overhead: extra time per step (replica check: parameter comparison every "
         "4 steps, not counting the replica itself; ABFT: protected step vs plain at this tiny width, hidden 32, where its "
         "fixed per-op cost dominates: at base width the step overhead is 0-8%, see protect_overhead). The replica check "
