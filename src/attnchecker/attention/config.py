@@ -24,9 +24,11 @@ class ABFTConfig:
     - ``ops``: which operations are verified (a subset of :data:`OPS`); the others still expose
       their named sites, so an empty tuple gives an instrumented but unprotected model.
     - ``layers``: indices of the attention layers to protect (None: all).
-    - ``mode``: ``"passing"`` derives references from upstream clean data where the algebra
-      allows it (the Q/K/V token sums feed the scores check), ``"naive"`` encodes every GEMM
-      from its own operands (the baseline it is measured against).
+    - ``mode``: ``"passing"`` hands what the projection checks know to the attention checks (the
+      magnitude bounds of Q, K and V from ||x_t|| and ||W_o||, and V's row sums once V is
+      repaired), ``"naive"`` computes every check from its own operands (the baseline). Reference
+      sums are taken from the checked operands in both: re-deriving them from X would re-read W,
+      which costs more on CPU than summing K.
     - ``policy``: what :meth:`ProtectionHandle.drain` does about an uncorrectable error.
     - ``max_rows``: token rows of a projection output that may be recomputed per call (covers
       whole-row errors and 2D blocks spanning up to this many tokens).
