@@ -2,17 +2,18 @@
 
 Each check compares, per checked vector, a *reference* sum derived from the operands with the
 sum *recomputed* from the delivered output, within the rounding-error bound of
-:mod:`attnchecker.abft.tolerance` (whose magnitudes may come from the projections: ``passing``). What is flagged is then
-repaired by recomputing a fixed number of units from the operands, with the op that produced
-them, so no step needs a host synchronisation and a repaired value is what a fault-free run
-computes (up to the rounding of a smaller GEMM):
+:mod:`attnchecker.abft.tolerance` (its magnitudes may come from the projections: ``passing``).
+What is flagged is then repaired by recomputing a fixed number of units from the operands, with
+the op that produced them, so no step needs a host synchronisation and a repaired value is what
+a fault-free run computes (up to the rounding of a smaller GEMM):
 
 - a projection y = x W^T + b (B, L, N): every token row is checked against x_t . (W^T 1) + sum(b)
   (per part of a fused Q|K|V), and every feature column gets a reference-free range check that
   locates extreme whole-column errors; up to ``max_rows`` flagged token rows and the first
-  flagged feature are recomputed. That repairs one element, a whole token row, a whole feature column and 2D blocks
-  spanning up to ``max_rows`` tokens. The column is recomputed over all B * L tokens, as the
-  flattened GEMM computes it, so a fault along one output feature of the GEMM is repaired too.
+  flagged feature are recomputed. That repairs one element, a whole token row, a whole feature
+  column and 2D blocks spanning up to ``max_rows`` tokens. The column is recomputed over all
+  B * L tokens, as the flattened GEMM computes it, so a fault along one output feature of the
+  GEMM is repaired too.
 - scores, probabilities and context (B, nh, L, M): query rows are checked; up to ``max_heads``
   flagged (batch, head) matrices are recomputed, which repairs any pattern inside them.
 
