@@ -102,7 +102,7 @@ def _train(args: argparse.Namespace) -> int:
         family=args.family, size=args.size, task=args.task, steps=args.steps, batch=args.batch,
         seq_len=args.seq_len, lr=args.lr, seed=args.seed, protect=args.protect,
         abft=ABFTConfig(policy=args.policy) if args.protect else None, recovery=args.recovery,
-        checkpoint_every=args.checkpoint_every, bf16=args.bf16,
+        checkpoint_every=args.checkpoint_every, bf16=args.bf16, warmup=args.warmup,
         data=tuple(args.data) if args.data else None,
     )  # fmt: skip
     summary = train(cfg, args.out, faults=faults)
@@ -209,6 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--policy", default="warn", choices=["raise", "skip_step", "warn"])
     tr.add_argument("--recovery", default="none", choices=["none", "checkpoint"])
     tr.add_argument("--checkpoint-every", type=int, default=10)
+    tr.add_argument("--warmup", type=int, default=0, help="linear learning-rate warmup steps")
     tr.add_argument("--bf16", action="store_true", help="CPU bf16 autocast")
     tr.add_argument("--data", nargs="+", help="text files or folders (default: Shakespeare)")
     tr.add_argument("--faults", help="a fault plan as JSON (FaultPlan.to_json)")

@@ -1,8 +1,9 @@
 """Checkpoint / restore, the baseline protection is compared with.
 
 A checkpoint is a directory ``step-000120/`` holding ``tensors.safetensors`` (model parameters,
-optimizer state tensors, the torch RNG state) and ``meta.json`` (step, data position,
-optimizer scalars, the SHA-256 of the tensor file). It is written to a temporary directory and
+optimizer state tensors, the torch RNG state) and ``meta.json`` (step, which is also the data
+position, optimizer scalars and param groups, the LR scheduler's state, the SHA-256 of the
+tensor file). It is written to a temporary directory and
 renamed into place, so a crash never leaves a half checkpoint under a real name. Loading never
 unpickles anything; a checkpoint whose hash, size or JSON does not check out raises
 :class:`CheckpointError` and :meth:`CheckpointManager.restore` falls back to the previous one.
@@ -69,7 +70,12 @@ class CheckpointManager:
         return step % self.every == 0
 
     def save(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, **extra: Any
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        **extra: Any,
     ) -> Path:
         from safetensors.torch import save_file
 
@@ -92,6 +98,7 @@ class CheckpointManager:
             "step": step,
             "optimizer_scalars": scalars,
             "param_groups": opt["param_groups"],
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
             "sha256": _sha256(tmp / "tensors.safetensors"),
             "extra": extra,
         }
@@ -102,7 +109,9 @@ class CheckpointManager:
             shutil.rmtree(self.directory / f"step-{old:06d}", ignore_errors=True)
         return final
 
-    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def load(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None
+    ) -> dict[str, Any]:
         """Load one checkpoint into ``model`` and ``optimizer``; returns its metadata."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -125,15 +134,19 @@ class CheckpointManager:
             pid, key = k.split(".", 1)
             state.setdefault(int(pid), {})[key] = v
         optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        if scheduler is not None and meta.get("scheduler") is not None:
+            scheduler.load_state_dict(meta["scheduler"])
         torch.set_rng_state(tensors["rng.torch"])
         return meta
 
-    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def restore(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None
+    ) -> dict[str, Any]:
         """Load the newest valid checkpoint, falling back to older ones; raises if none loads."""
         errors = []
         for step in reversed(self.steps()):
             try:
-                return self.load(step, model, optimizer)
+                return self.load(step, model, optimizer, scheduler)
             except CheckpointError as e:
                 errors.append(str(e))
         raise CheckpointError(

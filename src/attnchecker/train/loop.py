@@ -51,6 +51,7 @@ class TrainConfig:
     abft: ABFTConfig | None = None
     recovery: str = "none"  # none | checkpoint
     checkpoint_every: int = 10
+    warmup: int = 0  # steps of linear learning-rate warmup (a scheduler the checkpoints carry)
     bf16: bool = False
     data: tuple[str, ...] | None = None  # text files or folders; default: Shakespeare
     vocab_size: int = 2048
@@ -114,6 +115,9 @@ def train(
     model.config.use_cache = False
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    sched = None
+    if cfg.warmup > 0:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
     handle = protect_(model, cfg.abft or ABFTConfig(policy="warn")) if cfg.protect else None
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     if rank != cfg.fault_rank:
@@ -158,7 +162,7 @@ def train(
         bar = stack.enter_context(_bar(cfg.steps, progress))
         if ckpt is not None:
             t0 = time.perf_counter()
-            ckpt.save(0, model, opt)
+            ckpt.save(0, model, opt, sched)
             totals["save_s"] += time.perf_counter() - t0
             totals["saves"] += 1
         fired_seen = 0
@@ -198,7 +202,7 @@ def train(
             if status and ckpt is not None:
                 opt.zero_grad(set_to_none=True)
                 t1 = time.perf_counter()
-                restored = ckpt.restore(model, opt)
+                restored = ckpt.restore(model, opt, sched)
                 totals["load_s"] += time.perf_counter() - t1
                 totals["rollbacks"] += 1
                 totals["replayed_steps"] += step + 1 - restored["step"]
@@ -214,6 +218,8 @@ def train(
             non_trainable |= bool(status)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
             step += 1
             last_loss = loss_v
             dt = time.perf_counter() - t0
@@ -223,7 +229,7 @@ def train(
             bar(step, loss_v, row["step_time_s"], fired_seen, counts["corrected"])
             if ckpt is not None and ckpt.due(step):
                 t1 = time.perf_counter()
-                ckpt.save(step, model, opt)
+                ckpt.save(step, model, opt, sched)
                 totals["save_s"] += time.perf_counter() - t1
                 totals["saves"] += 1
             if non_trainable and cfg.stop_when_non_trainable:
