@@ -48,3 +48,47 @@ def test_two_ranks_stay_identical_and_equal_to_fault_free(tmp_path, monkeypatch)
     events = (tmp_path / "faulty" / "events.jsonl").read_text()
     assert '"type": "fault"' in events and '"action": "corrected"' in events
     assert not json.loads((tmp_path / "faulty" / "summary.json").read_text())["non_trainable"]
+
+
+def test_two_ranks_roll_back_together(tmp_path, monkeypatch):
+    """Unprotected, with checkpoint/restore: a NaN on rank 0 sends both ranks back to the same
+    checkpoint; after the replay they match the fault-free two-rank run."""
+    import json
+
+    monkeypatch.setenv("ATTNCHECKER_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "t.txt").write_text(
+        "Now is the winter of our discontent made glorious summer.\n" * 400
+    )
+    plan = FaultPlan.builder().at(3).site("context", layer=1).kind("nan").add().build()
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    common = [
+        "train",
+        "--nproc",
+        "2",
+        "--steps",
+        "4",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--data",
+        str(tmp_path / "texts"),
+    ]
+    common += ["--recovery", "checkpoint", "--checkpoint-every", "2"]
+    assert cli.main([*common, "--out", str(tmp_path / "clean")]) == 0
+    assert (
+        cli.main(
+            [*common, "--out", str(tmp_path / "faulty"), "--faults", str(tmp_path / "plan.json")]
+        )
+        == 0
+    )
+    summary = json.loads((tmp_path / "faulty" / "summary.json").read_text())
+    assert summary["rollbacks"] == 1 and not summary["non_trainable"]
+    clean = _weights(tmp_path / "clean" / "model.safetensors")
+    for rank_file in (
+        tmp_path / "faulty" / "model.safetensors",
+        tmp_path / "faulty" / "rank1" / "model.safetensors",
+    ):
+        for k, v in _weights(rank_file).items():
+            assert torch.allclose(v, clean[k], atol=1e-6), k

@@ -13,7 +13,8 @@ a step with an uncorrectable error under ``policy="skip_step"`` is skipped (a gu
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) the model is wrapped in ``DistributedDataParallel``
 (gloo on CPU, nccl on GPU), each rank trains on its own data, faults hit ``fault_rank`` only,
-and the ranks agree on every decision (they share the worst loss and the skip flag). Protection
+and the ranks agree on every decision (they share the worst loss and the skip flag); rank 0
+writes the checkpoints and every rank rolls back to the same one. Protection
 repairs a fault before the gradient all-reduce, so all ranks keep identical parameters.
 """
 
@@ -86,19 +87,14 @@ def train(
     from attnchecker.inject.injector import Injector
     from attnchecker.models.protect import protect_
     from attnchecker.models.tiny import build
-    from attnchecker.recovery.checkpoint import (
-        CheckpointManager,
-        NonTrainableDetector,
-        save_weights,
-    )
+    from attnchecker.recovery.checkpoint import NonTrainableDetector, save_weights
     from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if world > 1 and cfg.recovery != "none":
-        raise ConfigError("checkpoint recovery is not supported with several processes yet")
     owns_group = world > 1 and not dist.is_initialized()
     if owns_group:
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    ckpt_dir = Path(out) / "checkpoints"  # one set for all ranks: rank 0 writes, all read
     out = Path(out) if rank == 0 else Path(out) / f"rank{rank}"
     out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(list(cfg.data) if cfg.data else None)
@@ -124,7 +120,7 @@ def train(
         faults = None  # a fault is one node's: the others compute cleanly
     detector = NonTrainableDetector()
     ckpt = (
-        CheckpointManager(out / "checkpoints", every=cfg.checkpoint_every)
+        _SharedCheckpoints(ckpt_dir, cfg.checkpoint_every, rank, world)
         if cfg.recovery == "checkpoint"
         else None
     )
@@ -252,6 +248,32 @@ def train(
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+class _SharedCheckpoints:
+    """Checkpoints of a data-parallel run: rank 0 saves (the ranks are identical), every rank
+    waits for it, and every rank restores the same checkpoint."""
+
+    def __init__(self, directory: Path, every: int, rank: int, world: int) -> None:
+        from attnchecker.recovery.checkpoint import CheckpointManager
+
+        self.manager = CheckpointManager(directory, every=every) if rank == 0 else None
+        self.directory, self.every, self.rank, self.world = directory, every, rank, world
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def save(self, step: int, *state: Any) -> None:
+        if self.manager is not None:
+            self.manager.save(step, *state)
+        if self.world > 1:
+            dist.barrier()
+
+    def restore(self, *state: Any) -> dict[str, Any]:
+        from attnchecker.recovery.checkpoint import CheckpointManager
+
+        reader = self.manager or CheckpointManager(self.directory, every=self.every)
+        return reader.restore(*state)
 
 
 @contextlib.contextmanager
