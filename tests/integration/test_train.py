@@ -106,12 +106,8 @@ def test_the_four_arms(tmp_path, data):
     # warmup: a rollback must restore the scheduler too, or the replayed steps use other rates
     ref = train(_cfg(data, warmup=5), tmp_path / "ref", progress=False)
     plain = train(_cfg(data, warmup=5), tmp_path / "plain", faults=plan, progress=False)
-    ckpt = train(
-        _cfg(data, recovery="checkpoint", checkpoint_every=2, warmup=5),
-        tmp_path / "ckpt",
-        faults=plan,
-        progress=False,
-    )
+    ckpt_cfg = _cfg(data, recovery="checkpoint", checkpoint_every=2, warmup=5)
+    ckpt = train(ckpt_cfg, tmp_path / "ckpt", faults=plan, progress=False)
     prot = train(_cfg(data, protect=True, warmup=5), tmp_path / "prot", faults=plan, progress=False)
     assert plain["non_trainable"] and plain["steps_done"] == 3
     assert not ckpt["non_trainable"] and ckpt["rollbacks"] == 2 and ckpt["replayed_steps"] == 3
@@ -130,6 +126,10 @@ def test_the_four_arms(tmp_path, data):
         (3, 2),
         (6, 4),
     ]
+    # a rerun into the same directory must not roll back into the previous run's checkpoints
+    again = train(ckpt_cfg, tmp_path / "ckpt", faults=plan, progress=False)
+    assert (again["rollbacks"], again["replayed_steps"]) == (2, 3)
+    assert again["final_loss"] == pytest.approx(ckpt["final_loss"], rel=1e-6)
 
 
 def test_guarded_step_skips_an_uncorrectable_step(tmp_path, data):
