@@ -266,7 +266,7 @@ def run_training_demo(
     import json
     from pathlib import Path
 
-    from attnchecker.report.training import ARMS, demo_report
+    from attnchecker.report.training import ARMS, COLUMNS, arm_row, demo_report
     from attnchecker.train.loop import TrainConfig, train
 
     console = console or Console(width=max(Console().width, 132))
@@ -301,28 +301,10 @@ def run_training_demo(
     Path(out, "summary.json").write_text(json.dumps(summary_doc, indent=2))
     report = demo_report(out)
     table = Table()
-    cols = (
-        "arm",
-        "faults",
-        "detected",
-        "corrected",
-        "final loss",
-        "non-trainable",
-        "wall s",
-        "overhead",
-        "recovery cost",
-    )
-    for c in cols:
+    for c in COLUMNS:
         table.add_column(c, justify="left" if c == "arm" else "right", no_wrap=True)
     for arm in ARMS:
-        s = summary[arm]
-        cost = f"{s['recovery_cost_steps']:.1f} steps, {s['rollbacks']} rollbacks"
-        table.add_row(
-            arm, str(s["faults_injected"]), str(s["faults_detected"]), str(s["faults_corrected"]),
-            f"{s['final_loss']:.4f}", "[red]yes[/]" if s["non_trainable"] else "no",
-            f"{s['wall_time_s']:.1f}", "" if arm == "reference" else f"{100 * s['overhead']:+.0f}%",
-            cost if s["saves"] else "",
-        )  # fmt: skip
+        table.add_row(*arm_row(arm, summary))
     console.print(table)
     console.print(
         "Recovery cost = checkpoint save + load time in training steps, plus the steps replayed "

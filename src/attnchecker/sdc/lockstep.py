@@ -223,12 +223,10 @@ def _inputs(blocks, step: int, cfg: LockstepConfig, seed: int) -> dict[str, Tens
     return {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}
 
 
-def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
-    """Run the determinism gate and the chosen level; write ``steps.jsonl`` and ``summary.json``."""
+def _setup(cfg: LockstepConfig) -> tuple[Any, torch.nn.Module, torch.Generator]:
+    """Deterministic kernels, the batches, the base model both runs copy, the fault generator."""
     from attnchecker.models.tiny import build
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     set_determinism(cfg.seed)
     blocks = _batches(cfg)
     base = build(
@@ -236,7 +234,14 @@ def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
     )
     base.config.use_cache = False
     base.train()
-    gen = torch.Generator().manual_seed(cfg.sdc.seed)
+    return blocks, base, torch.Generator().manual_seed(cfg.sdc.seed)
+
+
+def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
+    """Run the determinism gate and the chosen level; write ``steps.jsonl`` and ``summary.json``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    blocks, base, gen = _setup(cfg)
 
     # The gate: two healthy replicas, level 1, must not differ in a single bit.
     a, b = _Replica(copy.deepcopy(base), cfg.lr), _Replica(copy.deepcopy(base), cfg.lr)

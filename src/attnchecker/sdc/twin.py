@@ -24,7 +24,6 @@ from torch import Tensor
 
 from attnchecker.sdc.lockstep import (
     LockstepConfig,
-    _batches,
     _corrupting,
     _divergence,
     _first,
@@ -32,10 +31,17 @@ from attnchecker.sdc.lockstep import (
     _mismatch,
     _Replica,
     _row,
-    set_determinism,
+    _setup,
 )
 
 __all__ = ["run_twin"]
+
+
+def _from_rank0(t: Tensor, rank: int) -> Tensor:
+    """Rank 0's (healthy) value of the tensor both ranks hold as ``t``."""
+    out = t.detach().contiguous().clone() if rank == 0 else torch.empty(t.shape, dtype=t.dtype)
+    dist.broadcast(out, src=0)
+    return out
 
 
 def _level1_hooks(rank: int, sdc, step: int, gen: torch.Generator, rows: list):
@@ -47,12 +53,7 @@ def _level1_hooks(rank: int, sdc, step: int, gen: torch.Generator, rows: list):
             t = _first(output)
             if t is None:
                 return
-            healthy = (
-                t.detach().contiguous().clone()
-                if rank == 0
-                else torch.empty(t.shape, dtype=t.dtype)
-            )
-            dist.broadcast(healthy, src=0)
+            healthy = _from_rank0(t, rank)
             if rank == 1:
                 if on and sdc.forward:
                     sdc.corrupt_(t.data, site_rate=rate, generator=gen)
@@ -62,12 +63,7 @@ def _level1_hooks(rank: int, sdc, step: int, gen: torch.Generator, rows: list):
             if t.requires_grad:
 
                 def on_grad(g: Tensor) -> Tensor | None:
-                    hg = (
-                        g.detach().contiguous().clone()
-                        if rank == 0
-                        else torch.empty(g.shape, dtype=g.dtype)
-                    )
-                    dist.broadcast(hg, src=0)
+                    hg = _from_rank0(g, rank)
                     if rank == 0:
                         return None
                     g = g.clone()
@@ -86,22 +82,13 @@ def _level1_hooks(rank: int, sdc, step: int, gen: torch.Generator, rows: list):
 
 def run_twin(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
     """Run under torchrun with two processes; rank 0 writes ``out``; both return the summary."""
-    from attnchecker.models.tiny import build
-
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     if dist.get_world_size() != 2:
         raise RuntimeError("the two-process lockstep needs exactly 2 ranks")
-    set_determinism(cfg.seed)
-    blocks = _batches(cfg)
-    base = build(
-        cfg.family, cfg.size, seed=cfg.seed, vocab_size=blocks.vocab_size, max_len=cfg.seq_len
-    )
-    base.config.use_cache = False
-    base.train()
-    gen = torch.Generator().manual_seed(cfg.sdc.seed)
+    blocks, base, gen = _setup(cfg)
 
     gate_rows: list = []
     gate = _Replica(copy.deepcopy(base), cfg.lr)
