@@ -38,6 +38,7 @@ def write(theme: str, payload: dict[str, object], markdown: str) -> Path:
     stem = RESULTS / f"{theme}_{hardware_tag()}_{_dt.date.today().isoformat()}"
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown)
+    print(f"wrote {stem}.json / .md")
     return stem
 
 

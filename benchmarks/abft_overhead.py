@@ -109,12 +109,11 @@ def main() -> None:
     args = ap.parse_args()
     env = environment()
     rows = [r for v in VARIANTS for r in run(args.reps, v)]
-    stem = write(
+    write(
         "abft_overhead",
         {"environment": env, "reps": args.reps, "rows": rows},
         _markdown(rows, env, args.reps),
     )
-    print(f"wrote {stem}.json / .md")
 
 
 if __name__ == "__main__":

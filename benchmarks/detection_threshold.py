@@ -21,27 +21,9 @@ import torch
 
 from _common import environment, write
 from attnchecker.abft import protected_matmul
+from attnchecker.abft.testing import DATA, random_operands
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _operands(shape_a, shape_b, dtype, scale, data, g):
-    def draw(shape):
-        x = torch.randn(shape, generator=g, dtype=torch.float64)
-        if data == "positive":
-            return x.abs()
-        if data == "constant":
-            return torch.full(shape, 0.7, dtype=torch.float64)
-        if data == "lognormal":
-            return (2 * x).exp() * torch.randn(shape, generator=g, dtype=torch.float64).sign()
-        if data == "zero_rows":
-            x[..., ::3, :] = 0
-        return x
-
-    a, b = draw(shape_a), draw(shape_b)
-    peak = (a @ b).abs().amax()
-    s = math.sqrt(scale / peak) if peak > 0 else 1.0
-    return (a * s).to(dtype), (b * s).to(dtype)
 
 
 def sensitivity(dtype: torch.dtype, trials: int) -> dict[str, object]:
@@ -96,15 +78,14 @@ def false_alarms() -> dict[str, object]:
         ((256, 768), (768, 768)),
         ((64, 4096), (4096, 64)),
     ]
-    datas = ["normal", "positive", "constant", "lognormal", "zero_rows"]
     scales = [1e-3, 1e-1, 1.0, 1e2, 1e4]
     g = torch.Generator().manual_seed(1)
     out = {}
     for name, dtype in DTYPES.items():
         cases = flagged = 0
-        for (sa, sb), data, scale in itertools.product(shapes, datas, scales):
+        for (sa, sb), data, scale in itertools.product(shapes, DATA, scales):
             for _ in range(2):
-                a, b = _operands(sa, sb, dtype, scale, data, g)
+                a, b = random_operands(sa, sb, dtype=dtype, scale=scale, data=data, generator=g)
                 _, rep = protected_matmul(a, b)
                 cases += rep.detected.numel()
                 flagged += int(rep.detected.sum())
@@ -151,12 +132,11 @@ def main() -> None:
             f"{name}: 100% detection from {s['always_detected_rel_l1']:.3g} x ||row||_1 "
             f"(50% at {s['half_detected_rel_l1']:.3g}); false alarms {fa[name]['false_alarms']} / {fa[name]['cases']}"
         )
-    stem = write(
+    write(
         "detection_threshold",
         {"environment": env, "sensitivity": sens, "false_alarms": fa},
         "\n".join(lines) + "\n",
     )
-    print(f"wrote {stem}.json / .md")
 
 
 if __name__ == "__main__":

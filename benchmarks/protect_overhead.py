@@ -179,12 +179,11 @@ def main() -> None:
             f"attention {r['attn_plain_ms']:6.2f} -> {r['attn_protected_ms']:6.2f} ms ({100 * r['attn_overhead']:+.1f}%)  "
             f"checks " + " ".join(f"{op}={v:.2f}" for op, v in r["check_ms"].items())
         )
-    stem = write(
+    write(
         "protect_overhead",
         {"environment": env, "reps": args.reps, "rows": rows},
         _markdown(rows, env, args.reps),
     )
-    print(f"wrote {stem}.json / .md")
 
 
 if __name__ == "__main__":

@@ -115,8 +115,7 @@ def main() -> None:
             f"{r['save_load_steps']:.1f} | {r['lost_steps_per_fault_k100']:.0f} | {r['lost_steps_per_fault_k500']:.0f} | "
             f"{100 * r['save_overhead_k100']:.2f}% | {100 * r['save_overhead_k500']:.2f}% | {100 * r['protection_overhead']:+.1f}% |"
         )
-    stem = write("recovery_cost", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
-    print(f"wrote {stem}.json / .md")
+    write("recovery_cost", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -102,8 +102,7 @@ def main() -> None:
         lines.append(
             f"| {r['family']} | {r['detector']} | {r['trials']} | {r['detection_rate']:.0%} | {lat} | {r['false_alarms']} | {100 * r['overhead']:.1f}% |"
         )
-    stem = write("sdc_detectors", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
-    print(f"wrote {stem}.json / .md")
+    write("sdc_detectors", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
