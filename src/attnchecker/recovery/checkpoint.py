@@ -69,6 +69,15 @@ class CheckpointManager:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
+    def _path(self, step: int) -> Path:
+        return self.directory / f"step-{step:06d}"
+
+    def clear(self, keep: int = 0) -> None:
+        """Delete all but the newest ``keep`` checkpoints (all of them by default: a fresh run)."""
+        steps = self.steps()
+        for old in steps[: max(0, len(steps) - keep)]:
+            shutil.rmtree(self._path(old), ignore_errors=True)
+
     def save(
         self,
         step: int,
@@ -89,7 +98,7 @@ class CheckpointManager:
                 else:
                     scalars[f"{pid}.{key}"] = value
         tensors["rng.torch"] = torch.get_rng_state()
-        final = self.directory / f"step-{step:06d}"
+        final = self._path(step)
         tmp = self.directory / f".tmp-{step:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -105,8 +114,7 @@ class CheckpointManager:
         (tmp / "meta.json").write_text(json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in self.steps()[: -self.keep]:
-            shutil.rmtree(self.directory / f"step-{old:06d}", ignore_errors=True)
+        self.clear(keep=self.keep)
         return final
 
     def load(
@@ -116,7 +124,7 @@ class CheckpointManager:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        path = self.directory / f"step-{step:06d}"
+        path = self._path(step)
         try:
             meta = json.loads((path / "meta.json").read_text())
             if _sha256(path / "tensors.safetensors") != meta["sha256"]:

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,8 +259,7 @@ class _SharedCheckpoints:
 
         self.manager = CheckpointManager(directory, every=every) if rank == 0 else None
         if self.manager is not None:  # a fresh run: never roll back into a previous run's state
-            for old in self.manager.steps():
-                shutil.rmtree(directory / f"step-{old:06d}", ignore_errors=True)
+            self.manager.clear()
         self.directory, self.every, self.rank, self.world = directory, every, rank, world
 
     def due(self, step: int) -> bool:
