@@ -1,61 +1,75 @@
-"""The checks of protected attention: detect with checksums, repair by recomputing from operands.
+"""The checks protected attention runs: detect with checksums, repair by recomputing from operands.
 
-Each check compares, per checked vector, a *reference* sum derived from the operands with the
-sum *recomputed* from the delivered output, within the rounding-error bound of
-:mod:`attnchecker.abft.tolerance` (its magnitudes may come from the projections: ``passing``).
-What is flagged is then repaired by recomputing a fixed number of units from the operands, with
-the op that produced them, so no step needs a host synchronisation and a repaired value is what
-a fault-free run computes (up to the rounding of a smaller GEMM):
+Every check compares, per checked vector, a *reference* sum derived from the operands with the
+sum *recomputed* from the delivered output, and flags the vector when they differ by more than
+a rounding-error bound (NaN compares False, so NaN is flagged too). What is flagged is repaired
+by recomputing a fixed number of units from the operands with the op that produced them: fixed
+sizes, so no step needs a host synchronisation, and a repaired value is what a fault-free run
+computes (up to the rounding of a smaller GEMM). Repairs write through ``.data``: the repaired
+tensor may already be saved for backward (softmax saves its output), and the saved values must
+become the repaired ones without tripping autograd's version check.
 
-- a projection y = x W^T + b (B, L, N): every token row is checked against x_t . (W^T 1) + sum(b)
-  (per part of a fused Q|K|V), and every feature column gets a reference-free range check that
-  locates extreme whole-column errors; up to ``max_rows`` flagged token rows and the first
-  flagged feature are recomputed. That repairs one element, a whole token row, a whole feature
-  column and 2D blocks spanning up to ``max_rows`` tokens. The column is recomputed over all
-  B * L tokens, as the flattened GEMM computes it, so a fault along one output feature of the
-  GEMM is repaired too.
-- scores, probabilities and context (B, nh, L, M): query rows are checked; up to ``max_heads``
-  flagged (batch, head) matrices are recomputed, which repairs any pattern inside them.
+Projections, y = x W^T + b (T = B * L tokens, K inputs, N outputs in G head groups of n), one
+call for all the projections of one input (Q, K and V share x):
 
-Each check returns a float64 record (:data:`~attnchecker.attention.state.RECORD_FIELDS`).
-Repairs write through ``.data``: the repaired tensor may already be saved for backward (softmax
-saves its output), and the saved values must become the repaired ones without tripping
-autograd's version check.
+- rows: for every token t and group g, sum_{o in g} y_to against x_t . (sum_{o in g} W_o) +
+  sum_{o in g} b_o, one thin GEMM (T, K) x (K, sum G) for all of them. Bound on the rounding
+  error, by Cauchy-Schwarz on the augmented vectors [x_t, 1] and [W_o, b_o]:
+  sum_{o in g} (sum_k |x_tk W_ok| + |b_o|) <= sqrt(n) (||x_t|| + 1) ||[W_g | b_g]||_F, times the
+  factor of :func:`~attnchecker.abft.tolerance.magnitude_factor`. Up to ``max_rows`` worst rows
+  are recomputed (one element, a token row, 2D blocks spanning up to ``max_rows`` tokens).
+- columns: a range check that needs no reference, |sum_t y_to| <= sum_t (||x_t|| + 1) ||W~||_F,
+  one scalar bound per projection, so the largest column sum is the worst column: it is
+  recomputed over all tokens (the flattened GEMM's column) when it breaks the bound. This locates
+  and repairs extreme whole-column errors (INF, NaN, near-INF, large), which flag every row.
+
+Heads, t (B, H, L, M) of the scores, probabilities and context: every query row is checked
+(references below) and the ``max_heads`` worst (batch, head) matrices are recomputed, which
+repairs any pattern inside them:
+
+- scores s = alpha q k^T: sum_j s_ij = alpha q_i . sum_j k_j; bound |alpha| ||q_i|| sum_j ||k_j||.
+- probabilities: every row sums to 1; each element carries a few roundings relative to itself
+  (exp, normalisation: 8 u_fp32) and one to p's dtype, the fp32 sum adds Lk u_fp32.
+- context c = p v: sum_f c_if = sum_j p_ij (sum_f v_jf); p >= 0 is its own magnitude, so one
+  thin GEMM p [v-bar, |v|-bar] gives the reference and its bound.
+
+Each check returns float64 records (:data:`~attnchecker.attention.state.RECORD_FIELDS` without
+the step), one per site, built with a handful of vectorised ops.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from attnchecker.abft.tolerance import magnitude_factor, underflow_floor, unit_roundoff
 
 __all__ = [
-    "InputSums",
     "Projection",
-    "ProjectionBounds",
     "WeightSums",
     "context_check_",
-    "input_sums",
-    "probs_check_",
+    "heads_repair_",
+    "probs_excess",
     "projection_check_",
-    "scores_check_",
+    "row_factor",
+    "row_floor",
+    "scores_excess",
     "weight_sums",
 ]
 
 _U32 = unit_roundoff(torch.float32)
+_F64 = torch.float64
 
 
 def _no_autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, enabled=False)
-
-
-def _bad(ref: Tensor | float, rec: Tensor, tol: Tensor) -> Tensor:
-    return ~((ref - rec).abs() <= tol)  # NaN compares False: flagged
 
 
 def _factor(out: Tensor, *operands: Tensor, inner: int, length: int) -> float:
@@ -67,34 +81,43 @@ def _factor(out: Tensor, *operands: Tensor, inner: int, length: int) -> float:
     ) + rounded * unit_roundoff(out.dtype)
 
 
-def _record(
-    detected: Tensor, repaired: Tensor, n_rows: Tensor, n_cols: Tensor, value: Tensor
-) -> Tensor:
-    """The float64 record of one check (:data:`~attnchecker.attention.state.RECORD_FIELDS`); the
-    delivered value is kept raw and classified (INF, NaN, near-INF...) only when drained."""
-    parts = (detected, detected & repaired, n_rows, n_cols, value)
-    return torch.stack([t.to(torch.float64) for t in parts])
+def _records(det: Tensor, lost: Tensor, rows: Tensor, cols: Tensor, value: Tensor) -> Tensor:
+    """(S, 5) float64 records from per-site vectors (S,); the value counts only if detected."""
+    value = torch.where(det, value.to(_F64), 0.0)
+    return torch.stack([det.to(_F64), lost.to(_F64), rows.to(_F64), cols.to(_F64), value], 1)
 
 
 # --------------------------------------------------------------------------------- projections
 
 
-class Projection(NamedTuple):
-    """A projection y = x W^T + b as the check sees it.
+@dataclass(frozen=True)
+class Projection:
+    """A projection y = x W^T + b as the check sees it: its parameters, its weight layout and how
+    its N outputs split into sites (P parts, e.g. Q|K|V of a fused projection) and head groups."""
 
-    ``compute(x_rows, features)`` must compute output rows for input rows x_rows (T, K) exactly as
-    the module does (same op, so the same dtype under autocast), restricted to the output
-    ``features`` (an index tensor) when given.
-    """
-
-    weight: Tensor  # (N, K); for a Conv1D, a transposed view of its (K, N) parameter
+    weight: Tensor  # (N, K); (K, N) for GPT-2's Conv1D
     bias: Tensor | None  # (N,)
-    compute: Callable[[Tensor, Tensor | None], Tensor]
+    conv1d: bool
+    sites: tuple[str, ...]
+    groups: int  # head groups over the N outputs, a multiple of len(sites)
+
+    def rows(self, x: Tensor) -> Tensor:
+        """Output rows for input rows x (R, K), with the module's op (same dtype under autocast)."""
+        if self.conv1d:
+            return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+    def column(self, x: Tensor, f: Tensor) -> Tensor:
+        """Output feature ``f`` (1,) for every input row of x (T, K): (T, 1)."""
+        w = self.weight.index_select(0, f).t() if not self.conv1d else self.weight.index_select(1, f)
+        if self.bias is None:
+            return x @ w
+        return torch.addmm(self.bias.index_select(0, f), x, w)
 
 
 class _Ident:
-    """Identity of a tensor that does not keep it alive: a freed tensor's memory is reused at
-    once, so its address cannot key a cache."""
+    """Identity of a tensor that does not keep it alive (a freed tensor's memory is reused at
+    once, so an address cannot key a cache)."""
 
     __slots__ = ("ref",)
 
@@ -102,10 +125,8 @@ class _Ident:
         self.ref = None if t is None else weakref.ref(t)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Ident):
-            return False
-        if self.ref is None or other.ref is None:
-            return self.ref is other.ref
+        if not isinstance(other, _Ident) or self.ref is None or other.ref is None:
+            return isinstance(other, _Ident) and self.ref is other.ref
         a = self.ref()
         return a is not None and a is other.ref()
 
@@ -113,133 +134,140 @@ class _Ident:
 
 
 class WeightSums(NamedTuple):
-    """Weight-derived sums, recomputed only when a parameter changes (their ``key``). A fused
-    projection has P equal parts (Q|K|V); G head groups split the outputs for the bounds."""
+    """Weight-derived operands of a projection's row check, per head group (fp32)."""
 
-    key: tuple[object, ...]
-    row_sums: tuple[Tensor, ...]  # P x (K,): W summed over a part's outputs
-    bias_parts: Tensor  # (P,): b summed over a part's outputs
-    norm_parts: Tensor  # (P,): sum of ||W_o||_2 over a part's outputs o
-    abs_bias_parts: Tensor  # (P,): sum of |b_o| over a part's outputs
-    norms: Tensor  # (N,): ||W_o||_2 of every output o
-    abs_bias: Tensor  # (N,)
-    head_norms: Tensor  # (G,): sum of ||W_o||_2 over a head group
-    head_abs_bias: Tensor  # (G,)
+    key: tuple[object, ...] | None  # parameter identities and versions (eager cache)
+    sums: Tensor  # (K, G): W summed over each group's outputs
+    bias: Tensor | None  # (G,): b summed over each group
+    norms: Tensor  # (G,): ||[W_g | b_g]||_F, plus an absolute floor (see projection_check_)
+    total: Tensor  # (): ||[W | b]||_F of the whole projection
 
 
-def weight_sums(
-    proj: Projection, n_groups: int, parts: int, cached: WeightSums | None
-) -> WeightSums:
-    w, b = proj.weight, proj.bias
-    key = (_Ident(w), w._version, _Ident(b), -1 if b is None else b._version, n_groups, parts)
-    if cached is not None and cached.key == key:
-        return cached
+def weight_sums(proj: Projection, floor: float, cached: WeightSums | None = None) -> WeightSums:
+    """The sums of ``proj``'s parameters; ``cached`` is reused while no parameter changed (eager
+    only: under torch.compile they are recomputed, and fused, every call)."""
+    w, b, G = proj.weight, proj.bias, proj.groups
+    key = None
+    if not torch.compiler.is_compiling():
+        key = (_Ident(w), w._version, _Ident(b), -1 if b is None else b._version, floor)
+        if cached is not None and cached.key == key:
+            return cached
     with torch.no_grad(), _no_autocast(w.device):
-        N, K = w.shape
-        w32 = w.float()
-        norms = torch.linalg.vector_norm(w32, dim=1)  # (N,)
-        bias = torch.zeros(N, device=w.device) if b is None else b.float()
-        row_sums = tuple(w32.view(parts, -1, K).sum(1))  # P x (K,)
-        by_part = lambda t: t.view(parts, -1).sum(-1)
-        by_head = lambda t: t.view(n_groups, -1).sum(-1)
-        return WeightSums(
-            key,
-            row_sums,
-            by_part(bias),
-            by_part(norms),
-            by_part(bias.abs()),
-            norms,
-            bias.abs(),
-            by_head(norms),
-            by_head(bias.abs()),
-        )
+        f32 = torch.float32
+        if proj.conv1d:  # (K, N)
+            wv = w.view(w.shape[0], G, -1)
+            sums, norms = wv.sum(-1, dtype=f32), torch.linalg.vector_norm(wv, dim=(0, 2), dtype=f32)
+        else:  # (N, K)
+            wv = w.view(G, -1, w.shape[-1])
+            sums = wv.sum(1, dtype=f32).t()
+            norms = torch.linalg.vector_norm(wv, dim=(1, 2), dtype=f32)
+        bias = None
+        if b is not None:
+            bv = b.view(G, -1)
+            bias = bv.sum(-1, dtype=f32)
+            norms = torch.hypot(norms, torch.linalg.vector_norm(bv, dim=-1, dtype=f32))
+        total = torch.linalg.vector_norm(norms)
+        return WeightSums(key, sums, bias, norms + floor, total)
 
 
-class InputSums(NamedTuple):
-    """What the checks need from a projection input x (B, L, K), shared by Q, K and V."""
-
-    key: tuple[object, ...]
-    norms: Tensor  # (B * L, 1): ||x_t||_2 of every token
-    sample_norms: Tensor  # (B, 1): summed over each sample's tokens
-    total_norm: Tensor  # (): summed over all tokens
-
-
-def input_sums(x: Tensor, cached: InputSums | None) -> InputSums:
-    key = (_Ident(x), x._version)
-    if cached is not None and cached.key == key:
-        return cached
-    with torch.no_grad(), _no_autocast(x.device):
-        norms = torch.linalg.vector_norm(x.float(), dim=-1)  # (B, L)
-        return InputSums(key, norms.view(-1, 1), norms.sum(1, keepdim=True), norms.sum())
+def row_factor(x: Tensor, items: list[tuple[Projection, Tensor]], scale: float) -> float:
+    """The factor c with |reference - row sum| <= c (||x_t|| + 1) ||[W_g | b_g]||_F for every
+    projection y = x W^T + b of ``items`` (the largest over them): sqrt(n) by Cauchy-Schwarz over
+    the n outputs of a group, times the rounding factor of a (K + 1)-term inner product (the bias
+    is the extra term), plus two roundings to x's dtype (the reference is computed in it)."""
+    K = x.shape[-1]
+    return scale * max(
+        _factor(y, x, p.weight, inner=K + 1, length=y.shape[-1] // p.groups)
+        * math.sqrt(y.shape[-1] // p.groups)
+        + 2 * unit_roundoff(x.dtype)
+        for p, y in items
+    )
 
 
-class ProjectionBounds(NamedTuple):
-    """Magnitude bounds a projection check leaves for the attention checks (``mode="passing"``):
-    by Cauchy-Schwarz, sum_k |x_tk| |W_ok| <= ||x_t|| ||W_o||, so without touching y:"""
+def row_floor(items: list[tuple[Projection, Tensor]]) -> float:
+    """Absolute slack of a row sum: elements that underflow lose a subnormal spacing each."""
+    return max(underflow_floor(y.dtype, length=y.shape[-1] // p.groups) for p, y in items)
 
-    head_rows: Tensor  # (B, L, G): >= sum over the outputs o of head g of |y_to|
-    features: Tensor  # (B, N): >= sum over the tokens of one sample of |y_to|
+
+_SEGMENTS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _segments(sizes: tuple[int, ...], device: torch.device) -> Tensor:
+    """(sum(sizes), len(sizes)) float32 indicator of consecutive segments (cached constant)."""
+    key = (sizes, device)
+    if key not in _SEGMENTS:
+        ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+        _SEGMENTS[key] = F.one_hot(ids, len(sizes)).to(device, torch.float32)
+    return _SEGMENTS[key]
 
 
 @torch.no_grad()
 def projection_check_(
-    y: Tensor,
     x: Tensor,
-    proj: Projection,
-    w_sums: WeightSums,
-    x_sums: InputSums,
+    items: list[tuple[Projection, Tensor, WeightSums]],
     *,
     max_rows: int,
-    scale: float = 1.0,
-) -> tuple[list[Tensor], ProjectionBounds]:
-    """Check y (B, L, N) = x (B, L, K) W^T + b and repair it in place; see the module docstring.
+    factor: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Check and repair in place the outputs y (B, L, N_i) = x (B, L, K) W_i^T + b_i of the
+    projections of one input; see the module docstring.
 
-    Rows: every token's sum over each part's outputs against x_t . (W^T 1) + sum(b), within the
-    rounding bound. Columns: a range check that needs no reference: a feature whose sum over
-    all tokens exceeds the bound on sum_t |y_to| holds an error that large (INF, NaN, near-INF);
-    it locates whole-column errors, which flag every row. Each of the P parts (Q|K|V of a fused
-    projection) gets its own record.
+    ``factor`` (:func:`row_factor`) times the bound is the tolerance of a row sum; the weight
+    sums carry the absolute floor. Returns the records (one per site, in order), the row references (T, sum G) and the
+    magnitude bounds (T, sum G) >= (||x_t|| + 1) ||[W_g | b_g]||_F: what the attention core may
+    take from here (``mode="passing"``).
     """
-    B, L, N = y.shape
-    K, P = x.shape[-1], len(w_sums.row_sums)
-    y2, x2 = y.data.view(B * L, N), x.reshape(B * L, K)
-    with _no_autocast(y.device):
-        x32 = x2.float()
-        row_ref = torch.stack([x32 @ r for r in w_sums.row_sums], -1) + w_sums.bias_parts  # (BL, P)
-    factor = _factor(y, x, proj.weight, inner=K, length=N // P) * scale
-    row_tol = (x_sums.norms * w_sums.norm_parts + w_sums.abs_bias_parts) * factor
-    row_tol += underflow_floor(y.dtype, length=N // P)
-    col_mag = x_sums.total_norm * w_sums.norms + (B * L) * w_sums.abs_bias  # (N,)
+    B, L, K = x.shape
+    T, R = B * L, min(max_rows, B * L)
+    projs = [p for p, _, _ in items]
+    ys = [y.data.view(T, y.shape[-1]) for _, y, _ in items]  # (T, N_i), written in place
+    x2 = x.reshape(T, K)
+    cat = lambda ts, dim=0: ts[0] if len(ts) == 1 else torch.cat(ts, dim)
+    with _no_autocast(x.device):
+        ws = [w for _, _, w in items]
+        xn = torch.linalg.vector_norm(x2, dim=1, keepdim=True, dtype=torch.float32)  # (T, 1)
+        norms = cat([w.norms for w in ws])  # (sum G,)
+        sums = cat([w.sums for w in ws], 1).to(x.dtype)  # (K, sum G)
+        if all(w.bias is not None for w in ws):
+            ref = torch.addmm(cat([w.bias for w in ws]).to(x.dtype), x2, sums)  # (T, sum G)
+        else:
+            bias = cat([w.bias if w.bias is not None else w.norms * 0 for w in ws])
+            ref = torch.addmm(bias.to(x.dtype), x2, sums)
+        bound = torch.addcmul(norms, xn, norms)  # (T, sum G)
+        rec = cat([y.view(T, p.groups, -1).sum(-1, dtype=torch.float32) for p, y in zip(projs, ys)], 1)
+        excess = torch.sub((ref - rec).abs(), bound, alpha=factor)  # > 0 or NaN: flagged
+        bad = ~(excess <= 0)
+        groups_per_site = tuple(p.groups // len(p.sites) for p in projs for _ in p.sites)
+        n_rows = (bad.float() @ _segments(groups_per_site, x.device)).gt(0).sum(0)  # (S,)
 
-    def row_flags() -> Tensor:  # (B*L, P)
-        return _bad(row_ref, y2.view(B * L, P, N // P).sum(-1, dtype=torch.float32), row_tol)
+        # Columns: one scalar bound per projection, so the largest |column sum| is the worst.
+        colsum = cat([y.sum(0, dtype=torch.float32) for y in ys])  # (sum N,)
+        e = colsum.abs()
+        widths = tuple(y.shape[-1] for y in ys)
+        limits = (xn.sum() + T) * torch.stack([w.total for w in ws])  # (m,)
+        bad_c = ~(e <= limits.repeat_interleave(torch.tensor(widths, device=x.device), output_size=e.numel()))
+        sites_w = tuple(y.shape[-1] // len(p.sites) for p, y in zip(projs, ys) for _ in p.sites)
+        n_cols = bad_c.float() @ _segments(sites_w, x.device)  # (S,)
+        worst_col = [part.max(0, keepdim=True) for part in e.split(widths)]  # per projection
+        inputs_bad = ~ref.sum().isfinite()  # x itself was bad: recomputing repeats the fault
 
-    bad_rp = row_flags()
-    bad_r = bad_rp.any(-1)  # (B*L,)
-    bad_c = ~(y2.sum(0, dtype=torch.float32).abs() <= col_mag)  # (N,): NaN compares False
-    bad_r8, bad_c8 = bad_r.to(torch.uint8), bad_c.to(torch.uint8)
-    value = y2.view(-1).index_select(0, (bad_r8.argmax() * N + bad_c8.argmax()).view(1))[0]
+    # Rows: the R worst tokens, recomputed for every projection of this input.
+    top, idx = excess.amax(1).topk(R)  # NaN ranks first
+    take = ~(top <= 0)[:, None]  # (R, 1)
+    xr = x2.index_select(0, idx)  # (R, K)
+    for p, y in zip(projs, ys, strict=True):
+        y.index_copy_(0, idx, torch.where(take, p.rows(xr).to(y.dtype), y.index_select(0, idx)))
+    # Columns: the worst column of each projection, when it breaks the range bound.
+    for (p, y), bad_ci, (_, f) in zip(zip(projs, ys), bad_c.split(widths), worst_col, strict=True):
+        hit = bad_ci.index_select(0, f)  # (1,): f is the worst column, flagged or not
+        y.index_copy_(1, f, torch.where(hit, p.column(x2, f).to(y.dtype), y.index_select(1, f)))
+    site_proj = [i for i, p in enumerate(projs) for _ in p.sites]
 
-    # Token rows: the first max_rows flagged ones (any rows when fewer are flagged).
-    R = min(max_rows, B * L)
-    rows = bad_r8.topk(R, sorted=False).indices  # (R,)
-    new_rows = proj.compute(x2.index_select(0, rows), None).to(y.dtype)  # (R, N)
-    take = bad_r.index_select(0, rows)[:, None]
-    y2.index_copy_(0, rows, torch.where(take, new_rows, y2.index_select(0, rows)))
-    # One feature column over every token (the flattened GEMM's column): the first flagged.
-    f = bad_c8.argmax().view(1)  # index tensors, never Python ints: those would synchronise
-    new_col = proj.compute(x2, f).to(y.dtype)  # (B*L, 1)
-    y2.index_copy_(1, f, torch.where(bad_c.index_select(0, f), new_col, y2.index_select(1, f)))
-    # Repaired only if the rows now pass (they do not when x itself was bad: an upstream fault).
-    n_rows, n_cols = bad_r.sum(), bad_c.sum()
-    repaired = ~row_flags().any() & ((n_rows <= R) | (n_cols == 1))
-    records = []
-    for p, cols in enumerate(bad_c.chunk(P)):
-        nr, nc = bad_rp[:, p].sum(), cols.sum()
-        records.append(_record((nr + nc) > 0, repaired, nr, nc, value))
-    head_rows = x_sums.norms.view(B, L, 1) * w_sums.head_norms + w_sums.head_abs_bias
-    features = x_sums.sample_norms * w_sums.norms + L * w_sums.abs_bias
-    return records, ProjectionBounds(head_rows, features)
+    values = cat([colsum.split(widths)[i].index_select(0, worst_col[i][1]) for i in range(len(ys))])
+    value = values if len(site_proj) == len(ys) else values[torch.tensor(site_proj, device=x.device)]
+    det = (n_rows + n_cols) > 0
+    lost = det & (((n_rows > R) & (n_cols != 1)) | inputs_bad)
+    return _records(det, lost, n_rows, n_cols, value), ref, bound
 
 
 # ------------------------------------------------------ heads: scores, probs, context
@@ -247,88 +275,64 @@ def projection_check_(
 Recompute = Callable[[Tensor, Tensor], Tensor]  # (b_idx, h_idx) (Kh,) -> (Kh, L, M)
 
 
-def _repair_heads_(
-    t: Tensor, ref: Tensor | float, tol: Tensor, bad: Tensor, recompute: Recompute, max_heads: int
+def scores_excess(
+    s: Tensor, q: Tensor, k: Tensor, *, alpha: float, scale: float, norms: tuple[Tensor, Tensor] | None
 ) -> Tensor:
-    """Recompute up to ``max_heads`` flagged matrices of t (B, H, L, M); ref, tol, bad: (B, H, L).
+    """(B, H, L): > 0 (or NaN) where the row of s = alpha q k^T (B, H, L, Lk) is flagged.
 
-    A repair counts only if the recomputed rows match their references: they do not when an
-    operand was already bad (a fault upstream that could not be repaired).
-    """
-    B, H = t.shape[:2]
-    head_bad = bad.any(-1).view(-1)  # (B*H,)
-    Kh = min(max_heads, B * H)
-    idx = head_bad.to(torch.uint8).topk(Kh).indices  # flagged first, largest index order irrelevant
-    b_idx, h_idx = idx // H, idx % H
-    old = t.data[b_idx, h_idx]  # (Kh, L, M)
-    new = recompute(b_idx, h_idx).to(t.dtype)
-    take = head_bad.index_select(0, idx)
-    t.data[b_idx, h_idx] = torch.where(take[:, None, None], new, old)
-    # The pattern of the first candidate: elements that moved beyond their row's tolerance.
-    tol0 = tol.reshape(B * H, -1).index_select(0, idx[:1])[0]  # (L,): rows of the first candidate
-    moved = ~((new[0].float() - old[0].float()).abs() <= tol0[:, None])  # (L, M)
-    worst = moved.view(-1).to(torch.uint8).argmax().view(1)
-    value = old[0].reshape(-1).index_select(0, worst)[0]
-    ref_k = (
-        ref if isinstance(ref, float) else ref.reshape(B * H, -1).index_select(0, idx)
-    )  # (Kh, L)
-    ok = ~_bad(ref_k, new.sum(-1, dtype=torch.float32), tol.reshape(B * H, -1).index_select(0, idx))
-    n_heads = head_bad.sum()
-    repaired = (n_heads <= Kh) & (ok.all(-1) | ~take).all()
-    return _record(n_heads > 0, repaired, moved.any(-1).sum(), moved.any(-2).sum(), value)
-
-
-def _rowdot(x: Tensor, v: Tensor) -> Tensor:
-    """Every row of x (B, H, L, d) dotted with v (B, H, d): (B, H, L). Elementwise, so that the
-    head-strided views attention works on are read in place (a matmul would copy them)."""
-    return (x * v[:, :, None, :]).sum(-1)
-
-
-@torch.no_grad()
-def scores_check_(
-    s: Tensor,
-    q: Tensor,
-    k: Tensor,
-    *,
-    alpha: float,
-    recompute: Recompute,
-    max_heads: int,
-    scale: float = 1.0,
-    bounds: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
-    """Check s = alpha q k^T (B, H, L, Lk) from q (B, H, L, d) and k (B, H, Lk, d), by rows.
-
-    Reference: sum_j s_ij = alpha q_i . sum_j k_j. Magnitude: sum_j sum_f |q_if| |k_jf|, from
-    the operands, or bounded without touching them by ``bounds`` = (q_rows (B, H, L) >= sum_f
-    |q_if| per head, k_max (B, H) >= max_f sum_j |k_jf|), which the projections leave behind.
+    ``norms`` = (bounds on ||q_i|| (B, H, L), on sum_j ||k_j|| (B, H)) from the projections;
+    otherwise they come from q (B, H, L, d) and k (B, H, Lk, d).
     """
     d, Lk = q.shape[-1], k.shape[-2]
     with _no_autocast(s.device):
-        q32, k32 = q.float(), k.float()
-        ref = _rowdot(q32, k32.sum(-2)) * alpha  # (B, H, L)
-        if bounds is None:
-            mag = _rowdot(q32.abs(), k32.abs().sum(-2)) * abs(alpha)
+        ref = (q * k.sum(-2, keepdim=True, dtype=torch.float32)).sum(-1)  # (B, H, L)
+        if norms is None:
+            qn = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32)  # (B, H, L)
+            kn = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).sum(-1, keepdim=True)
         else:
-            mag = bounds[0] * bounds[1][..., None] * abs(alpha)
-    rec = s.sum(-1, dtype=torch.float32)  # (B, H, L)
-    tol = _factor(s, q, k, inner=d, length=Lk) * scale * mag + underflow_floor(s.dtype, length=Lk)
-    return _repair_heads_(s, ref, tol, _bad(ref, rec, tol), recompute, max_heads)
+            qn, kn = norms[0], norms[1][..., None]
+        rec = s.sum(-1, dtype=torch.float32)
+        tol = _factor(s, q, k, inner=d, length=Lk) * scale * abs(alpha)
+        floor = underflow_floor(s.dtype, length=Lk)
+        return torch.sub((ref * alpha - rec).abs(), torch.addcmul(qn.new_tensor(floor), qn, kn, value=tol))
+
+
+def probs_excess(p: Tensor, *, scale: float) -> Tensor:
+    """(B, H, L): > 0 (or NaN) where a row of the probabilities p (B, H, L, Lk) does not sum to 1."""
+    tol = 2 * scale * (unit_roundoff(p.dtype) + (8 + p.shape[-1]) * _U32)
+    return (p.sum(-1, dtype=torch.float32) - 1).abs() - tol
 
 
 @torch.no_grad()
-def probs_check_(p: Tensor, *, recompute: Recompute, max_heads: int, scale: float = 1.0) -> Tensor:
-    """Check softmax probabilities p (B, H, L, Lk): every row sums to 1.
+def heads_repair_(
+    t: Tensor, excess: Tensor, recompute: Recompute, *, max_heads: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Recompute the ``max_heads`` worst flagged matrices of t (B, H, L, M) in place.
 
-    Each element carries a few roundings relative to itself (exp, normalisation: bounded by 8
-    u_fp32) and one rounding to p's dtype; they sum to at most (8 u_fp32 + u_p) over a row whose
-    exact sum is 1; the fp32 recomputed sum adds Lk u_fp32. Every single-element change beyond
-    that moves the row sum, which is why the [0, 1] range is not scanned separately (a scan costs
-    a full extra pass and catches only compensating multi-element errors).
+    ``excess`` (B, H, L) is > 0 (or NaN) on flagged rows. Returns, all 0-dim float64: the flagged rows
+    over every head, the columns that moved in the worst head, the delivered value where it moved
+    most, and whether more heads were flagged than repaired.
     """
-    Lk = p.shape[-1]
-    rec = p.sum(-1, dtype=torch.float32)
-    tol = torch.full_like(rec, 2 * scale * (unit_roundoff(p.dtype) + (8 + Lk) * _U32))
-    return _repair_heads_(p, 1.0, tol, _bad(1.0, rec, tol), recompute, max_heads)
+    B, H, L, M = t.shape
+    Kh = min(max_heads, B * H)
+    top, idx = excess.amax(-1).view(B * H).topk(min(Kh + 1, B * H))  # NaN ranks first
+    flagged = ~(top <= 0)
+    take, lost = flagged[:Kh], (flagged[Kh] if Kh < B * H else flagged[0] & False)
+    idx = idx[:Kh]
+    new = recompute(idx // H, idx % H).to(t.dtype)  # (Kh, L, M)
+    t3 = t.data.view(B * H, L, M)
+    kept = t3.index_select(0, idx)  # (Kh, L, M)
+    t3.index_copy_(0, idx, torch.where(take[:, None, None], new, kept))
+    # Pattern and value in the worst head: elements the recompute moved beyond the last bits of
+    # a smaller GEMM (relative to the row's largest recomputed value).
+    dist = (new[0].float() - kept[0].float()).abs()  # (L, M); NaN where NaN was delivered
+    slack = new[0].float().abs().amax(-1, keepdim=True) * _MOVED + 1e-30
+    n_cols = (~(dist <= slack)).any(0).sum(dtype=_F64)
+    value = kept[0].reshape(-1).index_select(0, dist.view(-1).argmax().view(1))[0]
+    return (~(excess <= 0)).sum(dtype=_F64), n_cols, value.to(_F64), lost.to(_F64)
+
+
+_MOVED = 1e-3
 
 
 @torch.no_grad()
@@ -341,23 +345,22 @@ def context_check_(
     max_heads: int,
     scale: float = 1.0,
     v_rows: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
-    """Check c = p v, (B, H, L, d) from probabilities p (B, H, L, Lk) and v (B, H, Lk, d), by rows.
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Check and repair c = p v (B, H, L, d) from p (B, H, L, Lk) and v (B, H, Lk, d); returns
+    what :func:`heads_repair_` returns.
 
-    Reference: sum_f c_if = sum_j p_ij (sum_f v_jf); p is non-negative (softmax, then dropout's
-    scaling), so it is its own magnitude and one pass over p gives the reference and its bound.
     ``v_rows`` = (sum_f v_jf, a bound on sum_f |v_jf|), both (B, H, Lk), when the V projection
-    check has them; otherwise they come from v.
+    check has them (clean, from X and W); otherwise they come from v.
     """
     Lk, d = v.shape[-2], v.shape[-1]
     with _no_autocast(c.device):
         if v_rows is None:
-            v32 = v.float()
-            v_rows = (v32.sum(-1), v32.abs().sum(-1))
-        both = (
-            torch.stack(v_rows, -2) @ p.float().mT
-        )  # (B, H, 2, Lk) @ (B, H, Lk, L) -> (B, H, 2, L)
-    ref, mag = both.unbind(-2)
-    rec = c.sum(-1, dtype=torch.float32)
-    tol = _factor(c, p, v, inner=Lk, length=d) * scale * mag + underflow_floor(c.dtype, length=d)
-    return _repair_heads_(c, ref, tol, _bad(ref, rec, tol), recompute, max_heads)
+            vr = torch.stack([v.sum(-1, dtype=torch.float32), v.abs().sum(-1, dtype=torch.float32)], -1)
+        else:
+            vr = torch.stack(v_rows, -1)  # (B, H, Lk, 2)
+        both = p.to(torch.float32) @ vr  # (B, H, L, 2)
+        rec = c.sum(-1, dtype=torch.float32)
+        tol = _factor(c, p, v, inner=Lk, length=d) * scale
+        floor = underflow_floor(c.dtype, length=d)
+        excess = torch.sub((both[..., 0] - rec).abs(), both[..., 1], alpha=tol) - floor
+    return heads_repair_(c, excess, recompute, max_heads=max_heads)

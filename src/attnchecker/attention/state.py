@@ -1,43 +1,79 @@
-"""Per-module state of protected attention: named sites, counters and pending event records.
+"""Per-module state of protected attention: named sites, the step clock and the device log.
 
-Everything that changes during a step is a tensor or a Python list of tensors, so recording a
-check costs no host synchronisation; :class:`~attnchecker.models.handle.ProtectionHandle`
-turns the pending records into events once per step.
+Nothing a check writes during a step is a Python value: the step counter is a tensor advanced
+on the device, and each check adds its record to a small float64 tensor (the *log*, one row per
+op) with in-place tensor ops. A compiled model therefore sees no Python int or list that changes
+from step to step (dynamo would guard on it and recompile), and the clean path never
+synchronises with the device; :class:`~attnchecker.models.handle.ProtectionHandle` reads every
+log with one transfer when it drains.
+
+A record is the float64 vector :data:`RECORD_FIELDS`, summed into its op's row of the log:
+``detected`` and ``lost`` count checks, the others are summed over detecting checks only (so for
+one detection between two drains they are that detection's values, and ``step_sum / detected``
+is the mean step of several).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
+from attnchecker.attention.checks import (
+    Projection,
+    projection_check_,
+    row_factor,
+    row_floor,
+    weight_sums,
+)
 from attnchecker.attention.config import OPS, ABFTConfig
+from attnchecker.attention.handoff import Handoff, Part
 
-__all__ = ["RECORD_FIELDS", "AttentionState", "Clock", "SiteCall", "SiteHook", "in_replay"]
+__all__ = [
+    "RECORD_FIELDS",
+    "AttentionState",
+    "Clock",
+    "SiteCall",
+    "SiteHook",
+    "in_replay",
+    "new_log",
+]
 
-RECORD_FIELDS = ("detected", "corrected", "n_rows", "n_cols", "value")
-"""The float64 vector one check appends: flags, the counts of flagged rows / columns of its unit
-(tokens and features for a projection, query rows and key columns of the first flagged head for
-attention) and the delivered value at the first flagged position."""
-
-MAX_PENDING = 100_000
+RECORD_FIELDS = ("detected", "lost", "n_rows", "n_cols", "value", "step_sum")
+"""One check's record: whether it detected, whether a detection was left unrepaired (beyond the
+repair budget, or the operands were already bad), flagged rows / columns of its unit (tokens and
+features for a projection, query rows and key columns of the worst head for attention), the
+delivered value at the worst flagged position, and the step."""
 
 
 def in_replay() -> bool:
-    """True while autograd runs a node: a forward running now is a checkpointing replay."""
+    """True while autograd runs a node: a forward running now is a checkpointing replay.
+    Always False under torch.compile, which does not replay Python code."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_autograd_node() is not None
 
 
 @dataclass
 class Clock:
-    """The step counter shared by all protected modules of one model (a root forward pre-hook
-    advances it, so checkpointing replays of single layers do not)."""
+    """The step counter shared by all protected modules of one model: a float64 scalar tensor
+    (exact to 2^53 steps) on the model's device, advanced by a root forward pre-hook (checkpointing replays of single layers do not
+    run it), so that compiled code never reads a Python int that changes every step."""
 
-    step: int = 0
+    count: Tensor
+
+    @property
+    def step(self) -> int:
+        """The current step as a Python int (one device sync: for boundaries, not the hot path)."""
+        return int(self.count)
+
+    def tick(self, device: torch.device) -> None:
+        if self.count.device != device:  # the model moved after protect_ (a guard, not a sync)
+            self.count = self.count.to(device)
+        self.count.add_(1)
 
 
 @dataclass
@@ -48,8 +84,13 @@ class SiteCall:
     tensor: Tensor
     module: str
     layer: int
-    step: int
     replay: bool
+    clock: Clock = field(repr=False)
+
+    @property
+    def step(self) -> int:
+        """Forward passes of the model so far, counting this one (reads the device clock)."""
+        return self.clock.step
 
 
 SiteHook = Callable[[SiteCall], "Tensor | None"]
@@ -57,19 +98,18 @@ SiteHook = Callable[[SiteCall], "Tensor | None"]
 
 @dataclass
 class AttentionState:
-    """Attached to each protected attention module (as a plain attribute, not a buffer)."""
+    """Attached to each protected attention module (a plain attribute, not a buffer, so
+    ``state_dict()`` and DDP's buffer broadcast never see it)."""
 
     name: str
     layer: int
     config: ABFTConfig
     clock: Clock
+    log: Tensor  # (len(OPS), len(RECORD_FIELDS)) float64, on the module's device
     hooks: dict[str, list[SiteHook]] = field(default_factory=lambda: {s: [] for s in OPS})
-    pending: deque[tuple[int, str, bool, Tensor]] = field(
-        default_factory=lambda: deque(maxlen=MAX_PENDING)
-    )
-    totals: Tensor | None = None  # (len(OPS), 2) float64: detected, corrected
-    cache: dict[str, Any] = field(default_factory=dict)  # weight-derived sums, keyed by site
-    passing: dict[str, Any] = field(default_factory=dict)  # clean references for downstream checks
+    pending: list = field(default_factory=list)  # projection checks waiting for their group
+    handoff: object | None = None  # what the projection checks leave for the core (passing)
+    cache: dict = field(default_factory=dict)  # weight-derived sums, eager only (by version)
 
     def checks(self, op: str) -> bool:
         return op in self.config.ops
@@ -80,19 +120,107 @@ class AttentionState:
         if not hooks:
             return
         # .data: edits must not bump autograd's version counter (softmax saves its output)
-        call = SiteCall(site, tensor.data, self.name, self.layer, self.clock.step, in_replay())
+        call = SiteCall(site, tensor.data, self.name, self.layer, in_replay(), self.clock)
         with torch.no_grad():
             for hook in list(hooks):
                 out = hook(call)
                 if out is not None and out is not tensor and out._base is None:
                     tensor.data.copy_(out)
 
-    def record(self, op: str, rec: Tensor) -> None:
-        """Append one check's record (float64, :data:`RECORD_FIELDS`) and count it."""
-        replay = in_replay()
-        self.pending.append((self.clock.step, op, replay, rec))
-        if replay:
-            return  # a checkpointing replay repeats a forward already counted
-        if self.totals is None or self.totals.device != rec.device:
-            self.totals = torch.zeros(len(OPS), 2, dtype=torch.float64, device=rec.device)
-        self.totals[OPS.index(op)] += rec[:2]
+    def defer(self, proj: Projection, x: Tensor, y: Tensor, *, last: bool) -> None:
+        """Queue the check of projection output y = proj(x); ``last``: the last projection of its
+        input (V after Q and K), so the queued projections of each input are checked together."""
+        self.pending.append((proj, x, y))
+        if last:
+            self.flush()
+
+    def flush(self) -> None:
+        """Check the queued projections, one call per input tensor (Q, K and V of one input share
+        every input-side op), and leave what the core can use (``mode="passing"``)."""
+        while self.pending:
+            x = self.pending[0][1]
+            group = [item for item in self.pending if item[1] is x]
+            self.pending = [item for item in self.pending if item[1] is not x]
+            self._check_group(x, group)
+
+    def _check_group(self, x: Tensor, group: list[tuple[Projection, Tensor, Tensor]]) -> None:
+        if x.dim() != 3 or any(y.dim() != 3 for _, _, y in group):
+            return  # not the (B, L, K) hidden states of an attention call
+        pairs = [(p, y) for p, _, y in group]
+        factor = row_factor(x, pairs, self.config.tolerance_scale)
+        floor = row_floor(pairs) / factor
+        items = []
+        for p, y in pairs:
+            key = (p.sites, x.dtype, y.dtype)
+            self.cache[key] = weight_sums(p, floor, self.cache.get(key))
+            items.append((p, y, self.cache[key]))
+        sites = tuple(s for p, _ in pairs for s in p.sites)
+        with _ranged("+".join(sites)):
+            rec, ref, bound = projection_check_(
+                x, items, max_rows=self.config.max_rows, factor=factor
+            )
+        checked = tuple(s for s in sites if self.checks(s))
+        if checked != sites:
+            rec = rec[[sites.index(s) for s in checked]]
+        if checked:
+            self.record(checked, rec)
+        if self.config.mode == "passing":
+            self._leave(x, pairs, sites, ref, bound)
+
+    def _leave(self, x, pairs, sites, ref: Tensor, bound: Tensor) -> None:
+        """Hand the per-head bounds and V's clean row sums of this input to the core."""
+        B, L = x.shape[:2]
+        parts, offset = {}, 0
+        for p, _ in pairs:
+            width = p.groups // len(p.sites)
+            for site in p.sites:
+                cut = slice(offset, offset + width)
+                if site in ("q", "k", "v") and self.checks(site):
+                    parts[site] = Part(
+                        bound[:, cut].view(B, L, width), ref[:, cut].view(B, L, width)
+                    )
+                offset += width
+        new = Handoff(**parts)
+        keep = isinstance(self.handoff, Handoff) and "q" not in parts  # K/V after their Q
+        self.handoff = self.handoff.merge(new) if keep else new
+
+    def record(self, ops: tuple[str, ...], rec: Tensor) -> None:
+        """Add the records ``rec`` (len(ops), 5) of :data:`RECORD_FIELDS` without the step to
+        the log; a checkpointing replay repeats a forward already counted, so it adds nothing."""
+        if in_replay():
+            return
+        if self.log.device != rec.device:  # the model moved after protect_
+            self.log = self.log.to(rec.device)
+        step = self.clock.count.expand(rec.shape[0], 1)
+        rows = self.log.narrow(0, OPS.index(ops[0]), len(ops)) if _consecutive(ops) else None
+        full = torch.cat([rec, step * rec[:, :1]], 1)  # the step counts for detections only
+        if rows is not None:
+            rows.add_(full)
+        else:
+            self.log.index_add_(0, _index(ops, rec.device), full)
+
+
+def _ranged(label: str):
+    """A profiler range per check in eager (benchmarks read them); nothing under compile."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"attnchecker.{label}")
+
+
+def _consecutive(ops: tuple[str, ...]) -> bool:
+    first = OPS.index(ops[0])
+    return tuple(OPS[first : first + len(ops)]) == ops
+
+
+_INDEX: dict[tuple[tuple[str, ...], torch.device], Tensor] = {}
+
+
+def _index(ops: tuple[str, ...], device: torch.device) -> Tensor:
+    key = (ops, device)
+    if key not in _INDEX:
+        _INDEX[key] = torch.tensor([OPS.index(o) for o in ops], device=device)
+    return _INDEX[key]
+
+
+def new_log(device: torch.device) -> Tensor:
+    return torch.zeros(len(OPS), len(RECORD_FIELDS), dtype=torch.float64, device=device)

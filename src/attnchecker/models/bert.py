@@ -1,4 +1,6 @@
 """BERT and RoBERTa: separate query/key/value ``nn.Linear``, output ``attention.output.dense``.
+Decoder cross-attention (``add_cross_attention``) has the same layout, with K and V projected
+from the encoder states: the projection checks group by input, so both halves are checked.
 
 Eager attention: scores * scaling + additive padding mask, softmax, dropout, context, then
 ``transpose(1, 2).contiguous()``. Dispatches through ``AttentionInterface``.
@@ -22,7 +24,6 @@ def _is_self_attention_block(m: nn.Module) -> bool:
     return (
         all(hasattr(inner, a) for a in ("query", "key", "value", "num_attention_heads"))
         and hasattr(getattr(m, "output", None), "dense")
-        and "Cross" not in type(inner).__name__
     )
 
 
@@ -37,8 +38,8 @@ class BertAdapter(Adapter):
             sa, nh = m.self, m.self.num_attention_heads
             layer = sa.layer_idx if isinstance(getattr(sa, "layer_idx", None), int) else i
             projections = (
-                ProjectionSpec(("q",), sa.query, nh),
-                ProjectionSpec(("k",), sa.key, nh),
+                ProjectionSpec(("q",), sa.query, nh, last=False),
+                ProjectionSpec(("k",), sa.key, nh, last=False),
                 ProjectionSpec(("v",), sa.value, nh),
                 ProjectionSpec(("out",), m.output.dense, nh),
             )

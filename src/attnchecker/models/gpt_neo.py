@@ -21,9 +21,7 @@ from attnchecker.models.registry import (
     register,
 )
 
-SPEC = CoreSpec(
-    upcast_qk=True, scale=False, causal_bias=True, probs_to_value_dtype=True, transpose_out=False
-)
+SPEC = CoreSpec(upcast_qk=True, scale=False, probs_to_value_dtype=True, transpose_out=False)
 
 
 def _is_gpt_neo_attention(m: nn.Module) -> bool:
@@ -35,9 +33,18 @@ def _is_gpt_neo_attention(m: nn.Module) -> bool:
 def _checked_attn(module: nn.Module) -> Callable[..., tuple[Tensor, Tensor]]:
     def _attn(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None):
         spec, state = getattr(module, CORE)
-        p = module.attn_dropout.p
+        L, Lk = query.shape[-2], key.shape[-2]
         return attend(
-            module, spec, query, key, value, attention_mask, scaling=None, dropout=p, state=state
+            spec,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=None,
+            dropout=module.attn_dropout.p,
+            training=module.training,
+            state=state,
+            causal=module.bias[:, :, Lk - L : Lk, :Lk],
         )
 
     return _attn
@@ -54,8 +61,8 @@ class GPTNeoAdapter(Adapter):
             layer = m.layer_id if isinstance(getattr(m, "layer_id", None), int) else i
             nh = m.num_heads
             projections = (
-                ProjectionSpec(("q",), m.q_proj, nh),
-                ProjectionSpec(("k",), m.k_proj, nh),
+                ProjectionSpec(("q",), m.q_proj, nh, last=False),
+                ProjectionSpec(("k",), m.k_proj, nh, last=False),
                 ProjectionSpec(("v",), m.v_proj, nh),
                 ProjectionSpec(("out",), m.out_proj, nh),
             )

@@ -32,8 +32,10 @@ def pattern_of(n_rows: int, n_cols: int) -> str:
 
 @dataclass(frozen=True)
 class Event:
-    """One check that found something. ``action``: corrected (0D / 1R / 1C rebuilt from the
-    operands), recomputed (a 2D pattern, its rows or heads recomputed) or uncorrectable."""
+    """What one op of one protected module found since the last drain. ``action``: corrected
+    (0D / 1R / 1C rebuilt from the operands), recomputed (a 2D pattern, its rows or heads
+    recomputed) or uncorrectable. ``count`` checks detected something; pattern, kind and step
+    describe them when ``count`` is 1 (with several, the step is their mean and the sizes sums)."""
 
     step: int
     module: str
@@ -44,7 +46,8 @@ class Event:
     action: str
     n_rows: int
     n_cols: int
-    replay: bool
+    replay: bool = False  # checkpointing replays are checked, never counted
+    count: int = 1
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, object]:
@@ -58,6 +61,14 @@ def kind_of(value: float) -> str:
     if math.isinf(value):
         return "+inf" if value > 0 else "-inf"
     return "near_inf" if abs(value) >= NEAR_INF else "finite"
+
+
+def _count(into: dict[str, int], row: list[float]) -> None:
+    rec = dict(zip(RECORD_FIELDS, row, strict=True))
+    det, lost = int(rec["detected"]), int(rec["lost"])
+    into["detected"] += det
+    into["uncorrectable"] += lost
+    into["corrected"] += det - lost
 
 
 class _Detach:
@@ -76,6 +87,7 @@ class ProtectionHandle:
         self._states = states
         self._clock = clock
         self._undo: list[Callable[[], None]] = []
+        self._totals = {op: {"detected": 0, "corrected": 0, "uncorrectable": 0} for op in OPS}
         self.skip_requested = False
 
     @property
@@ -85,7 +97,7 @@ class ProtectionHandle:
 
     @property
     def step(self) -> int:
-        """Forward passes of the model seen so far (one per training step)."""
+        """Forward passes of the model seen so far (one per training step; a device read)."""
         return self._clock.step
 
     def state(self, module: str) -> AttentionState:
@@ -116,52 +128,52 @@ class ProtectionHandle:
 
         return _Detach(detach)
 
+    def _read(self) -> list[list[list[float]]]:
+        """Every module's log as Python floats (the one device sync)."""
+        if not self._states:
+            return []
+        logs = [st.log for st in self._states.values()]
+        return torch.stack([t.to(logs[0].device) for t in logs]).tolist()
+
     def counters(self) -> dict[str, dict[str, int]]:
         """Totals per op since protection (forward passes only, not checkpointing replays)."""
-        totals = [s.totals for s in self._states.values() if s.totals is not None]
-        out = {op: {"detected": 0, "corrected": 0, "uncorrectable": 0} for op in OPS}
-        if totals:
-            summed = torch.stack([t.cpu() for t in totals]).sum(0).long().tolist()
-            for op, (det, cor) in zip(OPS, summed, strict=True):
-                out[op] = {"detected": det, "corrected": cor, "uncorrectable": det - cor}
+        out = {op: dict(c) for op, c in self._totals.items()}
+        for log in self._read():
+            for op, row in zip(OPS, log, strict=True):
+                _count(out[op], row)
         return out
 
     def drain(self) -> list[Event]:
         """Events recorded since the last drain (one host sync), with the policy applied:
         ``raise`` raises :class:`UncorrectableFaultError` on an uncorrectable event, ``warn``
         warns, ``skip_step`` sets :attr:`skip_requested` for the training loop to honour."""
-        pending = [(name, st, rec) for name, st in self._states.items() for rec in st.pending]
         for st in self._states.values():
-            st.pending.clear()
+            st.flush()  # projections whose group never completed (eager only)
         self.skip_requested = False
-        if not pending:
+        logs = self._read()
+        if not logs:
             return []
-        values = torch.stack([rec for _, _, (_, _, _, rec) in pending]).tolist()  # the one sync
+        for st in self._states.values():
+            st.log.zero_()
         events = []
-        for (name, st, (step, op, replay, _)), v in zip(pending, values, strict=True):
-            rec = dict(zip(RECORD_FIELDS, v, strict=True))
-            if not rec["detected"]:
-                continue
-            n_rows, n_cols = int(rec["n_rows"]), int(rec["n_cols"])
-            pattern = pattern_of(n_rows, n_cols)
-            if not rec["corrected"]:
-                action = "uncorrectable"
-            else:
-                action = "recomputed" if pattern == "2D" else "corrected"
-            events.append(
-                Event(
-                    step,
-                    name,
-                    st.layer,
-                    op,
-                    pattern,
-                    kind_of(rec["value"]),
-                    action,
-                    n_rows,
-                    n_cols,
-                    replay,
-                )
-            )
+        for (name, st), log in zip(self._states.items(), logs, strict=True):
+            for op, row in zip(OPS, log, strict=True):
+                rec = dict(zip(RECORD_FIELDS, row, strict=True))
+                n = int(rec["detected"])
+                if not n:
+                    continue
+                _count(self._totals[op], row)
+                n_rows, n_cols = int(rec["n_rows"]), int(rec["n_cols"])
+                pattern = pattern_of(n_rows, n_cols)
+                if rec["lost"]:
+                    action = "uncorrectable"
+                else:
+                    action = "recomputed" if pattern == "2D" else "corrected"
+                step = round(rec["step_sum"] / n)
+                events.append(
+                    Event(step, name, st.layer, op, pattern, kind_of(rec["value"]), action,
+                          n_rows, n_cols, count=n)
+                )  # fmt: skip
         bad = [e for e in events if e.action == "uncorrectable"]
         if bad:
             self._apply_policy(bad)

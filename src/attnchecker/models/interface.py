@@ -1,22 +1,80 @@
-"""The checked attention core, registered with transformers' ``AttentionInterface``.
+"""The checked attention function, registered with transformers' ``AttentionInterface``.
+
+It is total over what transformers calls: a module bound by protection runs the checked core; any
+other module that reaches it (a cross-attention the adapter did not bind, a layer not selected)
+runs its own family's eager attention, exactly. Every keyword is either known not to change the
+eager math (:data:`KEYWORDS`) or refused with :class:`~attnchecker.errors.UnsupportedModelError`
+naming it: never silently different math.
 
 A custom implementation name needs a mask function registered under the same name too, or the
 model silently receives no mask (GPT-2 would stop being causal, padding would be ignored); the
-eager mask is the one the core's eager math expects.
+eager mask is the one the core's eager math expects (sliding windows included).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from torch import Tensor, nn
 
 from attnchecker.attention.core import attend
+from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.registry import CORE
 
-__all__ = ["NAME", "install_interface"]
+__all__ = ["KEYWORDS", "NAME", "install_interface"]
 
 NAME = "attnchecker"
+
+KEYWORDS: dict[str, str] = {
+    # keyword: why the checked core may take it as the family's eager attention does
+    "sliding_window": "the eager mask already holds the window (Mistral, Qwen2)",
+    "is_causal": "used by SDPA and flash kernels; the eager math takes causality from the mask",
+    "position_ids": "consumed before attention (rotary embeddings, flash varlen)",
+    "cache_position": "consumed by the cache and the mask",
+    "output_attentions": "the probabilities are always returned",
+    "use_cache": "consumed by the cache",
+    "past_key_values": "consumed by the cache",
+    "cu_seq_lens_q": "flash varlen only; eager ignores it",
+    "cu_seq_lens_k": "flash varlen only; eager ignores it",
+    "max_length_q": "flash varlen only; eager ignores it",
+    "max_length_k": "flash varlen only; eager ignores it",
+    "output_hidden_states": "model-level output option",
+    "output_router_logits": "model-level output option",
+    "num_items_in_batch": "consumed by the loss",
+    "seq_idx": "packed-sequence index for flash/mamba kernels; eager ignores it",
+    "return_dict": "model-level output option",
+    "head_mask": "accepted only when None",
+    "layer_head_mask": "accepted only when None",
+    "encoder_hidden_states": "consumed by the projections",
+    "encoder_attention_mask": "consumed by the mask",
+}
+"""Keywords the checked core accepts. Anything else that is not None is refused by name: logit
+soft-capping (``softcap``), attention sinks (``s_aux``), and whatever transformers adds later."""
+
+_NONE_ONLY = ("head_mask", "layer_head_mask")
+
+
+def _refuse(kwargs: dict[str, object]) -> None:
+    for name, value in kwargs.items():
+        if value is None:
+            continue
+        if name not in KEYWORDS or name in _NONE_ONLY:
+            raise UnsupportedModelError(
+                f"the checked attention does not implement {name}={value!r}; protect_ would "
+                f"compute different math than the model's eager attention, so it refuses"
+            )
+
+
+def _eager_of(module: nn.Module) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The module's own family eager attention (transformers' ``eager_attention_forward``)."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} reached the checked attention without protection and "
+            f"its module has no eager_attention_forward to fall back on"
+        )
+    return fn
 
 
 def _attention(
@@ -29,12 +87,19 @@ def _attention(
     dropout: float = 0.0,
     **kwargs: object,
 ) -> tuple[Tensor, Tensor]:
-    spec, state = getattr(module, CORE)
+    _refuse(kwargs)
+    upcast = bool(getattr(module, "reorder_and_upcast_attn", False))  # GPT-2's option
+    bound = getattr(module, CORE, None)
+    if bound is None:  # not protected: exactly what "eager" would have run
+        if upcast:
+            return module._upcast_and_reordered_attn(query, key, value, attention_mask)
+        return _eager_of(module)(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout
+        )
+    spec, state = bound
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    upcast = bool(getattr(module, "reorder_and_upcast_attn", False))  # GPT-2's option
     return attend(
-        module,
         spec,
         query,
         key,
@@ -42,6 +107,7 @@ def _attention(
         attention_mask,
         scaling=scaling,
         dropout=dropout,
+        training=module.training,
         state=state,
         upcast_reordered=upcast,
     )

@@ -34,16 +34,17 @@ class LlamaAdapter(Adapter):
     def blocks(self, model: nn.Module) -> list[AttentionBlock]:
         rotary = [m for _, m in named(model, lambda m: hasattr(m, "inv_freq"))]
         scales = {getattr(m, "attention_scaling", None) for m in rotary}
-        scale = scales.pop() if len(scales) == 1 else None  # unknown: bounds come from Q and K
-        spec = CoreSpec(repeat_kv=True, softmax_fp32=True, has_rope=True, rope_scale=scale)
+        # RoPE rotates feature pairs: head norms scale by its cos/sin scale (unknown: not passed)
+        scale = scales.pop() if len(scales) == 1 else None
+        spec = CoreSpec(softmax_fp32=True, norm_scale=scale)
         out = []
         for i, (name, m) in enumerate(named(model, _is_llama_attention)):
             layer = m.layer_idx if isinstance(getattr(m, "layer_idx", None), int) else i
             nh = m.q_proj.out_features // m.head_dim
             nkv = m.k_proj.out_features // m.head_dim
             projections = (
-                ProjectionSpec(("q",), m.q_proj, nh),
-                ProjectionSpec(("k",), m.k_proj, nkv),
+                ProjectionSpec(("q",), m.q_proj, nh, last=False),
+                ProjectionSpec(("k",), m.k_proj, nkv, last=False),
                 ProjectionSpec(("v",), m.v_proj, nkv),
                 ProjectionSpec(("out",), m.o_proj, nh),
             )

@@ -39,6 +39,7 @@ class ProjectionSpec:
     module: nn.Module
     groups: int
     conv1d: bool = False  # GPT-2's Conv1D: weight stored (in, out), y = addmm(b, x, W)
+    last: bool = True  # the last projection of its input (V after Q and K): check them now
 
 
 @dataclass(frozen=True)
