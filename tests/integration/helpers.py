@@ -70,3 +70,72 @@ def models(family: str, **kw) -> tuple[nn.Module, nn.Module]:
 
 def max_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+def fire_once(site: str, pattern: str, kind: str, *, layer: int | None = 0, module=None, when=None):
+    """A site hook that puts one fault (kind x pattern) at ``site`` of the given layer (or
+    module), once, never in a checkpointing replay; ``when(call)`` can restrict it further."""
+    fired: list[tuple[int, ...]] = []
+
+    def hook(call):
+        if call.site != site or call.replay or fired:
+            return
+        if (layer is not None and call.layer != layer) or (
+            module is not None and call.module != module
+        ):
+            return
+        if when is not None and not when(call):
+            return
+        idx = pattern_index(call.tensor, pattern)
+        call.tensor[idx] = KINDS[kind](call.tensor[idx].clone())
+        fired.append(tuple(call.tensor.shape))
+
+    hook.fired = fired
+    return hook
+
+
+def fault_matrix(
+    base,
+    inputs,
+    step,
+    *,
+    config=None,
+    sites=SITES,
+    kinds=KINDS,
+    patterns=PATTERNS,
+    layer=0,
+    module=None,
+    rtol=1e-6,
+    atol=1e-5,
+):
+    """Run ``step(model, inputs) -> (loss, grads, params)`` on a protected copy of ``base`` once
+    per fault and compare with the fault-free step; return the failures (empty when every fault
+    was corrected, reported as such, and left the loss, every gradient and the update equal)."""
+    from attnchecker import ABFTConfig, protect_
+
+    want = step(copy.deepcopy(base), inputs)
+    failures = []
+    for site in sites:
+        for kind in kinds:
+            for pattern in patterns:
+                model = copy.deepcopy(base)
+                handle = protect_(model, config or ABFTConfig())
+                hook = fire_once(site, pattern, kind, layer=layer, module=module)
+                handle.attach(hook)
+                got = step(model, inputs)
+                events = handle.drain()
+                ok = (
+                    bool(hook.fired)
+                    and torch.allclose(got[0], want[0], rtol=rtol, atol=0)
+                    and max_diff(got[1], want[1]) <= atol
+                    and max_diff(got[2], want[2]) <= atol
+                    and any(
+                        e.op == site and e.action in ("corrected", "recomputed") for e in events
+                    )
+                    and not any(e.action == "uncorrectable" for e in events)
+                )
+                if not ok:
+                    failures.append(
+                        (site, kind, pattern, float(got[0]), [(e.op, e.action) for e in events])
+                    )
+    return failures

@@ -40,7 +40,6 @@ the step), one per site, built with a handful of vectorised ops.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -109,49 +108,32 @@ class Projection:
 
     def column(self, x: Tensor, f: Tensor) -> Tensor:
         """Output feature ``f`` (1,) for every input row of x (T, K): (T, 1)."""
-        w = self.weight.index_select(0, f).t() if not self.conv1d else self.weight.index_select(1, f)
+        w = (
+            self.weight.index_select(0, f).t()
+            if not self.conv1d
+            else self.weight.index_select(1, f)
+        )
         if self.bias is None:
             return x @ w
         return torch.addmm(self.bias.index_select(0, f), x, w)
 
 
-class _Ident:
-    """Identity of a tensor that does not keep it alive (a freed tensor's memory is reused at
-    once, so an address cannot key a cache)."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, t: Tensor | None) -> None:
-        self.ref = None if t is None else weakref.ref(t)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Ident) or self.ref is None or other.ref is None:
-            return isinstance(other, _Ident) and self.ref is other.ref
-        a = self.ref()
-        return a is not None and a is other.ref()
-
-    __hash__ = None  # type: ignore[assignment]
-
-
 class WeightSums(NamedTuple):
-    """Weight-derived operands of a projection's row check, per head group (fp32)."""
+    """Weight-derived operands of a projection's row check, per head group (fp32).
 
-    key: tuple[object, ...] | None  # parameter identities and versions (eager cache)
+    Recomputed at every call, never cached: fused optimizers (``torch._fused_adamw_``, the
+    Trainer's default) update parameters without bumping their version counter, so no cheap key
+    says when a cache is stale (a stale sum is a false alarm on every row)."""
+
     sums: Tensor  # (K, G): W summed over each group's outputs
     bias: Tensor | None  # (G,): b summed over each group
     norms: Tensor  # (G,): ||[W_g | b_g]||_F, plus an absolute floor (see projection_check_)
     total: Tensor  # (): ||[W | b]||_F of the whole projection
 
 
-def weight_sums(proj: Projection, floor: float, cached: WeightSums | None = None) -> WeightSums:
-    """The sums of ``proj``'s parameters; ``cached`` is reused while no parameter changed (eager
-    only: under torch.compile they are recomputed, and fused, every call)."""
+def weight_sums(proj: Projection, floor: float) -> WeightSums:
+    """The sums of ``proj``'s parameters, with ``floor`` added to the group norms."""
     w, b, G = proj.weight, proj.bias, proj.groups
-    key = None
-    if not torch.compiler.is_compiling():
-        key = (_Ident(w), w._version, _Ident(b), -1 if b is None else b._version, floor)
-        if cached is not None and cached.key == key:
-            return cached
     with torch.no_grad(), _no_autocast(w.device):
         f32 = torch.float32
         if proj.conv1d:  # (K, N)
@@ -167,7 +149,7 @@ def weight_sums(proj: Projection, floor: float, cached: WeightSums | None = None
             bias = bv.sum(-1, dtype=f32)
             norms = torch.hypot(norms, torch.linalg.vector_norm(bv, dim=-1, dtype=f32))
         total = torch.linalg.vector_norm(norms)
-        return WeightSums(key, sums, bias, norms + floor, total)
+        return WeightSums(sums, bias, norms + floor, total)
 
 
 def row_factor(x: Tensor, items: list[tuple[Projection, Tensor]], scale: float) -> float:
@@ -193,12 +175,19 @@ _SEGMENTS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
 
 
 def _segments(sizes: tuple[int, ...], device: torch.device) -> Tensor:
-    """(sum(sizes), len(sizes)) float32 indicator of consecutive segments (cached constant)."""
+    """(sum(sizes), len(sizes)) float32 indicator of consecutive segments (a cached constant in
+    eager; under torch.compile a constant of the graph)."""
     key = (sizes, device)
-    if key not in _SEGMENTS:
-        ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-        _SEGMENTS[key] = F.one_hot(ids, len(sizes)).to(device, torch.float32)
-    return _SEGMENTS[key]
+    if key in _SEGMENTS:
+        return _SEGMENTS[key]
+    ind = torch.zeros(sum(sizes), len(sizes), device=device)
+    start = 0
+    for i, n in enumerate(sizes):
+        ind[start : start + n, i] = 1.0
+        start += n
+    if not torch.compiler.is_compiling():
+        _SEGMENTS[key] = ind
+    return ind
 
 
 @torch.no_grad()
@@ -234,7 +223,9 @@ def projection_check_(
             bias = cat([w.bias if w.bias is not None else w.norms * 0 for w in ws])
             ref = torch.addmm(bias.to(x.dtype), x2, sums)
         bound = torch.addcmul(norms, xn, norms)  # (T, sum G)
-        rec = cat([y.view(T, p.groups, -1).sum(-1, dtype=torch.float32) for p, y in zip(projs, ys)], 1)
+        rec = cat(
+            [y.view(T, p.groups, -1).sum(-1, dtype=torch.float32) for p, y in zip(projs, ys)], 1
+        )
         excess = torch.sub((ref - rec).abs(), bound, alpha=factor)  # > 0 or NaN: flagged
         bad = ~(excess <= 0)
         groups_per_site = tuple(p.groups // len(p.sites) for p in projs for _ in p.sites)
@@ -245,7 +236,7 @@ def projection_check_(
         e = colsum.abs()
         widths = tuple(y.shape[-1] for y in ys)
         limits = (xn.sum() + T) * torch.stack([w.total for w in ws])  # (m,)
-        bad_c = ~(e <= limits.repeat_interleave(torch.tensor(widths, device=x.device), output_size=e.numel()))
+        bad_c = ~(e <= torch.cat([limits[i : i + 1].expand(w) for i, w in enumerate(widths)]))
         sites_w = tuple(y.shape[-1] // len(p.sites) for p, y in zip(projs, ys) for _ in p.sites)
         n_cols = bad_c.float() @ _segments(sites_w, x.device)  # (S,)
         worst_col = [part.max(0, keepdim=True) for part in e.split(widths)]  # per projection
@@ -264,7 +255,9 @@ def projection_check_(
     site_proj = [i for i, p in enumerate(projs) for _ in p.sites]
 
     values = cat([colsum.split(widths)[i].index_select(0, worst_col[i][1]) for i in range(len(ys))])
-    value = values if len(site_proj) == len(ys) else values[torch.tensor(site_proj, device=x.device)]
+    value = (
+        values if len(site_proj) == len(ys) else values[torch.tensor(site_proj, device=x.device)]
+    )
     det = (n_rows + n_cols) > 0
     lost = det & (((n_rows > R) & (n_cols != 1)) | inputs_bad)
     return _records(det, lost, n_rows, n_cols, value), ref, bound
@@ -276,7 +269,13 @@ Recompute = Callable[[Tensor, Tensor], Tensor]  # (b_idx, h_idx) (Kh,) -> (Kh, L
 
 
 def scores_excess(
-    s: Tensor, q: Tensor, k: Tensor, *, alpha: float, scale: float, norms: tuple[Tensor, Tensor] | None
+    s: Tensor,
+    q: Tensor,
+    k: Tensor,
+    *,
+    alpha: float,
+    scale: float,
+    norms: tuple[Tensor, Tensor] | None,
 ) -> Tensor:
     """(B, H, L): > 0 (or NaN) where the row of s = alpha q k^T (B, H, L, Lk) is flagged.
 
@@ -294,7 +293,9 @@ def scores_excess(
         rec = s.sum(-1, dtype=torch.float32)
         tol = _factor(s, q, k, inner=d, length=Lk) * scale * abs(alpha)
         floor = underflow_floor(s.dtype, length=Lk)
-        return torch.sub((ref * alpha - rec).abs(), torch.addcmul(qn.new_tensor(floor), qn, kn, value=tol))
+        return torch.sub(
+            (ref * alpha - rec).abs(), torch.addcmul(qn.new_tensor(floor), qn, kn, value=tol)
+        )
 
 
 def probs_excess(p: Tensor, *, scale: float) -> Tensor:
@@ -355,7 +356,9 @@ def context_check_(
     Lk, d = v.shape[-2], v.shape[-1]
     with _no_autocast(c.device):
         if v_rows is None:
-            vr = torch.stack([v.sum(-1, dtype=torch.float32), v.abs().sum(-1, dtype=torch.float32)], -1)
+            vr = torch.stack(
+                [v.sum(-1, dtype=torch.float32), v.abs().sum(-1, dtype=torch.float32)], -1
+            )
         else:
             vr = torch.stack(v_rows, -1)  # (B, H, Lk, 2)
         both = p.to(torch.float32) @ vr  # (B, H, L, 2)

@@ -111,7 +111,9 @@ def attend(
         p = nn.functional.softmax(z, dim=-1)
         return p.type(value.dtype) if spec.probs_to_value_dtype else p
 
-    checked = [] if state is None else [op for op in ("scores", "probs", "context") if state.checks(op)]
+    checked = (
+        [] if state is None else [op for op in ("scores", "probs", "context") if state.checks(op)]
+    )
     config = None if state is None else state.config
     found: list[tuple[Tensor, ...]] = []
 
@@ -175,4 +177,6 @@ def _head_records(found: list[tuple[Tensor, ...]]) -> Tensor:
     r = torch.stack([t for f in found for t in f]).view(len(found), 4)
     rows, cols, value, lost = r.unbind(1)
     det = rows > 0
-    return torch.stack([det.to(_F64), (det & (lost > 0)).to(_F64), rows, cols, torch.where(det, value, 0.0)], 1)
+    return torch.stack(
+        [det.to(_F64), (det & (lost > 0)).to(_F64), rows, cols, torch.where(det, value, 0.0)], 1
+    )

@@ -60,8 +60,9 @@ def in_replay() -> bool:
 @dataclass
 class Clock:
     """The step counter shared by all protected modules of one model: a float64 scalar tensor
-    (exact to 2^53 steps) on the model's device, advanced by a root forward pre-hook (checkpointing replays of single layers do not
-    run it), so that compiled code never reads a Python int that changes every step."""
+    (exact to 2^53 steps) on the model's device, advanced by a root forward pre-hook (replays
+    of single layers by gradient checkpointing do not run it), so that compiled code never
+    reads a Python int that changes every step."""
 
     count: Tensor
 
@@ -109,7 +110,6 @@ class AttentionState:
     hooks: dict[str, list[SiteHook]] = field(default_factory=lambda: {s: [] for s in OPS})
     pending: list = field(default_factory=list)  # projection checks waiting for their group
     handoff: object | None = None  # what the projection checks leave for the core (passing)
-    cache: dict = field(default_factory=dict)  # weight-derived sums, eager only (by version)
 
     def checks(self, op: str) -> bool:
         return op in self.config.ops
@@ -149,11 +149,7 @@ class AttentionState:
         pairs = [(p, y) for p, _, y in group]
         factor = row_factor(x, pairs, self.config.tolerance_scale)
         floor = row_floor(pairs) / factor
-        items = []
-        for p, y in pairs:
-            key = (p.sites, x.dtype, y.dtype)
-            self.cache[key] = weight_sums(p, floor, self.cache.get(key))
-            items.append((p, y, self.cache[key]))
+        items = [(p, y, weight_sums(p, floor)) for p, y in pairs]
         sites = tuple(s for p, _ in pairs for s in p.sites)
         with _ranged("+".join(sites)):
             rec, ref, bound = projection_check_(
@@ -180,6 +176,8 @@ class AttentionState:
                         bound[:, cut].view(B, L, width), ref[:, cut].view(B, L, width)
                     )
                 offset += width
+        if not parts:
+            return  # the output projection: nothing for the core (it ran already)
         new = Handoff(**parts)
         keep = isinstance(self.handoff, Handoff) and "q" not in parts  # K/V after their Q
         self.handoff = self.handoff.merge(new) if keep else new
@@ -217,9 +215,12 @@ _INDEX: dict[tuple[tuple[str, ...], torch.device], Tensor] = {}
 
 def _index(ops: tuple[str, ...], device: torch.device) -> Tensor:
     key = (ops, device)
-    if key not in _INDEX:
-        _INDEX[key] = torch.tensor([OPS.index(o) for o in ops], device=device)
-    return _INDEX[key]
+    if key in _INDEX:
+        return _INDEX[key]
+    index = torch.tensor([OPS.index(o) for o in ops], device=device)
+    if not torch.compiler.is_compiling():
+        _INDEX[key] = index
+    return index
 
 
 def new_log(device: torch.device) -> Tensor:

@@ -21,10 +21,9 @@ SPEC = CoreSpec()
 
 def _is_self_attention_block(m: nn.Module) -> bool:
     inner = getattr(m, "self", None)
-    return (
-        all(hasattr(inner, a) for a in ("query", "key", "value", "num_attention_heads"))
-        and hasattr(getattr(m, "output", None), "dense")
-    )
+    return all(
+        hasattr(inner, a) for a in ("query", "key", "value", "num_attention_heads")
+    ) and hasattr(getattr(m, "output", None), "dense")
 
 
 @register

@@ -103,4 +103,7 @@ def build(
     else:
         raise ValueError(f"task must be 'lm' or 'cls', got {task!r}")
     torch.manual_seed(seed)
-    return auto.from_config(cfg, attn_implementation="eager")
+    model = auto.from_config(cfg, attn_implementation="eager")
+    if model.loss_type is None:  # GPT2LMHeadModel: its name maps to no loss, so transformers
+        model.loss_type = "ForCausalLM"  # warns at every compile (a graph break) and falls back
+    return model
