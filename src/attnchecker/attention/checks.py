@@ -53,13 +53,13 @@ from attnchecker.abft.tolerance import magnitude_factor, underflow_floor, unit_r
 __all__ = [
     "Projection",
     "WeightSums",
-    "context_check_",
+    "context_residual",
     "heads_repair_",
-    "probs_excess",
+    "probs_residual",
     "projection_check_",
     "row_factor",
     "row_floor",
-    "scores_excess",
+    "scores_residual",
     "weight_sums",
 ]
 
@@ -80,10 +80,10 @@ def _factor(out: Tensor, *operands: Tensor, inner: int, length: int) -> float:
     ) + rounded * unit_roundoff(out.dtype)
 
 
-def _records(det: Tensor, lost: Tensor, rows: Tensor, cols: Tensor, value: Tensor) -> Tensor:
-    """(S, 5) float64 records from per-site vectors (S,); the value counts only if detected."""
-    value = torch.where(det, value.to(_F64), 0.0)
-    return torch.stack([det.to(_F64), lost.to(_F64), rows.to(_F64), cols.to(_F64), value], 1)
+def _record(rows: Tensor, cols: Tensor, value: Tensor, lost: Tensor) -> Tensor:
+    """(n, 4) float32 records [rows, cols, value, lost] from float32 n-vectors or 0-dim tensors
+    (``lost`` may be bool)."""
+    return torch.stack([rows, cols, value, lost.to(torch.float32)], -1).view(-1, 4)
 
 
 # --------------------------------------------------------------------------------- projections
@@ -210,37 +210,44 @@ def projection_check_(
     T, R = B * L, min(max_rows, B * L)
     projs = [p for p, _, _ in items]
     ys = [y.data.view(T, y.shape[-1]) for _, y, _ in items]  # (T, N_i), written in place
+    ws = [w for _, _, w in items]
     x2 = x.reshape(T, K)
-    cat = lambda ts, dim=0: ts[0] if len(ts) == 1 else torch.cat(ts, dim)
+    f32 = torch.float32
+    one = len(items) == 1
+    cat = lambda ts, dim=0: ts[0] if one else torch.cat(ts, dim)
     with _no_autocast(x.device):
-        ws = [w for _, _, w in items]
-        xn = torch.linalg.vector_norm(x2, dim=1, keepdim=True, dtype=torch.float32)  # (T, 1)
+        xn = torch.linalg.vector_norm(x2, dim=1, keepdim=True, dtype=f32)  # (T, 1)
         norms = cat([w.norms for w in ws])  # (sum G,)
         sums = cat([w.sums for w in ws], 1).to(x.dtype)  # (K, sum G)
-        if all(w.bias is not None for w in ws):
-            ref = torch.addmm(cat([w.bias for w in ws]).to(x.dtype), x2, sums)  # (T, sum G)
+        if all(w.bias is None for w in ws):
+            ref = x2 @ sums  # (T, sum G)
         else:
-            bias = cat([w.bias if w.bias is not None else w.norms * 0 for w in ws])
+            bias = cat([w.norms * 0 if w.bias is None else w.bias for w in ws])
             ref = torch.addmm(bias.to(x.dtype), x2, sums)
         bound = torch.addcmul(norms, xn, norms)  # (T, sum G)
-        rec = cat(
-            [y.view(T, p.groups, -1).sum(-1, dtype=torch.float32) for p, y in zip(projs, ys)], 1
-        )
-        excess = torch.sub((ref - rec).abs(), bound, alpha=factor)  # > 0 or NaN: flagged
+        rec = cat([y.view(T, p.groups, -1).sum(-1, dtype=f32) for p, y in zip(projs, ys)], 1)
+        d = rec - ref  # (T, sum G)
+        excess = torch.sub(d.abs(), bound, alpha=factor)  # > 0 or NaN: flagged
         bad = ~(excess <= 0)
-        groups_per_site = tuple(p.groups // len(p.sites) for p in projs for _ in p.sites)
-        n_rows = (bad.float() @ _segments(groups_per_site, x.device)).gt(0).sum(0)  # (S,)
+        per_site = tuple(p.groups // len(p.sites) for p in projs for _ in p.sites)
+        if len(per_site) == 1:
+            n_rows = bad.any(1).sum(dtype=f32).view(1)
+        else:  # tokens flagged per site, one small GEMM for all
+            n_rows = (bad.to(f32) @ _segments(per_site, x.device)).gt(0).sum(0, dtype=f32)
 
         # Columns: one scalar bound per projection, so the largest |column sum| is the worst.
-        colsum = cat([y.sum(0, dtype=torch.float32) for y in ys])  # (sum N,)
-        e = colsum.abs()
-        widths = tuple(y.shape[-1] for y in ys)
-        limits = (xn.sum() + T) * torch.stack([w.total for w in ws])  # (m,)
-        bad_c = ~(e <= torch.cat([limits[i : i + 1].expand(w) for i, w in enumerate(widths)]))
-        sites_w = tuple(y.shape[-1] // len(p.sites) for p, y in zip(projs, ys) for _ in p.sites)
-        n_cols = bad_c.float() @ _segments(sites_w, x.device)  # (S,)
-        worst_col = [part.max(0, keepdim=True) for part in e.split(widths)]  # per projection
-        inputs_bad = ~ref.sum().isfinite()  # x itself was bad: recomputing repeats the fault
+        xs = xn.sum() + T
+        worst, bad_c = [], []
+        for y, w in zip(ys, ws, strict=True):
+            e = y.sum(0, dtype=f32).abs()  # (N_i,)
+            worst.append(e.max(0, keepdim=True)[1])
+            bad_c.append(~(e <= xs * w.total))
+        widths = tuple(y.shape[-1] // len(p.sites) for p, y in zip(projs, ys) for _ in p.sites)
+        if len(widths) == 1:
+            n_cols = bad_c[0].sum(dtype=f32).view(1)
+        else:
+            n_cols = cat(bad_c).to(f32) @ _segments(widths, x.device)  # (S,)
+        inputs_bad = ~(xs < math.inf)  # x itself was bad: recomputing repeats the fault
 
     # Rows: the R worst tokens, recomputed for every projection of this input.
     top, idx = excess.amax(1).topk(R)  # NaN ranks first
@@ -249,18 +256,14 @@ def projection_check_(
     for p, y in zip(projs, ys, strict=True):
         y.index_copy_(0, idx, torch.where(take, p.rows(xr).to(y.dtype), y.index_select(0, idx)))
     # Columns: the worst column of each projection, when it breaks the range bound.
-    for (p, y), bad_ci, (_, f) in zip(zip(projs, ys), bad_c.split(widths), worst_col, strict=True):
-        hit = bad_ci.index_select(0, f)  # (1,): f is the worst column, flagged or not
+    for p, y, f, flags in zip(projs, ys, worst, bad_c, strict=True):
+        hit = flags.index_select(0, f)  # (1,): f is the worst column, flagged or not
         y.index_copy_(1, f, torch.where(hit, p.column(x2, f).to(y.dtype), y.index_select(1, f)))
-    site_proj = [i for i, p in enumerate(projs) for _ in p.sites]
 
-    values = cat([colsum.split(widths)[i].index_select(0, worst_col[i][1]) for i in range(len(ys))])
-    value = (
-        values if len(site_proj) == len(ys) else values[torch.tensor(site_proj, device=x.device)]
-    )
-    det = (n_rows + n_cols) > 0
-    lost = det & (((n_rows > R) & (n_cols != 1)) | inputs_bad)
-    return _records(det, lost, n_rows, n_cols, value), ref, bound
+    # The delivered error: the signed residual of the worst row (INF, NaN, its size).
+    value = d.view(-1).index_select(0, excess.view(-1).argmax().view(1)).expand(n_rows.shape[0])
+    lost = ((n_rows > R) & (n_cols != 1)) | inputs_bad
+    return _record(n_rows, n_cols, value, lost), ref, bound
 
 
 # ------------------------------------------------------ heads: scores, probs, context
@@ -268,7 +271,7 @@ def projection_check_(
 Recompute = Callable[[Tensor, Tensor], Tensor]  # (b_idx, h_idx) (Kh,) -> (Kh, L, M)
 
 
-def scores_excess(
+def scores_residual(
     s: Tensor,
     q: Tensor,
     k: Tensor,
@@ -276,8 +279,9 @@ def scores_excess(
     alpha: float,
     scale: float,
     norms: tuple[Tensor, Tensor] | None,
-) -> Tensor:
-    """(B, H, L): > 0 (or NaN) where the row of s = alpha q k^T (B, H, L, Lk) is flagged.
+) -> tuple[Tensor, Tensor]:
+    """(residual, excess), both (B, H, L), of the rows of s = alpha q k^T (B, H, L, Lk); excess
+    is > 0 (or NaN) on flagged rows.
 
     ``norms`` = (bounds on ||q_i|| (B, H, L), on sum_j ||k_j|| (B, H)) from the projections;
     otherwise they come from q (B, H, L, d) and k (B, H, Lk, d).
@@ -290,80 +294,68 @@ def scores_excess(
             kn = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).sum(-1, keepdim=True)
         else:
             qn, kn = norms[0], norms[1][..., None]
-        rec = s.sum(-1, dtype=torch.float32)
+        res = s.sum(-1, dtype=torch.float32) - (ref if alpha == 1.0 else ref * alpha)
         tol = _factor(s, q, k, inner=d, length=Lk) * scale * abs(alpha)
         floor = underflow_floor(s.dtype, length=Lk)
-        return torch.sub(
-            (ref * alpha - rec).abs(), torch.addcmul(qn.new_tensor(floor), qn, kn, value=tol)
-        )
+        return res, torch.addcmul(res.abs() - floor, qn, kn, value=-tol)
 
 
-def probs_excess(p: Tensor, *, scale: float) -> Tensor:
-    """(B, H, L): > 0 (or NaN) where a row of the probabilities p (B, H, L, Lk) does not sum to 1."""
+def probs_residual(p: Tensor, *, scale: float) -> tuple[Tensor, Tensor]:
+    """(residual, excess) (B, H, L) of the rows of the probabilities p (B, H, L, Lk): sum to 1."""
     tol = 2 * scale * (unit_roundoff(p.dtype) + (8 + p.shape[-1]) * _U32)
-    return (p.sum(-1, dtype=torch.float32) - 1).abs() - tol
+    res = p.sum(-1, dtype=torch.float32) - 1
+    return res, res.abs() - tol
+
+
+def context_residual(
+    c: Tensor, p: Tensor, v: Tensor, *, scale: float, v_rows: tuple[Tensor, Tensor] | None
+) -> tuple[Tensor, Tensor]:
+    """(residual, excess) (B, H, L) of the rows of c = p v (B, H, L, d), from p (B, H, L, Lk) and
+    v (B, H, Lk, d). ``v_rows`` = (sum_f v_jf, a bound on sum_f |v_jf|), both (B, H, Lk), when
+    the V projection check has them (clean, from X and W); otherwise they come from v."""
+    Lk, d = v.shape[-2], v.shape[-1]
+    with _no_autocast(c.device):
+        if v_rows is None:
+            f32 = torch.float32
+            vr = torch.stack([v.sum(-1, dtype=f32), v.abs().sum(-1, dtype=f32)], -1)
+        else:
+            vr = torch.stack(v_rows, -1)  # (B, H, Lk, 2)
+        both = p.to(torch.float32) @ vr  # (B, H, L, 2): reference and bound
+        res = c.sum(-1, dtype=torch.float32) - both[..., 0]
+        tol = _factor(c, p, v, inner=Lk, length=d) * scale
+        floor = underflow_floor(c.dtype, length=d)
+        return res, torch.sub(res.abs() - floor, both[..., 1], alpha=tol)
 
 
 @torch.no_grad()
 def heads_repair_(
-    t: Tensor, excess: Tensor, recompute: Recompute, *, max_heads: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    t: Tensor, residual: Tensor, excess: Tensor, recompute: Recompute, *, max_heads: int
+) -> Tensor:
     """Recompute the ``max_heads`` worst flagged matrices of t (B, H, L, M) in place.
 
-    ``excess`` (B, H, L) is > 0 (or NaN) on flagged rows. Returns, all 0-dim float64: the flagged rows
-    over every head, the columns that moved in the worst head, the delivered value where it moved
-    most, and whether more heads were flagged than repaired.
+    ``excess`` (B, H, L) is > 0 (or NaN) on flagged rows. Returns the (1, 4) record: flagged
+    rows over every head, the elements the recompute moved in the worst row of the worst head
+    (beyond the last bits of a smaller GEMM), that row's residual, and whether more heads were
+    flagged than repaired.
     """
     B, H, L, M = t.shape
     Kh = min(max_heads, B * H)
     top, idx = excess.amax(-1).view(B * H).topk(min(Kh + 1, B * H))  # NaN ranks first
     flagged = ~(top <= 0)
-    take, lost = flagged[:Kh], (flagged[Kh] if Kh < B * H else flagged[0] & False)
-    idx = idx[:Kh]
+    lost = flagged[Kh] if Kh < B * H else flagged[0] & False
+    take, idx = flagged[:Kh], idx[:Kh]
     new = recompute(idx // H, idx % H).to(t.dtype)  # (Kh, L, M)
     t3 = t.data.view(B * H, L, M)
     kept = t3.index_select(0, idx)  # (Kh, L, M)
     t3.index_copy_(0, idx, torch.where(take[:, None, None], new, kept))
-    # Pattern and value in the worst head: elements the recompute moved beyond the last bits of
-    # a smaller GEMM (relative to the row's largest recomputed value).
-    dist = (new[0].float() - kept[0].float()).abs()  # (L, M); NaN where NaN was delivered
-    slack = new[0].float().abs().amax(-1, keepdim=True) * _MOVED + 1e-30
-    n_cols = (~(dist <= slack)).any(0).sum(dtype=_F64)
-    value = kept[0].reshape(-1).index_select(0, dist.view(-1).argmax().view(1))[0]
-    return (~(excess <= 0)).sum(dtype=_F64), n_cols, value.to(_F64), lost.to(_F64)
+    # The worst row (of the worst head): its residual, and what the recompute moved in it.
+    j = excess.view(-1).argmax().view(1)  # NaN ranks first; a tensor, never a Python int
+    value = residual.view(-1).index_select(0, j)[0]
+    r = j % L
+    after = new[0].index_select(0, r).float()  # (1, M)
+    moved = ~((after - kept[0].index_select(0, r).float()).abs() <= after.abs() * _MOVED)
+    rows = (~(excess <= 0)).sum(dtype=torch.float32)
+    return _record(rows, moved.sum(dtype=torch.float32), value, lost)
 
 
 _MOVED = 1e-3
-
-
-@torch.no_grad()
-def context_check_(
-    c: Tensor,
-    p: Tensor,
-    v: Tensor,
-    *,
-    recompute: Recompute,
-    max_heads: int,
-    scale: float = 1.0,
-    v_rows: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Check and repair c = p v (B, H, L, d) from p (B, H, L, Lk) and v (B, H, Lk, d); returns
-    what :func:`heads_repair_` returns.
-
-    ``v_rows`` = (sum_f v_jf, a bound on sum_f |v_jf|), both (B, H, Lk), when the V projection
-    check has them (clean, from X and W); otherwise they come from v.
-    """
-    Lk, d = v.shape[-2], v.shape[-1]
-    with _no_autocast(c.device):
-        if v_rows is None:
-            vr = torch.stack(
-                [v.sum(-1, dtype=torch.float32), v.abs().sum(-1, dtype=torch.float32)], -1
-            )
-        else:
-            vr = torch.stack(v_rows, -1)  # (B, H, Lk, 2)
-        both = p.to(torch.float32) @ vr  # (B, H, L, 2)
-        rec = c.sum(-1, dtype=torch.float32)
-        tol = _factor(c, p, v, inner=Lk, length=d) * scale
-        floor = underflow_floor(c.dtype, length=d)
-        excess = torch.sub((both[..., 0] - rec).abs(), both[..., 1], alpha=tol) - floor
-    return heads_repair_(c, excess, recompute, max_heads=max_heads)

@@ -17,18 +17,22 @@ heads (GQA / MQA) follow from the shapes: H query heads over Hkv key/value heads
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from attnchecker.attention.checks import context_check_, heads_repair_, probs_excess, scores_excess
+from attnchecker.attention.checks import (
+    context_residual,
+    heads_repair_,
+    probs_residual,
+    scores_residual,
+)
 from attnchecker.attention.handoff import CoreInputs, Handoff
 from attnchecker.attention.state import AttentionState, _ranged
 
 __all__ = ["CoreSpec", "attend"]
-
-_F64 = torch.float64
 
 
 @dataclass(frozen=True)
@@ -111,72 +115,50 @@ def attend(
         p = nn.functional.softmax(z, dim=-1)
         return p.type(value.dtype) if spec.probs_to_value_dtype else p
 
-    checked = (
-        [] if state is None else [op for op in ("scores", "probs", "context") if state.checks(op)]
-    )
     config = None if state is None else state.config
-    found: list[tuple[Tensor, ...]] = []
+    heads = 0 if state is None else config.max_heads
+    scale = 1.0 if state is None else config.tolerance_scale
+
+    def check(op: str, t: Tensor, residual: Callable[[], tuple[Tensor, Tensor]], recompute) -> None:
+        """The site's hooks, then the op's check and repair of t (when it is checked)."""
+        state.site(op, t)
+        if state.checks(op):
+            with _ranged(op):
+                res, excess = residual()
+                state.note((op,), heads_repair_(t, res, excess, recompute, max_heads=heads))
 
     scores = scores_of()  # (B, H, L, Lk)
     if state is not None:
-        state.site("scores", scores)
-        if "scores" in checked:
-            with _ranged("scores"):
-                norms = inputs.qk_norms
-                if norms is not None and n_rep > 1:
-                    norms = (norms[0], norms[1].repeat_interleave(n_rep, dim=1))
-                excess = scores_excess(
-                    scores, query, key, alpha=alpha, scale=config.tolerance_scale, norms=norms
-                )
-                found.append(heads_repair_(scores, excess, scores_of, max_heads=config.max_heads))
+        norms = inputs.qk_norms
+        if norms is not None and n_rep > 1:
+            norms = (norms[0], norms[1].repeat_interleave(n_rep, dim=1))
+        check(
+            "scores", scores,
+            lambda: scores_residual(scores, query, key, alpha=alpha, scale=scale, norms=norms),
+            scores_of,
+        )  # fmt: skip
     probs = probs_of(scores)  # (B, H, L, Lk)
     if state is not None:
-        state.site("probs", probs)
-        if "probs" in checked:
-            with _ranged("probs"):
-                excess = probs_excess(probs, scale=config.tolerance_scale)
-                found.append(
-                    heads_repair_(
-                        probs,
-                        excess,
-                        lambda b, h: probs_of(scores[b, h], b, h),
-                        max_heads=config.max_heads,
-                    )
-                )
+        check(
+            "probs", probs,
+            lambda: probs_residual(probs, scale=scale),
+            lambda b, h: probs_of(scores[b, h], b, h),
+        )  # fmt: skip
     probs = nn.functional.dropout(probs, p=dropout, training=training)
     context = torch.matmul(probs, value)  # (B, H, L, d)
     if state is not None:
-        state.site("context", context)
-        if "context" in checked:
-            with _ranged("context"):
-                v_rows = inputs.v_rows
-                if v_rows is not None and n_rep > 1:
-                    v_rows = tuple(t.repeat_interleave(n_rep, dim=1) for t in v_rows)
-                found.append(
-                    context_check_(
-                        context,
-                        probs,
-                        value,
-                        recompute=lambda b, h: torch.matmul(probs[b, h], value[b, h]),
-                        max_heads=config.max_heads,
-                        scale=config.tolerance_scale,
-                        v_rows=v_rows,
-                    )
-                )
-        if found:
-            state.record(tuple(checked), _head_records(found))
+        v_rows = inputs.v_rows
+        if v_rows is not None and n_rep > 1:
+            v_rows = tuple(t.repeat_interleave(n_rep, dim=1) for t in v_rows)
+        check(
+            "context", context,
+            lambda: context_residual(context, probs, value, scale=scale, v_rows=v_rows),
+            lambda b, h: torch.matmul(probs[b, h], value[b, h]),
+        )  # fmt: skip
+        if not state.checks("out"):
+            state.commit()  # otherwise the output projection's check writes the layer's records
     if spec.transpose_out:
         context = context.transpose(1, 2)
         if spec.contiguous_out:
             context = context.contiguous()
     return context, probs
-
-
-def _head_records(found: list[tuple[Tensor, ...]]) -> Tensor:
-    """(n, 5) float64 records from the (rows, cols, value, lost) of each head check."""
-    r = torch.stack([t for f in found for t in f]).view(len(found), 4)
-    rows, cols, value, lost = r.unbind(1)
-    det = rows > 0
-    return torch.stack(
-        [det.to(_F64), (det & (lost > 0)).to(_F64), rows, cols, torch.where(det, value, 0.0)], 1
-    )

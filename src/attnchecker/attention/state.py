@@ -59,8 +59,9 @@ def in_replay() -> bool:
 
 @dataclass
 class Clock:
-    """The step counter shared by all protected modules of one model: a float64 scalar tensor
-    (exact to 2^53 steps) on the model's device, advanced by a root forward pre-hook (replays
+    """The step counter shared by all protected modules of one model: a float64 tensor of shape
+    (1,) (exact to 2^53 steps; not 0-dim: torch.compile drops in-place updates of 0-dim float64
+    CPU tensors held outside the graph, measured with torch 2.13) on the model's device, advanced by a root forward pre-hook (replays
     of single layers by gradient checkpointing do not run it), so that compiled code never
     reads a Python int that changes every step."""
 
@@ -110,6 +111,7 @@ class AttentionState:
     hooks: dict[str, list[SiteHook]] = field(default_factory=lambda: {s: [] for s in OPS})
     pending: list = field(default_factory=list)  # projection checks waiting for their group
     handoff: object | None = None  # what the projection checks leave for the core (passing)
+    noted: list = field(default_factory=list)  # this layer's records, until commit()
 
     def checks(self, op: str) -> bool:
         return op in self.config.ops
@@ -159,7 +161,9 @@ class AttentionState:
         if checked != sites:
             rec = rec[[sites.index(s) for s in checked]]
         if checked:
-            self.record(checked, rec)
+            self.note(checked, rec)
+        if "out" in checked:
+            self.commit()  # the last check of the layer
         if self.config.mode == "passing":
             self._leave(x, pairs, sites, ref, bound)
 
@@ -182,20 +186,28 @@ class AttentionState:
         keep = isinstance(self.handoff, Handoff) and "q" not in parts  # K/V after their Q
         self.handoff = self.handoff.merge(new) if keep else new
 
-    def record(self, ops: tuple[str, ...], rec: Tensor) -> None:
-        """Add the records ``rec`` (len(ops), 5) of :data:`RECORD_FIELDS` without the step to
-        the log; a checkpointing replay repeats a forward already counted, so it adds nothing."""
+    def note(self, ops: tuple[str, ...], rec: Tensor) -> None:
+        """Keep the (len(ops), 4) float32 records [rows, cols, value, lost] of one check until
+        :meth:`commit` writes the layer's records to the log in one go."""
+        self.noted.append((ops, rec))
+
+    def commit(self) -> None:
+        """Add the noted records to the log. A checkpointing replay repeats a forward already
+        counted: its records are dropped."""
+        if not self.noted:
+            return
+        ops = tuple(o for names, _ in self.noted for o in names)
+        recs = torch.cat([r for _, r in self.noted]) if len(self.noted) > 1 else self.noted[0][1]
+        self.noted = []
         if in_replay():
             return
-        if self.log.device != rec.device:  # the model moved after protect_
-            self.log = self.log.to(rec.device)
-        step = self.clock.count.expand(rec.shape[0], 1)
-        rows = self.log.narrow(0, OPS.index(ops[0]), len(ops)) if _consecutive(ops) else None
-        full = torch.cat([rec, step * rec[:, :1]], 1)  # the step counts for detections only
-        if rows is not None:
-            rows.add_(full)
-        else:
-            self.log.index_add_(0, _index(ops, rec.device), full)
+        if self.log.device != recs.device:  # the model moved after protect_
+            self.log = self.log.to(recs.device)
+        r = recs.to(torch.float64)  # (n, 4)
+        det = (r[:, :1] + r[:, 1:2]) > 0  # (n, 1)
+        step = self.clock.count.view(1, 1).expand(r.shape[0], 1)
+        full = torch.cat([det.to(torch.float64), r[:, 3:], r[:, :3], step], 1)  # RECORD_FIELDS
+        self.log.index_add_(0, _index(ops, recs.device), torch.where(det, full, 0.0))
 
 
 def _ranged(label: str):
@@ -203,11 +215,6 @@ def _ranged(label: str):
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"attnchecker.{label}")
-
-
-def _consecutive(ops: tuple[str, ...]) -> bool:
-    first = OPS.index(ops[0])
-    return tuple(OPS[first : first + len(ops)]) == ops
 
 
 _INDEX: dict[tuple[tuple[str, ...], torch.device], Tensor] = {}

@@ -149,6 +149,7 @@ class ProtectionHandle:
         warns, ``skip_step`` sets :attr:`skip_requested` for the training loop to honour."""
         for st in self._states.values():
             st.flush()  # projections whose group never completed (eager only)
+            st.commit()
         self.skip_requested = False
         logs = self._read()
         if not logs:

@@ -65,7 +65,7 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
             f"(indices {sorted(b.layer for b in blocks)})"
         )
     device = _device(model)
-    clock = Clock(torch.zeros((), dtype=torch.float64, device=device))
+    clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
     states = {
         b.name: AttentionState(b.name, b.layer, config, clock, new_log(_device(b.core, device)))
         for b in chosen
