@@ -202,9 +202,9 @@ def projection_check_(
     projections of one input; see the module docstring.
 
     ``factor`` (:func:`row_factor`) times the bound is the tolerance of a row sum; the weight
-    sums carry the absolute floor. Returns the records (one per site, in order), the row references (T, sum G) and the
-    magnitude bounds (T, sum G) >= (||x_t|| + 1) ||[W_g | b_g]||_F: what the attention core may
-    take from here (``mode="passing"``).
+    sums carry the absolute floor. Returns the records (one per site, in order), the row
+    references (T, sum G) and the magnitude bounds (T, sum G) >= (||x_t|| + 1) ||[W_g | b_g]||_F:
+    what the attention core may take from here (``mode="passing"``).
     """
     B, L, K = x.shape
     T, R = B * L, min(max_rows, B * L)
@@ -225,7 +225,9 @@ def projection_check_(
             bias = cat([w.norms * 0 if w.bias is None else w.bias for w in ws])
             ref = torch.addmm(bias.to(x.dtype), x2, sums)
         bound = torch.addcmul(norms, xn, norms)  # (T, sum G)
-        rec = cat([y.view(T, p.groups, -1).sum(-1, dtype=f32) for p, y in zip(projs, ys)], 1)
+        rec = cat(
+            [y.view(T, p.groups, -1).sum(-1, dtype=f32) for p, y in zip(projs, ys, strict=True)], 1
+        )
         d = rec - ref  # (T, sum G)
         excess = torch.sub(d.abs(), bound, alpha=factor)  # > 0 or NaN: flagged
         bad = ~(excess <= 0)
@@ -242,7 +244,9 @@ def projection_check_(
             e = y.sum(0, dtype=f32).abs()  # (N_i,)
             worst.append(e.max(0, keepdim=True)[1])
             bad_c.append(~(e <= xs * w.total))
-        widths = tuple(y.shape[-1] // len(p.sites) for p, y in zip(projs, ys) for _ in p.sites)
+        widths = tuple(
+            y.shape[-1] // len(p.sites) for p, y in zip(projs, ys, strict=True) for _ in p.sites
+        )
         if len(widths) == 1:
             n_cols = bad_c[0].sum(dtype=f32).view(1)
         else:

@@ -59,11 +59,12 @@ def in_replay() -> bool:
 
 @dataclass
 class Clock:
-    """The step counter shared by all protected modules of one model: a float64 tensor of shape
-    (1,) (exact to 2^53 steps; not 0-dim: torch.compile drops in-place updates of 0-dim float64
-    CPU tensors held outside the graph, measured with torch 2.13) on the model's device, advanced by a root forward pre-hook (replays
-    of single layers by gradient checkpointing do not run it), so that compiled code never
-    reads a Python int that changes every step."""
+    """The step counter shared by all protected modules of one model, on the model's device,
+    advanced by a root forward pre-hook (gradient checkpointing replays single layers, so it
+    does not run then); compiled code never reads a Python int that changes every step.
+
+    A float64 tensor of shape (1,): exact to 2^53 steps, and not 0-dim, because torch.compile
+    drops in-place updates of 0-dim float64 CPU tensors held outside the graph (torch 2.13)."""
 
     count: Tensor
 

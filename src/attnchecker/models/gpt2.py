@@ -1,8 +1,9 @@
 """GPT-2: a fused ``Conv1D`` ``c_attn`` (weight stored (in, out)) yields Q|K|V; ``attn.c_proj``
 is the output projection. Cross-attention (``add_cross_attention``) takes Q from ``q_attn`` on
 the decoder states and K|V from ``c_attn`` on the encoder states. Causal mask from the mask
-interface; scaling by 1/sqrt(d) and optionally by 1/(layer + 1), both folded into ``module.scaling``; ``reorder_and_upcast_attn``
-computes fp32 scores with the scaling inside the GEMM. Probabilities are cast to V's dtype.
+interface; scaling by 1/sqrt(d) and optionally by 1/(layer + 1), both folded into
+``module.scaling``; ``reorder_and_upcast_attn`` computes fp32 scores with the scaling inside
+the GEMM. Probabilities are cast to V's dtype.
 """
 
 from __future__ import annotations
