@@ -1,0 +1,234 @@
+"""protect_ against what users run: the plain model with its default SDPA attention (and eager),
+eager and under torch.compile, fp32 and bf16 autocast, short and long sequences; plus op counts.
+
+For each family, length, dtype and execution mode, three copies of one model are stepped
+alternately in one process (forward, backward, AdamW): ``sdpa`` (transformers' default; GPT-Neo
+has no SDPA path, so eager is its default), ``eager`` and ``protected``. Overheads are medians of
+per-pair time ratios. In eager mode the attention forward of layer 0 (projections, core, output
+projection) is timed the same way on captured inputs, and the aten ops of one training step are
+counted per layer (all ops and launching ops, :mod:`attnchecker.testing`). Base width (hidden
+768, 12 heads), batch 8 at L = 128 and 8 * 128 / L sequences (at least 1) beyond, causal LM for
+decoders and masked LM for BERT.
+
+    python benchmarks/protect_vs_sdpa.py [--device cuda] [--families gpt2 bert llama]
+        [--lengths 128 1024] [--dtypes fp32 bf16] [--compile eager compiled] [--reps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+
+import torch
+
+from _common import environment, write
+from attnchecker import protect_
+from attnchecker.models.tiny import build
+from attnchecker.testing import count_ops
+
+ATTENTION = {"bert": "attention", "roberta": "attention", "gpt2": "attn", "gpt_neo": "attn",
+             "llama": "self_attn"}  # fmt: skip
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _autocast(device: str, dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _models(family: str, L: int, device: str):
+    base = build(family, "base", layers=ARGS.layers, max_len=max(L, 128))
+    base.config.use_cache = False
+    base.train()
+    sdpa = copy.deepcopy(base)
+    if family != "gpt_neo":
+        sdpa.set_attn_implementation("sdpa")
+    protected = copy.deepcopy(base)
+    protect_(protected)
+    return {"sdpa": sdpa.to(device), "eager": base.to(device), "protected": protected.to(device)}
+
+
+def _inputs(L: int, device: str) -> dict[str, torch.Tensor]:
+    B = max(1, 8 * 128 // L)
+    ids = torch.randint(3, 128, (B, L), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids.to(device), "labels": ids.to(device)}
+
+
+def _stepper(model, run, inputs, device, dtype):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> None:
+        with _autocast(device, dtype):
+            loss = run(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _alternate(fns: dict, reps: int, device: str, warmup: int = 2) -> dict[str, list[float]]:
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            f()
+            _sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def _ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True)) - 1
+
+
+def _attention_forward(models, inputs, family, device, dtype, reps):
+    """Median ms of layer 0's attention module on inputs captured from a forward."""
+    calls = {}
+    for name, m in models.items():
+        layer0 = next(x for n, x in m.named_modules() if n.endswith(".0") and hasattr(x, ATTENTION[family]))
+        attn = getattr(layer0, ATTENTION[family])
+        seen = {}
+        h = attn.register_forward_pre_hook(
+            lambda mod, a, k: seen.setdefault("call", (a, k)), with_kwargs=True
+        )
+        with torch.no_grad(), _autocast(device, dtype):
+            m(**inputs)
+        h.remove()
+        a, k = seen["call"]
+
+        def call(attn=attn, a=a, k=k) -> None:
+            with _autocast(device, dtype):
+                attn(*a, **k)
+
+        calls[name] = call
+    return _alternate(calls, reps * 3, device)
+
+
+def measure(family: str, L: int, dtype: str, mode: str, device: str, reps: int) -> dict:
+    models = _models(family, L, device)
+    inputs = _inputs(L, device)
+    t0 = time.perf_counter()
+    runs = {k: (torch.compile(m) if mode == "compiled" else m) for k, m in models.items()}
+    steps = {k: _stepper(models[k], runs[k], inputs, device, dtype) for k in models}
+    for f in steps.values():  # compile (or warm up) each arm once, outside the timing
+        f()
+    setup_s = time.perf_counter() - t0
+    times = _alternate(steps, reps, device)
+    row = {
+        "family": family, "L": L, "batch": inputs["input_ids"].shape[0], "dtype": dtype,
+        "mode": mode, "setup_s": setup_s,
+        **{f"step_{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
+        "step_vs_sdpa": _ratio(times, "protected", "sdpa"),
+        "step_vs_eager": _ratio(times, "protected", "eager"),
+        "eager_vs_sdpa": _ratio(times, "eager", "sdpa"),
+    }  # fmt: skip
+    if mode == "eager":
+        fwd = _attention_forward(models, inputs, family, device, dtype, reps)
+        row.update(
+            {f"attn_{k}_ms": 1e3 * statistics.median(v) for k, v in fwd.items()},
+            attn_vs_sdpa=_ratio(fwd, "protected", "sdpa"),
+            attn_vs_eager=_ratio(fwd, "protected", "eager"),
+        )
+        if L == min(ARGS.lengths):
+            ops = {k: count_ops(s) for k, s in steps.items()}
+            n = ARGS.layers
+            row["ops_per_layer"] = {
+                "protected_vs_sdpa": (ops["protected"].total - ops["sdpa"].total) / n,
+                "protected_vs_sdpa_launching": (ops["protected"].launching - ops["sdpa"].launching) / n,
+                "eager_vs_sdpa": (ops["eager"].total - ops["sdpa"].total) / n,
+                "sdpa_total_per_layer": ops["sdpa"].total / n,
+            }  # fmt: skip
+    del models, runs, steps
+    if mode == "compiled":
+        torch._dynamo.reset()
+    return row
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:+.1f}%"
+
+
+def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
+    lines = [
+        "# protect_ vs the plain model as users run it (SDPA), eager and compiled",
+        "",
+        f"`{cmd}`; torch {env['torch']}, {env['threads']} threads, {env['processor']}, "
+        f"{env['date']}. Base width (hidden 768, 12 heads), {ARGS.layers} layers, batch 8 at "
+        "L = 128 (8 * 128 / L sequences beyond), train mode, AdamW. Three copies stepped "
+        "alternately in one process; overhead = median of per-pair time ratios - 1; nothing "
+        "subtracted. Ops: aten ops of one eager training step per layer beyond the SDPA model "
+        "(all / launching, i.e. without views).",
+        "",
+        "| family | L | dtype | mode | sdpa ms | eager ms | protected ms | vs sdpa | vs eager | "
+        "eager vs sdpa | attn fwd vs sdpa | attn fwd vs eager | extra ops/layer (all / launching) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ops = r.get("ops_per_layer")
+        ops_s = f"{ops['protected_vs_sdpa']:.0f} / {ops['protected_vs_sdpa_launching']:.0f}" if ops else ""
+        lines.append(
+            f"| {r['family']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['step_sdpa_ms']:.1f} | "
+            f"{r['step_eager_ms']:.1f} | {r['step_protected_ms']:.1f} | {_pct(r['step_vs_sdpa'])} | "
+            f"{_pct(r['step_vs_eager'])} | {_pct(r['eager_vs_sdpa'])} | {_pct(r.get('attn_vs_sdpa'))} | "
+            f"{_pct(r.get('attn_vs_eager'))} | {ops_s} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+ARGS = argparse.Namespace(layers=2, lengths=[128])
+
+
+def main() -> None:
+    global ARGS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--families", nargs="+", default=["gpt2", "bert", "llama"])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[128, 1024])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--compile", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    ap.add_argument("--compile-max-len", type=int, default=None,
+                    help="compiled arms only up to this L (default: 128 on CPU, all on CUDA)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=6)
+    ARGS = ap.parse_args()
+    limit = ARGS.compile_max_len or (128 if ARGS.device == "cpu" else max(ARGS.lengths))
+    env = environment()
+    rows = []
+    for family in ARGS.families:
+        for L in ARGS.lengths:
+            for dtype in ARGS.dtypes:
+                for mode in ARGS.compile:
+                    if mode == "compiled" and L > limit:
+                        continue
+                    r = measure(family, L, dtype, mode, ARGS.device, ARGS.reps)
+                    rows.append(r)
+                    print(
+                        f"{family:6s} L={L:5d} {dtype} {mode:8s} sdpa {r['step_sdpa_ms']:8.1f} ms  "
+                        f"protected {_pct(r['step_vs_sdpa'])} vs sdpa, {_pct(r['step_vs_eager'])} vs eager"
+                        + (f"  attn fwd {_pct(r['attn_vs_sdpa'])} vs sdpa" if "attn_vs_sdpa" in r else ""),
+                        flush=True,
+                    )  # fmt: skip
+    cmd = "python benchmarks/protect_vs_sdpa.py " + " ".join(
+        [f"--device {ARGS.device}", "--families", *ARGS.families, "--lengths",
+         *map(str, ARGS.lengths), "--dtypes", *ARGS.dtypes, "--compile", *ARGS.compile,
+         f"--reps {ARGS.reps}"]
+    )  # fmt: skip
+    write("protect_vs_sdpa", {"environment": env, "args": vars(ARGS), "rows": rows},
+          _markdown(rows, env, cmd))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

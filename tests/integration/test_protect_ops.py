@@ -1,0 +1,70 @@
+"""Launch budget: the aten ops a protected training step dispatches beyond the plain model with
+its default SDPA attention, per layer, as a dispatch mode counts them (a count, not a time).
+
+Before the engine was rebuilt the extra ops per layer were +727 (bert), +551 (gpt2), +739
+(gpt_neo) and +805 (llama). The ceilings below are the rebuilt engine's counts plus a little room,
+so that a change that adds launches has to say so here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from attnchecker import protect_
+from attnchecker.models.tiny import FAMILIES, build
+from attnchecker.testing import count_ops
+
+from .helpers import batch
+
+LAYERS = 2
+CEILING = {  # extra ops per layer per training step: (all ops, launching ops)
+    "bert": (440, 290),
+    "roberta": (440, 290),
+    "gpt2": (360, 235),
+    "gpt_neo": (435, 285),
+    "llama": (470, 290),
+}
+
+
+def _step_counts(model, inputs):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        model(**inputs).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # optimizer state exists from here on, as in training
+    return count_ops(step)
+
+
+def extra_ops_per_layer(family: str) -> tuple[float, float, float]:
+    """(all, launching) extra ops of the protected step over plain SDPA, and eager's extra."""
+    base = build(family, layers=LAYERS)
+    base.train()
+    sdpa = copy.deepcopy(base)
+    if family != "gpt_neo":  # GPT-Neo has no SDPA path in transformers 5.x: eager is its default
+        sdpa.set_attn_implementation("sdpa")
+    protected = copy.deepcopy(base)
+    protect_(protected)
+    inputs = batch(family)
+    plain, prot, eager = (_step_counts(m, inputs) for m in (sdpa, protected, base))
+    return (
+        (prot.total - plain.total) / LAYERS,
+        (prot.launching - plain.launching) / LAYERS,
+        (eager.total - plain.total) / LAYERS,
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_extra_ops_per_layer_stay_within_budget(family):
+    total, launching, eager = extra_ops_per_layer(family)
+    ceiling_total, ceiling_launching = CEILING[family]
+    assert total <= ceiling_total, (family, total, launching, eager)
+    assert launching <= ceiling_launching, (family, total, launching, eager)
+    assert total < 0.7 * {"bert": 727, "roberta": 727, "gpt2": 551, "gpt_neo": 739, "llama": 805}[
+        family
+    ]
