@@ -27,6 +27,8 @@ underflow lose up to one subnormal spacing each, which adds n * tiny * eps_out.
 
 Accumulation is assumed in fp32: true for CPU kernels of every dtype and for CUDA unless
 reduced-precision reductions are enabled for fp16/bf16 (then u_acc is the dtype's own roundoff).
+An fp32 GEMM on CUDA with TF32 allowed rounds both operands to 10 mantissa bits first, which
+adds 2 u_tf32 (u_tf32 = 2^-11) to every product's relative error.
 """
 
 from __future__ import annotations
@@ -59,9 +61,21 @@ def magnitude_factor(
     ``inner`` is the GEMM's reduction length k, ``length`` the number n of elements summed by
     the checksum of one vector.
     """
-    return unit_roundoff(out_dtype) + 2 * (inner + length) * _accumulation_roundoff(
+    factor = unit_roundoff(out_dtype) + 2 * (inner + length) * _accumulation_roundoff(
         out_dtype, device
     )
+    if out_dtype == torch.float32 and device.type == "cuda" and _tf32(device):
+        factor += 2 * _U_TF32  # both operands rounded to TF32's 10 mantissa bits first
+    return factor
+
+
+_U_TF32 = 2.0**-11
+
+
+def _tf32(device: torch.device) -> bool:
+    """Whether fp32 GEMMs on CUDA may run on TF32 tensor cores (``allow_tf32`` or a float32
+    matmul precision other than "highest")."""
+    return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
 
 
 def underflow_floor(out_dtype: torch.dtype, *, length: int) -> float:

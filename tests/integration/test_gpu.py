@@ -1,0 +1,237 @@
+"""The protected-attention acceptance checks on a CUDA device: clean equivalence (fp32 and bf16
+autocast), no false alarm over a bf16 training loop, the fault matrix in fp32, and no host
+synchronisation added by the checks.
+
+Every test is marked ``gpu`` and skipped where ``torch.cuda.is_available()`` is false, so on a
+CPU machine the module is collected and skipped. Nothing touches CUDA at import time.
+
+fp32 comparisons need IEEE fp32 GEMMs: TF32 is switched off for this module (it is off by
+default for matmuls in PyTorch, but a site configuration may turn it on, and the checks'
+rounding bounds assume full fp32 accumulation). Tolerances of the fault matrix are the CPU
+test's (loss within 1e-6 relative, gradients and updated parameters within 1e-5 absolute).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnchecker import protect_
+from attnchecker.models.tiny import FAMILIES, build
+
+from .helpers import KINDS, PATTERNS, SITES, batch, fault_matrix, max_diff, models, train_step
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+FAULT_FAMILIES = ("gpt2", "bert", "llama")
+FAULT_KINDS = {k: KINDS[k] for k in ("inf", "nan", "1e10")}
+TRAIN_STEPS = 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ieee_fp32_matmul():
+    """No TF32 while this module runs; the previous setting comes back afterwards."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def cuda_batch(family: str, **kw) -> dict[str, torch.Tensor]:
+    """helpers.batch on the GPU (same values: it is drawn on the CPU and moved)."""
+    return {k: v.cuda() for k, v in batch(family, **kw).items()}
+
+
+def cuda_models(family: str, **kw) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two identical tiny models in train mode on the GPU (built on the CPU, then moved)."""
+    a, b = models(family, **kw)
+    return a.cuda(), b.cuda()
+
+
+def _autocast(enabled: bool) -> torch.autocast:
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=enabled)
+
+
+# ------------------------------------------------------------------------ clean equivalence
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_clean_step_is_bitwise_unchanged_on_cuda(family, bf16):
+    """Protected vs plain eager on CUDA: the same loss and every gradient bitwise (and in fp32
+    the parameters after the AdamW step too), with no event and no detection."""
+    protected, plain = cuda_models(family)
+    inputs = cuda_batch(family)
+    handle = protect_(protected)
+    with _autocast(bf16):
+        got = train_step(protected, inputs)
+        want = train_step(plain, inputs)
+    assert got[0].is_cuda
+    assert torch.isfinite(want[0])
+    assert torch.equal(got[0], want[0])
+    assert max_diff(got[1], want[1]) == 0.0
+    if not bf16:  # the CPU bf16 test compares loss and gradients only
+        assert max_diff(got[2], want[2]) == 0.0
+    assert handle.drain() == []
+    assert all(c["detected"] == 0 for c in handle.counters().values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_grad_inference_is_unchanged_on_cuda(family):
+    protected, plain = cuda_models(family)
+    protected.eval(), plain.eval()
+    inputs = {k: v for k, v in cuda_batch(family).items() if k != "labels"}
+    handle = protect_(protected)
+    with torch.no_grad():
+        assert torch.equal(protected(**inputs).logits, plain(**inputs).logits)
+    assert handle.drain() == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_fault_is_corrected_on_cuda(family):
+    """As the CPU bf16 test: a NaN token row in Q under autocast is corrected to bf16 precision."""
+    faulty, ref = cuda_models(family)
+    inputs = cuda_batch(family)
+    h = protect_(faulty)
+    h.attach(
+        lambda c: c.tensor[1, 3].fill_(float("nan")) if c.site == "q" and c.layer == 1 else None
+    )
+    with _autocast(True):
+        got = train_step(faulty, inputs)
+        want = train_step(ref, inputs)
+    assert torch.allclose(got[0], want[0], rtol=1e-2)
+    assert max_diff(got[1], want[1]) <= 1e-2
+    assert [e.action for e in h.drain()] == ["corrected"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_false_alarm_over_a_bf16_training_loop_on_cuda(family):
+    model = build(family).cuda()
+    model.train()
+    handle = protect_(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(TRAIN_STEPS):
+        inputs = cuda_batch(family, seed=step)
+        with _autocast(True):
+            loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    assert bool(torch.isfinite(torch.stack(losses)).all())
+    assert handle.drain() == []
+    assert handle.step == TRAIN_STEPS
+
+
+# ------------------------------------------------------------------------------ fault matrix
+
+
+@pytest.mark.parametrize("family", FAULT_FAMILIES)
+def test_every_fault_is_corrected_on_cuda(family):
+    """helpers.fault_matrix on a CUDA model and CUDA inputs (fp32): all 7 sites, kinds inf, nan
+    and 1e10, patterns 0D, 1R, 1C, 2D: every fault fires, is reported corrected or recomputed
+    (never uncorrectable), and the loss, gradients and updated parameters match the clean step."""
+    base, _ = cuda_models(family)
+    inputs = cuda_batch(family)
+    failures = fault_matrix(
+        base, inputs, train_step, sites=SITES, kinds=FAULT_KINDS, patterns=PATTERNS
+    )
+    total = len(SITES) * len(FAULT_KINDS) * len(PATTERNS)
+    assert not failures, f"{len(failures)} of {total}: {failures[:5]}"
+
+
+# ---------------------------------------------------------------------------- host syncs
+
+_SYNCING = {
+    torch.ops.aten._local_scalar_dense.default,  # .item(), bool(tensor), int(tensor)
+    torch.ops.aten.nonzero.default,  # data-dependent shapes synchronise on accelerators
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.is_nonzero.default,
+}
+
+
+class _CountSyncs(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _SYNCING:
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_protection_adds_no_host_sync_on_cuda(family):
+    """A clean protected forward + backward on CUDA runs the syncing aten ops exactly as often
+    as the plain model (transformers itself may synchronise; protection adds nothing)."""
+    protected, plain = cuda_models(family)
+    protect_(protected)
+    inputs = cuda_batch(family)
+    counts = []
+    for model in (plain, protected):
+        with _CountSyncs() as mode:
+            model(**inputs).loss.backward()
+        counts.append(mode.calls)
+    assert counts[1] == counts[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_protection_adds_no_cuda_synchronisation(family):
+    """CUDA's own sync detector (``torch.cuda.set_sync_debug_mode``) sees as many synchronising
+    calls (device-to-host copies, stream syncs, ...) in a protected forward + backward as in the
+    plain model's. One step of each runs first, so one-off setup (cached index tensors, cuBLAS
+    handles) is not counted."""
+    protected, plain = cuda_models(family)
+    protect_(protected)
+    inputs = cuda_batch(family)
+    for model in (plain, protected):
+        model(**inputs).loss.backward()
+    torch.cuda.synchronize()
+    counts = []
+    try:
+        for model in (plain, protected):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    model(**inputs).loss.backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            counts.append([str(w.message) for w in seen if "synchroniz" in str(w.message)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(counts[1]) == len(counts[0]), counts[1]
+
+
+def test_model_moved_after_protect_runs_on_cuda():
+    """protect_ on the CPU, then .cuda(): the clock and logs follow the model (no device error),
+    a clean step stays bitwise equal to the plain one and a fault is still corrected."""
+    protected, plain = models("llama")
+    handle = protect_(protected)
+    protected.cuda(), plain.cuda()
+    inputs = cuda_batch("llama")
+    got, want = train_step(protected, inputs), train_step(plain, inputs)
+    assert torch.equal(got[0], want[0]) and max_diff(got[1], want[1]) == 0.0
+    assert handle.drain() == []
+
+    faulty, ref = models("llama")
+    h = protect_(faulty)
+    faulty.cuda(), ref.cuda()
+    h.attach(
+        lambda c: (
+            c.tensor[0, 1, 2, 3].fill_(float("inf"))
+            if c.site == "scores" and c.layer == 0 and not c.replay
+            else None
+        )
+    )
+    got, want = train_step(faulty, inputs), train_step(ref, inputs)
+    assert torch.allclose(got[0], want[0], rtol=1e-6) and max_diff(got[1], want[1]) <= 1e-5
+    assert [(e.op, e.action) for e in h.drain()] == [("scores", "corrected")]
