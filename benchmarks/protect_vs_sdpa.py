@@ -98,11 +98,13 @@ def _attention_forward(models, inputs, family, device, dtype, reps):
     """Median ms of layer 0's attention module on inputs captured from a forward."""
     calls = {}
     for name, m in models.items():
-        layer0 = next(x for n, x in m.named_modules() if n.endswith(".0") and hasattr(x, ATTENTION[family]))
+        layer0 = next(
+            x for n, x in m.named_modules() if n.endswith(".0") and hasattr(x, ATTENTION[family])
+        )
         attn = getattr(layer0, ATTENTION[family])
         seen = {}
         h = attn.register_forward_pre_hook(
-            lambda mod, a, k: seen.setdefault("call", (a, k)), with_kwargs=True
+            lambda mod, a, k, seen=seen: seen.setdefault("call", (a, k)), with_kwargs=True
         )
         with torch.no_grad(), _autocast(device, dtype):
             m(**inputs)
@@ -142,7 +144,7 @@ def measure(family: str, L: int, dtype: str, mode: str, device: str, reps: int) 
             attn_vs_sdpa=_ratio(fwd, "protected", "sdpa"),
             attn_vs_eager=_ratio(fwd, "protected", "eager"),
         )
-        if L == min(ARGS.lengths):
+        if min(ARGS.lengths) == L:
             ops = {k: count_ops(s) for k, s in steps.items()}
             n = ARGS.layers
             row["ops_per_layer"] = {
@@ -178,7 +180,11 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
     ]
     for r in rows:
         ops = r.get("ops_per_layer")
-        ops_s = f"{ops['protected_vs_sdpa']:.0f} / {ops['protected_vs_sdpa_launching']:.0f}" if ops else ""
+        ops_s = (
+            f"{ops['protected_vs_sdpa']:.0f} / {ops['protected_vs_sdpa_launching']:.0f}"
+            if ops
+            else ""
+        )
         lines.append(
             f"| {r['family']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['step_sdpa_ms']:.1f} | "
             f"{r['step_eager_ms']:.1f} | {r['step_protected_ms']:.1f} | {_pct(r['step_vs_sdpa'])} | "
@@ -198,9 +204,15 @@ def main() -> None:
     ap.add_argument("--families", nargs="+", default=["gpt2", "bert", "llama"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[128, 1024])
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    ap.add_argument("--compile", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
-    ap.add_argument("--compile-max-len", type=int, default=None,
-                    help="compiled arms only up to this L (default: 128 on CPU, all on CUDA)")
+    ap.add_argument(
+        "--compile", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"]
+    )
+    ap.add_argument(
+        "--compile-max-len",
+        type=int,
+        default=None,
+        help="compiled arms only up to this L (default: 128 on CPU, all on CUDA)",
+    )
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=6)
     ARGS = ap.parse_args()
@@ -213,7 +225,7 @@ def main() -> None:
         for family in ARGS.families
         for L in ARGS.lengths
         for dtype in ARGS.dtypes
-        if not (mode == "compiled" and L > limit)
+        if not (mode == "compiled" and limit < L)
     ]
     for family, L, dtype, mode in configs:
         r = measure(family, L, dtype, mode, ARGS.device, ARGS.reps)
@@ -235,6 +247,7 @@ def _write(rows: list[dict], env: dict) -> None:
     )  # fmt: skip
     write("protect_vs_sdpa", {"environment": env, "args": vars(ARGS), "rows": rows},
           _markdown(rows, env, cmd))  # fmt: skip
+
 
 if __name__ == "__main__":
     main()

@@ -75,7 +75,9 @@ _U_TF32 = 2.0**-11
 def _tf32(device: torch.device) -> bool:
     """Whether fp32 GEMMs on CUDA may run on TF32 tensor cores (``allow_tf32`` or a float32
     matmul precision other than "highest")."""
-    return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    return (
+        torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    )
 
 
 def underflow_floor(out_dtype: torch.dtype, *, length: int) -> float:
