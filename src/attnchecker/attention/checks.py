@@ -218,12 +218,15 @@ def projection_check_(
     with _no_autocast(x.device):
         xn = torch.linalg.vector_norm(x2, dim=1, keepdim=True, dtype=f32)  # (T, 1)
         norms = cat([w.norms for w in ws])  # (sum G,)
-        sums = cat([w.sums for w in ws], 1).to(x.dtype)  # (K, sum G)
+        # the reference GEMM runs in x's dtype (no copy of x), in fp32 for fp16, whose range
+        # a row sum of n outputs can overflow
+        xr = x2.float() if x.dtype == torch.float16 else x2
+        sums = cat([w.sums for w in ws], 1).to(xr.dtype)  # (K, sum G)
         if all(w.bias is None for w in ws):
-            ref = x2 @ sums  # (T, sum G)
+            ref = xr @ sums  # (T, sum G)
         else:
             bias = cat([w.norms * 0 if w.bias is None else w.bias for w in ws])
-            ref = torch.addmm(bias.to(x.dtype), x2, sums)
+            ref = torch.addmm(bias.to(xr.dtype), xr, sums)
         bound = torch.addcmul(norms, xn, norms)  # (T, sum G)
         rec = cat(
             [y.view(T, p.groups, -1).sum(-1, dtype=f32) for p, y in zip(projs, ys, strict=True)], 1
@@ -280,24 +283,17 @@ def scores_residual(
     q: Tensor,
     k: Tensor,
     *,
-    alpha: float,
-    scale: float,
-    norms: tuple[Tensor, Tensor] | None,
+    alpha: float = 1.0,
+    scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """(residual, excess), both (B, H, L), of the rows of s = alpha q k^T (B, H, L, Lk); excess
-    is > 0 (or NaN) on flagged rows.
-
-    ``norms`` = (bounds on ||q_i|| (B, H, L), on sum_j ||k_j|| (B, H)) from the projections;
-    otherwise they come from q (B, H, L, d) and k (B, H, Lk, d).
+    is > 0 (or NaN) on flagged rows; q (B, H, L, d), k (B, H, Lk, d).
     """
     d, Lk = q.shape[-1], k.shape[-2]
     with _no_autocast(s.device):
         ref = (q * k.sum(-2, keepdim=True, dtype=torch.float32)).sum(-1)  # (B, H, L)
-        if norms is None:
-            qn = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32)  # (B, H, L)
-            kn = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).sum(-1, keepdim=True)
-        else:
-            qn, kn = norms[0], norms[1][..., None]
+        qn = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32)  # (B, H, L)
+        kn = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).sum(-1, keepdim=True)
         res = s.sum(-1, dtype=torch.float32) - (ref if alpha == 1.0 else ref * alpha)
         tol = _factor(s, q, k, inner=d, length=Lk) * scale * abs(alpha)
         floor = underflow_floor(s.dtype, length=Lk)
@@ -312,20 +308,18 @@ def probs_residual(p: Tensor, *, scale: float) -> tuple[Tensor, Tensor]:
 
 
 def context_residual(
-    c: Tensor, p: Tensor, v: Tensor, *, scale: float, v_rows: tuple[Tensor, Tensor] | None
+    c: Tensor, p: Tensor, v: Tensor, *, scale: float = 1.0, v_sums: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """(residual, excess) (B, H, L) of the rows of c = p v (B, H, L, d), from p (B, H, L, Lk) and
-    v (B, H, Lk, d). ``v_rows`` = (sum_f v_jf, a bound on sum_f |v_jf|), both (B, H, Lk), when
-    the V projection check has them (clean, from X and W); otherwise they come from v."""
+    v (B, H, Lk, d). ``v_sums`` (B, H, Lk) = sum_f v_jf when the V projection check has them
+    (clean, from X and W); otherwise they come from v. The bound sum_f |v_jf| comes from v."""
     Lk, d = v.shape[-2], v.shape[-1]
     with _no_autocast(c.device):
-        if v_rows is None:
-            f32 = torch.float32
-            vr = torch.stack([v.sum(-1, dtype=f32), v.abs().sum(-1, dtype=f32)], -1)
-        else:
-            vr = torch.stack(v_rows, -1)  # (B, H, Lk, 2)
-        both = p.to(torch.float32) @ vr  # (B, H, L, 2): reference and bound
-        res = c.sum(-1, dtype=torch.float32) - both[..., 0]
+        f32 = torch.float32
+        sums = v.sum(-1, dtype=f32) if v_sums is None else v_sums
+        vr = torch.stack([sums, v.abs().sum(-1, dtype=f32)], -1)  # (B, H, Lk, 2)
+        both = p.to(f32) @ vr  # (B, H, L, 2): reference and bound
+        res = c.sum(-1, dtype=f32) - both[..., 0]
         tol = _factor(c, p, v, inner=Lk, length=d) * scale
         floor = underflow_floor(c.dtype, length=d)
         return res, torch.sub(res.abs() - floor, both[..., 1], alpha=tol)

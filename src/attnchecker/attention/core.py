@@ -29,7 +29,7 @@ from attnchecker.attention.checks import (
     probs_residual,
     scores_residual,
 )
-from attnchecker.attention.handoff import CoreInputs, Handoff
+from attnchecker.attention.handoff import Handoff
 from attnchecker.attention.state import AttentionState, _ranged
 
 __all__ = ["CoreSpec", "attend"]
@@ -45,7 +45,6 @@ class CoreSpec:
     probs_to_value_dtype: bool = False  # GPT-2, GPT-Neo: probs.type(value.dtype)
     transpose_out: bool = True  # return (B, L, nh, d); False returns (B, nh, L, d)
     contiguous_out: bool = True
-    norm_scale: float | None = 1.0  # how head norms change between projections and core
 
 
 def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -76,12 +75,12 @@ def attend(
     attention mask; ``upcast_reordered`` is GPT-2's ``reorder_and_upcast_attn``: fp32 scores with
     the scaling folded into the GEMM.
     """
-    inputs = CoreInputs(None, None)
+    v_sums = None
     if state is not None:
         state.flush()  # projections still waiting for their group (e.g. Q alone)
         handoff, state.handoff = state.handoff, None
         if isinstance(handoff, Handoff) and state.config.mode == "passing":
-            inputs = handoff.for_core(query, key, value, spec.norm_scale)
+            v_sums = handoff.for_core(value)
     B, H, L, d = query.shape
     n_rep = H // key.shape[1]
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
@@ -129,12 +128,9 @@ def attend(
 
     scores = scores_of()  # (B, H, L, Lk)
     if state is not None:
-        norms = inputs.qk_norms
-        if norms is not None and n_rep > 1:
-            norms = (norms[0], norms[1].repeat_interleave(n_rep, dim=1))
         check(
             "scores", scores,
-            lambda: scores_residual(scores, query, key, alpha=alpha, scale=scale, norms=norms),
+            lambda: scores_residual(scores, query, key, alpha=alpha, scale=scale),
             scores_of,
         )  # fmt: skip
     probs = probs_of(scores)  # (B, H, L, Lk)
@@ -147,12 +143,11 @@ def attend(
     probs = nn.functional.dropout(probs, p=dropout, training=training)
     context = torch.matmul(probs, value)  # (B, H, L, d)
     if state is not None:
-        v_rows = inputs.v_rows
-        if v_rows is not None and n_rep > 1:
-            v_rows = tuple(t.repeat_interleave(n_rep, dim=1) for t in v_rows)
+        if v_sums is not None and n_rep > 1:
+            v_sums = v_sums.repeat_interleave(n_rep, dim=1)
         check(
             "context", context,
-            lambda: context_residual(context, probs, value, scale=scale, v_rows=v_rows),
+            lambda: context_residual(context, probs, value, scale=scale, v_sums=v_sums),
             lambda b, h: torch.matmul(probs[b, h], value[b, h]),
         )  # fmt: skip
         if not state.checks("out"):

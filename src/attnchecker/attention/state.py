@@ -30,7 +30,7 @@ from attnchecker.attention.checks import (
     weight_sums,
 )
 from attnchecker.attention.config import OPS, ABFTConfig
-from attnchecker.attention.handoff import Handoff, Part
+from attnchecker.attention.handoff import Handoff
 
 __all__ = [
     "RECORD_FIELDS",
@@ -155,9 +155,7 @@ class AttentionState:
         items = [(p, y, weight_sums(p, floor)) for p, y in pairs]
         sites = tuple(s for p, _ in pairs for s in p.sites)
         with _ranged("+".join(sites)):
-            rec, ref, bound = projection_check_(
-                x, items, max_rows=self.config.max_rows, factor=factor
-            )
+            rec, ref, _ = projection_check_(x, items, max_rows=self.config.max_rows, factor=factor)
         checked = tuple(s for s in sites if self.checks(s))
         if checked != sites:
             rec = rec[[sites.index(s) for s in checked]]
@@ -166,26 +164,19 @@ class AttentionState:
         if "out" in checked:
             self.commit()  # the last check of the layer
         if self.config.mode == "passing":
-            self._leave(x, pairs, sites, ref, bound)
+            self._leave(x, pairs, ref)
 
-    def _leave(self, x, pairs, sites, ref: Tensor, bound: Tensor) -> None:
-        """Hand the per-head bounds and V's clean row sums of this input to the core."""
+    def _leave(self, x: Tensor, pairs: list[tuple[Projection, Tensor]], ref: Tensor) -> None:
+        """Hand V's clean row sums (columns of ``ref`` (T, sum G)) to the core of this call; a
+        group without V (Q of a cross-attention, the output projection) leaves nothing."""
         B, L = x.shape[:2]
-        parts, offset = {}, 0
+        offset = 0
         for p, _ in pairs:
             width = p.groups // len(p.sites)
             for site in p.sites:
-                cut = slice(offset, offset + width)
-                if site in ("q", "k", "v") and self.checks(site):
-                    parts[site] = Part(
-                        bound[:, cut].view(B, L, width), ref[:, cut].view(B, L, width)
-                    )
+                if site == "v" and self.checks("v"):
+                    self.handoff = Handoff(ref[:, offset : offset + width].view(B, L, width))
                 offset += width
-        if not parts:
-            return  # the output projection: nothing for the core (it ran already)
-        new = Handoff(**parts)
-        keep = isinstance(self.handoff, Handoff) and "q" not in parts  # K/V after their Q
-        self.handoff = self.handoff.merge(new) if keep else new
 
     def note(self, ops: tuple[str, ...], rec: Tensor) -> None:
         """Keep the (len(ops), 4) float32 records [rows, cols, value, lost] of one check until

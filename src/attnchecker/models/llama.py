@@ -32,11 +32,7 @@ class LlamaAdapter(Adapter):
     model_types = ("llama", "mistral", "qwen2")
 
     def blocks(self, model: nn.Module) -> list[AttentionBlock]:
-        rotary = [m for _, m in named(model, lambda m: hasattr(m, "inv_freq"))]
-        scales = {getattr(m, "attention_scaling", None) for m in rotary}
-        # RoPE rotates feature pairs: head norms scale by its cos/sin scale (unknown: not passed)
-        scale = scales.pop() if len(scales) == 1 else None
-        spec = CoreSpec(softmax_fp32=True, norm_scale=scale)
+        spec = CoreSpec(softmax_fp32=True)
         out = []
         for i, (name, m) in enumerate(named(model, _is_llama_attention)):
             layer = m.layer_idx if isinstance(getattr(m, "layer_idx", None), int) else i
