@@ -220,28 +220,37 @@ def projection_check_(
         norms = cat([w.norms for w in ws])  # (sum G,)
         # the reference GEMM runs in x's dtype (no copy of x), in fp32 for fp16, whose range
         # a row sum of n outputs can overflow
-        xr = x2.float() if x.dtype == torch.float16 else x2
-        sums = cat([w.sums for w in ws], 1).to(xr.dtype)  # (K, sum G)
+        xf = x2.float() if x.dtype == torch.float16 else x2
+        sums = cat([w.sums for w in ws], 1).to(xf.dtype)  # (K, sum G)
         if all(w.bias is None for w in ws):
-            ref = xr @ sums  # (T, sum G)
+            ref = xf @ sums  # (T, sum G)
         else:
             bias = cat([w.norms * 0 if w.bias is None else w.bias for w in ws])
-            ref = torch.addmm(bias.to(xr.dtype), xr, sums)
+            ref = torch.addmm(bias.to(xf.dtype), xf, sums)
         bound = torch.addcmul(norms, xn, norms)  # (T, sum G)
-        rec = cat(
-            [y.view(T, p.groups, -1).sum(-1, dtype=f32) for p, y in zip(projs, ys, strict=True)], 1
-        )
-        d = rec - ref  # (T, sum G)
-        excess = torch.sub(d.abs(), bound, alpha=factor)  # > 0 or NaN: flagged
-        bad = ~(excess <= 0)
         per_site = tuple(p.groups // len(p.sites) for p in projs for _ in p.sites)
-        if len(per_site) == 1:
-            n_rows = bad.any(1).sum(dtype=f32).view(1)
-        else:  # tokens flagged per site, one small GEMM for all
-            n_rows = (bad.to(f32) @ _segments(per_site, x.device)).gt(0).sum(0, dtype=f32)
 
-        # Columns: one scalar bound per projection, so the largest |column sum| is the worst.
-        xs = xn.sum() + T
+        def rows_check() -> tuple[Tensor, Tensor, Tensor]:
+            """(residual, excess > 0 or NaN where flagged, flagged tokens per site)."""
+            rec = cat(
+                [
+                    y.view(T, p.groups, -1).sum(-1, dtype=f32)
+                    for p, y in zip(projs, ys, strict=True)
+                ],
+                1,
+            )
+            d = rec - ref  # (T, sum G)
+            excess = torch.sub(d.abs(), bound, alpha=factor)
+            bad = ~(excess <= 0)
+            if len(per_site) == 1:
+                return d, excess, bad.any(1).sum(dtype=f32).view(1)
+            # tokens flagged per site, one small GEMM for all
+            return d, excess, (bad.to(f32) @ _segments(per_site, x.device)).gt(0).sum(0, dtype=f32)
+
+        d, excess, n_rows = rows_check()
+        # Columns: one scalar bound per projection, so the largest |column sum| is the worst; the
+        # bound gets a 1/64 relative slack for the rounding of the sums themselves.
+        xs = (xn.sum() + T) * (1 + 2**-6)
         worst, bad_c = [], []
         for y, w in zip(ys, ws, strict=True):
             e = y.sum(0, dtype=f32).abs()  # (N_i,)
@@ -254,7 +263,6 @@ def projection_check_(
             n_cols = bad_c[0].sum(dtype=f32).view(1)
         else:
             n_cols = cat(bad_c).to(f32) @ _segments(widths, x.device)  # (S,)
-        inputs_bad = ~(xs < math.inf)  # x itself was bad: recomputing repeats the fault
 
     # Rows: the R worst tokens, recomputed for every projection of this input.
     top, idx = excess.amax(1).topk(R)  # NaN ranks first
@@ -269,7 +277,10 @@ def projection_check_(
 
     # The delivered error: the signed residual of the worst row (INF, NaN, its size).
     value = d.view(-1).index_select(0, excess.view(-1).argmax().view(1)).expand(n_rows.shape[0])
-    lost = ((n_rows > R) & (n_cols != 1)) | inputs_bad
+    # Repaired only if every row passes now: a block beyond the budget, a second column, or an
+    # input x that was already bad (recomputing repeats the fault) leave rows flagged.
+    with _no_autocast(x.device):
+        lost = rows_check()[2] > 0
     return _record(n_rows, n_cols, value, lost), ref, bound
 
 
@@ -308,21 +319,31 @@ def probs_residual(p: Tensor, *, scale: float) -> tuple[Tensor, Tensor]:
 
 
 def context_residual(
-    c: Tensor, p: Tensor, v: Tensor, *, scale: float = 1.0, v_sums: Tensor | None = None
+    c: Tensor,
+    p: Tensor,
+    v: Tensor,
+    *,
+    scale: float = 1.0,
+    v_sums: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(residual, excess) (B, H, L) of the rows of c = p v (B, H, L, d), from p (B, H, L, Lk) and
-    v (B, H, Lk, d). ``v_sums`` (B, H, Lk) = sum_f v_jf when the V projection check has them
-    (clean, from X and W); otherwise they come from v. The bound sum_f |v_jf| comes from v."""
+    v (B, H, Lk, d). ``v_sums`` = (sum_f v_jf as the V projection check derived it from X and W,
+    how far the delivered sums may be from it), both (B, H, Lk); otherwise the sums come from v.
+    The bound sum_f |v_jf| always comes from v (p >= 0 is its own magnitude)."""
     Lk, d = v.shape[-2], v.shape[-1]
     with _no_autocast(c.device):
         f32 = torch.float32
-        sums = v.sum(-1, dtype=f32) if v_sums is None else v_sums
-        vr = torch.stack([sums, v.abs().sum(-1, dtype=f32)], -1)  # (B, H, Lk, 2)
-        both = p.to(f32) @ vr  # (B, H, L, 2): reference and bound
+        mag = v.abs().sum(-1, dtype=f32)
+        if v_sums is None:
+            vr = torch.stack([v.sum(-1, dtype=f32), mag], -1)  # (B, H, Lk, 2)
+        else:
+            vr = torch.stack([v_sums[0], mag, v_sums[1]], -1)  # (B, H, Lk, 3)
+        both = p.to(f32) @ vr  # (B, H, L, 2 or 3): reference, bound, passed error
         res = c.sum(-1, dtype=f32) - both[..., 0]
         tol = _factor(c, p, v, inner=Lk, length=d) * scale
         floor = underflow_floor(c.dtype, length=d)
-        return res, torch.sub(res.abs() - floor, both[..., 1], alpha=tol)
+        excess = torch.sub(res.abs() - floor, both[..., 1], alpha=tol)
+        return res, excess if v_sums is None else excess - both[..., 2]
 
 
 @torch.no_grad()

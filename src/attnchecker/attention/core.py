@@ -144,7 +144,7 @@ def attend(
     context = torch.matmul(probs, value)  # (B, H, L, d)
     if state is not None:
         if v_sums is not None and n_rep > 1:
-            v_sums = v_sums.repeat_interleave(n_rep, dim=1)
+            v_sums = tuple(t.repeat_interleave(n_rep, dim=1) for t in v_sums)
         check(
             "context", context,
             lambda: context_residual(context, probs, value, scale=scale, v_sums=v_sums),

@@ -28,14 +28,17 @@ __all__ = ["Handoff"]
 
 @dataclass(frozen=True)
 class Handoff:
-    """V's clean row sums (B, L, heads) from the V projection check of one attention call."""
+    """V's clean row sums (B, L, heads) from the V projection check of one attention call, and
+    the bound on how far the delivered V's row sums may be from them (the projection check's
+    own tolerance: GEMM rounding, and under autocast the rounding of X and W to bf16)."""
 
     v_sums: Tensor
+    v_err: Tensor
 
-    def for_core(self, value: Tensor) -> Tensor | None:
-        """The sums in the core's layout (B, heads, L) when they describe ``value`` (B, heads,
+    def for_core(self, value: Tensor) -> tuple[Tensor, Tensor] | None:
+        """(sums, err) in the core's layout (B, heads, L) when they describe ``value`` (B, heads,
         L, d) as the core receives it (before K/V heads are repeated), else None."""
         B, L, heads = self.v_sums.shape
         if value.dim() != 4 or tuple(value.shape[:3]) != (B, heads, L):
             return None
-        return self.v_sums.transpose(1, 2)
+        return self.v_sums.transpose(1, 2), self.v_err.transpose(1, 2)

@@ -155,7 +155,9 @@ class AttentionState:
         items = [(p, y, weight_sums(p, floor)) for p, y in pairs]
         sites = tuple(s for p, _ in pairs for s in p.sites)
         with _ranged("+".join(sites)):
-            rec, ref, _ = projection_check_(x, items, max_rows=self.config.max_rows, factor=factor)
+            rec, ref, bound = projection_check_(
+                x, items, max_rows=self.config.max_rows, factor=factor
+            )
         checked = tuple(s for s in sites if self.checks(s))
         if checked != sites:
             rec = rec[[sites.index(s) for s in checked]]
@@ -164,18 +166,24 @@ class AttentionState:
         if "out" in checked:
             self.commit()  # the last check of the layer
         if self.config.mode == "passing":
-            self._leave(x, pairs, ref)
+            self._leave(x, pairs, ref, bound * factor)
 
-    def _leave(self, x: Tensor, pairs: list[tuple[Projection, Tensor]], ref: Tensor) -> None:
-        """Hand V's clean row sums (columns of ``ref`` (T, sum G)) to the core of this call; a
-        group without V (Q of a cross-attention, the output projection) leaves nothing."""
+    def _leave(
+        self, x: Tensor, pairs: list[tuple[Projection, Tensor]], ref: Tensor, tol: Tensor
+    ) -> None:
+        """Hand V's clean row sums (columns of ``ref`` (T, sum G)) and how far the delivered V's
+        row sums may be from them (``tol``) to the core of this call; a group without V (Q of a
+        cross-attention, the output projection) leaves nothing."""
         B, L = x.shape[:2]
         offset = 0
         for p, _ in pairs:
             width = p.groups // len(p.sites)
             for site in p.sites:
                 if site == "v" and self.checks("v"):
-                    self.handoff = Handoff(ref[:, offset : offset + width].view(B, L, width))
+                    cut = slice(offset, offset + width)
+                    self.handoff = Handoff(
+                        ref[:, cut].view(B, L, width), tol[:, cut].view(B, L, width)
+                    )
                 offset += width
 
     def note(self, ops: tuple[str, ...], rec: Tensor) -> None:
@@ -196,7 +204,7 @@ class AttentionState:
         if self.log.device != recs.device:  # the model moved after protect_
             self.log = self.log.to(recs.device)
         r = recs.to(torch.float64)  # (n, 4)
-        det = (r[:, :1] + r[:, 1:2]) > 0  # (n, 1)
+        det = r[:, :1] > 0  # (n, 1): flagged rows (the column count alone is a range locator)
         step = self.clock.count.view(1, 1).expand(r.shape[0], 1)
         full = torch.cat([det.to(torch.float64), r[:, 3:], r[:, :3], step], 1)  # RECORD_FIELDS
         self.log.index_add_(0, _index(ops, recs.device), torch.where(det, full, 0.0))
