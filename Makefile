@@ -35,7 +35,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/abft_overhead.py
 	$(BIN)/python benchmarks/detection_threshold.py
-	$(BIN)/python benchmarks/protect_overhead.py
+	$(BIN)/python benchmarks/check_sensitivity.py
+	$(BIN)/python benchmarks/protect_vs_sdpa.py
 	$(BIN)/python benchmarks/recovery_cost.py
 
 clean:
