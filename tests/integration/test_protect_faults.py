@@ -30,7 +30,8 @@ def _faulty_step(base, inputs, site, kind, pattern, layer=0, mode="naive"):
 
 
 @pytest.mark.parametrize(
-    ("family", "mode"), [(f, "naive") for f in FAMILIES] + [("bert", "passing"), ("llama", "passing")]
+    ("family", "mode"),
+    [(f, "naive") for f in FAMILIES] + [("bert", "passing"), ("llama", "passing")],
 )
 def test_every_fault_is_corrected(family, mode):
     base, _ = models(family)
