@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["VIEW_OPS", "OpCounter", "count_ops"]
+__all__ = ["SYNCING_OPS", "VIEW_OPS", "OpCounter", "count_ops"]
 
 VIEW_OPS = frozenset(
     {
@@ -27,6 +27,17 @@ VIEW_OPS = frozenset(
     }
 )  # fmt: skip
 """Ops that only make a new view of existing memory (or mark a profiler range)."""
+
+
+SYNCING_OPS = frozenset(
+    {
+        "aten._local_scalar_dense",  # .item(), bool(tensor), int(tensor)
+        "aten.nonzero",  # data-dependent shapes synchronise on accelerators
+        "aten.masked_select",
+        "aten.is_nonzero",
+    }
+)
+"""Ops that make the host wait for the device."""
 
 
 class OpCounter(TorchDispatchMode):
@@ -43,6 +54,11 @@ class OpCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.ops.values())
+
+    @property
+    def syncs(self) -> dict[str, int]:
+        """How often each host-synchronising op (:data:`SYNCING_OPS`) ran."""
+        return {op: n for op, n in self.ops.items() if op in SYNCING_OPS}
 
     @property
     def launching(self) -> int:

@@ -6,30 +6,12 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnchecker import protect_
 from attnchecker.models.tiny import FAMILIES, build
+from attnchecker.testing import OpCounter
 
 from .helpers import KINDS, batch, max_diff, models, train_step
-
-_SYNCING = {
-    torch.ops.aten._local_scalar_dense.default,  # .item(), bool(tensor), int(tensor)
-    torch.ops.aten.nonzero.default,  # data-dependent shapes synchronise on accelerators
-    torch.ops.aten.masked_select.default,
-    torch.ops.aten.is_nonzero.default,
-}
-
-
-class _CountSyncs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _SYNCING:
-            self.calls.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -41,9 +23,9 @@ def test_protection_adds_no_host_sync(family):
     inputs = batch(family)
     counts = []
     for model in (plain, protected):
-        with _CountSyncs() as mode:
+        with OpCounter() as mode:
             model(**inputs).loss.backward()
-        counts.append(mode.calls)
+        counts.append(mode.syncs)
     assert counts[1] == counts[0]
 
 
