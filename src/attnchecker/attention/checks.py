@@ -64,7 +64,6 @@ __all__ = [
 ]
 
 _U32 = unit_roundoff(torch.float32)
-_F64 = torch.float64
 
 
 def _no_autocast(device: torch.device) -> torch.autocast:
