@@ -33,8 +33,9 @@ repairs any pattern inside them:
 - context c = p v: sum_f c_if = sum_j p_ij (sum_f v_jf); p >= 0 is its own magnitude, so one
   thin GEMM p [v-bar, |v|-bar] gives the reference and its bound.
 
-Each check returns float64 records (:data:`~attnchecker.attention.state.RECORD_FIELDS` without
-the step), one per site, built with a handful of vectorised ops.
+Each check returns float32 records [flagged rows, moved columns, value, lost], one per site;
+the state turns a layer's records into :data:`~attnchecker.attention.state.RECORD_FIELDS` and
+adds them to its device log in one go.
 """
 
 from __future__ import annotations
