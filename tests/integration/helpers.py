@@ -139,3 +139,10 @@ def fault_matrix(
                         (site, kind, pattern, float(got[0]), [(e.op, e.action) for e in events])
                     )
     return failures
+
+
+def sync_counts(model, inputs) -> dict[str, int]:
+    """Host-synchronising aten ops of one forward + backward (attnchecker.testing)."""
+    from attnchecker.testing import count_ops
+
+    return count_ops(lambda: model(**inputs).loss.backward()).syncs

@@ -20,9 +20,18 @@ import torch
 
 from attnchecker import protect_
 from attnchecker.models.tiny import FAMILIES, build
-from attnchecker.testing import OpCounter
 
-from .helpers import KINDS, PATTERNS, SITES, batch, fault_matrix, max_diff, models, train_step
+from .helpers import (
+    KINDS,
+    PATTERNS,
+    SITES,
+    batch,
+    fault_matrix,
+    max_diff,
+    models,
+    sync_counts,
+    train_step,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -157,12 +166,7 @@ def test_protection_adds_no_host_sync_on_cuda(family):
     protected, plain = cuda_models(family)
     protect_(protected)
     inputs = cuda_batch(family)
-    counts = []
-    for model in (plain, protected):
-        with OpCounter() as mode:
-            model(**inputs).loss.backward()
-        counts.append(mode.syncs)
-    assert counts[1] == counts[0]
+    assert sync_counts(protected, inputs) == sync_counts(plain, inputs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -9,9 +9,8 @@ import torch
 
 from attnchecker import protect_
 from attnchecker.models.tiny import FAMILIES, build
-from attnchecker.testing import OpCounter
 
-from .helpers import KINDS, batch, max_diff, models, train_step
+from .helpers import KINDS, batch, max_diff, models, sync_counts, train_step
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -21,12 +20,7 @@ def test_protection_adds_no_host_sync(family):
     protected, plain = models(family)
     protect_(protected)
     inputs = batch(family)
-    counts = []
-    for model in (plain, protected):
-        with OpCounter() as mode:
-            model(**inputs).loss.backward()
-        counts.append(mode.syncs)
-    assert counts[1] == counts[0]
+    assert sync_counts(protected, inputs) == sync_counts(plain, inputs)
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])

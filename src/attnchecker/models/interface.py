@@ -44,22 +44,18 @@ KEYWORDS: dict[str, str] = {
     "num_items_in_batch": "consumed by the loss",
     "seq_idx": "packed-sequence index for flash/mamba kernels; eager ignores it",
     "return_dict": "model-level output option",
-    "head_mask": "accepted only when None",
-    "layer_head_mask": "accepted only when None",
     "encoder_hidden_states": "consumed by the projections",
     "encoder_attention_mask": "consumed by the mask",
 }
 """Keywords the checked core accepts. Anything else that is not None is refused by name: logit
 soft-capping (``softcap``), attention sinks (``s_aux``), and whatever transformers adds later."""
 
-_NONE_ONLY = ("head_mask", "layer_head_mask")
-
 
 def _refuse(kwargs: dict[str, object]) -> None:
     for name, value in kwargs.items():
         if value is None:
             continue
-        if name not in KEYWORDS or name in _NONE_ONLY:
+        if name not in KEYWORDS:
             raise UnsupportedModelError(
                 f"the checked attention does not implement {name}={value!r}; protect_ would "
                 f"compute different math than the model's eager attention, so it refuses"
