@@ -45,7 +45,6 @@ from attnchecker.attention.checks import (
     row_factor,
     row_floor,
     scores_residual,
-    weight_sums,
 )
 from attnchecker.attention.handoff import Handoff
 
@@ -60,8 +59,7 @@ def _check(x: Tensor, pairs: list[tuple[Projection, Tensor]]) -> tuple[Tensor, T
     """projection_check_ as AttentionState._check_group calls it (tolerance_scale 1)."""
     factor = row_factor(x, pairs, 1.0)
     floor = row_floor(pairs) / factor
-    items = [(p, y, weight_sums(p, floor)) for p, y in pairs]
-    return projection_check_(x, items, max_rows=MAX_ROWS, factor=factor)
+    return projection_check_(x, pairs, max_rows=MAX_ROWS, factor=factor, floor=floor, bounds=True)
 
 
 def _draw(shape: tuple[int, ...], data: str, g: torch.Generator) -> Tensor:

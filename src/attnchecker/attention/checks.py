@@ -10,7 +10,8 @@ tensor may already be saved for backward (softmax saves its output), and the sav
 become the repaired ones without tripping autograd's version check.
 
 Projections, y = x W^T + b (T = B * L tokens, K inputs, N outputs in G head groups of n), one
-call for all the projections of one input (Q, K and V share x):
+call for all the projections of one input (Q, K and V share x), their weights stacked as one
+projection (a copy of W_q | W_k | W_v per step, so the weight-side sums are one set of ops):
 
 - rows: for every token t and group g, sum_{o in g} y_to against x_t . (sum_{o in g} W_o) +
   sum_{o in g} b_o, one thin GEMM (T, K) x (K, sum G) for all of them. Bound on the rounding
@@ -18,30 +19,36 @@ call for all the projections of one input (Q, K and V share x):
   sum_{o in g} (sum_k |x_tk W_ok| + |b_o|) <= sqrt(n) (||x_t|| + 1) ||[W_g | b_g]||_F, times the
   factor of :func:`~attnchecker.abft.tolerance.magnitude_factor`. Up to ``max_rows`` worst rows
   are recomputed (one element, a token row, 2D blocks spanning up to ``max_rows`` tokens).
-- columns: a range check that needs no reference, |sum_t y_to| <= sum_t (||x_t|| + 1) ||W~||_F,
-  one scalar bound per projection, so the largest column sum is the worst column: it is
-  recomputed over all tokens (the flattened GEMM's column) when it breaks the bound. This locates
-  and repairs extreme whole-column errors (INF, NaN, near-INF, large), which flag every row.
+- columns: a range check that needs no reference, |sum_t y_to| <= sum_t (||x_t|| + 1)
+  ||[W_o | b_o]|| per output o (Cauchy-Schwarz again; a 1/64 relative slack covers the rounding
+  of the sums). The column of each projection furthest past its bound is recomputed over all
+  tokens (one GEMM for all the projections) when it breaks it. This locates and repairs extreme
+  whole-column errors (INF, NaN, near-INF, large), which flag every row.
+- after the repairs every row is checked again: whatever still fails (a block beyond the budget,
+  a second bad column, an input x that was already bad) is reported ``lost``, never repaired.
 
 Heads, t (B, H, L, M) of the scores, probabilities and context: every query row is checked
-(references below) and the ``max_heads`` worst (batch, head) matrices are recomputed, which
-repairs any pattern inside them:
+(references below); one repair per layer (:func:`heads_repair_`) recomputes the ``max_heads``
+(batch, head) matrices with the most flagged rows over all three checks, which repairs any
+pattern inside them:
 
 - scores s = alpha q k^T: sum_j s_ij = alpha q_i . sum_j k_j; bound |alpha| ||q_i|| sum_j ||k_j||.
 - probabilities: every row sums to 1; each element carries a few roundings relative to itself
   (exp, normalisation: 8 u_fp32) and one to p's dtype, the fp32 sum adds Lk u_fp32.
 - context c = p v: sum_f c_if = sum_j p_ij (sum_f v_jf); p >= 0 is its own magnitude, so one
-  thin GEMM p [v-bar, |v|-bar] gives the reference and its bound.
+  thin GEMM p [v-bar, |v|-bar] gives the reference and its bound (and, with no dropout between
+  them, p [1] the probabilities' row sums in the same GEMM).
 
-Each check returns float32 records [flagged rows, moved columns, value, lost], one per site;
-the state turns a layer's records into :data:`~attnchecker.attention.state.RECORD_FIELDS` and
-adds them to its device log in one go.
+Each check returns float32 records [flagged rows, flagged columns, value, lost], one per site;
+the state adds a layer's records to its device log in one go
+(:data:`~attnchecker.attention.state.RECORD_FIELDS`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -106,20 +113,10 @@ class Projection:
             return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
-    def column(self, x: Tensor, f: Tensor) -> Tensor:
-        """Output feature ``f`` (1,) for every input row of x (T, K): (T, 1)."""
-        w = (
-            self.weight.index_select(0, f).t()
-            if not self.conv1d
-            else self.weight.index_select(1, f)
-        )
-        if self.bias is None:
-            return x @ w
-        return torch.addmm(self.bias.index_select(0, f), x, w)
-
 
 class WeightSums(NamedTuple):
-    """Weight-derived operands of a projection's row check, per head group (fp32).
+    """Weight-derived operands of the row and column checks of the projections of one input,
+    stacked as one projection of N outputs in G head groups (fp32).
 
     Recomputed at every call, never cached: fused optimizers (``torch._fused_adamw_``, the
     Trainer's default) update parameters without bumping their version counter, so no cheap key
@@ -128,28 +125,42 @@ class WeightSums(NamedTuple):
     sums: Tensor  # (K, G): W summed over each group's outputs
     bias: Tensor | None  # (G,): b summed over each group
     norms: Tensor  # (G,): ||[W_g | b_g]||_F, plus an absolute floor (see projection_check_)
-    total: Tensor  # (): ||[W | b]||_F of the whole projection
+    cols: Tensor  # (N,): ||[W_o | b_o]|| of each output, plus the floor
 
 
-def weight_sums(proj: Projection, floor: float) -> WeightSums:
-    """The sums of ``proj``'s parameters, with ``floor`` added to the group norms."""
-    w, b, G = proj.weight, proj.bias, proj.groups
-    with torch.no_grad(), _no_autocast(w.device):
-        f32 = torch.float32
-        if proj.conv1d:  # (K, N)
-            wv = w.view(w.shape[0], G, -1)
-            sums, norms = wv.sum(-1, dtype=f32), torch.linalg.vector_norm(wv, dim=(0, 2), dtype=f32)
-        else:  # (N, K)
-            wv = w.view(G, -1, w.shape[-1])
-            sums = wv.sum(1, dtype=f32).t()
-            norms = torch.linalg.vector_norm(wv, dim=(1, 2), dtype=f32)
-        bias = None
-        if b is not None:
-            bv = b.view(G, -1)
-            bias = bv.sum(-1, dtype=f32)
-            norms = torch.hypot(norms, torch.linalg.vector_norm(bv, dim=-1, dtype=f32))
-        total = torch.linalg.vector_norm(norms)
-        return WeightSums(sums, bias, norms + floor, total)
+def _stacked(projs: Sequence[Projection]) -> tuple[Tensor, Tensor | None]:
+    """The weights and biases of ``projs`` as one projection (a copy only when several)."""
+    if len(projs) == 1:
+        return projs[0].weight, projs[0].bias
+    w = torch.cat([p.weight for p in projs], 1 if projs[0].conv1d else 0)
+    if all(p.bias is None for p in projs):
+        return w, None
+    n = [p.weight.shape[1 if p.conv1d else 0] for p in projs]
+    biases = [
+        p.weight.new_zeros(m) if p.bias is None else p.bias for p, m in zip(projs, n, strict=True)
+    ]
+    return w, torch.cat(biases)
+
+
+def weight_sums(
+    weight: Tensor, bias: Tensor | None, *, conv1d: bool, groups: int, floor: float
+) -> WeightSums:
+    """The sums of a projection's parameters (weight (N, K), (K, N) for Conv1D), with ``floor``
+    added to the norms."""
+    G, f32 = groups, torch.float32
+    with torch.no_grad(), _no_autocast(weight.device):
+        if conv1d:
+            sums = weight.view(weight.shape[0], G, -1).sum(-1, dtype=f32)  # (K, G)
+            cols = torch.linalg.vector_norm(weight, dim=0, dtype=f32)  # (N,)
+        else:
+            sums = weight.view(G, -1, weight.shape[-1]).sum(1, dtype=f32).t()
+            cols = torch.linalg.vector_norm(weight, dim=1, dtype=f32)
+        bsum = None
+        if bias is not None:
+            cols = torch.hypot(cols, bias.to(f32))
+            bsum = bias.view(G, -1).sum(-1, dtype=f32)
+        norms = torch.linalg.vector_norm(cols.view(G, -1), dim=1).add_(floor)
+        return WeightSums(sums, bsum, norms, cols.add_(floor))
 
 
 def row_factor(x: Tensor, items: list[tuple[Projection, Tensor]], scale: float) -> float:
@@ -190,48 +201,99 @@ def _segments(sizes: tuple[int, ...], device: torch.device) -> Tensor:
     return ind
 
 
+def _per_site(flags: Tensor, sizes: tuple[int, ...]) -> Tensor:
+    """(S,) float32: how many rows of ``flags`` (T, sum(sizes)) have a flag in each segment."""
+    if len(sizes) == 1:
+        return flags.any(1).sum(0, dtype=torch.float32).view(1)
+    if len(set(sizes)) == 1:
+        return flags.view(flags.shape[0], len(sizes), -1).any(-1).sum(0, dtype=torch.float32)
+    seg = _segments(sizes, flags.device)
+    return (flags.to(torch.float32) @ seg).gt(0).sum(0, dtype=torch.float32)
+
+
+def _columns(weight: Tensor, bias: Tensor | None, conv1d: bool, x: Tensor, f: Tensor) -> Tensor:
+    """Output features ``f`` (P,) of a projection for every input row of x (T, K): (T, P),
+    with the module's op (same dtype under autocast)."""
+    w = weight.index_select(1, f) if conv1d else weight.index_select(0, f).t()
+    return x @ w if bias is None else torch.addmm(bias.index_select(0, f), x, w)
+
+
+def _worst_columns(ratio: Tensor, widths: list[int]) -> tuple[Tensor, Tensor]:
+    """(P,) values and indices into ``ratio`` (sum(widths),) of each segment's largest
+    (NaN ranks first)."""
+    P = len(widths)
+    if len(set(widths)) == 1:
+        vals, idx = ratio.view(P, -1).max(1)
+        return vals, idx if P == 1 else idx + _offsets(widths, ratio.device)
+    parts = [part.max(0, keepdim=True) for part in ratio.split(widths)]
+    offsets = [0, *itertools.accumulate(widths)][:-1]
+    idx = [i + o for (_, i), o in zip(parts, offsets, strict=True)]
+    return torch.cat([v for v, _ in parts]), torch.cat(idx)
+
+
+def _offsets(widths: list[int], device: torch.device) -> Tensor:
+    """(P,) int64 start of each segment (a cached constant in eager, a graph constant under
+    torch.compile)."""
+    key = (("offsets", *widths), device)
+    if key not in _SEGMENTS:
+        t = torch.tensor([0, *itertools.accumulate(widths)][:-1], device=device)
+        if torch.compiler.is_compiling():
+            return t
+        _SEGMENTS[key] = t
+    return _SEGMENTS[key]
+
+
+def _count(flags: Tensor, sizes: tuple[int, ...]) -> Tensor:
+    """(S,) float32: the flags of ``flags`` (sum(sizes),) in each segment."""
+    if len(sizes) == 1:
+        return flags.sum(dtype=torch.float32).view(1)
+    if len(set(sizes)) == 1:
+        return flags.view(len(sizes), -1).sum(1, dtype=torch.float32)
+    return flags.to(torch.float32) @ _segments(sizes, flags.device)
+
+
 @torch.no_grad()
 def projection_check_(
     x: Tensor,
-    items: list[tuple[Projection, Tensor, WeightSums]],
+    items: Sequence[tuple[Projection, Tensor]],
     *,
     max_rows: int,
     factor: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+    floor: float,
+    bounds: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Check and repair in place the outputs y (B, L, N_i) = x (B, L, K) W_i^T + b_i of the
-    projections of one input; see the module docstring.
+    projections of one input (head groups of one width); see the module docstring.
 
-    ``factor`` (:func:`row_factor`) times the bound is the tolerance of a row sum; the weight
-    sums carry the absolute floor. Returns the records (one per site, in order), the row
-    references (T, sum G) and the magnitude bounds (T, sum G) >= (||x_t|| + 1) ||[W_g | b_g]||_F:
-    what the attention core may take from here (``mode="passing"``).
+    ``factor`` (:func:`row_factor`) times the bound is the tolerance of a row sum; ``floor`` is
+    added to the weight norms. Returns the records (one per site, in order), the row references
+    (T, sum G) and, with ``bounds``, the magnitude bounds (T, sum G) = (||x_t|| + 1)
+    ||[W_g | b_g]||_F: what the attention core may take from here (``mode="passing"``).
     """
     B, L, K = x.shape
     T, R = B * L, min(max_rows, B * L)
-    projs = [p for p, _, _ in items]
-    ys = [y.data.view(T, y.shape[-1]) for _, y, _ in items]  # (T, N_i), written in place
-    ws = [w for _, _, w in items]
+    projs = [p for p, _ in items]
+    ys = [y.data.view(T, y.shape[-1]) for _, y in items]  # (T, N_i), written in place
     x2 = x.reshape(T, K)
     f32 = torch.float32
-    one = len(items) == 1
-    cat = lambda ts, dim=0: ts[0] if one else torch.cat(ts, dim)
+    G = sum(p.groups for p in projs)
+    groups = tuple(p.groups // len(p.sites) for p in projs for _ in p.sites)  # per site
+    widths = tuple(
+        y.shape[-1] // len(p.sites) for p, y in zip(projs, ys, strict=True) for _ in p.sites
+    )
+    weight, bias = _stacked(projs)
+    ws = weight_sums(weight, bias, conv1d=projs[0].conv1d, groups=G, floor=floor)
+    cat = (lambda ts, dim: ts[0]) if len(ys) == 1 else torch.cat
     with _no_autocast(x.device):
-        xn = torch.linalg.vector_norm(x2, dim=1, keepdim=True, dtype=f32)  # (T, 1)
-        norms = cat([w.norms for w in ws])  # (sum G,)
+        xn1 = torch.linalg.vector_norm(x2, dim=1, keepdim=True, dtype=f32).add_(1)  # (T, 1)
         # the reference GEMM runs in x's dtype (no copy of x), in fp32 for fp16, whose range
         # a row sum of n outputs can overflow
         xf = x2.float() if x.dtype == torch.float16 else x2
-        sums = cat([w.sums for w in ws], 1).to(xf.dtype)  # (K, sum G)
-        if all(w.bias is None for w in ws):
-            ref = xf @ sums  # (T, sum G)
-        else:
-            bias = cat([w.norms * 0 if w.bias is None else w.bias for w in ws])
-            ref = torch.addmm(bias.to(xf.dtype), xf, sums)
-        bound = torch.addcmul(norms, xn, norms)  # (T, sum G)
-        per_site = tuple(p.groups // len(p.sites) for p in projs for _ in p.sites)
+        sums = ws.sums.to(xf.dtype)
+        ref = xf @ sums if ws.bias is None else torch.addmm(ws.bias.to(xf.dtype), xf, sums)
 
-        def rows_check() -> tuple[Tensor, Tensor, Tensor]:
-            """(residual, excess > 0 or NaN where flagged, flagged tokens per site)."""
+        def rows_check() -> tuple[Tensor, Tensor]:
+            """(residual, excess) (T, G): excess > 0 or NaN where flagged."""
             rec = cat(
                 [
                     y.view(T, p.groups, -1).sum(-1, dtype=f32)
@@ -239,30 +301,20 @@ def projection_check_(
                 ],
                 1,
             )
-            d = rec - ref  # (T, sum G)
-            excess = torch.sub(d.abs(), bound, alpha=factor)
-            bad = ~(excess <= 0)
-            if len(per_site) == 1:
-                return d, excess, bad.any(1).sum(dtype=f32).view(1)
-            # tokens flagged per site, one small GEMM for all
-            return d, excess, (bad.to(f32) @ _segments(per_site, x.device)).gt(0).sum(0, dtype=f32)
+            d = rec - ref
+            return d, torch.addcmul(d.abs(), xn1, ws.norms, value=-factor)
 
-        d, excess, n_rows = rows_check()
-        # Columns: one scalar bound per projection, so the largest |column sum| is the worst; the
-        # bound gets a 1/64 relative slack for the rounding of the sums themselves.
-        xs = (xn.sum() + T) * (1 + 2**-6)
-        worst, bad_c = [], []
-        for y, w in zip(ys, ws, strict=True):
-            e = y.sum(0, dtype=f32).abs()  # (N_i,)
-            worst.append(e.max(0, keepdim=True)[1])
-            bad_c.append(~(e <= xs * w.total))
-        widths = tuple(
-            y.shape[-1] // len(p.sites) for p, y in zip(projs, ys, strict=True) for _ in p.sites
-        )
-        if len(widths) == 1:
-            n_cols = bad_c[0].sum(dtype=f32).view(1)
-        else:
-            n_cols = cat(bad_c).to(f32) @ _segments(widths, x.device)  # (S,)
+        d, excess = rows_check()
+        n_rows = _per_site(~(excess <= 0), groups)
+        # Columns: |sum_t y_to| <= sum_t (||x_t|| + 1) ||[W_o | b_o]||, with a 1/64 relative
+        # slack for the rounding of the sums; the worst column of each projection is the one
+        # furthest past its bound.
+        ratio = cat([y.sum(0, dtype=f32) for y in ys], 0).abs_().div_(ws.cols)  # (N,)
+        xs = xn1.sum() * (1 + 2**-6)
+        bad_c = ~(ratio <= xs)
+        n_cols = _count(bad_c, widths)
+        vals, cols = _worst_columns(ratio, [y.shape[-1] for y in ys])  # (P,) each
+        hits = ~(vals <= xs)
 
     # Rows: the R worst tokens, recomputed for every projection of this input.
     top, idx = excess.amax(1).topk(R)  # NaN ranks first
@@ -270,23 +322,29 @@ def projection_check_(
     xr = x2.index_select(0, idx)  # (R, K)
     for p, y in zip(projs, ys, strict=True):
         y.index_copy_(0, idx, torch.where(take, p.rows(xr).to(y.dtype), y.index_select(0, idx)))
-    # Columns: the worst column of each projection, when it breaks the range bound.
-    for p, y, f, flags in zip(projs, ys, worst, bad_c, strict=True):
-        hit = flags.index_select(0, f)  # (1,): f is the worst column, flagged or not
-        y.index_copy_(1, f, torch.where(hit, p.column(x2, f).to(y.dtype), y.index_select(1, f)))
+    # Columns: the worst column of each projection, when it breaks the range bound, all
+    # recomputed over every token by one GEMM.
+    new = _columns(weight, bias, projs[0].conv1d, x2, cols)  # (T, P)
+    start = 0
+    for i, y in enumerate(ys):
+        f, start = cols[i : i + 1] - start, start + y.shape[-1]
+        y.index_copy_(
+            1, f, torch.where(hits[i], new[:, i : i + 1].to(y.dtype), y.index_select(1, f))
+        )
 
     # The delivered error: the signed residual of the worst row (INF, NaN, its size).
-    value = d.view(-1).index_select(0, excess.view(-1).argmax().view(1)).expand(n_rows.shape[0])
+    value = d.view(-1).index_select(0, excess.view(-1).argmax().view(1)).expand(len(groups))
     # Repaired only if every row passes now: a block beyond the budget, a second column, or an
     # input x that was already bad (recomputing repeats the fault) leave rows flagged.
     with _no_autocast(x.device):
-        lost = rows_check()[2] > 0
+        lost = _per_site(~(rows_check()[1] <= 0), groups) > 0
+    bound = xn1 * ws.norms if bounds else None
     return _record(n_rows, n_cols, value, lost), ref, bound
 
 
 # ------------------------------------------------------ heads: scores, probs, context
 
-Recompute = Callable[[Tensor, Tensor], Tensor]  # (b_idx, h_idx) (Kh,) -> (Kh, L, M)
+Recompute = Callable[[Tensor, Tensor], Sequence[Tensor]]  # (b_idx, h_idx) (Kh,) -> (Kh, L, M_i)
 
 
 def scores_residual(
@@ -311,11 +369,16 @@ def scores_residual(
         return res, torch.addcmul(res.abs() - floor, qn, kn, value=-tol)
 
 
+def _probs_tol(p: Tensor, scale: float) -> float:
+    """Each element carries a few roundings relative to itself (exp, normalisation: 8 u_fp32)
+    and one to p's dtype; an fp32 sum of Lk of them adds Lk u_fp32."""
+    return 2 * scale * (unit_roundoff(p.dtype) + (8 + p.shape[-1]) * _U32)
+
+
 def probs_residual(p: Tensor, *, scale: float) -> tuple[Tensor, Tensor]:
     """(residual, excess) (B, H, L) of the rows of the probabilities p (B, H, L, Lk): sum to 1."""
-    tol = 2 * scale * (unit_roundoff(p.dtype) + (8 + p.shape[-1]) * _U32)
     res = p.sum(-1, dtype=torch.float32) - 1
-    return res, res.abs() - tol
+    return res, res.abs() - _probs_tol(p, scale)
 
 
 def context_residual(
@@ -325,56 +388,70 @@ def context_residual(
     *,
     scale: float = 1.0,
     v_sums: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
+    with_probs: bool = False,
+) -> tuple[Tensor, ...]:
     """(residual, excess) (B, H, L) of the rows of c = p v (B, H, L, d), from p (B, H, L, Lk) and
     v (B, H, Lk, d). ``v_sums`` = (sum_f v_jf as the V projection check derived it from X and W,
     how far the delivered sums may be from it), both (B, H, Lk); otherwise the sums come from v.
-    The bound sum_f |v_jf| always comes from v (p >= 0 is its own magnitude)."""
+    The bound sum_f |v_jf| always comes from v (p >= 0 is its own magnitude).
+
+    ``with_probs``: p is the softmax output itself (no dropout between): the same thin GEMM
+    also sums p's rows, and the probabilities' (residual, excess) follow the context's."""
     Lk, d = v.shape[-2], v.shape[-1]
     with _no_autocast(c.device):
         f32 = torch.float32
-        mag = v.abs().sum(-1, dtype=f32)
-        if v_sums is None:
-            vr = torch.stack([v.sum(-1, dtype=f32), mag], -1)  # (B, H, Lk, 2)
-        else:
-            vr = torch.stack([v_sums[0], mag, v_sums[1]], -1)  # (B, H, Lk, 3)
-        both = p.to(f32) @ vr  # (B, H, L, 2 or 3): reference, bound, passed error
+        cols = [v.sum(-1, dtype=f32) if v_sums is None else v_sums[0], v.abs().sum(-1, dtype=f32)]
+        if v_sums is not None:
+            cols.append(v_sums[1])
+        if with_probs:
+            cols.append(torch.ones_like(cols[1]))
+        both = p.to(f32) @ torch.stack(cols, -1)  # (B, H, L, 2..4): ref, bound, [error], [sum p]
         res = c.sum(-1, dtype=f32) - both[..., 0]
         tol = _factor(c, p, v, inner=Lk, length=d) * scale
         floor = underflow_floor(c.dtype, length=d)
         excess = torch.sub(res.abs() - floor, both[..., 1], alpha=tol)
-        return res, excess if v_sums is None else excess - both[..., 2]
+        out: tuple[Tensor, ...] = (res, excess if v_sums is None else excess - both[..., 2])
+        if with_probs:
+            res_p = both[..., -1] - 1
+            out += (res_p, res_p.abs() - _probs_tol(p, scale))
+        return out
 
 
 @torch.no_grad()
 def heads_repair_(
-    t: Tensor, residual: Tensor, excess: Tensor, recompute: Recompute, *, max_heads: int
+    targets: Sequence[Tensor],
+    checks: Sequence[tuple[Tensor, Tensor]],
+    recompute: Recompute,
+    *,
+    max_heads: int,
 ) -> Tensor:
-    """Recompute the ``max_heads`` worst flagged matrices of t (B, H, L, M) in place.
+    """Recompute the ``max_heads`` (batch, head) matrices with the most flagged rows over all
+    ``checks`` in every tensor of ``targets`` (B, H, L, M_i), in place: one repair for the
+    checks of a chain (scores -> probs -> context recomputed together), given in chain order.
 
-    ``excess`` (B, H, L) is > 0 (or NaN) on flagged rows. Returns the (1, 4) record: flagged
-    rows over every head, the elements the recompute moved in the worst row of the worst head
-    (beyond the last bits of a smaller GEMM), that row's residual, and whether more heads were
-    flagged than repaired.
+    Each check is (residual, excess), both (B, H, L), excess > 0 (or NaN) on flagged rows.
+    Returns (len(checks), 4) records: flagged rows (twice: row checks alone cannot tell an
+    element from a row, so a pattern is one row or several), the residual of the check's worst
+    row, and whether more matrices were flagged than repaired.
     """
-    B, H, L, M = t.shape
+    C = len(checks)
+    B, H, L = checks[0][1].shape
     Kh = min(max_heads, B * H)
-    top, idx = excess.amax(-1).view(B * H).topk(min(Kh + 1, B * H))  # NaN ranks first
-    flagged = ~(top <= 0)
+    excess = torch.stack([e for _, e in checks])  # (C, B, H, L)
+    bad = ~(excess <= 0)
+    # a row is counted by the first check of the chain that flags it (a NaN in the scores
+    # also fails the probabilities' and the context's sums: one fault, one report)
+    first = bad & (bad.cumsum(0) == 1) if C > 1 else bad
+    rows = first.sum((1, 2, 3), dtype=torch.float32)  # (C,)
+    top, idx = bad.sum((0, 3)).view(B * H).topk(min(Kh + 1, B * H))  # flagged rows per matrix
+    flagged = top > 0
     lost = flagged[Kh] if Kh < B * H else flagged[0] & False
-    take, idx = flagged[:Kh], idx[:Kh]
-    new = recompute(idx // H, idx % H).to(t.dtype)  # (Kh, L, M)
-    t3 = t.data.view(B * H, L, M)
-    kept = t3.index_select(0, idx)  # (Kh, L, M)
-    t3.index_copy_(0, idx, torch.where(take[:, None, None], new, kept))
-    # The worst row (of the worst head): its residual, and what the recompute moved in it.
-    j = excess.view(-1).argmax().view(1)  # NaN ranks first; a tensor, never a Python int
-    value = residual.view(-1).index_select(0, j)[0]
-    r = j % L
-    after = new[0].index_select(0, r).float()  # (1, M)
-    moved = ~((after - kept[0].index_select(0, r).float()).abs() <= after.abs() * _MOVED)
-    rows = (~(excess <= 0)).sum(dtype=torch.float32)
-    return _record(rows, moved.sum(dtype=torch.float32), value, lost)
-
-
-_MOVED = 1e-3
+    take, idx = flagged[:Kh, None, None], idx[:Kh]
+    news = recompute(idx // H, idx % H)
+    for t, new in zip(targets, news, strict=True):
+        t3 = t.data.view(B * H, L, t.shape[-1])
+        t3.index_copy_(0, idx, torch.where(take, new.to(t.dtype), t3.index_select(0, idx)))
+    # each check's worst row (NaN ranks first; a tensor, never a Python int)
+    worst = excess.view(C, -1).argmax(1, keepdim=True)  # (C, 1)
+    value = torch.stack([r for r, _ in checks]).view(C, -1).gather(1, worst).view(C)
+    return _record(rows, rows, value, lost.expand(C))

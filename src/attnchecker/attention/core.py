@@ -5,10 +5,17 @@
 here), and, given an :class:`~attnchecker.attention.state.AttentionState`, runs the named sites
 and the checks between the steps:
 
-    scores = q k^T            site "scores", checked and repaired per (batch, head)
+    scores = q k^T            site "scores", rows checked against q . sum_j k_j
     probs  = softmax(scores * scaling + mask)   site "probs", rows must sum to 1
-    probs  = dropout(probs)
-    context = probs v         site "context", checked and repaired per (batch, head)
+    mixed  = dropout(probs)   (training with dropout > 0: as F.dropout runs, its draw kept)
+    context = mixed v         site "context", rows checked against mixed . sum_f v_f
+
+and then one repair for all three: the ``max_heads`` (batch, head) matrices with the most
+flagged rows have their scores -> probs -> dropout -> context recomputed from q, k, v (and the
+kept dropout mask), written into every tensor autograd saved. Checking first and repairing once
+costs one set of index ops per layer instead of one per op; a fault in the scores reaches the
+probabilities and the context before the repair, which is why the chain is recomputed whole.
+Without dropout the probabilities' row sums ride on the context's reference GEMM.
 
 Q and K enter the scores check as its operands after anything that sits between the
 projections and the core (rotary embeddings), so the check holds whatever that is. Grouped K/V
@@ -100,7 +107,11 @@ def attend(
             return out.view(*q.shape[:-2], L, Lk)
         return torch.matmul(q, k.transpose(-1, -2))
 
-    def probs_of(scores: Tensor, b: Tensor | None = None, h: Tensor | None = None) -> Tensor:
+    def probs_of(
+        scores: Tensor, b: Tensor | None = None, h: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(softmax output, as autograd saves it; probabilities in the dtype the family
+        delivers): the same tensor unless the family converts."""
         z = scores
         if spec.scale and not upcast_reordered:
             z = z * scaling
@@ -110,50 +121,91 @@ def attend(
         if attention_mask is not None:
             z = z + (attention_mask if b is None else attention_mask.expand(B, H, L, Lk)[b, h])
         if spec.softmax_fp32:
-            return nn.functional.softmax(z, dim=-1, dtype=torch.float32).to(query.dtype)
+            p = nn.functional.softmax(z, dim=-1, dtype=torch.float32)
+            return p, p.to(query.dtype)
         p = nn.functional.softmax(z, dim=-1)
-        return p.type(value.dtype) if spec.probs_to_value_dtype else p
-
-    config = None if state is None else state.config
-    heads = 0 if state is None else config.max_heads
-    scale = 1.0 if state is None else config.tolerance_scale
-
-    def check(op: str, t: Tensor, residual: Callable[[], tuple[Tensor, Tensor]], recompute) -> None:
-        """The site's hooks, then the op's check and repair of t (when it is checked)."""
-        state.site(op, t)
-        if state.checks(op):
-            with _ranged(op):
-                res, excess = residual()
-                state.note((op,), heads_repair_(t, res, excess, recompute, max_heads=heads))
+        return p, (p.type(value.dtype) if spec.probs_to_value_dtype else p)
 
     scores = scores_of()  # (B, H, L, Lk)
-    if state is not None:
-        check(
-            "scores", scores,
-            lambda: scores_residual(scores, query, key, alpha=alpha, scale=scale),
-            scores_of,
-        )  # fmt: skip
-    probs = probs_of(scores)  # (B, H, L, Lk)
-    if state is not None:
-        check(
-            "probs", probs,
-            lambda: probs_residual(probs, scale=scale),
-            lambda b, h: probs_of(scores[b, h], b, h),
-        )  # fmt: skip
-    probs = nn.functional.dropout(probs, p=dropout, training=training)
-    context = torch.matmul(probs, value)  # (B, H, L, d)
-    if state is not None:
-        if v_sums is not None and n_rep > 1:
-            v_sums = tuple(t.repeat_interleave(n_rep, dim=1) for t in v_sums)
-        check(
-            "context", context,
-            lambda: context_residual(context, probs, value, scale=scale, v_sums=v_sums),
-            lambda b, h: torch.matmul(probs[b, h], value[b, h]),
-        )  # fmt: skip
-        if not state.checks("out"):
-            state.commit()  # otherwise the output projection's check writes the layer's records
+    if state is None:
+        probs = probs_of(scores)[1]
+        probs = nn.functional.dropout(probs, p=dropout, training=training)
+        context = torch.matmul(probs, value)
+        return _out(spec, context), probs
+
+    config, on = state.config, state.checks
+    scale = config.tolerance_scale
+    heads = config.max_heads
+    # One repair for the layer's head checks: the worst heads' scores -> probs -> dropout ->
+    # context recomputed together after the context (dropout's draw kept for it).
+    dropping = training and dropout > 0
+    found: list[tuple[str, tuple[Tensor, Tensor]]] = []  # (op, (residual, excess)), chain order
+    state.site("scores", scores)
+    if on("scores"):
+        with _ranged("scores"):
+            found.append(("scores", scores_residual(scores, query, key, alpha=alpha, scale=scale)))
+    saved, probs = probs_of(scores)  # (B, H, L, Lk)
+    state.site("probs", probs)
+    targets = [saved] if saved is probs else [saved, probs]  # what the repair writes
+    ride = on("probs") and not dropping  # the probabilities' sums ride on the context GEMM
+    if on("probs") and not ride:
+        with _ranged("probs"):
+            found.append(("probs", probs_residual(probs, scale=scale)))
+    mixed, redo = probs, None
+    if dropping:
+        mixed, redo = _dropout(probs, dropout)
+        targets.append(mixed)
+    context = torch.matmul(mixed, value)  # (B, H, L, d)
+    state.site("context", context)
+    targets.append(context)
+    if v_sums is not None and n_rep > 1:
+        v_sums = tuple(t.repeat_interleave(n_rep, dim=1) for t in v_sums)
+    with _ranged("context"):
+        if on("context"):
+            res = context_residual(
+                context, mixed, value, scale=scale, v_sums=v_sums, with_probs=ride
+            )
+            if ride:
+                found.append(("probs", res[2:]))
+            found.append(("context", res[:2]))
+        elif ride:
+            found.append(("probs", probs_residual(probs, scale=scale)))
+
+    def chain(b: Tensor, h: Tensor) -> list[Tensor]:
+        new_saved, new_probs = probs_of(scores_of(b, h), b, h)
+        news = [new_saved] if saved is probs else [new_saved, new_probs]
+        if redo is not None:
+            new_probs = redo(new_probs, b, h)
+            news.append(new_probs)
+        return [*news, torch.matmul(new_probs, value[b, h])]
+
+    if found:
+        rec = heads_repair_(targets, [r for _, r in found], chain, max_heads=heads)
+        state.note(tuple(op for op, _ in found), rec)
+    if not on("out"):
+        state.commit()  # otherwise the output projection's check writes the layer's records
+    return _out(spec, context), mixed
+
+
+def _dropout(x: Tensor, p: float) -> tuple[Tensor, Callable[[Tensor, Tensor, Tensor], Tensor]]:
+    """``F.dropout(x, p, training=True)`` exactly as it runs on x's device (the fused
+    native_dropout on CUDA, the composite bernoulli noise on CPU: values and gradients bitwise
+    the same), keeping what it drew: (output, redo), redo(new, b, h) applying the same dropout to
+    recomputed matrices new (Kh, L, Lk) of the (batch, head) pairs b, h."""
+    fused = x.device.type in ("cuda", "xpu", "lazy", torch._C._get_privateuse1_backend_name())
+    if fused and 0 < p < 1 and x.numel() > 0:
+        out, keep = torch.native_dropout(x, p, True)
+        return out, lambda new, b, h: new * keep[b, h] * (1 / (1 - p))
+    if p >= 1:
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        return x * zero, lambda new, b, h: new * zero
+    noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+    return x * noise, lambda new, b, h: new * noise[b, h]
+
+
+def _out(spec: CoreSpec, context: Tensor) -> Tensor:
     if spec.transpose_out:
         context = context.transpose(1, 2)
         if spec.contiguous_out:
             context = context.contiguous()
-    return context, probs
+    return context

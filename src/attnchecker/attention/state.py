@@ -27,7 +27,6 @@ from attnchecker.attention.checks import (
     projection_check_,
     row_factor,
     row_floor,
-    weight_sums,
 )
 from attnchecker.attention.config import OPS, ABFTConfig
 from attnchecker.attention.handoff import Handoff
@@ -42,11 +41,11 @@ __all__ = [
     "new_log",
 ]
 
-RECORD_FIELDS = ("detected", "lost", "n_rows", "n_cols", "value", "step_sum")
-"""One check's record: whether it detected, whether a detection was left unrepaired (beyond the
-repair budget, or the operands were already bad), flagged rows / columns of its unit (tokens and
-features for a projection, query rows and key columns of the worst head for attention), the
-delivered value at the worst flagged position, and the step."""
+RECORD_FIELDS = ("n_rows", "n_cols", "value", "lost", "detected", "step_sum")
+"""One check's record: flagged rows / columns of its unit (tokens and features for a projection;
+query rows, twice, for attention), the delivered value at the worst flagged position, whether a
+detection was left unrepaired (beyond the repair budget, or the operands were already bad),
+whether it detected, and the step. The first four are the checks' own records, in order."""
 
 
 def in_replay() -> bool:
@@ -150,13 +149,22 @@ class AttentionState:
         if x.dim() != 3 or any(y.dim() != 3 for _, _, y in group):
             return  # not the (B, L, K) hidden states of an attention call
         pairs = [(p, y) for p, _, y in group]
+        widths = {y.shape[-1] // p.groups for p, y in pairs}
+        if len(widths) > 1:  # head groups of different widths: one check per projection
+            for item in group:
+                self._check_group(x, [item])
+            return
         factor = row_factor(x, pairs, self.config.tolerance_scale)
-        floor = row_floor(pairs) / factor
-        items = [(p, y, weight_sums(p, floor)) for p, y in pairs]
         sites = tuple(s for p, _ in pairs for s in p.sites)
+        passing = self.config.mode == "passing"
         with _ranged("+".join(sites)):
             rec, ref, bound = projection_check_(
-                x, items, max_rows=self.config.max_rows, factor=factor
+                x,
+                pairs,
+                max_rows=self.config.max_rows,
+                factor=factor,
+                floor=row_floor(pairs) / factor,
+                bounds=passing,
             )
         checked = tuple(s for s in sites if self.checks(s))
         if checked != sites:
@@ -165,7 +173,7 @@ class AttentionState:
             self.note(checked, rec)
         if "out" in checked:
             self.commit()  # the last check of the layer
-        if self.config.mode == "passing":
+        if passing:
             self._leave(x, pairs, ref, bound * factor)
 
     def _leave(
@@ -203,10 +211,9 @@ class AttentionState:
             return
         if self.log.device != recs.device:  # the model moved after protect_
             self.log = self.log.to(recs.device)
-        r = recs.to(torch.float64)  # (n, 4)
-        det = r[:, :1] > 0  # (n, 1): flagged rows (the column count alone is a range locator)
-        step = self.clock.count.view(1, 1).expand(r.shape[0], 1)
-        full = torch.cat([det.to(torch.float64), r[:, 3:], r[:, :3], step], 1)  # RECORD_FIELDS
+        det = recs[:, :1] > 0  # (n, 1): flagged rows (the column count alone is a range locator)
+        step = self.clock.count.view(1, 1).expand(recs.shape[0], 1)
+        full = torch.cat([recs.to(torch.float64), det, step], 1)  # (n, 6): RECORD_FIELDS
         self.log.index_add_(0, _index(ops, recs.device), torch.where(det, full, 0.0))
 
 

@@ -34,7 +34,6 @@ from attnchecker.attention.checks import (
     row_factor,
     row_floor,
     scores_residual,
-    weight_sums,
 )
 from attnchecker.attention.handoff import Handoff
 from attnchecker.inject import exponent_flip
@@ -181,8 +180,9 @@ def _check(case: Case, max_rows: int = MAX_ROWS) -> tuple[Tensor, Tensor, Tensor
     with _autocast(case.autocast):
         factor = row_factor(case.x, case.pairs, 1.0)
         floor = row_floor(case.pairs) / factor
-        items = [(p, y, weight_sums(p, floor)) for p, y in case.pairs]
-        return projection_check_(case.x, items, max_rows=max_rows, factor=factor)
+        return projection_check_(
+            case.x, case.pairs, max_rows=max_rows, factor=factor, floor=floor, bounds=True
+        )
 
 
 projection_shapes = {
@@ -276,6 +276,11 @@ class Attention:
         return self.p.double().abs() @ self.v.double().abs(), self.v.shape[-2]
 
 
+def _repair(t: Tensor, res: Tensor, excess: Tensor, recompute) -> Tensor:
+    """heads_repair_ of one tensor by one check (the core chains several)."""
+    return heads_repair_([t], [(res, excess)], lambda b, h: [recompute(b, h)], max_heads=MAX_HEADS)
+
+
 def _attention(
     *,
     B: int,
@@ -350,10 +355,58 @@ def test_clean_attention_is_never_flagged(dtype, data, log_scale, seed, **shape)
         t = getattr(att, op[0])
         before = t.clone()
         with _autocast(att.autocast):
-            rec = heads_repair_(t, res, excess, att.recompute(op), max_heads=MAX_HEADS)
+            rec = _repair(t, res, excess, att.recompute(op))
         assert rec.shape == (1, 4)
         assert rec[0, 0] == 0 and rec[0, 1] == 0 and rec[0, 3] == 0, f"{op}: {rec.tolist()}"
         assert torch.equal(t, before)
+
+
+@CLEAN
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(
+    **attention_shapes,
+    data=st.sampled_from(DATA),
+    log_scale=st.floats(-3, 4),
+    seed=st.integers(0, 2**31),
+)
+def test_probs_sums_riding_on_the_context_gemm(dtype, data, log_scale, seed, **shape):
+    """Without dropout the probabilities' row sums come from the context's reference GEMM:
+    never flagged on clean data, and a probability that no longer sums to 1 is flagged."""
+    att = _attention(dtype=dtype, scale=10**log_scale, data=data, seed=seed, **shape)
+    _, e_c, _, e_p = context_residual(att.c, att.p, att.v, scale=1.0, with_probs=True)
+    assert (e_c <= 0).all() and (e_p <= 0).all()
+    p = att.p.clone()
+    p[0, 0, 0, 0] = p[0, 0, 0, 0].float() + 0.5
+    _, _, _, e_p = context_residual(att.c, p, att.v, scale=1.0, with_probs=True)
+    assert not (e_p[0, 0, 0] <= 0) and (e_p.view(-1)[1:] <= 0).all()
+
+
+def test_one_repair_for_a_chain():
+    """A NaN in the scores reaches the probabilities and the context before the repair: one
+    repair of the chain restores both, and the fault is counted once, by the scores."""
+    d = 16
+    att = _attention(
+        B=2, H=3, L=8, Lk=8, d=d, dtype="fp32", scale=1.0, data="normal", mask="none",
+        softmax_fp32=False, upcast=False, seed=0,
+    )  # fmt: skip
+    s = att.s.clone()
+    s[1, 2, 3, 4] = float("nan")
+    p = F.softmax(s * d**-0.5, -1)
+    c = p @ att.v
+    checks = [
+        scores_residual(s, att.q, att.k),
+        probs_residual(p, scale=1.0),
+        context_residual(c, p, att.v),
+    ]
+
+    def chain(b, h):
+        new_p = F.softmax(att.scores(b, h) * d**-0.5, -1)
+        return [new_p, new_p @ att.v[b, h]]
+
+    rec = heads_repair_([p, c], checks, chain, max_heads=MAX_HEADS)
+    assert rec[:, 0].tolist() == [1, 0, 0] and (rec[:, 3] == 0).all(), rec.tolist()
+    _assert_close(p, att.p, *att.magnitude("probs"))
+    _assert_close(c, att.c, *att.magnitude("context"))
 
 
 @CLEAN
@@ -519,7 +572,7 @@ def test_moderate_whole_column_is_reported():
     clean = y.clone()
     T = y.shape[0] * y.shape[1]
     xs = torch.linalg.vector_norm(case.x.reshape(T, -1), dim=1).add(1).sum()
-    total = torch.hypot(torch.linalg.vector_norm(p.weight), torch.linalg.vector_norm(p.bias))
+    total = torch.hypot(torch.linalg.vector_norm(p.weight[5]), p.bias[5])  # ||[W_5 | b_5]||
     y[:, :, 5] += float(0.5 * xs * total / T)
     faulty = y.clone()
     rec, _, _ = _check(case)
@@ -696,7 +749,7 @@ def test_attention_faults_are_repaired(
     res, excess = _residual(att, op)
     assert not (excess <= 0).all(), "not detected"
     with _autocast(att.autocast):
-        rec = heads_repair_(t, res, excess, att.recompute(op), max_heads=MAX_HEADS)
+        rec = _repair(t, res, excess, att.recompute(op))
     assert rec[0, 0] + rec[0, 1] > 0 and rec[0, 3] == 0, rec.tolist()
     _assert_close(t, clean, *att.magnitude(op))
 
@@ -731,7 +784,7 @@ def test_attention_faults_beyond_the_budget_are_reported(op, kind, B, H, L, dtyp
         t[at] = _fault(kind)(t[at].clone())
     res, excess = _residual(att, op)
     with _autocast(att.autocast):
-        rec = heads_repair_(t, res, excess, att.recompute(op), max_heads=MAX_HEADS)
+        rec = _repair(t, res, excess, att.recompute(op))
     assert rec[0, 0] == heads  # one flagged row per faulty matrix
     assert rec[0, 3] == (heads > MAX_HEADS), rec.tolist()
     if heads <= MAX_HEADS:
