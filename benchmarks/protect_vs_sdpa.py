@@ -215,6 +215,7 @@ def main() -> None:
     )
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--tag", default="", help="suffix of the result files (a focused rerun)")
     ARGS = ap.parse_args()
     limit = ARGS.compile_max_len or (128 if ARGS.device == "cpu" else max(ARGS.lengths))
     env = environment()
@@ -243,9 +244,9 @@ def _write(rows: list[dict], env: dict) -> None:
     cmd = "python benchmarks/protect_vs_sdpa.py " + " ".join(
         [f"--device {ARGS.device}", "--families", *ARGS.families, "--lengths",
          *map(str, ARGS.lengths), "--dtypes", *ARGS.dtypes, "--compile", *ARGS.compile,
-         f"--reps {ARGS.reps}"]
+         f"--reps {ARGS.reps}"] + ([f"--tag {ARGS.tag}"] if ARGS.tag else [])
     )  # fmt: skip
-    write("protect_vs_sdpa", {"environment": env, "args": vars(ARGS), "rows": rows},
+    write("protect_vs_sdpa" + (f"_{ARGS.tag}" if ARGS.tag else ""), {"environment": env, "args": vars(ARGS), "rows": rows},
           _markdown(rows, env, cmd))  # fmt: skip
 
 

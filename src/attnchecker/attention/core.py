@@ -180,7 +180,8 @@ def attend(
         return [*news, torch.matmul(new_probs, value[b, h])]
 
     if found:
-        rec = heads_repair_(targets, [r for _, r in found], chain, max_heads=heads)
+        with _ranged("heads_repair"):
+            rec = heads_repair_(targets, [r for _, r in found], chain, max_heads=heads)
         state.note(tuple(op for op, _ in found), rec)
     if not on("out"):
         state.commit()  # otherwise the output projection's check writes the layer's records

@@ -35,7 +35,10 @@ class Event:
     """What one op of one protected module found since the last drain. ``action``: corrected
     (0D / 1R / 1C rebuilt from the operands), recomputed (a 2D pattern, its rows or heads
     recomputed) or uncorrectable. ``count`` checks detected something; pattern, kind and step
-    describe them when ``count`` is 1 (with several, the step is their mean and the sizes sums)."""
+    describe them when ``count`` is 1 (with several, the step is their mean and the sizes sums).
+    Projections: rows are tokens, columns output features. Scores, probabilities and context are
+    checked by rows alone, which cannot tell an element from a row: ``n_rows`` = ``n_cols`` =
+    the flagged query rows, so their pattern is 0D (one row) or 2D (several)."""
 
     step: int
     module: str
