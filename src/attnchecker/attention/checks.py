@@ -151,7 +151,10 @@ def weight_sums(
     with torch.no_grad(), _no_autocast(weight.device):
         if conv1d:
             sums = weight.view(weight.shape[0], G, -1).sum(-1, dtype=f32)  # (K, G)
-            cols = torch.linalg.vector_norm(weight, dim=0, dtype=f32)  # (N,)
+            # (N,): a norm over dim 0 runs strided, 3x slower than w * w summed (and square()
+            # is pow, slower than mul, on CPU)
+            w32 = weight.to(f32)
+            cols = torch.mul(w32, w32).sum(0).sqrt_()
         else:
             sums = weight.view(G, -1, weight.shape[-1]).sum(1, dtype=f32).t()
             cols = torch.linalg.vector_norm(weight, dim=1, dtype=f32)
