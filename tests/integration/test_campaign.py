@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from attnchecker import cli
 from attnchecker.inject.campaign import (
     CampaignConfig,
+    _setup,
     load_trials,
     run_campaign,
     summarize,
@@ -107,3 +109,17 @@ def test_cli_takes_its_shard_from_torchrun_env(tmp_path, monkeypatch):
     assert cli.main(args) == 0
     assert [p.name for p in tmp_path.glob("trials*.jsonl")] == ["trials.rank1.jsonl"]
     assert [r["id"] for r in load_trials(tmp_path)] == [1]
+
+
+def test_a_second_campaign_in_one_process_gets_its_own_setup(tmp_path):
+    """Workers cache their model, batches and reference run: the cache is keyed on everything
+    that defines them, so a second campaign in the same process never reuses the first's."""
+    first = dataclasses.replace(CFG, sites=("q",), kinds=("nan",), trials=1)
+    second = dataclasses.replace(first, seq_len=16, lr=3e-3)
+    run_campaign(first, tmp_path / "a", progress=False)
+    run_campaign(second, tmp_path / "b", progress=False)
+    ref_a = {r["ref_final_loss"] for r in load_trials(tmp_path / "a")}
+    ref_b = {r["ref_final_loss"] for r in load_trials(tmp_path / "b")}
+    assert ref_a != ref_b
+    setup = _setup(second, "gpt2")
+    assert setup.batches[0]["input_ids"].shape == (second.batch, 16) and setup.lr == 3e-3

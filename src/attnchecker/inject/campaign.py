@@ -118,11 +118,15 @@ def load_trials(out: Path) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- workers
 
-_SETUPS: dict[str, Any] = {}
+_SETUPS: dict[tuple, Any] = {}
+_SETUP_FIELDS = ("size", "seed", "seq_len", "batch", "steps", "lr", "layer")
+"""What defines a worker's model, batches and reference run besides the family: its cache key
+(a second campaign in one process must never reuse the first one's setup)."""
 
 
 def _setup(cfg: CampaignConfig, family: str):
-    if family not in _SETUPS:
+    key = (family, *(getattr(cfg, f) for f in _SETUP_FIELDS))
+    if key not in _SETUPS:
         import torch
 
         from attnchecker.inject.trial import reference
@@ -138,8 +142,8 @@ def _setup(cfg: CampaignConfig, family: str):
             batches.append(
                 {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
             )
-        _SETUPS[family] = reference(family, model, batches, cfg.lr, cfg.layer)
-    return _SETUPS[family]
+        _SETUPS[key] = reference(family, model, batches, cfg.lr, cfg.layer)
+    return _SETUPS[key]
 
 
 def _run_one(args: tuple[CampaignConfig, dict[str, Any]]) -> dict[str, Any]:
