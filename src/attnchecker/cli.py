@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from attnchecker.models.tiny import FAMILIES
+
 __all__ = ["main"]
 
 
@@ -162,9 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="show extreme errors located and corrected")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random operands")
-    demo.add_argument(
-        "--family", default="gpt2", choices=["bert", "roberta", "gpt2", "gpt_neo", "llama"]
-    )
+    demo.add_argument("--family", default="gpt2", choices=FAMILIES)
     demo.add_argument("--out", default="runs/demo", help="where the training demo writes its runs")
     demo.add_argument("--steps", type=int, default=60, help="training demo steps (0: skip it)")
     demo.set_defaults(func=_demo)
@@ -195,9 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     camp.set_defaults(func=_campaign)
     tr = sub.add_parser("train", help="train a model, optionally protected, under faults")
     tr.add_argument("--out", required=True, help="run directory")
-    tr.add_argument(
-        "--family", default="gpt2", choices=["bert", "roberta", "gpt2", "gpt_neo", "llama"]
-    )
+    tr.add_argument("--family", default="gpt2", choices=FAMILIES)
     tr.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
     tr.add_argument("--task", default="lm", choices=["lm", "cls"])
     tr.add_argument("--steps", type=int, default=50)
@@ -221,9 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     lock = sdc_sub.add_parser("lockstep", help="level 1 (submodules), 2 (steps) or 3 (a period)")
     lock.add_argument("--level", type=int, choices=[1, 2, 3], default=1)
     lock.add_argument("--out", required=True)
-    lock.add_argument(
-        "--family", default="llama", choices=["bert", "roberta", "gpt2", "gpt_neo", "llama"]
-    )
+    lock.add_argument("--family", default="llama", choices=FAMILIES)
     lock.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
     lock.add_argument("--steps", type=int, default=20)
     lock.add_argument("--seed", type=int, default=0)
@@ -234,9 +230,7 @@ def _parser() -> argparse.ArgumentParser:
     lock.set_defaults(func=_sdc)
     rec = sdc_sub.add_parser("record", help="record per-step fingerprints of a short training")
     rec.add_argument("--out", required=True, help="JSONL file")
-    rec.add_argument(
-        "--family", default="llama", choices=["bert", "roberta", "gpt2", "gpt_neo", "llama"]
-    )
+    rec.add_argument("--family", default="llama", choices=FAMILIES)
     rec.add_argument("--steps", type=int, default=10)
     rec.add_argument("--seed", type=int, default=0)
     rec.add_argument("--data", nargs="+")
