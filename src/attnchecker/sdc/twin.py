@@ -190,7 +190,8 @@ def run_twin(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
     box = [summary]
     dist.broadcast_object_list(box, src=0)
     if owns:
-        dist.destroy_process_group()
+        dist.barrier()  # both ranks done with gloo before either tears it down (a rank that
+        dist.destroy_process_group()  # exits while the other still talks aborts in gloo)
     return box[0]
 
 
