@@ -149,8 +149,8 @@ class AttentionState:
         if x.dim() != 3 or any(y.dim() != 3 for _, _, y in group):
             return  # not the (B, L, K) hidden states of an attention call
         pairs = [(p, y) for p, _, y in group]
-        widths = {y.shape[-1] // p.groups for p, y in pairs}
-        if len(widths) > 1:  # head groups of different widths: one check per projection
+        layouts = {(y.shape[-1] // p.groups, p.conv1d) for p, y in pairs}
+        if len(layouts) > 1:  # groups of different widths or layouts: one check per projection
             for item in group:
                 self._check_group(x, [item])
             return
