@@ -26,7 +26,7 @@ import torch
 
 from _common import environment, write
 from attnchecker import protect_
-from attnchecker.models.tiny import build
+from attnchecker.models.tiny import TABLE, build
 from attnchecker.testing import count_ops
 
 ATTENTION = {"bert": "attention", "roberta": "attention", "gpt2": "attn", "gpt_neo": "attn",
@@ -49,7 +49,7 @@ def _models(family: str, L: int, device: str):
     base.config.use_cache = False
     base.train()
     sdpa = copy.deepcopy(base)
-    if family != "gpt_neo":
+    if TABLE[family].sdpa:
         sdpa.set_attn_implementation("sdpa")
     protected = copy.deepcopy(base)
     protect_(protected)

@@ -52,7 +52,7 @@ def test_contract_of_each_family(family):
 def test_unsupported_model_names_the_supported_families():
     cfg = transformers.DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, vocab_size=50)
     model = transformers.AutoModel.from_config(cfg)
-    with pytest.raises(UnsupportedModelError, match="bert, gpt2, gpt_neo, llama"):
+    with pytest.raises(UnsupportedModelError, match="bert, gemma2, gpt2, gpt_neo, llama"):
         protect_(model)
     with pytest.raises(UnsupportedModelError):
         protect_(nn.Linear(3, 3))
@@ -124,3 +124,17 @@ def test_summary_is_plain_data():
     s = handle.summary()
     assert s["steps"] == 1 and s["mode"] == "naive" and len(s["modules"]) == 2
     assert s["counters"]["scores"] == {"detected": 0, "corrected": 0, "uncorrectable": 0}
+
+
+def test_readme_lists_the_families_of_the_table():
+    """The README's list of supported families is the table's, so it cannot drift."""
+    from pathlib import Path
+
+    from attnchecker.models.registry import REGISTRY, _load_adapters
+    from attnchecker.models.tiny import TABLE
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    listed = readme.split("<!-- families -->")[1].split("<!-- /families -->")[0]
+    assert [f.strip() for f in listed.split(",")] == list(TABLE)
+    _load_adapters()
+    assert set(TABLE) <= set(REGISTRY)  # every family of the table has an adapter

@@ -11,11 +11,11 @@ import transformers
 
 from attnchecker import ABFTConfig, UnsupportedModelError, protect_
 from attnchecker.models.interface import _attention
-from attnchecker.models.tiny import build, family_config
+from attnchecker.models.tiny import TABLE, build, family_config
 
 from .helpers import KINDS, PATTERNS, SITES, fault_matrix, max_diff, train_step
 
-DECODERS = ("gpt2", "gpt_neo", "llama")
+DECODERS = tuple(f for f, fam in TABLE.items() if fam.decoder)
 _GREEDY = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
 
 
@@ -125,7 +125,7 @@ def test_unbound_modules_run_their_own_eager_math():
     assert torch.equal(got[0], want[0]) and max_diff(got[1], want[1]) == 0.0
 
 
-@pytest.mark.parametrize(("keyword", "value"), [("softcap", 30.0), ("s_aux", torch.zeros(4))])
+@pytest.mark.parametrize(("keyword", "value"), [("s_aux", torch.zeros(4)), ("new_option", 1.0)])
 def test_keywords_that_change_the_math_are_refused_by_name(keyword, value):
     model = build("llama")
     protect_(model)

@@ -6,7 +6,7 @@ here), and, given an :class:`~attnchecker.attention.state.AttentionState`, runs 
 and the checks between the steps:
 
     scores = q k^T            site "scores", rows checked against q . sum_j k_j
-    probs  = softmax(scores * scaling + mask)   site "probs", rows must sum to 1
+    probs  = softmax(cap(scores * scaling) + mask)   site "probs", rows must sum to 1
     mixed  = dropout(probs)   (training with dropout > 0: as F.dropout runs, its draw kept)
     context = mixed v         site "context", rows checked against mixed . sum_f v_f
 
@@ -75,12 +75,14 @@ def attend(
     state: AttentionState | None = None,
     causal: Tensor | None = None,
     upcast_reordered: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Eager attention of q (B, H, L, d), k and v (B, Hkv, Lk, d): returns (output, probs).
 
     ``causal`` is GPT-Neo's boolean (1, 1, L, Lk) mask applied with ``finfo.min`` before the
     attention mask; ``upcast_reordered`` is GPT-2's ``reorder_and_upcast_attn``: fp32 scores with
-    the scaling folded into the GEMM.
+    the scaling folded into the GEMM; ``softcap`` is Gemma 2's logit soft-capping,
+    softcap * tanh(z / softcap) of the scaled scores before the mask.
     """
     v_sums = None
     if state is not None:
@@ -109,12 +111,16 @@ def attend(
 
     def probs_of(
         scores: Tensor, b: Tensor | None = None, h: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """(softmax output, as autograd saves it; probabilities in the dtype the family
-        delivers): the same tensor unless the family converts."""
-        z = scores
+    ) -> tuple[list[Tensor], Tensor]:
+        """(what autograd saves between the scores and the probabilities: the soft-capping's
+        tanh output, the softmax output; the probabilities in the dtype the family delivers,
+        the softmax output itself unless the family converts)."""
+        z, saved = scores, []
         if spec.scale and not upcast_reordered:
             z = z * scaling
+        if softcap is not None:
+            t = torch.tanh(z / softcap)
+            z, saved = t * softcap, [t]
         if causal is not None:
             bias = causal if b is None else causal.expand(B, H, L, Lk)[b, h]
             z = torch.where(bias, z, torch.finfo(z.dtype).min)
@@ -122,9 +128,9 @@ def attend(
             z = z + (attention_mask if b is None else attention_mask.expand(B, H, L, Lk)[b, h])
         if spec.softmax_fp32:
             p = nn.functional.softmax(z, dim=-1, dtype=torch.float32)
-            return p, p.to(query.dtype)
+            return [*saved, p], p.to(query.dtype)
         p = nn.functional.softmax(z, dim=-1)
-        return p, (p.type(value.dtype) if spec.probs_to_value_dtype else p)
+        return [*saved, p], (p.type(value.dtype) if spec.probs_to_value_dtype else p)
 
     scores = scores_of()  # (B, H, L, Lk)
     if state is None:
@@ -144,9 +150,10 @@ def attend(
     if on("scores"):
         with _ranged("scores"):
             found.append(("scores", scores_residual(scores, query, key, alpha=alpha, scale=scale)))
-    saved, probs = probs_of(scores)  # (B, H, L, Lk)
+    saved, probs = probs_of(scores)  # [(B, H, L, Lk)...], (B, H, L, Lk)
     state.site("probs", probs)
-    targets = [saved] if saved is probs else [saved, probs]  # what the repair writes
+    converts = probs is not saved[-1]
+    targets = [*saved, probs] if converts else [*saved]  # what the repair writes
     ride = on("probs") and not dropping  # the probabilities' sums ride on the context GEMM
     if on("probs") and not ride:
         with _ranged("probs"):
@@ -173,7 +180,7 @@ def attend(
 
     def chain(b: Tensor, h: Tensor) -> list[Tensor]:
         new_saved, new_probs = probs_of(scores_of(b, h), b, h)
-        news = [new_saved] if saved is probs else [new_saved, new_probs]
+        news = [*new_saved, new_probs] if converts else new_saved
         if redo is not None:
             new_probs = redo(new_probs, b, h)
             news.append(new_probs)

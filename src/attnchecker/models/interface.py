@@ -46,9 +46,10 @@ KEYWORDS: dict[str, str] = {
     "return_dict": "model-level output option",
     "encoder_hidden_states": "consumed by the projections",
     "encoder_attention_mask": "consumed by the mask",
+    "softcap": "logit soft-capping (Gemma 2), implemented by the core as the eager math does it",
 }
-"""Keywords the checked core accepts. Anything else that is not None is refused by name: logit
-soft-capping (``softcap``), attention sinks (``s_aux``), and whatever transformers adds later."""
+"""Keywords the checked core accepts. Anything else that is not None is refused by name:
+attention sinks (``s_aux``), and whatever transformers adds later."""
 
 
 def _refuse(kwargs: dict[str, object]) -> None:
@@ -90,7 +91,7 @@ def _attention(
         if upcast:
             return module._upcast_and_reordered_attn(query, key, value, attention_mask)
         return _eager_of(module)(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     spec, state = bound
     if scaling is None:
@@ -106,6 +107,7 @@ def _attention(
         training=module.training,
         state=state,
         upcast_reordered=upcast,
+        softcap=kwargs.get("softcap"),
     )
 
 

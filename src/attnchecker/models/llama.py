@@ -1,11 +1,16 @@
-"""Llama-style decoders (llama, mistral, qwen2): ``q_proj``/``k_proj``/``v_proj``/``o_proj``,
+"""Llama-style decoders (llama, mistral, qwen2, qwen3, olmo2, gemma2): ``q_proj``/``k_proj``/
+``v_proj``/``o_proj``,
 rotary embeddings applied to Q and K after their projections, grouped K/V heads repeated
 ``num_key_value_groups`` times, softmax in fp32 cast back to the query dtype. Mistral's sliding
 window and Qwen2's projection biases change only the mask and the projections, which the
-common path already handles. Dispatches through ``AttentionInterface``.
+common path already handles; Qwen3's and OLMo 2's q_norm / k_norm sit between the projections
+and the scores like RoPE (below); Gemma 2 passes its ``query_pre_attn_scalar`` scaling and its
+logit soft-capping to the attention function, which the core implements exactly.
+Dispatches through ``AttentionInterface``.
 
-RoPE sits between the projections and the scores GEMM, so the projections are checked against
-their input X and the scores check takes the rotated Q and K as its operands.
+RoPE (and q_norm / k_norm) sit between the projections and the scores GEMM, so the projections
+are checked against their input X and the scores check takes the rotated, normalised Q and K as
+its operands; no bound is passed across them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ def _is_llama_attention(m: nn.Module) -> bool:
 @register
 class LlamaAdapter(Adapter):
     family = "llama"
-    model_types = ("llama", "mistral", "qwen2")
+    model_types = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2")
 
     def blocks(self, model: nn.Module) -> list[AttentionBlock]:
         spec = CoreSpec(softmax_fp32=True)
@@ -38,9 +43,12 @@ class LlamaAdapter(Adapter):
             layer = m.layer_idx if isinstance(getattr(m, "layer_idx", None), int) else i
             nh = m.q_proj.out_features // m.head_dim
             nkv = m.k_proj.out_features // m.head_dim
+            # q_norm / k_norm (Qwen3, OLMo 2) read Q and K as soon as they are projected: they
+            # are checked at once, not with V (which shares their input but comes later)
+            wait = not (hasattr(m, "q_norm") or hasattr(m, "k_norm"))
             projections = (
-                ProjectionSpec(("q",), m.q_proj, nh, last=False),
-                ProjectionSpec(("k",), m.k_proj, nkv, last=False),
+                ProjectionSpec(("q",), m.q_proj, nh, last=not wait),
+                ProjectionSpec(("k",), m.k_proj, nkv, last=not wait),
                 ProjectionSpec(("v",), m.v_proj, nkv),
                 ProjectionSpec(("out",), m.o_proj, nh),
             )

@@ -6,13 +6,72 @@ eager attention, which is the math the protected core reproduces.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-__all__ = ["FAMILIES", "build", "family_config"]
+__all__ = ["FAMILIES", "TABLE", "Family", "build", "family_config"]
 
-FAMILIES = ("bert", "roberta", "gpt2", "gpt_neo", "llama")
+
+@dataclass(frozen=True)
+class Family:
+    """One supported family as the tiny / small / base configs build it: its transformers config
+    class, the config keys of (hidden, layers, heads, positions), what else a size implies, and
+    how the family is trained and run by default."""
+
+    config: str  # transformers config class
+    keys: tuple[str, str, str, str] = (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
+    )  # fmt: skip
+    extra: Callable[[int, int, int, int], dict[str, Any]] = lambda h, nl, n, L: {}
+    decoder: bool = True  # causal LM (else masked LM)
+    sdpa: bool = True  # transformers has an SDPA path for it (the users' default)
+    ids: dict[str, int] = field(default_factory=dict)  # special tokens inside the tiny vocab
+    positions_extra: int = 0  # BERT-style position tables hold max_len + 2
+
+
+def _rotary(h: int, nl: int, n: int, L: int) -> dict[str, Any]:
+    """Llama-style decoders: SwiGLU 4x, grouped K/V heads (half), an explicit head_dim."""
+    return {"intermediate_size": 4 * h, "num_key_value_heads": max(1, n // 2), "head_dim": h // n}
+
+
+_TOKENS = {"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}
+
+TABLE: dict[str, Family] = {
+    "bert": Family("BertConfig", extra=lambda h, nl, n, L: {"intermediate_size": 4 * h},
+                   decoder=False, positions_extra=2),
+    "roberta": Family("RobertaConfig", extra=lambda h, nl, n, L: {"intermediate_size": 4 * h},
+                      decoder=False, ids=_TOKENS, positions_extra=2),
+    "gpt2": Family("GPT2Config", keys=("n_embd", "n_layer", "n_head", "n_positions")),
+    "gpt_neo": Family(
+        "GPTNeoConfig", keys=("hidden_size", "num_layers", "num_heads", "max_position_embeddings"),
+        extra=lambda h, nl, n, L: {
+            "attention_types": [[["global", "local"], nl // 2]]
+            + ([[["global"], 1]] if nl % 2 else []),
+            "window_size": max(4, L // 8),
+        },
+        sdpa=False,  # no SDPA path in transformers 5.x: eager is its default
+    ),
+    "llama": Family("LlamaConfig", extra=_rotary),
+    "mistral": Family("MistralConfig", extra=lambda h, nl, n, L: _rotary(h, nl, n, L)
+                      | {"sliding_window": max(4, L // 8)}, ids=_TOKENS),
+    "qwen2": Family("Qwen2Config", extra=_rotary),
+    "qwen3": Family("Qwen3Config", extra=_rotary),  # per-head q_norm / k_norm before RoPE
+    "olmo2": Family("Olmo2Config", extra=_rotary, ids=_TOKENS),  # q_norm / k_norm over heads
+    "gemma2": Family(  # logit soft-capping, query_pre_attn_scalar, local/global layers
+        "Gemma2Config",
+        extra=lambda h, nl, n, L: _rotary(h, nl, n, L)
+        | {"query_pre_attn_scalar": 2 * (h // n), "sliding_window": max(4, L // 8)},
+        sdpa=False,  # transformers: "sdpa does not support softcapping"
+        ids=_TOKENS,
+    ),
+}  # fmt: skip
+"""Every family protect_ is tested on: the CLI's choices, the campaigns' families and the
+parametrised tests come from here."""
+
+FAMILIES = tuple(TABLE)
 
 _SIZES = {  # hidden, layers, heads
     "tiny": (32, 2, 4),
@@ -33,52 +92,18 @@ def family_config(
     """A transformers config for ``family`` at ``size`` (tiny, small, base = hidden 768)."""
     import transformers as tf
 
-    if family not in FAMILIES:
+    if family not in TABLE:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     if size not in _SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(_SIZES)}")
+    fam = TABLE[family]
     hidden, default_layers, heads = _SIZES[size]
     layers = default_layers if layers is None else layers
-    common: dict[str, Any] = {"vocab_size": vocab_size}
-    if family in ("bert", "roberta"):
-        cls = tf.BertConfig if family == "bert" else tf.RobertaConfig
-        extra = (
-            {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2} if family == "roberta" else {}
-        )
-        cfg = cls(
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            intermediate_size=4 * hidden,
-            max_position_embeddings=max_len + 2,
-            **common,
-            **extra,
-        )
-    elif family == "gpt2":
-        cfg = tf.GPT2Config(
-            n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_len, **common
-        )
-    elif family == "gpt_neo":
-        cfg = tf.GPTNeoConfig(
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            max_position_embeddings=max_len,
-            attention_types=[[["global", "local"], layers // 2]]
-            + ([[["global"], 1]] if layers % 2 else []),
-            window_size=max(4, max_len // 8),
-            **common,
-        )
-    else:
-        cfg = tf.LlamaConfig(
-            hidden_size=hidden,
-            intermediate_size=4 * hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=max(1, heads // 2),
-            max_position_embeddings=max_len,
-            **common,
-        )
+    k_hidden, k_layers, k_heads, k_positions = fam.keys
+    kwargs = {k_hidden: hidden, k_layers: layers, k_heads: heads}
+    kwargs[k_positions] = max_len + fam.positions_extra
+    kwargs |= fam.extra(hidden, layers, heads, max_len) | fam.ids
+    cfg = getattr(tf, fam.config)(vocab_size=vocab_size, **kwargs)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
@@ -93,13 +118,14 @@ def build(
     import transformers as tf
 
     cfg = family_config(family, size, **overrides)
+    decoder = TABLE[family].decoder
     if task == "cls":
         cfg.num_labels = 2
-        if family in ("gpt2", "gpt_neo", "llama"):
+        if decoder and cfg.pad_token_id is None:
             cfg.pad_token_id = 0
         auto = tf.AutoModelForSequenceClassification
     elif task == "lm":
-        auto = tf.AutoModelForMaskedLM if family in ("bert", "roberta") else tf.AutoModelForCausalLM
+        auto = tf.AutoModelForCausalLM if decoder else tf.AutoModelForMaskedLM
     else:
         raise ValueError(f"task must be 'lm' or 'cls', got {task!r}")
     torch.manual_seed(seed)
