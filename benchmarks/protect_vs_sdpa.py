@@ -29,8 +29,7 @@ from attnchecker import protect_
 from attnchecker.models.tiny import TABLE, build
 from attnchecker.testing import count_ops
 
-ATTENTION = {"bert": "attention", "roberta": "attention", "gpt2": "attn", "gpt_neo": "attn",
-             "llama": "self_attn"}  # fmt: skip
+ATTENTION = ("self_attn", "attn", "attention")  # how transformers' layers name their attention
 
 
 def _sync(device: str) -> None:
@@ -98,10 +97,11 @@ def _attention_forward(models, inputs, family, device, dtype, reps):
     """Median ms of layer 0's attention module on inputs captured from a forward."""
     calls = {}
     for name, m in models.items():
-        layer0 = next(
-            x for n, x in m.named_modules() if n.endswith(".0") and hasattr(x, ATTENTION[family])
-        )
-        attn = getattr(layer0, ATTENTION[family])
+        layer0, attr = next(
+            (x, a) for n, x in m.named_modules() for a in ATTENTION
+            if n.endswith(".0") and isinstance(getattr(x, a, None), torch.nn.Module)
+        )  # fmt: skip
+        attn = getattr(layer0, attr)
         seen = {}
         h = attn.register_forward_pre_hook(
             lambda mod, a, k, seen=seen: seen.setdefault("call", (a, k)), with_kwargs=True
