@@ -32,6 +32,7 @@ CEILING = {  # extra ops per layer per training step: (all ops, launching ops)
     "qwen3": (470, 300),  # q_norm / k_norm: Q, K and V checked one by one
     "olmo2": (470, 300),
     "gemma2": (340, 222),
+    "phi3": (310, 190),
 }
 
 

@@ -106,6 +106,12 @@ class Projection:
     conv1d: bool
     sites: tuple[str, ...]
     groups: int  # head groups over the N outputs, a multiple of len(sites)
+    site_groups: tuple[int, ...] = ()  # groups of each site when not equal (Phi-3's Q|K|V, GQA)
+
+    @property
+    def per_site(self) -> tuple[int, ...]:
+        """Head groups of each site: equal parts unless ``site_groups`` says otherwise."""
+        return self.site_groups or (self.groups // len(self.sites),) * len(self.sites)
 
     def rows(self, x: Tensor) -> Tensor:
         """Output rows for input rows x (R, K), with the module's op (same dtype under autocast)."""
@@ -280,9 +286,9 @@ def projection_check_(
     x2 = x.reshape(T, K)
     f32 = torch.float32
     G = sum(p.groups for p in projs)
-    groups = tuple(p.groups // len(p.sites) for p in projs for _ in p.sites)  # per site
+    groups = tuple(g for p in projs for g in p.per_site)  # per site
     widths = tuple(
-        y.shape[-1] // len(p.sites) for p, y in zip(projs, ys, strict=True) for _ in p.sites
+        g * (y.shape[-1] // p.groups) for p, y in zip(projs, ys, strict=True) for g in p.per_site
     )
     weight, bias = _stacked(projs)
     ws = weight_sums(weight, bias, conv1d=projs[0].conv1d, groups=G, floor=floor)

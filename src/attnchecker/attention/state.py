@@ -185,8 +185,7 @@ class AttentionState:
         B, L = x.shape[:2]
         offset = 0
         for p, _ in pairs:
-            width = p.groups // len(p.sites)
-            for site in p.sites:
+            for site, width in zip(p.sites, p.per_site, strict=True):
                 if site == "v" and self.checks("v"):
                     cut = slice(offset, offset + width)
                     self.handoff = Handoff(

@@ -57,3 +57,35 @@ class LlamaAdapter(Adapter):
 
     def install(self, model: nn.Module, blocks: list[AttentionBlock]) -> Callable[[], None]:
         return install_interface(model)
+
+
+def _is_phi3_attention(m: nn.Module) -> bool:
+    return all(hasattr(m, a) for a in ("qkv_proj", "o_proj", "num_key_value_heads", "head_dim"))
+
+
+@register
+class Phi3Adapter(Adapter):
+    """Phi-3: the Llama math with one fused ``qkv_proj`` (Q | K | V of nh, nkv, nkv heads, sliced
+    by the module), checked as one projection of three sites of unequal widths."""
+
+    family = "phi3"
+    model_types = ("phi3",)
+
+    def blocks(self, model: nn.Module) -> list[AttentionBlock]:
+        spec = CoreSpec(softmax_fp32=True)
+        out = []
+        for i, (name, m) in enumerate(named(model, _is_phi3_attention)):
+            layer = m.layer_idx if isinstance(getattr(m, "layer_idx", None), int) else i
+            nh = m.o_proj.in_features // m.head_dim
+            nkv = m.num_key_value_heads
+            projections = (
+                ProjectionSpec(
+                    ("q", "k", "v"), m.qkv_proj, nh + 2 * nkv, site_groups=(nh, nkv, nkv)
+                ),
+                ProjectionSpec(("out",), m.o_proj, nh),
+            )
+            out.append(AttentionBlock(name, layer, m, projections, spec))
+        return out
+
+    def install(self, model: nn.Module, blocks: list[AttentionBlock]) -> Callable[[], None]:
+        return install_interface(model)

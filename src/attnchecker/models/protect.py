@@ -27,16 +27,17 @@ _HANDLE = "_attnchecker_handle"
 
 def _projection(spec: ProjectionSpec) -> Projection:
     m = spec.module
-    return Projection(m.weight, m.bias, spec.conv1d, spec.sites, spec.groups)
+    return Projection(m.weight, m.bias, spec.conv1d, spec.sites, spec.groups, spec.site_groups)
 
 
 def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..., None]:
     checked = any(state.checks(s) for s in spec.sites)
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
-        width = y.shape[-1] // len(spec.sites)
-        for i, site in enumerate(spec.sites):
-            state.site(site, y[..., i * width : (i + 1) * width])
+        start = 0
+        for site, width in zip(spec.sites, spec.widths(y.shape[-1]), strict=True):
+            state.site(site, y[..., start : start + width])
+            start += width
         if checked:
             state.defer(_projection(spec), args[0], y, last=spec.last)
 

@@ -40,6 +40,12 @@ class ProjectionSpec:
     groups: int
     conv1d: bool = False  # GPT-2's Conv1D: weight stored (in, out), y = addmm(b, x, W)
     last: bool = True  # the last projection of its input (V after Q and K): check them now
+    site_groups: tuple[int, ...] = ()  # groups of each site when not equal (fused Q|K|V + GQA)
+
+    def widths(self, n: int) -> list[int]:
+        """Output features of each site, of n in all."""
+        per = self.site_groups or (self.groups // len(self.sites),) * len(self.sites)
+        return [g * (n // self.groups) for g in per]
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ TABLE: dict[str, Family] = {
     "qwen2": Family("Qwen2Config", extra=_rotary),
     "qwen3": Family("Qwen3Config", extra=_rotary),  # per-head q_norm / k_norm before RoPE
     "olmo2": Family("Olmo2Config", extra=_rotary, ids=_TOKENS),  # q_norm / k_norm over heads
+    "phi3": Family("Phi3Config", extra=lambda h, nl, n, L: _rotary(h, nl, n, L)
+                   | {"partial_rotary_factor": 0.5}, ids=_TOKENS),  # fused qkv_proj
     "gemma2": Family(  # logit soft-capping, query_pre_attn_scalar, local/global layers
         "Gemma2Config",
         extra=lambda h, nl, n, L: _rotary(h, nl, n, L)

@@ -48,7 +48,20 @@ DTYPES = {
     "autocast": (torch.float32, True),
 }
 DATA = ("normal", "positive", "lognormal", "outlier", "constant")
-LAYOUTS = {"single": (("v",),), "fused": (("q", "k", "v"),), "separate": (("q",), ("k",), ("v",))}
+LAYOUTS = {
+    "single": (("v",),),
+    "fused": (("q", "k", "v"),),
+    "fused_gqa": (("q", "k", "v"),),  # Phi-3: Q | K | V of heads, heads / 2, heads / 2
+    "separate": (("q",), ("k",), ("v",)),
+}
+
+
+def _site_groups(layout: str, sites: tuple[str, ...], heads: int) -> tuple[int, ...]:
+    if layout == "fused_gqa":
+        return (heads, max(1, heads // 2), max(1, heads // 2))
+    return (heads,) * len(sites)
+
+
 KINDS = ("inf", "-inf", "nan", "1e10", "exp_flip", "random_large")
 EXTREME = ("inf", "-inf", "nan", "1e10", "exp_flip")
 PATTERNS = ("0D", "1R", "1C", "2D")
@@ -152,7 +165,7 @@ def _projections(
     dt, auto = DTYPES[dtype]
     x = _draw((B, L, K), data, g)
     w_data = "normal" if data == "outlier" else data
-    ws = [_draw((len(s) * heads * d, K), w_data, g) for s in LAYOUTS[layout]]
+    ws = [_draw((sum(_site_groups(layout, s, heads)) * d, K), w_data, g) for s in LAYOUTS[layout]]
     peak = max(float((x.float() @ w.float().T).abs().max()) for w in ws)
     s = math.sqrt(scale / peak) if peak > 0 else 1.0
     x = (x * s).to(dt)
@@ -171,7 +184,9 @@ def _projections(
                 y = y.view(B, L, -1)
             else:
                 y = F.linear(x, weight, b)
-        pairs.append((Projection(weight, b, conv1d, sites, len(sites) * heads), y))
+        groups = _site_groups(layout, sites, heads)
+        uneven = groups if len(set(groups)) > 1 else ()
+        pairs.append((Projection(weight, b, conv1d, sites, sum(groups), uneven), y))
     return Case(x, pairs, auto)
 
 
@@ -789,3 +804,21 @@ def test_attention_faults_beyond_the_budget_are_reported(op, kind, B, H, L, dtyp
     assert rec[0, 3] == (heads > MAX_HEADS), rec.tolist()
     if heads <= MAX_HEADS:
         _assert_close(t, clean, *att.magnitude(op))
+
+
+@pytest.mark.parametrize(("at", "site"), [(4 * 16 + 3, 1), (6 * 16 + 5, 2), (3 * 16, 0)])
+def test_fused_gqa_projection_reports_the_faulty_site(at, site):
+    """Phi-3's fused Q | K | V of 4, 2 and 2 heads: sites of unequal widths, told apart."""
+    case = _projections(
+        "fused_gqa", B=2, L=8, K=64, heads=4, d=16, conv1d=False, bias=False,
+        dtype="fp32", scale=1.0, data="normal", seed=5,
+    )  # fmt: skip
+    y = case.pairs[0][1]
+    assert y.shape[-1] == (4 + 2 + 2) * 16
+    clean = y.clone()
+    y[1, 2, at] = math.nan
+    rec, _, _ = _check(case)
+    want = [0, 0, 0]
+    want[site] = 1
+    assert rec[:, 0].tolist() == want and (rec[:, 3] == 0).all(), rec.tolist()
+    _assert_close(y, clean, case.magnitudes()[0], inner=65)
