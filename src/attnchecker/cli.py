@@ -101,7 +101,8 @@ def _train(args: argparse.Namespace) -> int:
         kinds = ("inf", "nan", "near_inf", "exponent_flip")
         faults = FaultPlan.sample(n, args.seed, kinds=kinds, steps=tuple(range(1, args.steps + 1)))
     cfg = TrainConfig(
-        family=args.family, size=args.size, task=args.task, steps=args.steps, batch=args.batch,
+        family=args.family, model=args.model, size=args.size, task=args.task, steps=args.steps,
+        batch=args.batch,
         seq_len=args.seq_len, lr=args.lr, seed=args.seed, protect=args.protect,
         abft=ABFTConfig(policy=args.policy) if args.protect else None, recovery=args.recovery,
         checkpoint_every=args.checkpoint_every, bf16=args.bf16, warmup=args.warmup,
@@ -196,6 +197,12 @@ def _parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a model, optionally protected, under faults")
     tr.add_argument("--out", required=True, help="run directory")
     tr.add_argument("--family", default="gpt2", choices=FAMILIES)
+    tr.add_argument(
+        "--model",
+        metavar="CONFIG_OR_DIR",
+        help="your own model: a transformers config.json or a directory with one (randomly "
+        "initialised, nothing downloaded); used instead of --family/--size",
+    )
     tr.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
     tr.add_argument("--task", default="lm", choices=["lm", "cls"])
     tr.add_argument("--steps", type=int, default=50)

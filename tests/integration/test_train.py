@@ -189,3 +189,29 @@ def test_cli_train_with_a_fault_plan_file(tmp_path, data):
     assert cli.main(["report", str(tmp_path / "run")]) == 0
     assert "faults_corrected" in (tmp_path / "run" / "report.html").read_text()
     assert cli.main(["report", str(tmp_path)]) == 2
+
+
+def test_cli_train_on_the_users_own_config(tmp_path, data):
+    """`attnchecker train --model DIR`: a model of the user's own config (here a small Qwen3,
+    saved as transformers saves configs), randomly initialised, protected, a fault corrected."""
+    import transformers
+
+    from attnchecker import cli
+    from attnchecker.errors import ConfigError
+    from attnchecker.models.tiny import from_file
+
+    transformers.Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8,
+    ).save_pretrained(tmp_path / "mine")  # fmt: skip
+    plan = FaultPlan.builder().at(2).site("scores", layer=1).kind("nan").add().build()
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    args = ["train", "--out", str(tmp_path / "run"), "--model", str(tmp_path / "mine")]
+    args += ["--steps", "3", "--batch", "2", "--seq-len", "32", "--data", *data, "--protect"]
+    assert cli.main([*args, "--faults", str(tmp_path / "plan.json")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["faults_injected"] == summary["faults_corrected"] == 1
+    model = from_file(str(tmp_path / "mine" / "config.json"), vocab_size=300)
+    assert model.config.model_type == "qwen3" and model.get_input_embeddings().num_embeddings == 300
+    with pytest.raises(ConfigError, match="cannot read"):
+        from_file(str(tmp_path / "missing.json"))

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["FAMILIES", "TABLE", "Family", "build", "family_config"]
+__all__ = ["FAMILIES", "TABLE", "Family", "build", "family_config", "from_file"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,45 @@ def family_config(
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def from_file(path: str, *, task: str = "lm", seed: int = 0, **overrides: Any) -> nn.Module:
+    """A randomly initialised model from the user's own transformers config: a ``config.json``
+    or a directory holding one (nothing is downloaded), in eager attention; ``overrides`` are
+    set on the config (the training loop sets its tokenizer's vocabulary size; special token ids
+    beyond it are dropped)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import transformers as tf
+
+    from attnchecker.errors import ConfigError
+
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read a transformers config from {path}: {e}") from None
+    if "model_type" not in raw:
+        raise ConfigError(f"{file} has no model_type: not a transformers config")
+    cfg = tf.AutoConfig.for_model(**raw)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids of the original vocabulary
+        if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= cfg.vocab_size:
+            setattr(cfg, k, None)  # beyond a smaller training vocabulary: unused here
+    decoder = TABLE[cfg.model_type].decoder if cfg.model_type in TABLE else True
+    if task == "cls":
+        cfg.num_labels = 2
+        if cfg.pad_token_id is None:
+            cfg.pad_token_id = 0
+        auto = tf.AutoModelForSequenceClassification
+    else:
+        auto = tf.AutoModelForCausalLM if decoder else tf.AutoModelForMaskedLM
+    torch.manual_seed(seed)
+    return auto.from_config(cfg, attn_implementation="eager")
 
 
 def build(

@@ -41,6 +41,7 @@ __all__ = ["TrainConfig", "train"]
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     family: str = "gpt2"
+    model: str | None = None  # the user's config.json (or a directory with one): used over family
     size: str = "tiny"
     task: str = "lm"  # lm: causal LM (decoders) / masked LM (BERT, RoBERTa); cls: tragedy or not
     steps: int = 50
@@ -86,7 +87,7 @@ def train(
 
     from attnchecker.inject.injector import Injector
     from attnchecker.models.protect import protect_
-    from attnchecker.models.tiny import build
+    from attnchecker.models.tiny import build, from_file
     from attnchecker.recovery.checkpoint import NonTrainableDetector, save_weights
     from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
 
@@ -100,14 +101,17 @@ def train(
     corpus = load_corpus(list(cfg.data) if cfg.data else None)
     blocks = TokenBlocks.build(corpus, tokenizer_for(corpus, cfg.vocab_size), cfg.seq_len)
     tragedy = blocks.label_names.index("tragedies") if "tragedies" in blocks.label_names else -1
-    model = build(
-        cfg.family,
-        cfg.size,
-        task=cfg.task,
-        seed=cfg.seed,
-        vocab_size=blocks.vocab_size,
-        max_len=cfg.seq_len,
-    )
+    if cfg.model is not None:
+        model = from_file(cfg.model, task=cfg.task, seed=cfg.seed, vocab_size=blocks.vocab_size)
+    else:
+        model = build(
+            cfg.family,
+            cfg.size,
+            task=cfg.task,
+            seed=cfg.seed,
+            vocab_size=blocks.vocab_size,
+            max_len=cfg.seq_len,
+        )
     model.config.use_cache = False
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
