@@ -306,6 +306,14 @@ def sensitivity(dtype: torch.dtype, trials: int, seed: int) -> dict[str, object]
 # --------------------------------------------------------------------------------------- main
 
 
+def _table(cell, by_dtype: dict[str, dict[str, dict]]) -> list[str]:
+    """A markdown table, a row per check and a column per dtype, of ``cell(by_dtype[d][c])``."""
+    lines = ["| check | " + " | ".join(DTYPES) + " |", "|---|" + "---|" * len(DTYPES)]
+    for check in CHECKS:
+        lines.append(f"| {check} | " + " | ".join(cell(by_dtype[d][check]) for d in DTYPES) + " |")
+    return lines
+
+
 def _g(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
@@ -347,15 +355,11 @@ def main() -> None:
         "BERT / Llama layouts, data normal / positive / log-normal / outlier features, "
         "magnitudes 1e-3 .. 1e4). Flagged checks / checks (flagged rows / checked rows).",
         "",
-        "| check | " + " | ".join(DTYPES) + " |",
-        "|---|" + "---|" * len(DTYPES),
+        *_table(
+            lambda f: f"{f['flagged']} / {f['checks']} ({f['flagged_rows']} / {f['rows']})",
+            {n: fa[n]["checks"] for n in DTYPES},
+        ),
     ]
-    for check in CHECKS:
-        cells = []
-        for name in DTYPES:
-            f = fa[name]["checks"][check]
-            cells.append(f"{f['flagged']} / {f['checks']} ({f['flagged_rows']} / {f['rows']})")
-        lines.append(f"| {check} | " + " | ".join(cells) + " |")
     notes = [
         f"- {name} {check}: {f['flagged']} flagged, {f['flagged_nonfinite']} of them with a "
         "residual that is not finite; smallest magnitude (max |x W^T|) of a flagged case "
@@ -380,16 +384,11 @@ def main() -> None:
         "token's head group for the projection, a query row of a head for attention). The "
         "smallest r from which 100% of the faulty rows are flagged (50% point in brackets).",
         "",
-        "| check | " + " | ".join(DTYPES) + " |",
-        "|---|" + "---|" * len(DTYPES),
+        *_table(
+            lambda s: f"{_g(s['always_detected_rel_l1'])} ({_g(s['half_detected_rel_l1'])})",
+            sens,
+        ),
     ]
-    for check in CHECKS:
-        cells = [
-            f"{_g(sens[n][check]['always_detected_rel_l1'])} "
-            f"({_g(sens[n][check]['half_detected_rel_l1'])})"
-            for n in DTYPES
-        ]
-        lines.append(f"| {check} | " + " | ".join(cells) + " |")
     write(
         "check_sensitivity",
         {

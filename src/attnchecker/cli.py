@@ -102,8 +102,7 @@ def _train(args: argparse.Namespace) -> int:
         faults = FaultPlan.sample(n, args.seed, kinds=kinds, steps=tuple(range(1, args.steps + 1)))
     cfg = TrainConfig(
         family=args.family, model=args.model, size=args.size, task=args.task, steps=args.steps,
-        batch=args.batch,
-        seq_len=args.seq_len, lr=args.lr, seed=args.seed, protect=args.protect,
+        batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed, protect=args.protect,
         abft=ABFTConfig(policy=args.policy) if args.protect else None, recovery=args.recovery,
         checkpoint_every=args.checkpoint_every, bf16=args.bf16, warmup=args.warmup,
         data=tuple(args.data) if args.data else None,

@@ -160,6 +160,21 @@ def fault_matrix(
     return failures
 
 
+def bf16_q_row_fault(faulty: nn.Module, ref: nn.Module, inputs: dict[str, Tensor], device: str):
+    """A NaN token row in Q of layer 1 under bf16 autocast: (protected faulty step, fault-free
+    step, the faulty model's events); a corrected step matches to bf16 precision."""
+    from attnchecker import protect_
+
+    h = protect_(faulty)
+    h.attach(
+        lambda c: c.tensor[1, 3].fill_(float("nan")) if c.site == "q" and c.layer == 1 else None
+    )
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = train_step(faulty, inputs)
+        want = train_step(ref, inputs)
+    return got, want, h.drain()
+
+
 def sync_counts(model, inputs) -> dict[str, int]:
     """Host-synchronising aten ops of one forward + backward (attnchecker.testing)."""
     from attnchecker.testing import count_ops

@@ -26,6 +26,7 @@ from .helpers import (
     PATTERNS,
     SITES,
     batch,
+    bf16_q_row_fault,
     fault_matrix,
     max_diff,
     models,
@@ -106,17 +107,10 @@ def test_no_grad_inference_is_unchanged_on_cuda(family):
 def test_bf16_fault_is_corrected_on_cuda(family):
     """As the CPU bf16 test: a NaN token row in Q under autocast is corrected to bf16 precision."""
     faulty, ref = cuda_models(family)
-    inputs = cuda_batch(family)
-    h = protect_(faulty)
-    h.attach(
-        lambda c: c.tensor[1, 3].fill_(float("nan")) if c.site == "q" and c.layer == 1 else None
-    )
-    with _autocast(True):
-        got = train_step(faulty, inputs)
-        want = train_step(ref, inputs)
+    got, want, events = bf16_q_row_fault(faulty, ref, cuda_batch(family), "cuda")
     assert torch.allclose(got[0], want[0], rtol=1e-2)
     assert max_diff(got[1], want[1]) <= 1e-2
-    assert [e.action for e in h.drain()] == ["corrected"]
+    assert [e.action for e in events] == ["corrected"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

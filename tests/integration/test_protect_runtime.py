@@ -10,7 +10,7 @@ import torch
 from attnchecker import protect_
 from attnchecker.models.tiny import FAMILIES, build
 
-from .helpers import KINDS, batch, max_diff, models, sync_counts, train_step
+from .helpers import KINDS, batch, bf16_q_row_fault, max_diff, models, sync_counts, train_step
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -62,17 +62,10 @@ def test_bf16_autocast_clean_and_faulty(family):
     assert handle.drain() == []
 
     # and a fault under autocast is corrected to bf16 precision
-    faulty, ref = copy.deepcopy(plain), copy.deepcopy(plain)
-    h = protect_(faulty)
-    h.attach(
-        lambda c: c.tensor[1, 3].fill_(float("nan")) if c.site == "q" and c.layer == 1 else None
-    )
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = train_step(faulty, inputs)
-        want = train_step(ref, inputs)
+    got, want, events = bf16_q_row_fault(copy.deepcopy(plain), copy.deepcopy(plain), inputs, "cpu")
     assert torch.allclose(got[0], want[0], rtol=1e-2)
     assert max_diff(got[1], want[1]) <= 1e-2
-    assert [e.action for e in h.drain()] == ["corrected"]
+    assert [e.action for e in events] == ["corrected"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

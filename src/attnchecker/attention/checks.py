@@ -113,6 +113,10 @@ class Projection:
         """Head groups of each site: equal parts unless ``site_groups`` says otherwise."""
         return self.site_groups or (self.groups // len(self.sites),) * len(self.sites)
 
+    def site_widths(self, n: int) -> tuple[int, ...]:
+        """Output features of each site, of the n outputs."""
+        return tuple(g * (n // self.groups) for g in self.per_site)
+
     def rows(self, x: Tensor) -> Tensor:
         """Output rows for input rows x (R, K), with the module's op (same dtype under autocast)."""
         if self.conv1d:
@@ -287,9 +291,7 @@ def projection_check_(
     f32 = torch.float32
     G = sum(p.groups for p in projs)
     groups = tuple(g for p in projs for g in p.per_site)  # per site
-    widths = tuple(
-        g * (y.shape[-1] // p.groups) for p, y in zip(projs, ys, strict=True) for g in p.per_site
-    )
+    widths = tuple(w for p, y in zip(projs, ys, strict=True) for w in p.site_widths(y.shape[-1]))
     weight, bias = _stacked(projs)
     ws = weight_sums(weight, bias, conv1d=projs[0].conv1d, groups=G, floor=floor)
     cat = (lambda ts, dim: ts[0]) if len(ys) == 1 else torch.cat

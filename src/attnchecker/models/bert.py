@@ -14,7 +14,14 @@ from torch import nn
 
 from attnchecker.attention.core import CoreSpec
 from attnchecker.models.interface import install_interface
-from attnchecker.models.registry import Adapter, AttentionBlock, ProjectionSpec, named, register
+from attnchecker.models.registry import (
+    Adapter,
+    AttentionBlock,
+    ProjectionSpec,
+    layer_index,
+    named,
+    register,
+)
 
 SPEC = CoreSpec()
 
@@ -35,7 +42,7 @@ class BertAdapter(Adapter):
         out = []
         for i, (name, m) in enumerate(named(model, _is_self_attention_block)):
             sa, nh = m.self, m.self.num_attention_heads
-            layer = sa.layer_idx if isinstance(getattr(sa, "layer_idx", None), int) else i
+            layer = layer_index(sa, i)
             projections = (
                 ProjectionSpec(("q",), sa.query, nh, last=False),
                 ProjectionSpec(("k",), sa.key, nh, last=False),

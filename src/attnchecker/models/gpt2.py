@@ -14,7 +14,14 @@ from torch import nn
 
 from attnchecker.attention.core import CoreSpec
 from attnchecker.models.interface import install_interface
-from attnchecker.models.registry import Adapter, AttentionBlock, ProjectionSpec, named, register
+from attnchecker.models.registry import (
+    Adapter,
+    AttentionBlock,
+    ProjectionSpec,
+    layer_index,
+    named,
+    register,
+)
 
 SPEC = CoreSpec(probs_to_value_dtype=True, contiguous_out=False)
 
@@ -31,7 +38,7 @@ class GPT2Adapter(Adapter):
     def blocks(self, model: nn.Module) -> list[AttentionBlock]:
         out = []
         for i, (name, m) in enumerate(named(model, _is_gpt2_attention)):
-            layer = m.layer_idx if isinstance(getattr(m, "layer_idx", None), int) else i
+            layer = layer_index(m, i)
             nh = m.num_heads
             if getattr(m, "is_cross_attention", False):  # Q from the decoder, K|V from the encoder
                 qkv = (

@@ -21,7 +21,14 @@ from torch import nn
 
 from attnchecker.attention.core import CoreSpec
 from attnchecker.models.interface import install_interface
-from attnchecker.models.registry import Adapter, AttentionBlock, ProjectionSpec, named, register
+from attnchecker.models.registry import (
+    Adapter,
+    AttentionBlock,
+    ProjectionSpec,
+    layer_index,
+    named,
+    register,
+)
 
 
 def _is_llama_attention(m: nn.Module) -> bool:
@@ -40,7 +47,7 @@ class LlamaAdapter(Adapter):
         spec = CoreSpec(softmax_fp32=True)
         out = []
         for i, (name, m) in enumerate(named(model, _is_llama_attention)):
-            layer = m.layer_idx if isinstance(getattr(m, "layer_idx", None), int) else i
+            layer = layer_index(m, i)
             nh = m.q_proj.out_features // m.head_dim
             nkv = m.k_proj.out_features // m.head_dim
             # q_norm / k_norm (Qwen3, OLMo 2) read Q and K as soon as they are projected: they
@@ -75,7 +82,7 @@ class Phi3Adapter(Adapter):
         spec = CoreSpec(softmax_fp32=True)
         out = []
         for i, (name, m) in enumerate(named(model, _is_phi3_attention)):
-            layer = m.layer_idx if isinstance(getattr(m, "layer_idx", None), int) else i
+            layer = layer_index(m, i)
             nh = m.o_proj.in_features // m.head_dim
             nkv = m.num_key_value_heads
             projections = (

@@ -34,12 +34,12 @@ def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..
     checked = any(state.checks(s) for s in spec.sites)
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
-        start = 0
-        for site, width in zip(spec.sites, spec.widths(y.shape[-1]), strict=True):
+        proj, start = _projection(spec), 0
+        for site, width in zip(spec.sites, proj.site_widths(y.shape[-1]), strict=True):
             state.site(site, y[..., start : start + width])
             start += width
         if checked:
-            state.defer(_projection(spec), args[0], y, last=spec.last)
+            state.defer(proj, args[0], y, last=spec.last)
 
     return hook
 

@@ -24,6 +24,7 @@ __all__ = [
     "AttentionBlock",
     "ProjectionSpec",
     "adapter_for",
+    "layer_index",
     "register",
 ]
 
@@ -41,11 +42,6 @@ class ProjectionSpec:
     conv1d: bool = False  # GPT-2's Conv1D: weight stored (in, out), y = addmm(b, x, W)
     last: bool = True  # the last projection of its input (V after Q and K): check them now
     site_groups: tuple[int, ...] = ()  # groups of each site when not equal (fused Q|K|V + GQA)
-
-    def widths(self, n: int) -> list[int]:
-        """Output features of each site, of n in all."""
-        per = self.site_groups or (self.groups // len(self.sites),) * len(self.sites)
-        return [g * (n // self.groups) for g in per]
 
 
 @dataclass(frozen=True)
@@ -96,6 +92,13 @@ def adapter_for(model: nn.Module) -> Adapter:
             f"no attnchecker adapter for model_type {model_type!r}; supported: {supported}"
         )
     return REGISTRY[model_type]
+
+
+def layer_index(module: nn.Module, position: int) -> int:
+    """The module's own ``layer_idx`` when it has one, else its position among the model's
+    attention modules."""
+    idx = getattr(module, "layer_idx", None)
+    return idx if isinstance(idx, int) else position
 
 
 def named(model: nn.Module, predicate: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:

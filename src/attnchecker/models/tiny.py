@@ -119,7 +119,6 @@ def from_file(path: str, *, task: str = "lm", seed: int = 0, **overrides: Any) -
     import json
     from pathlib import Path
 
-    import torch
     import transformers as tf
 
     from attnchecker.errors import ConfigError
@@ -139,15 +138,7 @@ def from_file(path: str, *, task: str = "lm", seed: int = 0, **overrides: Any) -
         if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= cfg.vocab_size:
             setattr(cfg, k, None)  # beyond a smaller training vocabulary: unused here
     decoder = TABLE[cfg.model_type].decoder if cfg.model_type in TABLE else True
-    if task == "cls":
-        cfg.num_labels = 2
-        if cfg.pad_token_id is None:
-            cfg.pad_token_id = 0
-        auto = tf.AutoModelForSequenceClassification
-    else:
-        auto = tf.AutoModelForCausalLM if decoder else tf.AutoModelForMaskedLM
-    torch.manual_seed(seed)
-    return auto.from_config(cfg, attn_implementation="eager")
+    return _instantiate(cfg, decoder=decoder, task=task, seed=seed)
 
 
 def build(
@@ -155,11 +146,16 @@ def build(
 ) -> nn.Module:
     """A randomly initialised model: masked LM for BERT/RoBERTa, causal LM for decoders
     (``task="lm"``), or sequence classification with 2 labels (``task="cls"``)."""
+    cfg = family_config(family, size, **overrides)
+    return _instantiate(cfg, decoder=TABLE[family].decoder, task=task, seed=seed)
+
+
+def _instantiate(cfg, *, decoder: bool, task: str, seed: int) -> nn.Module:
+    """The randomly initialised model of ``cfg`` for ``task``, in eager attention: causal or
+    masked LM (``"lm"``), or sequence classification with 2 labels (``"cls"``)."""
     import torch
     import transformers as tf
 
-    cfg = family_config(family, size, **overrides)
-    decoder = TABLE[family].decoder
     if task == "cls":
         cfg.num_labels = 2
         if decoder and cfg.pad_token_id is None:

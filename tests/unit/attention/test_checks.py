@@ -352,16 +352,17 @@ attention_shapes = {
     "softmax_fp32": st.booleans(),
     "upcast": st.booleans(),
 }
-
-
-@CLEAN
-@pytest.mark.parametrize("dtype", DTYPES)
-@given(
+clean_attention = given(
     **attention_shapes,
     data=st.sampled_from(DATA),
     log_scale=st.floats(-3, 4),
     seed=st.integers(0, 2**31),
-)
+)  # real softmax attention of any shape, data family and magnitude 1e-3 .. 1e4
+
+
+@CLEAN
+@pytest.mark.parametrize("dtype", DTYPES)
+@clean_attention
 def test_clean_attention_is_never_flagged(dtype, data, log_scale, seed, **shape):
     att = _attention(dtype=dtype, scale=10**log_scale, data=data, seed=seed, **shape)
     for op, (res, excess) in att.residuals().items():
@@ -378,12 +379,7 @@ def test_clean_attention_is_never_flagged(dtype, data, log_scale, seed, **shape)
 
 @CLEAN
 @pytest.mark.parametrize("dtype", DTYPES)
-@given(
-    **attention_shapes,
-    data=st.sampled_from(DATA),
-    log_scale=st.floats(-3, 4),
-    seed=st.integers(0, 2**31),
-)
+@clean_attention
 def test_probs_sums_riding_on_the_context_gemm(dtype, data, log_scale, seed, **shape):
     """Without dropout the probabilities' row sums come from the context's reference GEMM:
     never flagged on clean data, and a probability that no longer sums to 1 is flagged."""
