@@ -26,7 +26,8 @@ import torch
 
 from _common import environment, write
 from attnchecker import protect_
-from attnchecker.models.tiny import TABLE, build
+from attnchecker.models.families import TABLE
+from attnchecker.models.tiny import build
 from attnchecker.testing import count_ops
 
 ATTENTION = ("self_attn", "attn", "attention")  # how transformers' layers name their attention

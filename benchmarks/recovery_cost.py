@@ -22,7 +22,8 @@ import torch
 
 from _common import alternate, environment, median_ms, write
 from attnchecker import protect_
-from attnchecker.models.tiny import FAMILIES, build
+from attnchecker.models.families import FAMILIES
+from attnchecker.models.tiny import build
 from attnchecker.recovery import CheckpointManager
 
 

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from attnchecker.models.tiny import FAMILIES
+from attnchecker.models.families import FAMILIES
 
 __all__ = ["main"]
 
@@ -173,7 +173,15 @@ def _parser() -> argparse.ArgumentParser:
 
     camp = sub.add_parser("campaign", help="fault-injection campaign: trials, rates, report")
     camp.add_argument("--out", required=True, help="run directory (resumes if it has trials)")
-    camp.add_argument("--families", nargs="+", default=["bert", "roberta", "gpt2", "gpt_neo"])
+    from attnchecker.inject.campaign import CampaignConfig
+
+    camp.add_argument(
+        "--families",
+        nargs="+",
+        default=list(CampaignConfig.families),
+        help=f"model types of the family table (default: ATTNChecker's four); any of "
+        f"{', '.join(FAMILIES)}",
+    )
     camp.add_argument("--sites", nargs="+", default=list(OPS))
     camp.add_argument(
         "--kinds",

@@ -50,6 +50,17 @@ def batch(family: str, B: int = 2, L: int = 16, seed: int = 0) -> dict[str, Tens
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
 
 
+def attention_layers(model: nn.Module) -> list[int]:
+    """The layer index of every attention module of a tiny model, in module order: one per
+    layer; a sequence-to-sequence model's encoder layers, then self- and cross-attention of
+    each decoder layer."""
+    c = model.config
+    if c.is_encoder_decoder:
+        dec = [i for i in range(c.decoder_layers) for _ in (0, 1)]
+        return list(range(c.encoder_layers)) + dec
+    return list(range(c.num_hidden_layers))
+
+
 def train_step(model: nn.Module, inputs: dict[str, Tensor], *, lr: float = 1e-3):
     """One AdamW step from fresh optimizer state: (loss, grads, params after the step)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

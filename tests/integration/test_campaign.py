@@ -89,6 +89,17 @@ def test_cli_campaign_and_report(tmp_path):
     assert cli.main(["report", str(tmp_path)]) == 0
 
 
+def test_cli_campaign_runs_the_new_families(tmp_path):
+    """Any model type of the family table: an encoder-decoder and a q_norm / k_norm decoder."""
+    args = ["campaign", "--out", str(tmp_path), "--families", "bart", "qwen3", "--sites", "k",
+            "--kinds", "nan", "--steps", "1"]  # fmt: skip
+    assert cli.main(args) == 0
+    rows = {r["family"]: r for r in load_trials(tmp_path)}
+    for family in ("bart", "qwen3"):
+        assert rows[family]["protected"]["outcome"] == "masked"
+        assert rows[family]["unprotected"]["outcome"] == "non_trainable"
+
+
 def test_cli_takes_its_shard_from_torchrun_env(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from attnchecker import protect_
-from attnchecker.models.tiny import FAMILIES, build
+from attnchecker.models.families import FAMILIES
+from attnchecker.models.tiny import build
 
 from .helpers import (
     KINDS,

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from attnchecker import ABFTConfig, protect_, unprotect_
-from attnchecker.models.tiny import FAMILIES, build
+from attnchecker.models.families import FAMILIES
+from attnchecker.models.tiny import build
 
-from .helpers import batch, max_diff, models, train_step
+from .helpers import attention_layers, batch, max_diff, models, train_step
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -44,7 +45,7 @@ def test_state_dict_unchanged_and_unprotect_restores(family):
     handle = protect_(model)
     assert list(model.state_dict()) == list(before)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
-    assert len(handle.modules) == model.config.num_hidden_layers
+    assert len(handle.modules) == len(attention_layers(model))
     unprotect_(model)
     assert model.config._attn_implementation == impl
     for m in model.modules():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from attnchecker import ABFTConfig, protect_
-from attnchecker.models.tiny import FAMILIES
+from attnchecker.models.families import FAMILIES
 
 from .helpers import KINDS, PATTERNS, SITES, batch, fault_matrix, fire_once, models, train_step
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from attnchecker import protect_
-from attnchecker.models.tiny import FAMILIES, build
+from attnchecker.models.families import FAMILIES
+from attnchecker.models.tiny import build
 
 from .helpers import KINDS, batch, bf16_q_row_fault, max_diff, models, sync_counts, train_step
 

@@ -10,13 +10,14 @@ import torch
 import transformers
 
 from attnchecker import ABFTConfig, UnsupportedModelError, protect_
+from attnchecker.models.families import TABLE
 from attnchecker.models.interface import _attention
-from attnchecker.models.tiny import TABLE, build, family_config
+from attnchecker.models.tiny import build, family_config
 
-from .helpers import KINDS, PATTERNS, SITES, fault_matrix, max_diff, train_step
+from .helpers import KINDS, PATTERNS, SITES, batch, fault_matrix, max_diff, models, train_step
 
-DECODERS = tuple(f for f, fam in TABLE.items() if fam.decoder)
-_GREEDY = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+DECODERS = tuple(f for f, fam in TABLE.items() if fam.generates)
+_GREEDY = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
 
 
 def _prompt(B: int = 2, L: int = 9) -> dict[str, torch.Tensor]:
@@ -110,6 +111,18 @@ def test_faults_in_cross_attention_are_corrected(family):
         base, _cross_inputs(), train_step, module=module, layer=None,
         kinds=("inf", "nan", "1e10"), sites=SITES, patterns=PATTERNS,
     )  # fmt: skip
+    assert not failures, failures[:5]
+
+
+def test_faults_in_bart_cross_attention_are_corrected():
+    """BART's decoder cross-attention (Q from the decoder, K and V from the encoder output,
+    K|V projected by two Linear of one input): every op, every pattern."""
+    base, _ = models("bart")
+    module = "model.decoder.layers.0.encoder_attn"
+    assert module in protect_(copy.deepcopy(base)).modules
+    failures = fault_matrix(
+        base, batch("bart"), train_step, module=module, layer=None, kinds=("inf", "nan", "1e10")
+    )
     assert not failures, failures[:5]
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from attnchecker import cli
-from attnchecker.models.tiny import FAMILIES, build
+from attnchecker.models.families import FAMILIES
+from attnchecker.models.tiny import build
 from attnchecker.sdc import STUDY_NODE, LockstepConfig, SDCModel, boundaries, run_lockstep
 
 
@@ -25,13 +26,15 @@ def text(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_boundaries_of_every_family(family):
-    sites = boundaries(build(family))
+    model = build(family)
+    stacks = 2 if model.config.is_encoder_decoder else 1  # BART: the encoder's, the decoder's
+    sites = boundaries(model)
     assert [(layer, kind) for _, layer, kind, _ in sites] == [
         (0, "attention"),
         (0, "mlp"),
         (1, "attention"),
         (1, "mlp"),
-    ]
+    ] * stacks
 
 
 def test_corruption_rate_and_severity_are_as_configured():

@@ -107,6 +107,7 @@ class Projection:
     sites: tuple[str, ...]
     groups: int  # head groups over the N outputs, a multiple of len(sites)
     site_groups: tuple[int, ...] = ()  # groups of each site when not equal (Phi-3's Q|K|V, GQA)
+    interleaved: bool = False  # the sites alternate per head: [q_h | k_h | v_h] (GPT-NeoX)
 
     @property
     def per_site(self) -> tuple[int, ...]:
@@ -224,6 +225,37 @@ def _per_site(flags: Tensor, sizes: tuple[int, ...]) -> Tensor:
     return (flags.to(torch.float32) @ seg).gt(0).sum(0, dtype=torch.float32)
 
 
+def _site_order(
+    projs: Sequence[Projection], widths: Sequence[int], device: torch.device
+) -> tuple[Tensor, Tensor] | None:
+    """Index permutations of the stacked head groups (sum G,) and outputs (sum N,) that put
+    every interleaved projection's in site order (all of Q's heads, then K's, then V's), for
+    the per-site counts; None when no projection is interleaved (a cached constant)."""
+    if not any(p.interleaved for p in projs):
+        return None
+    layout = tuple(
+        (p.groups, len(p.sites), p.interleaved, n) for p, n in zip(projs, widths, strict=True)
+    )
+    key = (("order", *layout), device)
+    if key in _SEGMENTS:
+        return _SEGMENTS[key], _SEGMENTS[(("cols", *key[0]), device)]
+    g_order, n_order, g0, n0 = [], [], 0, 0
+    for p, n in zip(projs, widths, strict=True):
+        S, w = len(p.sites), n // p.groups
+        heads = p.groups // S
+        seq = (
+            [h * S + s for s in range(S) for h in range(heads)] if p.interleaved
+            else list(range(p.groups))
+        )  # fmt: skip
+        g_order += [g0 + g for g in seq]
+        n_order += [n0 + g * w + j for g in seq for j in range(w)]
+        g0, n0 = g0 + p.groups, n0 + n
+    orders = torch.tensor(g_order, device=device), torch.tensor(n_order, device=device)
+    if not torch.compiler.is_compiling():
+        _SEGMENTS[key], _SEGMENTS[(("cols", *key[0]), device)] = orders
+    return orders
+
+
 def _columns(weight: Tensor, bias: Tensor | None, conv1d: bool, x: Tensor, f: Tensor) -> Tensor:
     """Output features ``f`` (P,) of a projection for every input row of x (T, K): (T, P),
     with the module's op (same dtype under autocast)."""
@@ -315,15 +347,20 @@ def projection_check_(
             d = rec - ref
             return d, torch.addcmul(d.abs(), xn1, ws.norms, value=-factor)
 
+        order = _site_order(projs, [y.shape[-1] for y in ys], x.device)
+
+        def site_major(flags: Tensor, which: int) -> Tensor:
+            return flags if order is None else flags.index_select(-1, order[which])
+
         d, excess = rows_check()
-        n_rows = _per_site(~(excess <= 0), groups)
+        n_rows = _per_site(site_major(~(excess <= 0), 0), groups)
         # Columns: |sum_t y_to| <= sum_t (||x_t|| + 1) ||[W_o | b_o]||, with a 1/64 relative
         # slack for the rounding of the sums; the worst column of each projection is the one
         # furthest past its bound.
         ratio = cat([y.sum(0, dtype=f32) for y in ys], 0).abs_().div_(ws.cols)  # (N,)
         xs = xn1.sum() * (1 + 2**-6)
         bad_c = ~(ratio <= xs)
-        n_cols = _count(bad_c, widths)
+        n_cols = _count(site_major(bad_c, 1), widths)
         vals, cols = _worst_columns(ratio, [y.shape[-1] for y in ys])  # (P,) each
         hits = ~(vals <= xs)
 
@@ -348,7 +385,7 @@ def projection_check_(
     # Repaired only if every row passes now: a block beyond the budget, a second column, or an
     # input x that was already bad (recomputing repeats the fault) leave rows flagged.
     with _no_autocast(x.device):
-        lost = _per_site(~(rows_check()[1] <= 0), groups) > 0
+        lost = _per_site(site_major(~(rows_check()[1] <= 0), 0), groups) > 0
     bound = xn1 * ws.norms if bounds else None
     return _record(n_rows, n_cols, value, lost), ref, bound
 

@@ -186,7 +186,7 @@ class AttentionState:
         offset = 0
         for p, _ in pairs:
             for site, width in zip(p.sites, p.per_site, strict=True):
-                if site == "v" and self.checks("v"):
+                if site == "v" and self.checks("v") and not p.interleaved:  # V's heads contiguous
                     cut = slice(offset, offset + width)
                     self.handoff = Handoff(
                         ref[:, cut].view(B, L, width), tol[:, cut].view(B, L, width)

@@ -33,7 +33,7 @@ RESULTS = ("corrected", "recomputed", "uncorrectable", "missed", "not_needed")
 
 @dataclass(frozen=True, kw_only=True)
 class CampaignConfig:
-    families: tuple[str, ...] = ("bert", "roberta", "gpt2", "gpt_neo")
+    families: tuple[str, ...] = ("bert", "roberta", "gpt2", "gpt_neo")  # ATTNChecker's four
     sites: tuple[str, ...] = OPS
     kinds: tuple[str, ...] = ("inf", "nan", "near_inf", "exponent_flip")
     patterns: tuple[str, ...] = ("0D",)
@@ -55,7 +55,7 @@ class CampaignConfig:
     def __post_init__(self) -> None:
         from attnchecker.inject.kinds import FaultKind
         from attnchecker.inject.plan import FaultPattern
-        from attnchecker.models.tiny import FAMILIES
+        from attnchecker.models.families import FAMILIES
 
         for name, values, allowed in [
             ("families", self.families, FAMILIES),

@@ -8,6 +8,7 @@ No parameter, buffer or module is added or replaced, so ``state_dict()`` is unch
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -18,7 +19,7 @@ from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.state import AttentionState, Clock, new_log
 from attnchecker.errors import ConfigError, NoMatchingModuleError
 from attnchecker.models.handle import ProtectionHandle
-from attnchecker.models.registry import CORE, ProjectionSpec, adapter_for
+from attnchecker.models.registry import CORE, ProjectionSpec, discover, install
 
 __all__ = ["protect_", "unprotect_"]
 
@@ -27,7 +28,9 @@ _HANDLE = "_attnchecker_handle"
 
 def _projection(spec: ProjectionSpec) -> Projection:
     m = spec.module
-    return Projection(m.weight, m.bias, spec.conv1d, spec.sites, spec.groups, spec.site_groups)
+    return Projection(
+        m.weight, m.bias, spec.conv1d, spec.sites, spec.groups, spec.site_groups, spec.interleaved
+    )
 
 
 def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..., None]:
@@ -35,9 +38,18 @@ def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
         proj, start = _projection(spec), 0
-        for site, width in zip(spec.sites, proj.site_widths(y.shape[-1]), strict=True):
-            state.site(site, y[..., start : start + width])
-            start += width
+        if spec.interleaved:  # (..., heads, sites, d): a site is a strided slice, edited as a copy
+            parts = y.unflatten(-1, (spec.groups // len(spec.sites), len(spec.sites), -1))
+            for i, site in enumerate(spec.sites):
+                if state.hooks[site]:
+                    part = parts[..., i, :]
+                    edited = part.flatten(-2)  # (..., heads * d)
+                    state.site(site, edited)
+                    part.data.copy_(edited.unflatten(-1, part.shape[-2:]))
+        else:
+            for site, width in zip(spec.sites, proj.site_widths(y.shape[-1]), strict=True):
+                state.site(site, y[..., start : start + width])
+                start += width
         if checked:
             state.defer(proj, args[0], y, last=spec.last)
 
@@ -57,8 +69,8 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
         raise ConfigError(
             "the model is already protected; call attnchecker.unprotect_(model) first"
         )
-    adapter = adapter_for(model)
-    blocks = adapter.blocks(model)
+    found = discover(model)
+    blocks = found.blocks
     chosen = [b for b in blocks if config.layers is None or b.layer in config.layers]
     if not chosen:
         raise NoMatchingModuleError(
@@ -67,8 +79,11 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
         )
     device = _device(model)
     clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
+    naive = dataclasses.replace(config, mode="naive")  # where V's sums may not be passed
     states = {
-        b.name: AttentionState(b.name, b.layer, config, clock, new_log(_device(b.core, device)))
+        b.name: AttentionState(
+            b.name, b.layer, config if b.passing else naive, clock, new_log(_device(b.core, device))
+        )
         for b in chosen
     }
     handle = ProtectionHandle(config, states, clock)
@@ -80,7 +95,7 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
             handle._undo.append(
                 p.module.register_forward_hook(_projection_hook(states[b.name], p)).remove
             )
-    handle._undo.append(adapter.install(model, blocks))
+    handle._undo.append(install(model, found))
 
     def tick(module: nn.Module, *_: object) -> None:
         clock.tick(_device(module, clock.count.device))

@@ -1,35 +1,41 @@
-"""Family adapters, keyed by ``config.model_type``, and the machinery they share.
+"""Discovery: the attention layers of a model, found from the family table, or refused by name.
 
-An adapter finds the attention modules of a model and says, for each, which submodules compute
-the Q, K, V and output projections and how the family's eager attention differs
-(:class:`~attnchecker.attention.core.CoreSpec`). It then installs the checked attention core:
-through transformers' ``AttentionInterface`` for families that dispatch through it, or by
-patching the module for those that do not.
+For a ``model_type`` of :data:`~attnchecker.models.families.TABLE`, its :class:`Wiring` says
+which modules are attention modules (every projection path resolves to a module with a weight)
+and how their projections split into sites and heads. Any other model goes through the
+**generic rule**: the first interface wiring of the table whose paths fit some of its modules,
+with every precaution that costs nothing in correctness (Q and K checked as soon as they are
+projected, V's sums never passed to the core). Either way, before anything is installed the
+family's own ``eager_attention_forward`` is run on a small probe (fp32 and bf16, an additive
+mask, dropout with a fixed seed) beside the core: the table's spec must reproduce it bitwise,
+and for a generic model the first candidate spec that does is taken; a model whose attention
+math none reproduces is refused, naming the module. Never protect wrongly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
-from attnchecker.attention.core import CoreSpec
+from attnchecker.attention.core import CoreSpec, attend
 from attnchecker.errors import UnsupportedModelError
 
-__all__ = [
-    "CORE",
-    "REGISTRY",
-    "Adapter",
-    "AttentionBlock",
-    "ProjectionSpec",
-    "adapter_for",
-    "layer_index",
-    "register",
-]
+if TYPE_CHECKING:
+    from attnchecker.models.families import Wiring
+
+__all__ = ["CORE", "AttentionBlock", "Discovery", "ProjectionSpec", "discover", "layer_index"]
 
 CORE = "_attnchecker_core"
 """Attribute that carries (CoreSpec, AttentionState | None) on every attention core module."""
+
+_SITES = {"q": ("q",), "k": ("k",), "v": ("v",), "kv": ("k", "v"), "qkv": ("q", "k", "v"),
+          "out": ("out",)}  # fmt: skip
+_HEAD_DIM = ("head_dim", "head_size", "attention_head_size")  # the core's attribute names
+_CANDIDATES = (CoreSpec(softmax_fp32=True), CoreSpec(), CoreSpec(probs_to_value_dtype=True))
 
 
 @dataclass(frozen=True)
@@ -42,64 +48,266 @@ class ProjectionSpec:
     conv1d: bool = False  # GPT-2's Conv1D: weight stored (in, out), y = addmm(b, x, W)
     last: bool = True  # the last projection of its input (V after Q and K): check them now
     site_groups: tuple[int, ...] = ()  # groups of each site when not equal (fused Q|K|V + GQA)
+    interleaved: bool = False  # sites alternate per head group (GPT-NeoX's [q_h | k_h | v_h])
+
+    @property
+    def heads(self) -> dict[str, int]:
+        """Head groups of each site."""
+        per = self.site_groups or (self.groups // len(self.sites),) * len(self.sites)
+        return dict(zip(self.sites, per, strict=True))
 
 
 @dataclass(frozen=True)
 class AttentionBlock:
     """One attention layer as protection sees it."""
 
-    name: str  # qualified name of the module that owns the attention core
+    name: str  # qualified name of the module that calls the attention function
     layer: int
     core: nn.Module
     projections: tuple[ProjectionSpec, ...]
     spec: CoreSpec
+    passing: bool = True  # V's projection sums may serve the context check
 
 
-class Adapter:
-    """Base of the family adapters."""
+@dataclass(frozen=True)
+class Discovery:
+    """What protection installs on a model: its blocks, and how the core is routed to them."""
 
-    family: str = ""
-    model_types: tuple[str, ...] = ()
-
-    def blocks(self, model: nn.Module) -> list[AttentionBlock]:
-        raise NotImplementedError
-
-    def install(self, model: nn.Module, blocks: list[AttentionBlock]) -> Callable[[], None]:
-        """Route every block's attention through the checked core; return the undo."""
-        raise NotImplementedError
+    model_type: str
+    blocks: list[AttentionBlock]
+    wiring: Wiring
+    generic: bool  # found by the generic rule, not a table entry
 
 
-REGISTRY: dict[str, Adapter] = {}
+def discover(model: nn.Module) -> Discovery:
+    """The attention blocks of ``model``; raises :class:`UnsupportedModelError` naming what was
+    not understood."""
+    from attnchecker.models.families import TABLE
 
-
-def register(adapter: type[Adapter]) -> type[Adapter]:
-    instance = adapter()
-    for model_type in adapter.model_types:
-        REGISTRY[model_type] = instance
-    return adapter
-
-
-def _load_adapters() -> None:
-    from attnchecker.models import bert, gpt2, gpt_neo, llama  # noqa: F401  (they register)
-
-
-def adapter_for(model: nn.Module) -> Adapter:
-    _load_adapters()
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in REGISTRY:
-        supported = ", ".join(sorted(REGISTRY))
+    supported = ", ".join(sorted(TABLE))
+    if not isinstance(model_type, str):
         raise UnsupportedModelError(
-            f"no attnchecker adapter for model_type {model_type!r}; supported: {supported}"
+            f"{type(model).__name__} is not a transformers model (no config.model_type); "
+            f"supported families: {supported}"
         )
-    return REGISTRY[model_type]
+    if model_type in TABLE:
+        wiring = TABLE[model_type].wiring
+        blocks = _blocks(model, wiring)
+        if not blocks:
+            raise UnsupportedModelError(
+                f"found no attention module of {model_type!r} with the projections "
+                f"{', '.join(wiring.projections)}"
+            )
+        generic = False
+    else:
+        wiring, blocks = _generic(model, model_type, supported)
+        generic = True
+    if not wiring.patch and not generic:  # the table's spec, still what transformers runs?
+        for b in {type(b.core): b for b in blocks}.values():
+            if not probe(b.core, b.spec, b.projections):
+                raise UnsupportedModelError(
+                    f"the eager attention of {type(b.core).__name__} ({model_type}) no longer "
+                    f"matches attnchecker's table entry for {model_type!r} bitwise (a "
+                    f"transformers version it was not written for?); protect_ refuses"
+                )
+    return Discovery(model_type, blocks, wiring, generic)
+
+
+def _generic(model: nn.Module, model_type: str, supported: str) -> tuple[Wiring, list]:
+    from attnchecker.models.families import TABLE
+
+    seen: list[Wiring] = []
+    for fam in TABLE.values():
+        w = fam.wiring
+        if w.patch or any(s.projections == w.projections for s in seen):
+            continue
+        seen.append(w)
+        # nothing is known about what reads Q, K and V in between: check each at once, and
+        # never hand V's sums across whatever the module does to V
+        safe = replace(w, read_early=("q", "k"), passing=False)
+        blocks = _blocks(model, safe)
+        if blocks:
+            specs: dict[type, CoreSpec] = {}
+            for b in blocks:
+                if type(b.core) not in specs:
+                    specs[type(b.core)] = _probe_spec(b, model_type)
+            return safe, [replace(b, spec=specs[type(b.core)]) for b in blocks]
+    layouts = "; ".join(", ".join(w.projections) for w in seen)
+    raise UnsupportedModelError(
+        f"model_type {model_type!r} is not in attnchecker's family table and none of its "
+        f"modules has a known attention layout ({layouts}); supported families: {supported}"
+    )
+
+
+def _blocks(model: nn.Module, wiring: Wiring) -> list[AttentionBlock]:
+    out = []
+    for name, m in model.named_modules():
+        cross = bool(getattr(m, "is_cross_attention", False)) and wiring.cross
+        paths = [p.partition(":") for p in (wiring.cross if cross else wiring.projections)]
+        mods = [_path(m, path) for path, _, _ in paths]
+        core = _path(m, wiring.core) if wiring.core else m
+        if core is None or any(p is None or not hasattr(p, "weight") for p in mods):
+            continue
+        if wiring.patch and not hasattr(core, wiring.patch[0]):
+            continue
+        where = f"{name}.{wiring.core}" if wiring.core else name
+        d = _head_dim(core, where)
+        out_mod = next(p for p, (_, _, s) in zip(mods, paths, strict=True) if s == "out")
+        n_out_in = _width(out_mod, inputs=True) // d  # query heads: the output projection's input
+        projections = tuple(
+            _projection(p, _SITES[s], d, n_out_in, wiring, where)
+            for p, (_, _, s) in zip(mods, paths, strict=True)
+        )
+        out.append(
+            AttentionBlock(
+                where, layer_index(core, len(out)), core, projections, wiring.spec, wiring.passing
+            )
+        )
+    return out
+
+
+def _projection(
+    m: nn.Module, sites: tuple[str, ...], d: int, nh: int, wiring: Wiring, where: str
+) -> ProjectionSpec:
+    conv1d = _is_conv1d(m)
+    width = _width(m, inputs=False)
+    if width % d:
+        raise UnsupportedModelError(
+            f"{where}: a projection of {width} outputs does not split into heads of {d}"
+        )
+    groups = width // d
+    per_site: tuple[int, ...] = ()
+    if sites == ("q", "k", "v") and groups != 3 * nh:  # fused Q|K|V with grouped K/V heads
+        rest = groups - nh
+        if rest <= 0 or rest % 2 or wiring.interleaved:
+            raise UnsupportedModelError(
+                f"{where}: cannot split a fused projection of {groups} heads into Q ({nh} "
+                f"heads), K and V"
+            )
+        per_site = (nh, rest // 2, rest // 2)
+    last = "v" in sites or sites == ("out",) or any(s in wiring.read_early for s in sites)
+    return ProjectionSpec(
+        sites, m, groups, conv1d, last, per_site, wiring.interleaved and len(sites) > 1
+    )
+
+
+def _probe_spec(block: AttentionBlock, model_type: str) -> CoreSpec:
+    """The first candidate spec that reproduces the block's eager attention bitwise."""
+    import sys
+
+    if (
+        getattr(sys.modules.get(type(block.core).__module__), "eager_attention_forward", None)
+        is None
+    ):
+        raise UnsupportedModelError(
+            f"{type(block.core).__name__} ({model_type}) does not dispatch through transformers' "
+            f"AttentionInterface (its module has no eager_attention_forward)"
+        )
+    for spec in _CANDIDATES:
+        if probe(block.core, spec, block.projections):
+            return spec
+    raise UnsupportedModelError(
+        f"the eager attention of {type(block.core).__name__} ({model_type}) differs from every "
+        f"form the checked core implements; protect_ refuses rather than change its math"
+    )
+
+
+def probe(core: nn.Module, spec: CoreSpec, projections: tuple[ProjectionSpec, ...]) -> bool:
+    """Whether :func:`attend` under ``spec`` reproduces ``core``'s own eager attention bitwise on
+    small random operands: fp32 and bf16, an additive causal mask, dropout 0.5 from one seed
+    (outputs and probabilities). The global RNG is left as it was."""
+    import inspect
+    import sys
+
+    eager = getattr(sys.modules.get(type(core).__module__), "eager_attention_forward", None)
+    if eager is None:
+        return False
+    heads = {s: n for p in projections for s, n in p.heads.items()}
+    nh, nkv = heads["q"], heads["k"]
+    d = _head_dim(core, type(core).__name__)
+    device = next(core.parameters(), torch.empty(0)).device
+    g = torch.Generator(device=device).manual_seed(0)
+    forked = [device.index or 0] if device.type == "cuda" else []
+    # scaling=None where the eager function has that default (the core then takes 1/sqrt(d))
+    default = inspect.signature(eager).parameters.get("scaling")
+    cases = [(0.37, 0.0), (0.37, 0.5)]
+    if default is not None and default.default is None:
+        cases.append((None, 0.0))
+    was = core.training
+    try:
+        core.train()
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(2, n, 5, d, generator=g, device=device, dtype=dtype)
+                       for n in (nh, nkv, nkv))  # fmt: skip
+            mask = torch.triu(torch.full((5, 5), torch.finfo(dtype).min, device=device), 1)
+            mask = mask.to(dtype)[None, None].expand(2, 1, 5, 5)
+            for scaling, p in cases:
+                with torch.no_grad(), torch.random.fork_rng(devices=forked):
+                    torch.manual_seed(1)
+                    want = eager(core, q, k, v, mask, scaling=scaling, dropout=p)
+                    torch.manual_seed(1)
+                    s = d**-0.5 if scaling is None else scaling
+                    got = attend(spec, q, k, v, mask, scaling=s, dropout=p, training=True)
+                if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+                    return False
+    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError):
+        return False
+    finally:
+        core.train(was)
+    return True
+
+
+def _path(m: nn.Module, path: str) -> nn.Module | None:
+    for part in path.split("."):
+        m = getattr(m, part, None)
+        if not isinstance(m, nn.Module):
+            return None
+    return m
+
+
+def _head_dim(core: nn.Module, where: str) -> int:
+    for a in _HEAD_DIM:
+        d = getattr(core, a, None)
+        if isinstance(d, int) and d > 0:
+            return d
+    raise UnsupportedModelError(f"{where}: no head size attribute ({', '.join(_HEAD_DIM)})")
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(m, Conv1D)
+
+
+def _width(m: nn.Module, *, inputs: bool) -> int:
+    """Input or output features of a Linear / Conv1D (whose weight is stored (in, out))."""
+    w = m.weight
+    return w.shape[0 if inputs == _is_conv1d(m) else 1] if w.dim() == 2 else 0
 
 
 def layer_index(module: nn.Module, position: int) -> int:
-    """The module's own ``layer_idx`` when it has one, else its position among the model's
-    attention modules."""
-    idx = getattr(module, "layer_idx", None)
-    return idx if isinstance(idx, int) else position
+    """The module's own ``layer_idx`` (``layer_id`` in GPT-Neo) when it has one, else its
+    position among the model's attention modules."""
+    for a in ("layer_idx", "layer_id"):
+        idx = getattr(module, a, None)
+        if isinstance(idx, int):
+            return idx
+    return position
 
 
-def named(model: nn.Module, predicate: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if predicate(m)]
+def install(model: nn.Module, found: Discovery) -> Callable[[], None]:
+    """Route every block's attention through the checked core; return the undo."""
+    if not found.wiring.patch:
+        from attnchecker.models.interface import install_interface
+
+        return install_interface(model)
+    method, make = found.wiring.patch
+    for b in found.blocks:
+        setattr(b.core, method, make(b.core))
+
+    def undo() -> None:
+        for b in found.blocks:
+            delattr(b.core, method)
+
+    return undo

@@ -6,74 +6,14 @@ eager attention, which is the math the protected core reproduces.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-__all__ = ["FAMILIES", "TABLE", "Family", "build", "family_config", "from_file"]
+from attnchecker.models.families import FAMILIES, TABLE
 
+__all__ = ["FAMILIES", "TABLE", "build", "family_config", "from_file"]
 
-@dataclass(frozen=True)
-class Family:
-    """One supported family as the tiny / small / base configs build it: its transformers config
-    class, the config keys of (hidden, layers, heads, positions), what else a size implies, and
-    how the family is trained and run by default."""
-
-    config: str  # transformers config class
-    keys: tuple[str, str, str, str] = (
-        "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
-    )  # fmt: skip
-    extra: Callable[[int, int, int, int], dict[str, Any]] = lambda h, nl, n, L: {}
-    decoder: bool = True  # causal LM (else masked LM)
-    sdpa: bool = True  # transformers has an SDPA path for it (the users' default)
-    ids: dict[str, int] = field(default_factory=dict)  # special tokens inside the tiny vocab
-    positions_extra: int = 0  # BERT-style position tables hold max_len + 2
-
-
-def _rotary(h: int, nl: int, n: int, L: int) -> dict[str, Any]:
-    """Llama-style decoders: SwiGLU 4x, grouped K/V heads (half), an explicit head_dim."""
-    return {"intermediate_size": 4 * h, "num_key_value_heads": max(1, n // 2), "head_dim": h // n}
-
-
-_TOKENS = {"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}
-
-TABLE: dict[str, Family] = {
-    "bert": Family("BertConfig", extra=lambda h, nl, n, L: {"intermediate_size": 4 * h},
-                   decoder=False, positions_extra=2),
-    "roberta": Family("RobertaConfig", extra=lambda h, nl, n, L: {"intermediate_size": 4 * h},
-                      decoder=False, ids=_TOKENS, positions_extra=2),
-    "gpt2": Family("GPT2Config", keys=("n_embd", "n_layer", "n_head", "n_positions")),
-    "gpt_neo": Family(
-        "GPTNeoConfig", keys=("hidden_size", "num_layers", "num_heads", "max_position_embeddings"),
-        extra=lambda h, nl, n, L: {
-            "attention_types": [[["global", "local"], nl // 2]]
-            + ([[["global"], 1]] if nl % 2 else []),
-            "window_size": max(4, L // 8),
-        },
-        sdpa=False,  # no SDPA path in transformers 5.x: eager is its default
-    ),
-    "llama": Family("LlamaConfig", extra=_rotary),
-    "mistral": Family("MistralConfig", extra=lambda h, nl, n, L: _rotary(h, nl, n, L)
-                      | {"sliding_window": max(4, L // 8)}, ids=_TOKENS),
-    "qwen2": Family("Qwen2Config", extra=_rotary),
-    "qwen3": Family("Qwen3Config", extra=_rotary),  # per-head q_norm / k_norm before RoPE
-    "olmo2": Family("Olmo2Config", extra=_rotary, ids=_TOKENS),  # q_norm / k_norm over heads
-    "phi3": Family("Phi3Config", extra=lambda h, nl, n, L: _rotary(h, nl, n, L)
-                   | {"partial_rotary_factor": 0.5}, ids=_TOKENS),  # fused qkv_proj
-    "gemma2": Family(  # logit soft-capping, query_pre_attn_scalar, local/global layers
-        "Gemma2Config",
-        extra=lambda h, nl, n, L: _rotary(h, nl, n, L)
-        | {"query_pre_attn_scalar": 2 * (h // n), "sliding_window": max(4, L // 8)},
-        sdpa=False,  # transformers: "sdpa does not support softcapping"
-        ids=_TOKENS,
-    ),
-}  # fmt: skip
-"""Every family protect_ is tested on: the CLI's choices, the campaigns' families and the
-parametrised tests come from here."""
-
-FAMILIES = tuple(TABLE)
 
 _SIZES = {  # hidden, layers, heads
     "tiny": (32, 2, 4),
@@ -137,8 +77,13 @@ def from_file(path: str, *, task: str = "lm", seed: int = 0, **overrides: Any) -
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids of the original vocabulary
         if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= cfg.vocab_size:
             setattr(cfg, k, None)  # beyond a smaller training vocabulary: unused here
-    decoder = TABLE[cfg.model_type].decoder if cfg.model_type in TABLE else True
-    return _instantiate(cfg, decoder=decoder, task=task, seed=seed)
+    if cfg.model_type in TABLE:
+        head = TABLE[cfg.model_type].head
+    else:  # the generic path: what transformers itself maps the config to
+        head = "seq2seq" if cfg.is_encoder_decoder else "causal"
+        if head == "causal" and type(cfg) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
+            head = "masked"
+    return _instantiate(cfg, head=head, task=task, seed=seed)
 
 
 def build(
@@ -147,22 +92,30 @@ def build(
     """A randomly initialised model: masked LM for BERT/RoBERTa, causal LM for decoders
     (``task="lm"``), or sequence classification with 2 labels (``task="cls"``)."""
     cfg = family_config(family, size, **overrides)
-    return _instantiate(cfg, decoder=TABLE[family].decoder, task=task, seed=seed)
+    return _instantiate(cfg, head=TABLE[family].head, task=task, seed=seed)
 
 
-def _instantiate(cfg, *, decoder: bool, task: str, seed: int) -> nn.Module:
-    """The randomly initialised model of ``cfg`` for ``task``, in eager attention: causal or
-    masked LM (``"lm"``), or sequence classification with 2 labels (``"cls"``)."""
+_HEADS = {  # the family's LM head: its transformers auto class
+    "causal": "AutoModelForCausalLM",
+    "masked": "AutoModelForMaskedLM",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+}
+
+
+def _instantiate(cfg, *, head: str, task: str, seed: int) -> nn.Module:
+    """The randomly initialised model of ``cfg`` for ``task``, in eager attention: its LM
+    (``"lm"``: causal, masked or sequence-to-sequence), or sequence classification with 2
+    labels (``"cls"``)."""
     import torch
     import transformers as tf
 
     if task == "cls":
         cfg.num_labels = 2
-        if decoder and cfg.pad_token_id is None:
+        if head != "masked" and cfg.pad_token_id is None:
             cfg.pad_token_id = 0
         auto = tf.AutoModelForSequenceClassification
     elif task == "lm":
-        auto = tf.AutoModelForCausalLM if decoder else tf.AutoModelForMaskedLM
+        auto = getattr(tf, _HEADS[head])
     else:
         raise ValueError(f"task must be 'lm' or 'cls', got {task!r}")
     torch.manual_seed(seed)

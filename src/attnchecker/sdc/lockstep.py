@@ -36,7 +36,7 @@ from attnchecker.sdc.faults import STUDY_NODE, SDCModel
 
 __all__ = ["LockstepConfig", "boundaries", "run_lockstep", "set_determinism"]
 
-_ATTN, _MLP = ("attention", "attn", "self_attn"), ("mlp", "output")
+_ATTN, _MLP = ("attention", "attn", "self_attn"), ("mlp", "output", "ffn", "fc2")
 
 
 def set_determinism(seed: int) -> None:
