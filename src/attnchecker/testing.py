@@ -137,6 +137,6 @@ def clean_run(
         events += len(found)
         uncorrectable += sum(e.action == "uncorrectable" for e in found)
         losses.append(float(loss.detach()))
-    params = dict(model.named_parameters())
+    params = {n: p.detach() for n, p in model.named_parameters()}
     drift = max((float((params[n] - w).abs().max()) for n, w in norms.items()), default=0.0)
     return CleanRun(family, dtype, steps, events, uncorrectable, losses[0], losses[-1], drift)

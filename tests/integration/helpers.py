@@ -177,9 +177,7 @@ def bf16_q_row_fault(faulty: nn.Module, ref: nn.Module, inputs: dict[str, Tensor
     from attnchecker import protect_
 
     h = protect_(faulty)
-    h.attach(
-        lambda c: c.tensor[1, 3].fill_(float("nan")) if c.site == "q" and c.layer == 1 else None
-    )
+    h.attach(fire_once("q", "1R", "nan", layer=1))  # the first module of layer 1 (BART has 3)
     with torch.autocast(device, dtype=torch.bfloat16):
         got = train_step(faulty, inputs)
         want = train_step(ref, inputs)

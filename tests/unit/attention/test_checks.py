@@ -52,6 +52,7 @@ LAYOUTS = {
     "single": (("v",),),
     "fused": (("q", "k", "v"),),
     "fused_gqa": (("q", "k", "v"),),  # Phi-3: Q | K | V of heads, heads / 2, heads / 2
+    "interleaved": (("q", "k", "v"),),  # GPT-NeoX: [q_h | k_h | v_h] for every head h
     "separate": (("q",), ("k",), ("v",)),
 }
 
@@ -186,7 +187,8 @@ def _projections(
                 y = F.linear(x, weight, b)
         groups = _site_groups(layout, sites, heads)
         uneven = groups if len(set(groups)) > 1 else ()
-        pairs.append((Projection(weight, b, conv1d, sites, sum(groups), uneven), y))
+        proj = Projection(weight, b, conv1d, sites, sum(groups), uneven, layout == "interleaved")
+        pairs.append((proj, y))
     return Case(x, pairs, auto)
 
 
@@ -698,6 +700,30 @@ def test_fused_projection_reports_the_faulty_site():
     rec, _, _ = _check(case)
     assert rec[:, 0].tolist() == [0, 0, 1] and (rec[:, 3] == 0).all()
     _assert_close(y, clean, case.magnitudes()[0], inner=65)
+
+
+@pytest.mark.parametrize(("head", "site"), [(0, 0), (1, 1), (3, 2), (2, 0)])
+def test_interleaved_projection_reports_the_faulty_site(head, site):
+    """GPT-NeoX's query_key_value: per head [q_h | k_h | v_h]; faults in head ``head``'s part
+    of ``site`` are counted for that site and repaired (one column, a second one is lost)."""
+    case = _projections(
+        "interleaved", B=2, L=8, K=64, heads=4, d=16, conv1d=False, bias=True,
+        dtype="fp32", scale=1.0, data="normal", seed=9,
+    )  # fmt: skip
+    y = case.pairs[0][1]
+    clean = y.clone()
+    col = (head * 3 + site) * 16 + 7
+    y[0, 5, col] = math.nan
+    y[1, :, col] = math.inf  # the same column over batch 1: 9 rows, one column
+    rec, _, _ = _check(case)
+    want = [0.0, 0.0, 0.0]
+    want[site] = 9.0
+    assert rec[:, 0].tolist() == want and rec[:, 1].tolist() == [w / 9 for w in want]
+    assert (rec[:, 3] == 0).all(), rec.tolist()
+    _assert_close(y, clean, case.magnitudes()[0], inner=65)
+    y[1, :, col] = y[1, :, col - 5] = math.inf  # two bad columns: one is recomputed
+    rec, _, _ = _check(case)
+    assert rec[:, 3].tolist() == [float(i == site) for i in range(3)], rec.tolist()
 
 
 # ------------------------------------------------------------------------------ faults: attention
