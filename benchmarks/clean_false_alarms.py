@@ -51,7 +51,11 @@ def main() -> None:
         f"{r.loss_first:.2f} -> {r.loss_last:.2f} | {r.norm_drift:.3f} |"
         for r in runs
     ]
-    payload = {"env": environment(), "args": vars(args), "runs": [dataclasses.asdict(r) for r in runs]}
+    payload = {
+        "env": environment(),
+        "args": vars(args),
+        "runs": [dataclasses.asdict(r) for r in runs],
+    }
     write("clean_false_alarms", payload, "\n".join(lines) + "\n")
 
 

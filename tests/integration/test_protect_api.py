@@ -51,12 +51,71 @@ def test_contract_of_each_family(family):
 
 
 def test_unsupported_model_names_the_supported_families():
-    with pytest.raises(UnsupportedModelError, match="not a transformers model.*bart, bert, dis"):
+    with pytest.raises(UnsupportedModelError, match=r"not a transformers model.*bart, bert, dis"):
         protect_(nn.Linear(3, 3))
     cfg = transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=50)
     model = transformers.AutoModel.from_config(cfg)
     with pytest.raises(UnsupportedModelError, match="BloomAttention"):
         protect_(model)
+
+
+def test_config_matching_nothing():
+    with pytest.raises(NoMatchingModuleError, match="indices"):
+        protect_(build("bert"), ABFTConfig(layers=(7,)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ops": ("q", "qk")}, "unknown ops"),
+        ({"ops": "q"}, "tuple of op names"),
+        ({"mode": "fast"}, "mode must be"),
+        ({"policy": "ignore"}, "policy must be"),
+        ({"max_rows": 0}, "positive integer"),
+        ({"tolerance_scale": 0.5}, ">= 1"),
+        ({"layers": (-1,)}, "non-negative"),
+    ],
+)
+def test_bad_config_values(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ABFTConfig(**kwargs)
+
+
+def test_protect_twice_and_unprotect_unprotected():
+    model = build("gpt2")
+    protect_(model)
+    with pytest.raises(ConfigError, match="already protected"):
+        protect_(model)
+    unprotect_(model)
+    with pytest.raises(ConfigError, match="not protected"):
+        unprotect_(model)
+
+
+def _uncorrectable(policy):
+    """NaN in three heads of the scores with max_heads=1: beyond the repair budget."""
+    model = build("bert")
+    handle = protect_(model, ABFTConfig(policy=policy, max_heads=1))
+    handle.attach(
+        lambda c: c.tensor[:, :3, 2, 2].fill_(float("nan")) if c.site == "scores" else None
+    )
+    model(**batch("bert"))
+    return handle
+
+
+def test_policy_raise():
+    handle = _uncorrectable("raise")
+    with pytest.raises(UncorrectableFaultError, match="uncorrectable"):
+        handle.drain()
+    assert handle.drain() == []  # drained even when raising
+
+
+def test_policy_warn_and_skip_step():
+    with pytest.warns(RuntimeWarning, match="uncorrectable"):
+        events = _uncorrectable("warn").drain()
+    assert {e.action for e in events} == {"uncorrectable"}
+    handle = _uncorrectable("skip_step")
+    assert handle.drain() and handle.skip_requested
+    assert handle.drain() == [] and not handle.skip_requested
 
 
 def test_summary_is_plain_data():

@@ -103,5 +103,5 @@ def test_table_entry_is_verified_against_transformers(monkeypatch):
         return real(module, query, key, value, attention_mask, scaling * 1.0001, dropout, **kw)
 
     monkeypatch.setattr(llama, "eager_attention_forward", changed)
-    with pytest.raises(UnsupportedModelError, match="no longer matches.*'llama'"):
+    with pytest.raises(UnsupportedModelError, match=r"no longer matches.*'llama'"):
         protect_(model)
