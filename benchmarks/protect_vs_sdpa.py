@@ -6,7 +6,7 @@ alternately in one process (forward, backward, AdamW): ``sdpa`` (transformers' d
 has no SDPA path, so eager is its default), ``eager`` and ``protected``. Overheads are medians of
 per-pair time ratios. In eager mode the attention forward of layer 0 (projections, core, output
 projection) is timed the same way on captured inputs, and the aten ops of one training step are
-counted per layer (all ops and launching ops, :mod:`attnchecker.testing`). Base width (hidden
+counted per attention module (a layer; BART's decoder layers have two; all ops and launching ops, :mod:`attnchecker.testing`). Base width (hidden
 768, 12 heads), batch 8 at L = 128 and 8 * 128 / L sequences (at least 1) beyond, causal LM for
 decoders and masked LM for BERT.
 
@@ -27,6 +27,7 @@ import torch
 from _common import environment, write
 from attnchecker import protect_
 from attnchecker.models.families import TABLE
+from attnchecker.models.registry import discover
 from attnchecker.models.tiny import build
 from attnchecker.testing import count_ops
 
@@ -147,7 +148,7 @@ def measure(family: str, L: int, dtype: str, mode: str, device: str, reps: int) 
         )
         if min(ARGS.lengths) == L:
             ops = {k: count_ops(s) for k, s in steps.items()}
-            n = ARGS.layers
+            n = len(discover(models["eager"]).blocks)  # attention modules (BART: 3 per layer)
             row["ops_per_layer"] = {
                 "protected_vs_sdpa": (ops["protected"].total - ops["sdpa"].total) / n,
                 "protected_vs_sdpa_launching": (ops["protected"].launching - ops["sdpa"].launching) / n,
@@ -172,8 +173,8 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
         f"{env['date']}. Base width (hidden 768, 12 heads), {ARGS.layers} layers, batch 8 at "
         "L = 128 (8 * 128 / L sequences beyond), train mode, AdamW. Three copies stepped "
         "alternately in one process; overhead = median of per-pair time ratios - 1; nothing "
-        "subtracted. Ops: aten ops of one eager training step per layer beyond the SDPA model "
-        "(all / launching, i.e. without views).",
+        "subtracted. Ops: aten ops of one eager training step per attention module beyond the "
+        "SDPA model (all / launching, i.e. without views).",
         "",
         "| family | L | dtype | mode | sdpa ms | eager ms | protected ms | vs sdpa | vs eager | "
         "eager vs sdpa | attn fwd vs sdpa | attn fwd vs eager | extra ops/layer (all / launching) |",
