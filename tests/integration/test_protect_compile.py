@@ -44,8 +44,8 @@ def _compiled_step(model, compiled, inputs):
 
 
 @pytest.mark.parametrize(
-    "family", ["gpt2", pytest.param("llama", marks=pytest.mark.slow),
-               pytest.param("bert", marks=pytest.mark.slow)],
+    "family", ["gpt2", *(pytest.param(f, marks=pytest.mark.slow)
+                         for f in ("llama", "bert", "qwen3", "gpt_neox", "opt", "bart"))],
 )  # fmt: skip
 def test_compiled_protected_model_compiles_once_and_corrects_every_op(family):
     torch._dynamo.reset()
