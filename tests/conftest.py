@@ -3,6 +3,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set before they are
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # decorated (attnchecker.kernels imports)
+
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
