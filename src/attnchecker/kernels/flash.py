@@ -15,23 +15,35 @@ import torch
 import triton
 from torch import Tensor
 
+from attnchecker.kernels import flash_bwd as bwd
 from attnchecker.kernels import interpreting
 from attnchecker.kernels.flash_fwd import SITE_PV, SITE_S, _fwd
 
-__all__ = ["CHECKS", "KernelFault", "flash_forward", "new_counts", "tolerance"]
+__all__ = [
+    "CHECKS", "SITES", "KernelFault", "flash_attention", "flash_backward", "flash_forward",
+    "new_counts", "tolerance",
+]  # fmt: skip
 
-CHECKS = ("s", "pv", "softmax")
-"""Rows of the counters: the S tile check, the deferred PV check, the softmax range check;
-columns: detected, corrected, uncorrected."""
+CHECKS = ("s", "pv", "softmax", "st", "dpt", "dv", "dk", "p_sum", "ds_sum", "dq")
+"""Rows of the counters (columns: detected, corrected, uncorrected). Forward: the S tile
+check, the deferred PV check, the softmax range check; backward dK/dV program: the S^T and dP^T
+tile checks, the deferred dV and dK checks; dQ program: the invariants sum_j P = 1 and
+sum_j dS = 0, the deferred dQ check."""
 
-_SITES = {"s": SITE_S, "pv": SITE_PV}
+SITES = {"s": SITE_S, "pv": SITE_PV, "st": bwd.SITE_ST, "dpt": bwd.SITE_DPT, "dv": bwd.SITE_DV,
+         "dk": bwd.SITE_DK, "sq": bwd.SITE_SQ, "dp": bwd.SITE_DP, "dq": bwd.SITE_DQ}  # fmt: skip
+"""The GEMMs a fault can hit: the forward's S and PV; in the dK/dV program S^T (recomputed),
+dP^T and the dV, dK accumulators; in the dQ program S (recomputed), dP and the dQ accumulator."""
+_SITES = SITES
 
 
 @dataclass(frozen=True)
 class KernelFault:
-    """One fault inside a kernel GEMM: ``site`` "s" (S = Q K^T at query ``row``, key ``col``) or
-    "pv" (the P V accumulator at query ``row``, feature ``col``, after the first key tile), of
-    (``batch``, ``head``); ``persistent`` faults hit every recomputation too."""
+    """One fault inside a kernel GEMM (:data:`SITES`) of (``batch``, ``head``): for S-like
+    tiles (s, st, sq, dp, dpt) at query ``row``, key ``col``; for accumulators (pv, dq) at
+    query ``row``, feature ``col``, and (dv, dk) at key ``row``, feature ``col``, after the
+    first tile. A transient fault hits the first computation; a ``persistent`` one every
+    recomputation too."""
 
     site: str
     batch: int
@@ -92,16 +104,7 @@ def flash_forward(
     out = torch.empty_like(q)
     lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     counts = new_counts(q.device) if counts is None else counts
-    mask = (
-        key_mask.to(torch.int8).contiguous()
-        if key_mask is not None
-        else torch.empty(1, 1, dtype=torch.int8, device=q.device)
-    )
-    code = (
-        fault.encode(H, q.device)
-        if fault is not None
-        else torch.zeros(6, dtype=torch.float32, device=q.device)
-    )
+    mask, code = _launch_args(q, k, key_mask, fault, window, q.device)
     block_m, block_n = _block(L, 64), _block(Lk, 64)
     grid = (triton.cdiv(L, block_m), B * H)
     _fwd[grid](
@@ -114,3 +117,113 @@ def flash_forward(
         BLOCK_D=max(16, triton.next_power_of_2(d)),
     )  # fmt: skip
     return out, lse, counts
+
+
+def _launch_args(q, k, key_mask, fault, window, device):
+    mask = (
+        key_mask.to(torch.int8).contiguous()
+        if key_mask is not None
+        else torch.empty(1, 1, dtype=torch.int8, device=device)
+    )
+    code = (
+        fault.encode(q.shape[1], device)
+        if fault is not None
+        else torch.zeros(6, dtype=torch.float32, device=device)
+    )
+    return mask, code
+
+
+def flash_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    *,
+    causal: bool = False,
+    key_mask: Tensor | None = None,
+    window: int = 0,
+    scale: float | None = None,
+    check: bool = True,
+    fault: KernelFault | None = None,
+    counts: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of :func:`flash_forward`'s attention for the output gradient ``grad``, from
+    the saved q, k, v, out and lse (P is recomputed), with the checks of ``flash_bwd``."""
+    B, H, L, d = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    counts = new_counts(q.device) if counts is None else counts
+    grad = grad.contiguous()  # autograd may hand an expanded (stride 0) gradient
+    prod = grad.float() * out.float()
+    delta = prod.sum(-1).contiguous()  # (B, H, L): sum_j P dP of each row
+    delta_abs = prod.abs_().sum(-1).contiguous()
+    dq = torch.empty_like(q)
+    dk = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device)
+    dv = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    mask, code = _launch_args(q, k, key_mask, fault, window, q.device)
+    block_m, block_n = _block(L, 64), _block(Lk, 64)
+    flags = dict(
+        CAUSAL=causal, WINDOW=window > 0, HAS_MASK=key_mask is not None,
+        UPCAST=interpreting() and q.dtype == torch.bfloat16, CHECK=check,
+        INJECT=fault is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+    )  # fmt: skip
+    strides = (*q.stride(), *k.stride(), *v.stride(), *grad.stride(), mask.stride(0))
+    qk_scale, tau = scale * 1.4426950408889634, tolerance(q.dtype)
+    bwd._bwd_dkdv[(triton.cdiv(Lk, block_n), B * Hkv)](
+        q, k, v, grad, lse, delta, dk, dv, mask, counts, code, *strides,
+        H, Hkv, L, Lk, d, H // Hkv, qk_scale, scale, window, tau, **flags,
+    )  # fmt: skip
+    tau_out = 2 * torch.finfo(out.dtype).eps
+    bwd._bwd_dq[(triton.cdiv(L, block_m), B * H)](
+        q, k, v, grad, lse, delta, delta_abs, dq, mask, counts, code, *strides,
+        H, L, Lk, d, H // Hkv, qk_scale, scale, window, tau, tau_out, **flags,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+class _Flash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, key_mask, window, scale, counts, fault, fault_bwd):
+        out, lse, _ = flash_forward(
+            q, k, v, causal=causal, key_mask=key_mask, window=window, scale=scale,
+            counts=counts, fault=fault,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (causal, key_mask, window, scale, counts, fault_bwd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, key_mask, window, scale, counts, fault = ctx.options
+        dq, dk, dv = flash_backward(
+            q, k, v, out, lse, grad, causal=causal, key_mask=key_mask, window=window,
+            scale=scale, counts=counts, fault=fault,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_mask: Tensor | None = None,
+    window: int = 0,
+    scale: float | None = None,
+    counts: Tensor | None = None,
+    fault: KernelFault | None = None,
+) -> Tensor:
+    """Differentiable checked flash attention (forward and backward kernels); detections are
+    added to ``counts`` (:func:`new_counts`). A ``fault`` at a backward site is injected in the
+    backward, at a forward site in the forward."""
+    backward_site = fault is not None and fault.site not in ("s", "pv")
+    return _Flash.apply(
+        q, k, v, causal, key_mask, window, scale,
+        new_counts(q.device) if counts is None else counts,
+        None if backward_site else fault, fault if backward_site else None,
+    )  # fmt: skip

@@ -1,0 +1,107 @@
+"""The checked flash attention backward (Triton; the interpreter on CPU): gradients equal to
+SDPA's over the options real models use, a fault in any backward GEMM corrected (transient,
+gradients bitwise those of the fault-free run) or reported (persistent), no false alarm.
+
+Tolerances against SDPA's gradients computed in fp32 from the same operands: fp32 1e-5, fp16
+5e-3 and bf16 5e-2 (P and dS enter their MMAs rounded to the operand dtype, as in flash
+attention, and the gradients are stored in it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+pytest.importorskip("triton")
+
+from attnchecker.kernels import available
+from attnchecker.kernels.flash import CHECKS, KernelFault, flash_attention, new_counts
+
+from .test_flash_fwd import DTYPES, _allowed, _operands
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs triton (CUDA or the interpreter)")
+
+ATOL = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 5e-2}
+CASES = {  # name: (B, H, Hkv, L, Lk, d, causal, window, padding)
+    "bidirectional_padding": (2, 2, 2, 70, 70, 64, False, 0, True),
+    "causal_gqa_ragged": (1, 4, 2, 90, 90, 64, True, 0, False),
+    "window_mqa": (1, 2, 1, 100, 100, 64, True, 20, False),
+    "d128": (1, 2, 2, 40, 40, 128, True, 0, False),
+    "d8": (2, 4, 2, 16, 16, 8, True, 0, False),
+}
+
+
+def _grads(q, k, v, grad, **kw):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    counts = new_counts(q.device)
+    out = flash_attention(q, k, v, counts=counts, **kw)
+    out.backward(grad)
+    return (out.detach(), q.grad, k.grad, v.grad), counts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_equal_sdpa(case, dtype):
+    B, H, Hkv, L, Lk, d, causal, window, padding = CASES[case]
+    q, k, v = _operands(B, H, Hkv, L, Lk, d, dtype, seed=1)
+    grad = torch.randn(B, H, L, d, generator=torch.Generator().manual_seed(2)).to(q.dtype)
+    key_mask = None
+    if padding:
+        key_mask = torch.ones(B, Lk, dtype=torch.bool)
+        key_mask[1, Lk - 9 :] = False
+    got, counts = _grads(q, k, v, grad, causal=causal, window=window, key_mask=key_mask)
+    assert counts.sum() == 0, counts.tolist()  # no false alarm
+    rep = H // Hkv
+    q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    allowed = _allowed(B, L, Lk, causal=causal, window=window, key_mask=key_mask)
+    out = F.scaled_dot_product_attention(
+        q2, k2.repeat_interleave(rep, 1), v2.repeat_interleave(rep, 1), attn_mask=allowed
+    )
+    out.backward(grad.float())
+    for name, a, b in zip(("dq", "dk", "dv"), got[1:], (q2.grad, k2.grad, v2.grad), strict=True):
+        err = (a.float() - b).abs().max()
+        assert err <= ATOL[dtype] * max(1.0, float(b.abs().max())), (name, float(err))
+
+
+BACKWARD_SITES = ("st", "dpt", "dv", "dk", "sq", "dp", "dq")
+KINDS = {"inf": math.inf, "nan": math.nan, "near_inf": 1e10, "large_negative": -3e4}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy's inf - inf
+@pytest.mark.parametrize("persistent", [False, True], ids=["transient", "persistent"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("site", BACKWARD_SITES)
+def test_backward_faults_are_corrected_or_reported(site, kind, persistent):
+    q, k, v = _operands(1, 2, 1, 48, 48, 64, "fp32", seed=5)
+    grad = torch.randn(1, 2, 48, 64, generator=torch.Generator().manual_seed(6))
+    want, clean = _grads(q, k, v, grad, causal=True)
+    row, col = {"dv": (5, 11), "dk": (5, 11), "dq": (30, 11)}.get(site, (30, 7))
+    fault = KernelFault(site, 0, 1, row, col, KINDS[kind], persistent)
+    got, counts = _grads(q, k, v, grad, causal=True, fault=fault)
+    assert clean.sum() == 0
+    assert counts[:, 0].sum() >= 1, counts.tolist()
+    if persistent:
+        assert counts[:, 2].sum() >= 1, counts.tolist()
+    else:
+        assert counts[:, 2].sum() == 0 and counts[:, 1].sum() == counts[:, 0].sum()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if site in ("st", "dpt", "dv", "dk", "dq"):  # each guarded by its own check
+        assert counts[CHECKS.index(site), 0] >= 1, counts.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_false_alarm_in_the_backward(dtype):
+    total = new_counts(torch.device("cpu"))
+    for seed, scale in enumerate((0.1, 1.0, 10.0, 100.0)):
+        for causal, padding in ((False, True), (True, False)):
+            q, k, v = _operands(1, 2, 1, 40, 40, 64, dtype, scale=scale, seed=seed)
+            key_mask = None
+            if padding:
+                key_mask = torch.rand(1, 40, generator=torch.Generator().manual_seed(seed)) > 0.3
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = flash_attention(q, k, v, causal=causal, key_mask=key_mask, counts=total)
+            out.backward(torch.randn_like(out))
+    assert total.sum() == 0, total.tolist()
