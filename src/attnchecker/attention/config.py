@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from attnchecker.errors import ConfigError
 
-__all__ = ["OPS", "POLICIES", "ABFTConfig"]
+__all__ = ["BACKENDS", "OPS", "POLICIES", "ABFTConfig"]
 
 OPS = ("q", "k", "v", "scores", "probs", "context", "out")
 """The checked operations, named by the site whose output they verify: the Q, K and V projections,
@@ -15,6 +15,7 @@ the scores Q K^T, the softmax probabilities, the context P V and the output proj
 
 POLICIES = ("raise", "skip_step", "warn")
 MODES = ("naive", "passing")
+BACKENDS = ("eager", "triton", "auto")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +37,13 @@ class ABFTConfig:
     - ``max_heads``: (batch, head) matrices of scores / probabilities / context that may be
       recomputed per call (any pattern inside them).
     - ``tolerance_scale``: multiplies every derived tolerance (>= 1 makes checks less sensitive).
+    - ``backend``: ``"eager"`` runs the checked eager attention (materialised scores);
+      ``"triton"`` the fused flash kernels with their checks inside
+      (:mod:`attnchecker.kernels`: forward and backward, no L x L tensor), falling back to the
+      eager engine, with a warning once, for a call they do not cover (attention dropout in
+      training, soft-capping); ``"auto"`` is triton on CUDA where the family dispatches through
+      transformers' attention interface, eager otherwise. The projections are checked by the
+      same hooks in every backend.
     """
 
     ops: tuple[str, ...] = OPS
@@ -45,6 +53,7 @@ class ABFTConfig:
     max_rows: int = 4
     max_heads: int = 2
     tolerance_scale: float = 1.0
+    backend: str = "eager"
 
     def __post_init__(self) -> None:
         if isinstance(self.ops, str):
@@ -54,6 +63,8 @@ class ABFTConfig:
             raise ConfigError(f"unknown ops {unknown}; choose from {list(OPS)}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
         for name in ("max_rows", "max_heads"):

@@ -112,6 +112,10 @@ class AttentionState:
     pending: list = field(default_factory=list)  # projection checks waiting for their group
     handoff: object | None = None  # what the projection checks leave for the core (passing)
     noted: list = field(default_factory=list)  # this layer's records, until commit()
+    # the fused backend: its kernels' device counters (kernels.flash.CHECKS x detected,
+    # corrected, uncorrected), and a fault its next calls inject (tests, campaigns)
+    kernel: Tensor | None = None
+    kernel_fault: object | None = None
 
     def checks(self, op: str) -> bool:
         return op in self.config.ops

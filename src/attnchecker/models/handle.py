@@ -74,6 +74,12 @@ def _count(into: dict[str, int], row: list[float]) -> None:
     into["corrected"] += det - lost
 
 
+def _checks() -> tuple[str, ...]:
+    from attnchecker.kernels.flash import CHECKS
+
+    return CHECKS
+
+
 class _Detach:
     def __init__(self, fn: Callable[[], None]) -> None:
         self._fn = fn
@@ -131,34 +137,57 @@ class ProtectionHandle:
 
         return _Detach(detach)
 
-    def _read(self) -> list[list[list[float]]]:
-        """Every module's log as Python floats (the one device sync)."""
+    def _read(self) -> tuple[list[list[list[float]]], list[list[list[float]]], int]:
+        """Every module's log, the fused kernels' counters and the step, as Python values (the
+        one device sync)."""
         if not self._states:
-            return []
-        logs = [st.log for st in self._states.values()]
-        return torch.stack([t.to(logs[0].device) for t in logs]).tolist()
+            return [], [], 0
+        states = list(self._states.values())
+        dev = states[0].log.device
+        logs = torch.stack([st.log.to(dev) for st in states])  # (S, OPS, fields)
+        kern = [st.kernel.to(dev) for st in states if st.kernel is not None]
+        parts = [logs.flatten(), self._clock.count.to(dev, torch.float64)]
+        if kern:
+            parts.append(torch.stack(kern).flatten().to(torch.float64))
+        flat = torch.cat(parts).tolist()
+        n = logs.numel()
+        log_rows = torch.tensor(flat[:n]).view(logs.shape).tolist()
+        kern_rows = torch.tensor(flat[n + 1 :]).view(len(kern), -1, 3).tolist() if kern else []
+        return log_rows, kern_rows, int(flat[n])
 
     def counters(self) -> dict[str, dict[str, int]]:
-        """Totals per op since protection (forward passes only, not checkpointing replays)."""
+        """Totals per op since protection (forward passes only, not checkpointing replays), and
+        per fused-kernel check (:data:`attnchecker.kernels.flash.CHECKS`) under ``fused``."""
         out = {op: dict(c) for op, c in self._totals.items()}
-        for log in self._read():
+        logs, kern, _ = self._read()
+        for log in logs:
             for op, row in zip(OPS, log, strict=True):
                 _count(out[op], row)
+        for rows in kern:
+            for check, (det, corr, unc) in zip(_checks(), rows, strict=True):
+                c = out.setdefault(check, {"detected": 0, "corrected": 0, "uncorrectable": 0})
+                c["detected"] += int(det)
+                c["corrected"] += int(corr)
+                c["uncorrectable"] += int(unc)
         return out
 
     def drain(self) -> list[Event]:
         """Events recorded since the last drain (one host sync), with the policy applied:
         ``raise`` raises :class:`UncorrectableFaultError` on an uncorrectable event, ``warn``
-        warns, ``skip_step`` sets :attr:`skip_requested` for the training loop to honour."""
+        warns, ``skip_step`` sets :attr:`skip_requested` for the training loop to honour.
+        The fused kernels' detections are one event per check that detected (pattern "tile":
+        the kernels count tiles and programs, not rows), at the step of the drain."""
         for st in self._states.values():
             st.flush()  # projections whose group never completed (eager only)
             st.commit()
         self.skip_requested = False
-        logs = self._read()
+        logs, kern, step_now = self._read()
         if not logs:
             return []
         for st in self._states.values():
             st.log.zero_()
+            if st.kernel is not None:
+                st.kernel.zero_()
         events = []
         for (name, st), log in zip(self._states.items(), logs, strict=True):
             for op, row in zip(OPS, log, strict=True):
@@ -177,6 +206,22 @@ class ProtectionHandle:
                 events.append(
                     Event(step, name, st.layer, op, pattern, kind_of(rec["value"]), action,
                           n_rows, n_cols, count=n)
+                )  # fmt: skip
+        fused = [(name, st) for name, st in self._states.items() if st.kernel is not None]
+        for (name, st), rows in zip(fused, kern, strict=True):
+            for check, (det, corr, unc) in zip(_checks(), rows, strict=True):
+                if not det:
+                    continue
+                tot = self._totals.setdefault(
+                    check, {"detected": 0, "corrected": 0, "uncorrectable": 0}
+                )
+                tot["detected"] += int(det)
+                tot["corrected"] += int(corr)
+                tot["uncorrectable"] += int(unc)
+                action = "uncorrectable" if unc else "corrected"
+                events.append(
+                    Event(step_now, name, st.layer, check, "tile", "unknown", action, int(det), 0,
+                          count=int(det))
                 )  # fmt: skip
         bad = [e for e in events if e.action == "uncorrectable"]
         if bad:

@@ -22,9 +22,10 @@ from attnchecker.attention.core import attend
 from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.registry import CORE
 
-__all__ = ["KEYWORDS", "NAME", "install_interface"]
+__all__ = ["FUSED_NAME", "KEYWORDS", "NAME", "install_interface"]
 
 NAME = "attnchecker"
+FUSED_NAME = "attnchecker_fused"  # the fused backend: transformers' flash-attention mask (2D)
 
 KEYWORDS: dict[str, str] = {
     # keyword: why the checked core may take it as the family's eager attention does
@@ -111,13 +112,53 @@ def _attention(
     )
 
 
-def install_interface(model: nn.Module) -> Callable[[], None]:
-    """Register the core (idempotent) and switch ``model`` to it; return the undo."""
+def _attention_fused(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[Tensor, Tensor | None]:
+    """The fused backend: ``attention_mask`` is the 2D key padding mask (or None), causality
+    and the sliding window come from the module and the keywords, as for flash attention."""
+    from attnchecker.attention.fused import attend_fused, eager_mask
+
+    _refuse(kwargs)
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
+    window = int(kwargs.get("sliding_window") or 0)
+    bound = getattr(module, CORE, None)
+    if bound is None or bound[1] is None:  # not protected: the eager math on the eager mask
+        L, Lk = query.shape[-2], key.shape[-2]
+        mask = eager_mask(attention_mask, L, Lk, causal=causal, window=window,
+                          dtype=query.dtype, device=query.device)  # fmt: skip
+        return _attention(module, query, key, value, mask, scaling, dropout, **kwargs)
+    spec, state = bound
+    return attend_fused(
+        spec, state, query, key, value, attention_mask,
+        scaling=query.size(-1) ** -0.5 if scaling is None else scaling, dropout=dropout,
+        training=module.training, causal=causal, window=window, softcap=kwargs.get("softcap"),
+        upcast_reordered=bool(getattr(module, "reorder_and_upcast_attn", False)),
+    )  # fmt: skip
+
+
+def install_interface(model: nn.Module, *, fused: bool = False) -> Callable[[], None]:
+    """Register the core (idempotent) and switch ``model`` to it; return the undo. ``fused``:
+    the fused backend, with transformers' flash-attention mask (2D padding or None)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        eager_mask,
+        flash_attention_mask,
+    )
 
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, eager_mask)
+    AttentionInterface.register(FUSED_NAME, _attention_fused)
+    AttentionMaskInterface.register(FUSED_NAME, flash_attention_mask)
     previous = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
+    model.set_attn_implementation(FUSED_NAME if fused else NAME)
     return lambda: model.set_attn_implementation(previous)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from attnchecker.attention.checks import Projection
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.state import AttentionState, Clock, new_log
-from attnchecker.errors import ConfigError, NoMatchingModuleError
+from attnchecker.errors import ConfigError, NoMatchingModuleError, UnsupportedModelError
 from attnchecker.models.handle import ProtectionHandle
 from attnchecker.models.registry import CORE, ProjectionSpec, discover, install
 
@@ -78,6 +78,7 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
             f"(indices {sorted(b.layer for b in blocks)})"
         )
     device = _device(model)
+    fused = _fused(config, found, device)
     clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
     naive = dataclasses.replace(config, mode="naive")  # where V's sums may not be passed
     states = {
@@ -86,6 +87,11 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
         )
         for b in chosen
     }
+    if fused:
+        from attnchecker.kernels.flash import new_counts
+
+        for b in chosen:
+            states[b.name].kernel = new_counts(_device(b.core, device))
     handle = ProtectionHandle(config, states, clock)
     for b in blocks:
         setattr(b.core, CORE, (b.spec, states.get(b.name)))
@@ -95,7 +101,7 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
             handle._undo.append(
                 p.module.register_forward_hook(_projection_hook(states[b.name], p)).remove
             )
-    handle._undo.append(install(model, found))
+    handle._undo.append(install(model, found, fused=fused))
 
     def tick(module: nn.Module, *_: object) -> None:
         clock.tick(_device(module, clock.count.device))
@@ -104,6 +110,28 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
     setattr(model, _HANDLE, handle)
     handle._undo.append(lambda: delattr(model, _HANDLE))
     return handle
+
+
+def _fused(config: ABFTConfig, found, device: torch.device) -> bool:
+    """Whether the fused kernels run the attention core (``config.backend``)."""
+    from attnchecker import kernels
+
+    if config.backend == "eager":
+        return False
+    usable = kernels.available() and not found.wiring.patch
+    if config.backend == "auto":
+        return usable and device.type == "cuda"
+    if not kernels.available():
+        raise ConfigError(
+            "backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU, "
+            "tests only); use backend='eager' or 'auto'"
+        )
+    if found.wiring.patch:
+        raise UnsupportedModelError(
+            f"backend='triton': {found.model_type} does not dispatch through transformers' "
+            f"attention interface; use backend='eager' or 'auto'"
+        )
+    return True
 
 
 def _device(module: nn.Module, default: torch.device | None = None) -> torch.device:

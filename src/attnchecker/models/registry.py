@@ -296,12 +296,13 @@ def layer_index(module: nn.Module, position: int) -> int:
     return position
 
 
-def install(model: nn.Module, found: Discovery) -> Callable[[], None]:
-    """Route every block's attention through the checked core; return the undo."""
+def install(model: nn.Module, found: Discovery, *, fused: bool = False) -> Callable[[], None]:
+    """Route every block's attention through the checked core (``fused``: the fused kernels);
+    return the undo."""
     if not found.wiring.patch:
         from attnchecker.models.interface import install_interface
 
-        return install_interface(model)
+        return install_interface(model, fused=fused)
     method, make = found.wiring.patch
     for b in found.blocks:
         setattr(b.core, method, make(b.core))

@@ -1,0 +1,110 @@
+"""The fused backend of the attention core: the checked flash kernels in place of the eager math.
+
+The attention interface calls :func:`attend_fused` with transformers' flash-attention mask
+convention (the 2D key padding mask, or None) and the module's causality and sliding window.
+Q, K and V have been checked by the projection hooks as in the eager engine; the kernels check
+S, the softmax and P V in the forward and the backward GEMMs in the backward, and add their
+detections to the state's device counters (no host synchronisation).
+
+A call the kernels do not cover runs the eager engine instead (:func:`attend`, with the eager
+additive mask built from the same inputs), with a warning once per reason: attention dropout
+in training (the kernels have no in-kernel dropout), logit soft-capping, and the eager-only
+options of GPT-2 (``reorder_and_upcast_attn``) and GPT-Neo (fp32 q and k, no scaling).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from attnchecker.attention.core import CoreSpec, _out, attend
+from attnchecker.attention.state import AttentionState
+
+__all__ = ["attend_fused", "eager_mask"]
+
+_WARNED: set[str] = set()
+
+
+def _fallback_reason(
+    spec: CoreSpec, dropout: float, training: bool, softcap: float | None, upcast: bool
+) -> str | None:
+    reasons = {
+        "attention dropout in training": training and dropout > 0,
+        "logit soft-capping": softcap is not None,
+        "reorder_and_upcast_attn": upcast,
+        "fp32 q and k without scaling (GPT-Neo)": spec.upcast_qk or not spec.scale,
+    }
+    return next((r for r, on in reasons.items() if on), None)
+
+
+def eager_mask(
+    key_mask: Tensor | None, L: int, Lk: int, *, causal: bool, window: int, dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor | None:  # fmt: skip
+    """The eager additive mask (B or 1, 1, L, Lk) of a causal / windowed / padded call (query i
+    at key position Lk - L + i), finfo.min where a key is excluded."""
+    if key_mask is None and not causal and not window:
+        return None
+    i = torch.arange(L, device=device)[:, None] + (Lk - L)
+    j = torch.arange(Lk, device=device)[None, :]
+    ok = torch.ones(L, Lk, dtype=torch.bool, device=device)
+    if causal:
+        ok &= j <= i
+    if window:
+        ok &= j > i - window
+    ok = ok[None, None]
+    if key_mask is not None:
+        ok = ok & key_mask.bool()[:, None, None, :]
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(ok, zero, torch.finfo(dtype).min)
+
+
+def attend_fused(
+    spec: CoreSpec,
+    state: AttentionState,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_mask: Tensor | None,
+    *,
+    scaling: float,
+    dropout: float,
+    training: bool,
+    causal: bool,
+    window: int,
+    softcap: float | None = None,
+    upcast_reordered: bool = False,
+) -> tuple[Tensor, None]:
+    """Checked attention of q (B, H, L, d), k and v (B, Hkv, Lk, d) by the fused kernels:
+    (output in the family's layout, None: no probabilities are materialised)."""
+    from attnchecker.kernels.flash import flash_attention
+
+    reason = _fallback_reason(spec, dropout, training, softcap, upcast_reordered)
+    if reason is not None:
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            warnings.warn(
+                f"attnchecker backend='triton': {reason} is not covered by the fused kernels; "
+                f"those calls run the checked eager attention",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        L, Lk = query.shape[-2], key.shape[-2]
+        mask = eager_mask(key_mask, L, Lk, causal=causal, window=window, dtype=query.dtype,
+                          device=query.device)  # fmt: skip
+        return attend(
+            spec, query, key, value, mask, scaling=scaling, dropout=dropout, training=training,
+            state=state, upcast_reordered=upcast_reordered, softcap=softcap,
+        )  # fmt: skip
+    state.flush()  # projections still waiting for their group (Q alone)
+    state.handoff = None
+    out = flash_attention(
+        query, key, value, causal=causal, window=window,
+        key_mask=None if key_mask is None else key_mask.bool(), scale=scaling,
+        counts=state.kernel, fault=state.kernel_fault,
+    )  # fmt: skip
+    if not state.checks("out"):
+        state.commit()
+    return _out(spec, out), None

@@ -1,0 +1,137 @@
+"""``ABFTConfig(backend="triton")``: the fused kernels inside real models (the interpreter on
+CPU): training steps equal to the eager engine's, faults in the kernels' GEMMs corrected or
+reported through ``handle.drain()``, the projections still checked, generate() with the KV
+cache, and the calls the kernels do not cover falling back to the eager engine.
+
+Tolerances against the eager engine (fp32): loss 1e-5 relative, gradients 1e-5 absolute (the
+kernels sum in another order).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import warnings
+
+import pytest
+import torch
+
+from attnchecker import ABFTConfig, ConfigError, UnsupportedModelError, protect_
+from attnchecker.kernels import available
+from attnchecker.kernels.flash import SITES, KernelFault
+from attnchecker.models.families import TABLE
+from attnchecker.models.tiny import build
+
+from .helpers import batch, fire_once, max_diff, models, train_step
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs triton (CUDA or the interpreter)")
+
+FUSED = ("llama", "mistral", "qwen3", "phi3", "gpt_neox", "opt", "bart")  # attention dropout 0
+TRITON = ABFTConfig(backend="triton")
+
+
+def _step(base, config, inputs, fault=None):
+    model = copy.deepcopy(base)
+    handle = protect_(model, config)
+    if fault is not None:
+        handle.state(handle.modules[0]).kernel_fault = fault
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the eager engine
+        result = train_step(model, inputs)
+    return result, handle
+
+
+@pytest.mark.parametrize("family", FUSED)
+def test_fused_training_step_equals_the_eager_engine(family):
+    base, _ = models(family)
+    inputs = batch(family)
+    (got, h), (want, _) = _step(base, TRITON, inputs), _step(base, ABFTConfig(), inputs)
+    assert torch.allclose(got[0], want[0], rtol=1e-5, atol=0), (got[0], want[0])
+    assert max_diff(got[1], want[1]) <= 1e-5
+    assert h.drain() == []
+    assert h.state(h.modules[0]).kernel is not None  # the kernels ran
+
+
+@functools.cache
+def _llama_one_layer():
+    """A one-layer Llama, its batch and its fault-free fused step (computed once)."""
+    base, _ = models("llama", layers=1)
+    inputs = batch("llama")
+    return base, inputs, _step(base, TRITON, inputs)[0]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_kernel_faults_are_corrected_in_a_training_step(site):
+    """A NaN in every GEMM of the kernels, forward and backward, of layer 0: the step's loss,
+    gradients and update are bitwise those of the fault-free fused step, and drain() says so."""
+    base, inputs, want = _llama_one_layer()
+    row, col = (3, 2) if site in ("dv", "dk") else (5, 3)
+    got, handle = _step(base, TRITON, inputs, KernelFault(site, 1, 0, row, col, math.nan))
+    events = handle.drain()
+    assert events and all(e.action == "corrected" for e in events), events
+    assert torch.equal(got[0], want[0]) and max_diff(got[1], want[1]) == 0.0
+    assert max_diff(got[2], want[2]) == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_persistent_kernel_fault_is_reported_and_skips_the_step():
+    base, _ = models("llama", layers=1)
+    fault = KernelFault("dk", 0, 1, 2, 5, math.inf, persistent=True)
+    _, handle = _step(base, TRITON.replace(policy="skip_step"), batch("llama"), fault)
+    events = handle.drain()
+    assert any(e.op == "dk" and e.action == "uncorrectable" for e in events), events
+    assert handle.skip_requested
+    assert handle.counters()["dk"]["uncorrectable"] == 1
+
+
+def test_projections_are_still_checked():
+    base, _ = models("qwen3", layers=1)
+    inputs = batch("qwen3")
+    want, _ = _step(base, TRITON, inputs)
+    model = copy.deepcopy(base)
+    handle = protect_(model, TRITON)
+    handle.attach(fire_once("k", "1R", "nan"))
+    got = train_step(model, inputs)
+    assert [(e.op, e.action) for e in handle.drain()] == [("k", "corrected")]
+    assert torch.allclose(got[0], want[0], rtol=1e-6) and max_diff(got[1], want[1]) <= 1e-5
+
+
+def test_generate_with_kv_cache_gives_the_eager_tokens():
+    model = build("llama").eval()
+    plain = copy.deepcopy(model)
+    handle = protect_(model, TRITON)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    greedy = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    want = plain.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **greedy)
+    got = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **greedy)
+    assert torch.equal(got, want)
+    assert handle.drain() == []
+
+
+def test_attention_dropout_falls_back_to_the_eager_engine_once_warned():
+    """BERT's attention dropout (0.1 in training): the fused kernels have no in-kernel dropout,
+    so those calls run the checked eager attention, bitwise as the eager backend."""
+    import attnchecker.attention.fused as fused
+
+    fused._WARNED.clear()
+    base, _ = models("bert")
+    inputs = batch("bert")
+    model = copy.deepcopy(base)
+    handle = protect_(model, TRITON)
+    with pytest.warns(RuntimeWarning, match="attention dropout"):
+        got = train_step(model, inputs)
+    want, _ = _step(base, ABFTConfig(), inputs)
+    assert torch.equal(got[0], want[0]) and max_diff(got[1], want[1]) == 0.0
+    assert handle.drain() == []
+
+
+def test_backend_choices():
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        ABFTConfig(backend="flash")
+    with pytest.raises(UnsupportedModelError, match=r"gpt_neo.*attention interface"):
+        protect_(build("gpt_neo"), TRITON)
+    assert TABLE["gpt_neo"].wiring.patch is not None
+    h = protect_(build("llama"), ABFTConfig(backend="auto"))  # CPU: auto is eager
+    assert h.state(h.modules[0]).kernel is None
