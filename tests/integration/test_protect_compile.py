@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from attnchecker import protect_
 from attnchecker.models.tiny import build
 
-from .helpers import SITES, batch, fire_once, max_diff
+from .helpers import SITES, batch, fire_once, max_diff, update_excess
 
 # one fault per site, varied so that every kind and pattern meets the compiled program once
 FAULTS = dict(
@@ -44,7 +44,7 @@ def _compiled_step(model, compiled, inputs):
 
 
 @pytest.mark.parametrize(
-    "family", ["gpt2", *(pytest.param(f, marks=pytest.mark.slow)
+    "family", ["gpt2", *(pytest.param(f, marks=[pytest.mark.slow, pytest.mark.timeout(900)])
                          for f in ("llama", "bert", "qwen3", "gpt_neox", "opt", "bart"))],
 )  # fmt: skip
 def test_compiled_protected_model_compiles_once_and_corrects_every_op(family):
@@ -79,7 +79,7 @@ def test_compiled_protected_model_compiles_once_and_corrects_every_op(family):
         assert hook.fired, site
         assert torch.allclose(got[0], want[0], rtol=1e-6), (site, kind, pattern)
         assert max_diff(got[1], want[1]) <= 1e-5, (site, kind, pattern)
-        assert max_diff(got[2], want[2]) <= 1e-5, (site, kind, pattern)
+        assert update_excess(got, want) <= 1e-5, (site, kind, pattern)
         assert [(e.op, e.action) for e in events if e.op == site] in (
             [(site, "corrected")],
             [(site, "recomputed")],

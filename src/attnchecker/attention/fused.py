@@ -103,7 +103,7 @@ def attend_fused(
     out = flash_attention(
         query, key, value, causal=causal, window=window,
         key_mask=None if key_mask is None else key_mask.bool(), scale=scaling,
-        counts=state.kernel, fault=state.kernel_fault,
+        counts=state.kernel, sink=state.kernel_sink, fault=state.kernel_fault,
     )  # fmt: skip
     if not state.checks("out"):
         state.commit()

@@ -113,9 +113,24 @@ class AttentionState:
     handoff: object | None = None  # what the projection checks leave for the core (passing)
     noted: list = field(default_factory=list)  # this layer's records, until commit()
     # the fused backend: its kernels' device counters (kernels.flash.CHECKS x detected,
-    # corrected, uncorrected), and a fault its next calls inject (tests, campaigns)
+    # corrected, uncorrected) of the forward, and of the backward in kernel_sink.grad
+    # (kernels.ops), and a fault its next calls inject (tests, campaigns)
     kernel: Tensor | None = None
+    kernel_sink: Tensor | None = None  # its .grad collects the backward kernels' counters
     kernel_fault: object | None = None
+
+    def kernel_counts(self) -> Tensor | None:
+        """The fused kernels' counters so far, forward and backward (int32, on the device)."""
+        if self.kernel is None:
+            return None
+        grad = None if self.kernel_sink is None else self.kernel_sink.grad
+        return self.kernel if grad is None else self.kernel + grad.to(torch.int32)
+
+    def reset_kernel_counts(self) -> None:
+        if self.kernel is not None:
+            self.kernel.zero_()
+        if self.kernel_sink is not None:
+            self.kernel_sink.grad = None
 
     def checks(self, op: str) -> bool:
         return op in self.config.ops

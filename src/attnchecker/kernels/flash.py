@@ -35,6 +35,7 @@ SITES = {"s": SITE_S, "pv": SITE_PV, "st": bwd.SITE_ST, "dpt": bwd.SITE_DPT, "dv
 """The GEMMs a fault can hit: the forward's S and PV; in the dK/dV program S^T (recomputed),
 dP^T and the dV, dK accumulators; in the dQ program S (recomputed), dP and the dQ accumulator."""
 _SITES = SITES
+FORWARD_SITES = ("s", "pv")
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def flash_forward(
     window: int = 0,
     scale: float | None = None,
     check: bool = True,
-    fault: KernelFault | None = None,
+    fault: KernelFault | Tensor | None = None,
     counts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention softmax(q k^T * scale + masks) v: (out (B, H, L, d), lse (B, H, L) in base 2
@@ -100,6 +101,8 @@ def flash_forward(
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if key_mask is not None and tuple(key_mask.shape) != (B, Lk):
         raise ValueError(f"key_mask must be (B, Lk) = {(B, Lk)}, got {tuple(key_mask.shape)}")
+    if isinstance(fault, KernelFault) and fault.site in SITES and fault.site not in FORWARD_SITES:
+        raise ValueError(f"{fault.site!r} is a backward site: give it to flash_attention")
     scale = d**-0.5 if scale is None else scale
     out = torch.empty_like(q)
     lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
@@ -125,11 +128,12 @@ def _launch_args(q, k, key_mask, fault, window, device):
         if key_mask is not None
         else torch.empty(1, 1, dtype=torch.int8, device=device)
     )
-    code = (
-        fault.encode(q.shape[1], device)
-        if fault is not None
-        else torch.zeros(6, dtype=torch.float32, device=device)
-    )
+    if isinstance(fault, KernelFault):
+        code = fault.encode(q.shape[1], device)
+    elif fault is not None:  # already encoded (the custom ops pass tensors)
+        code = fault
+    else:
+        code = torch.zeros(6, dtype=torch.float32, device=device)
     return mask, code
 
 
@@ -146,13 +150,15 @@ def flash_backward(
     window: int = 0,
     scale: float | None = None,
     check: bool = True,
-    fault: KernelFault | None = None,
+    fault: KernelFault | Tensor | None = None,
     counts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of :func:`flash_forward`'s attention for the output gradient ``grad``, from
     the saved q, k, v, out and lse (P is recomputed), with the checks of ``flash_bwd``."""
     B, H, L, d = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
+    if isinstance(fault, KernelFault) and fault.site in FORWARD_SITES:
+        raise ValueError(f"{fault.site!r} is a forward site: give it to flash_forward")
     scale = d**-0.5 if scale is None else scale
     counts = new_counts(q.device) if counts is None else counts
     grad = grad.contiguous()  # autograd may hand an expanded (stride 0) gradient
@@ -184,28 +190,6 @@ def flash_backward(
     return dq, dk, dv
 
 
-class _Flash(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, key_mask, window, scale, counts, fault, fault_bwd):
-        out, lse, _ = flash_forward(
-            q, k, v, causal=causal, key_mask=key_mask, window=window, scale=scale,
-            counts=counts, fault=fault,
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = (causal, key_mask, window, scale, counts, fault_bwd)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, key_mask, window, scale, counts, fault = ctx.options
-        dq, dk, dv = flash_backward(
-            q, k, v, out, lse, grad, causal=causal, key_mask=key_mask, window=window,
-            scale=scale, counts=counts, fault=fault,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None, None
-
-
 def flash_attention(
     q: Tensor,
     k: Tensor,
@@ -216,14 +200,23 @@ def flash_attention(
     window: int = 0,
     scale: float | None = None,
     counts: Tensor | None = None,
+    sink: Tensor | None = None,
     fault: KernelFault | None = None,
 ) -> Tensor:
-    """Differentiable checked flash attention (forward and backward kernels); detections are
-    added to ``counts`` (:func:`new_counts`). A ``fault`` at a backward site is injected in the
-    backward, at a forward site in the forward."""
-    backward_site = fault is not None and fault.site not in ("s", "pv")
-    return _Flash.apply(
-        q, k, v, causal, key_mask, window, scale,
-        new_counts(q.device) if counts is None else counts,
-        None if backward_site else fault, fault if backward_site else None,
-    )  # fmt: skip
+    """Differentiable checked flash attention (the custom ops of :mod:`attnchecker.kernels.ops`,
+    so torch.compile traces one op): the forward's detections are added to ``counts``
+    (:func:`new_counts`), the backward's accumulate in ``sink.grad`` (``ops.new_sink``). A
+    ``fault`` at a backward site is injected in the backward, at a forward site in the
+    forward."""
+    from attnchecker.kernels.ops import flash_fwd_op, new_sink
+
+    code_f = code_b = None
+    if fault is not None:
+        code = fault.encode(q.shape[1], q.device)
+        code_f, code_b = (code, None) if fault.site in FORWARD_SITES else (None, code)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    sink = new_sink(q.device) if sink is None else sink
+    out, _, found = flash_fwd_op(q, k, v, key_mask, sink, code_f, code_b, causal, window, scale)
+    if counts is not None:
+        counts.add_(found)
+    return out

@@ -145,7 +145,7 @@ class ProtectionHandle:
         states = list(self._states.values())
         dev = states[0].log.device
         logs = torch.stack([st.log.to(dev) for st in states])  # (S, OPS, fields)
-        kern = [st.kernel.to(dev) for st in states if st.kernel is not None]
+        kern = [c.to(dev) for st in states if (c := st.kernel_counts()) is not None]
         parts = [logs.flatten(), self._clock.count.to(dev, torch.float64)]
         if kern:
             parts.append(torch.stack(kern).flatten().to(torch.float64))
@@ -186,8 +186,7 @@ class ProtectionHandle:
             return []
         for st in self._states.values():
             st.log.zero_()
-            if st.kernel is not None:
-                st.kernel.zero_()
+            st.reset_kernel_counts()
         events = []
         for (name, st), log in zip(self._states.items(), logs, strict=True):
             for op, row in zip(OPS, log, strict=True):

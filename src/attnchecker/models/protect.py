@@ -89,9 +89,11 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
     }
     if fused:
         from attnchecker.kernels.flash import new_counts
+        from attnchecker.kernels.ops import new_sink
 
         for b in chosen:
             states[b.name].kernel = new_counts(_device(b.core, device))
+            states[b.name].kernel_sink = new_sink(_device(b.core, device))
     handle = ProtectionHandle(config, states, clock)
     for b in blocks:
         setattr(b.core, CORE, (b.spec, states.get(b.name)))

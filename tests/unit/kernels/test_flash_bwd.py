@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from attnchecker.kernels import available
 from attnchecker.kernels.flash import CHECKS, KernelFault, flash_attention, new_counts
+from attnchecker.kernels.ops import new_sink
 
 from .test_flash_fwd import DTYPES, _allowed, _operands
 
@@ -35,11 +36,12 @@ CASES = {  # name: (B, H, Hkv, L, Lk, d, causal, window, padding)
 
 
 def _grads(q, k, v, grad, **kw):
+    """(out, dq, dk, dv) and the counters of the forward and the backward, added."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    counts = new_counts(q.device)
-    out = flash_attention(q, k, v, counts=counts, **kw)
+    counts, sink = new_counts(q.device), new_sink(q.device)
+    out = flash_attention(q, k, v, counts=counts, sink=sink, **kw)
     out.backward(grad)
-    return (out.detach(), q.grad, k.grad, v.grad), counts
+    return (out.detach(), q.grad, k.grad, v.grad), counts + sink.grad.to(torch.int32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -94,7 +96,7 @@ def test_backward_faults_are_corrected_or_reported(site, kind, persistent):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_no_false_alarm_in_the_backward(dtype):
-    total = new_counts(torch.device("cpu"))
+    total, sink = new_counts(torch.device("cpu")), new_sink(torch.device("cpu"))
     for seed, scale in enumerate((0.1, 1.0, 10.0, 100.0)):
         for causal, padding in ((False, True), (True, False)):
             q, k, v = _operands(1, 2, 1, 40, 40, 64, dtype, scale=scale, seed=seed)
@@ -102,6 +104,8 @@ def test_no_false_alarm_in_the_backward(dtype):
             if padding:
                 key_mask = torch.rand(1, 40, generator=torch.Generator().manual_seed(seed)) > 0.3
             q, k, v = (t.requires_grad_() for t in (q, k, v))
-            out = flash_attention(q, k, v, causal=causal, key_mask=key_mask, counts=total)
+            out = flash_attention(
+                q, k, v, causal=causal, key_mask=key_mask, counts=total, sink=sink
+            )
             out.backward(torch.randn_like(out))
-    assert total.sum() == 0, total.tolist()
+    assert total.sum() == 0 and sink.grad.sum() == 0, (total.tolist(), sink.grad.tolist())

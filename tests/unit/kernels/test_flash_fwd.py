@@ -174,5 +174,7 @@ def test_bad_shapes_are_refused():
     q, k, v = _operands(1, 2, 2, 8, 8, 16, "fp32")
     with pytest.raises(ValueError, match="key_mask"):
         flash_forward(q, k, v, key_mask=torch.ones(1, 9, dtype=torch.bool))
-    with pytest.raises(ValueError, match="site"):
+    with pytest.raises(ValueError, match="backward site"):
         flash_forward(q, k, v, fault=KernelFault("dq", 0, 0, 0, 0, 1.0))
+    with pytest.raises(ValueError, match="site must be one of"):
+        flash_forward(q, k, v, fault=KernelFault("qk", 0, 0, 0, 0, 1.0))

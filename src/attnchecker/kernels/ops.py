@@ -1,0 +1,102 @@
+"""The checked flash kernels as PyTorch custom ops, so that a protected model compiles with
+``torch.compile(fullgraph=True)``: dynamo sees one opaque op per attention call (with a fake
+implementation for shapes) and autograd its registered backward.
+
+Both ops are functional (an op with an autograd formula may not mutate its inputs): the forward
+``attnchecker::flash_fwd(q, k, v, key_mask, sink, fault_fwd, fault_bwd, causal, window, scale)
+-> (out, lse, counts)`` returns the counters of its checks, which the caller adds to its own;
+the backward's counters are returned as the *gradient of* ``sink``, a small float leaf tensor
+that requires grad and is otherwise unused, so autograd itself accumulates them into
+``sink.grad`` over every layer and step (no mutation, nothing to sync). Faults are encoded
+tensors (:meth:`~attnchecker.kernels.flash.KernelFault.encode`): the forward's is injected in
+the forward, the backward's saved for the backward. ``torch.library.triton_op`` is not used: on
+CPU under compile it touches fake tensors' data.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnchecker.kernels.flash import CHECKS, flash_backward, flash_forward, new_counts
+
+__all__ = ["flash_bwd_op", "flash_fwd_op", "new_sink"]
+
+
+def new_sink(device: torch.device) -> Tensor:
+    """The leaf whose ``.grad`` collects the backward kernels' counters (float32, as
+    :func:`~attnchecker.kernels.flash.new_counts`)."""
+    return torch.zeros(len(CHECKS), 3, device=device, requires_grad=True)
+
+
+@torch.library.custom_op("attnchecker::flash_fwd", mutates_args=())
+def flash_fwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_mask: Tensor | None,
+    sink: Tensor,
+    fault_fwd: Tensor | None,
+    fault_bwd: Tensor | None,
+    causal: bool,
+    window: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    out, lse, counts = flash_forward(
+        q, k, v, causal=causal, key_mask=key_mask, window=window, scale=scale, fault=fault_fwd,
+    )  # fmt: skip
+    return out, lse, counts
+
+
+@flash_fwd_op.register_fake
+def _(q, k, v, key_mask, sink, fault_fwd, fault_bwd, causal, window, scale):
+    B, H, L, _ = q.shape
+    counts = q.new_empty(len(CHECKS), 3, dtype=torch.int32)
+    return torch.empty_like(q), q.new_empty(B, H, L, dtype=torch.float32), counts
+
+
+@torch.library.custom_op("attnchecker::flash_bwd", mutates_args=())
+def flash_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    key_mask: Tensor | None,
+    fault: Tensor | None,
+    causal: bool,
+    window: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    counts = new_counts(q.device)
+    dq, dk, dv = flash_backward(
+        q, k, v, out, lse, grad, causal=causal, key_mask=key_mask, window=window, scale=scale,
+        counts=counts, fault=fault,
+    )  # fmt: skip
+    return dq, dk, dv, counts.to(torch.float32)
+
+
+@flash_bwd_op.register_fake
+def _(q, k, v, out, lse, grad, key_mask, fault, causal, window, scale):
+    counts = q.new_empty(len(CHECKS), 3, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), counts
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, key_mask, _, _, fault_bwd, causal, window, scale = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.extra = (key_mask, fault_bwd, causal, window, scale)
+
+
+def _backward(ctx, grad_out, grad_lse, grad_counts):
+    q, k, v, out, lse = ctx.saved_tensors
+    key_mask, fault, causal, window, scale = ctx.extra
+    dq, dk, dv, counts = flash_bwd_op(
+        q, k, v, out, lse, grad_out, key_mask, fault, causal, window, scale
+    )
+    return dq, dk, dv, None, counts, None, None, None, None, None
+
+
+flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
