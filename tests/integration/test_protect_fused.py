@@ -135,3 +135,32 @@ def test_backend_choices():
     assert TABLE["gpt_neo"].wiring.patch is not None
     h = protect_(build("llama"), ABFTConfig(backend="auto"))  # CPU: auto is eager
     assert h.state(h.modules[0]).kernel is None
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_fused_model_compiles_with_fullgraph_once_and_corrects():
+    """torch.compile(fullgraph=True) of a protected model on the fused backend: the kernels are
+    custom ops, so there is no graph break; clean steps do not recompile; a fault in the
+    compiled backward is corrected and reported (its counters ride on a leaf's gradient)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    base, inputs, want = _llama_one_layer()
+    model = copy.deepcopy(base)
+    handle = protect_(model, TRITON)
+    backend = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    losses, frames = [], []
+    for _ in range(3):
+        loss = compiled(**inputs).loss
+        loss.backward()
+        losses.append(loss.detach())
+        assert handle.drain() == []
+        frames.append(backend.frame_count)
+    assert frames == [frames[0]] * 3, frames
+    assert torch.allclose(losses[0], want[0], rtol=1e-5)
+    handle.state(handle.modules[0]).kernel_fault = KernelFault("dk", 0, 1, 2, 3, math.nan)
+    compiled(**inputs).loss.backward()
+    assert [(e.op, e.action) for e in handle.drain()] == [("dk", "corrected")]
+    # placing a fault is a Python object the graph guards on: one recompilation, for tests
+    assert backend.frame_count <= frames[0] + 1

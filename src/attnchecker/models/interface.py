@@ -145,20 +145,30 @@ def _attention_fused(
     )  # fmt: skip
 
 
+def _fused_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    *args: object,
+    attention_mask: Tensor | None = None,
+    **kwargs: object,
+) -> Tensor | None:
+    """The fused backend's mask: the 2D key padding mask over the last ``kv_length`` keys, as
+    transformers' flash-attention mask, but never tested for being all ones (``.all()`` would
+    synchronise and break a compiled graph); causality and the window come from the module."""
+    return None if attention_mask is None else attention_mask[:, -kv_length:]
+
+
 def install_interface(model: nn.Module, *, fused: bool = False) -> Callable[[], None]:
     """Register the core (idempotent) and switch ``model`` to it; return the undo. ``fused``:
     the fused backend, with transformers' flash-attention mask (2D padding or None)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import (
-        AttentionMaskInterface,
-        eager_mask,
-        flash_attention_mask,
-    )
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, eager_mask)
     AttentionInterface.register(FUSED_NAME, _attention_fused)
-    AttentionMaskInterface.register(FUSED_NAME, flash_attention_mask)
+    AttentionMaskInterface.register(FUSED_NAME, _fused_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation(FUSED_NAME if fused else NAME)
     return lambda: model.set_attn_implementation(previous)
