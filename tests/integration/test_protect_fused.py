@@ -37,7 +37,8 @@ def _step(base, config, inputs, fault=None):
     if fault is not None:
         handle.state(handle.modules[0]).kernel_fault = fault
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the eager engine
+        # no fallback to the eager engine (numpy's own warnings in the interpreter are fine)
+        warnings.filterwarnings("error", message="attnchecker backend", category=RuntimeWarning)
         result = train_step(model, inputs)
     return result, handle
 
@@ -164,3 +165,51 @@ def test_fused_model_compiles_with_fullgraph_once_and_corrects():
     assert [(e.op, e.action) for e in handle.drain()] == [("dk", "corrected")]
     # placing a fault is a Python object the graph guards on: one recompilation, for tests
     assert backend.frame_count <= frames[0] + 1
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize(
+    ("site", "kind", "pattern"),
+    [("kernel:s", "nan", "0D"), ("kernel:pv", "exponent_flip", "1R"),
+     ("kernel:dq", "inf", "1C"), ("kernel:dv", "random", "0D")],
+)  # fmt: skip
+def test_fault_plans_reach_the_kernels(site, kind, pattern):
+    """A seeded plan at kernel sites: corrected on the checked fused model (its step equals the
+    fault-free one), landing on the unchecked one (ops=(): a different step), recorded by the
+    injector."""
+    from attnchecker.inject import Fault, FaultPlan, Injector
+
+    base, inputs, want = _llama_one_layer()
+    plan = FaultPlan((Fault(step=1, site=site, kind=kind, pattern=pattern, layer=0),), seed=3)
+    results = {}
+    for arm, ops in (("checked", TRITON.ops), ("unchecked", ())):
+        model = copy.deepcopy(base)
+        handle = protect_(model, TRITON.replace(ops=ops))
+        with Injector(model, plan) as inj:
+            results[arm] = train_step(model, inputs), handle.drain(), inj.records
+    (got, events, records) = results["checked"]
+    assert len(records) == 1 and records[0].site == site
+    assert events and all(e.action == "corrected" for e in events), events
+    assert torch.equal(got[0], want[0]) and max_diff(got[1], want[1]) == 0.0
+    dead, _, _ = results["unchecked"]  # the same fault, unchecked: the step is not the same
+    assert not (
+        torch.equal(dead[0], want[0]) and all(torch.equal(dead[1][n], want[1][n]) for n in want[1])
+    )
+
+
+def test_kernel_fault_plans_are_validated():
+    from attnchecker.inject import Fault, FaultPlan, Injector
+
+    with pytest.raises(ConfigError, match="unknown kernel site"):
+        Fault(step=1, site="kernel:qk")
+    with pytest.raises(ConfigError, match="patterns 0D, 1R, 1C"):
+        Fault(step=1, site="kernel:s", pattern="2D")
+    with pytest.raises(ConfigError, match="persistent faults are for kernel sites"):
+        Fault(step=1, site="scores", persistent=True)
+    model = build("llama")
+    protect_(model)  # the eager backend: no kernels to reach
+    with (
+        pytest.raises(ConfigError, match="backend='triton'"),
+        Injector(model, FaultPlan((Fault(step=1, site="kernel:s"),))),
+    ):
+        pass

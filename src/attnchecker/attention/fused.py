@@ -100,10 +100,14 @@ def attend_fused(
         )  # fmt: skip
     state.flush()  # projections still waiting for their group (Q alone)
     state.handoff = None
+    fault = state.kernel_fault
+    if callable(fault):  # an injector's: it decides from the step and the shapes
+        fault = fault(query, key)
     out = flash_attention(
         query, key, value, causal=causal, window=window,
         key_mask=None if key_mask is None else key_mask.bool(), scale=scaling,
-        counts=state.kernel, sink=state.kernel_sink, fault=state.kernel_fault,
+        counts=state.kernel, sink=state.kernel_sink, fault=fault,
+        check=any(state.checks(op) for op in ("scores", "probs", "context")),
     )  # fmt: skip
     if not state.checks("out"):
         state.commit()

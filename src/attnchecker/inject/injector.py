@@ -10,6 +10,7 @@ removed on exit, even when the body raises.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -110,6 +111,8 @@ class Injector:
                 handle = protect_(self.model, ABFTConfig(ops=()))
                 self._undo.append(lambda: unprotect_(self.model))
             self._undo.append(handle.attach(self._on_site).remove)
+        if any(f.family == "kernel" for _, f in faults):
+            self._install_kernel()
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names too
         for i, f in faults:
             if f.family == "module":
@@ -128,6 +131,55 @@ class Injector:
                     raise ConfigError(f"no parameter {name!r} in the model")
                 hook = partial(self._on_optimizer, i, params[name], key)
                 self._undo.append(self.optimizer.register_step_post_hook(hook).remove)
+
+    def _install_kernel(self) -> None:
+        """Kernel sites: every fused state asks the injector, at each attention call, for the
+        fault to inject (coordinates drawn from the operands' shapes)."""
+        handle = getattr(self.model, "_attnchecker_handle", None)
+        states = [] if handle is None else [handle.state(n) for n in handle.modules]
+        states = [st for st in states if st.kernel is not None]
+        if not states:
+            raise ConfigError(
+                "kernel sites need a model protected with ABFTConfig(backend='triton') "
+                "(ops=() for the unchecked arm)"
+            )
+        for st in states:
+            previous = st.kernel_fault
+            st.kernel_fault = partial(self._on_kernel, st)
+            self._undo.append(partial(setattr, st, "kernel_fault", previous))
+
+    def _on_kernel(self, state, query: Tensor, key: Tensor):
+        """The KernelFault of a due kernel fault of this layer, or None."""
+        from attnchecker.kernels.flash import KernelFault
+
+        for i, f in enumerate(self.plan.faults):
+            if f.family != "kernel" or f.layer != state.layer or not self._due(i, f):
+                continue
+            site = f.site.split(":", 1)[1]
+            g = self.plan.generator(i)
+
+            def draw(n: int, given: int | None, g=g) -> int:
+                return int(torch.randint(0, n, (1,), generator=g)) if given is None else given
+
+            B, H, L, d = query.shape
+            Lk = key.shape[-2]
+            rows, cols = {"pv": (L, d), "dq": (L, d), "dv": (Lk, d), "dk": (Lk, d)}.get(
+                site, (L, Lk)
+            )
+            b, h = draw(B, f.batch), draw(H, f.head)
+            row, col = draw(rows, f.row), draw(cols, f.col)
+            row = -1 if f.pattern == "1C" else row
+            col = -1 if f.pattern == "1R" else col
+            mode, value = _kernel_edit(f, g)
+            self._fired.add(i)
+            self.records.append(
+                FaultRecord(i, f.site, state.layer, self.current_step,
+                            _describe((b, h, slice(None) if row < 0 else row,
+                                       slice(None) if col < 0 else col)),
+                            (rows if row < 0 else 1) * (cols if col < 0 else 1), [], [value])
+            )  # fmt: skip
+            return KernelFault(site, b, h, row, col, value, f.persistent, mode, f.bit or 0)
+        return None
 
     @property
     def current_step(self) -> int:
@@ -196,3 +248,23 @@ def _describe(index: tuple) -> str:
         return str(x)
 
     return "(" + ", ".join(one(x) for x in index) + ")"
+
+
+def _kernel_edit(fault: Fault, generator: torch.Generator) -> tuple[str, float]:
+    """(mode, value) of a kernel fault's kind (``attnchecker.kernels.common``)."""
+    from attnchecker.inject.kinds import FaultKind
+
+    kind = fault.kind
+    if kind is FaultKind.EXPONENT_FLIP:
+        return "exponent", 0.0
+    if kind is FaultKind.BIT_FLIP:
+        return "bit", 0.0
+    if kind is FaultKind.SCALE:
+        return "scale", 2.0 if fault.value is None else fault.value
+    if kind is FaultKind.RANDOM:
+        top = 1e8 if fault.value is None else fault.value
+        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        sign = -1.0 if float(torch.rand((), generator=generator)) < 0.5 else 1.0
+        return "set", sign * top**u
+    fixed = {FaultKind.INF: math.inf, FaultKind.NEG_INF: -math.inf, FaultKind.NAN: math.nan}
+    return "set", fixed.get(kind, 1e10 if fault.value is None else fault.value)  # near_inf

@@ -8,7 +8,11 @@ the fault fires, so the same plan on the same model always hits the same element
 - ``module:<qualified name>``: the output of any module (``module:bert.encoder.layer.0.output``);
 - ``grad:<parameter name>``: a parameter's gradient during backward;
 - ``optim:<parameter name>:<state key>``: an optimizer state tensor (e.g. ``exp_avg``), just
-  before the optimizer step.
+  before the optimizer step;
+- ``kernel:<site>``: a GEMM inside the fused kernels of a layer (``ABFTConfig(backend=
+  "triton")``): ``s``, ``pv`` in the forward, ``st``, ``dpt``, ``dv``, ``dk``, ``sq``, ``dp``,
+  ``dq`` in the backward (:data:`attnchecker.kernels.flash.SITES`); patterns 0D, 1R, 1C;
+  ``persistent`` faults hit every recomputation too (else the first only).
 
 Steps count the model's forward passes from 1 (one per training step).
 """
@@ -55,6 +59,7 @@ class Fault:
     size: tuple[int, int] = (2, 2)
     bit: int | None = None  # for bit_flip
     value: float | None = None  # for near_inf, scale, random
+    persistent: bool = False  # kernel sites: every recomputation is hit too
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", FaultKind(self.kind))
@@ -63,17 +68,27 @@ class Fault:
         if self.step < 1:
             raise ConfigError(f"step counts forward passes from 1, got {self.step}")
         prefix = self.site.split(":", 1)[0]
-        if self.site not in OPS and prefix not in ("module", "grad", "optim"):
+        if self.site not in OPS and prefix not in ("module", "grad", "optim", "kernel"):
             raise ConfigError(
                 f"unknown site {self.site!r}: use one of {list(OPS)} or 'module:<name>', "
-                "'grad:<param>', 'optim:<param>:<state key>'"
+                "'grad:<param>', 'optim:<param>:<state key>', 'kernel:<site>'"
             )
+        if prefix == "kernel":
+            from attnchecker.kernels import KERNEL_SITES
+
+            name = self.site.split(":", 1)[1]
+            if name not in KERNEL_SITES:
+                raise ConfigError(f"unknown kernel site {name!r}; choose from {list(KERNEL_SITES)}")
+            if self.pattern not in (FaultPattern.D0, FaultPattern.R1, FaultPattern.C1):
+                raise ConfigError(f"kernel sites take patterns 0D, 1R, 1C, not {self.pattern}")
+        elif self.persistent:
+            raise ConfigError("persistent faults are for kernel sites (the eager sites fire once)")
         if self.kind is FaultKind.BIT_FLIP and self.bit is None:
             raise ConfigError("a bit_flip fault needs bit= (0 is the least significant bit)")
 
     @property
     def family(self) -> str:
-        """attention, module, grad or optim."""
+        """attention, module, grad, optim or kernel."""
         return "attention" if self.site in OPS else self.site.split(":", 1)[0]
 
     def index(self, shape: torch.Size, generator: torch.Generator) -> tuple:

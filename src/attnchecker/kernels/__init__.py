@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["available", "interpreting"]
+__all__ = ["KERNEL_SITES", "available", "interpreting"]
+
+KERNEL_SITES = ("s", "pv", "st", "dpt", "dv", "dk", "sq", "dp", "dq")
+"""The GEMMs of the fused kernels a fault can hit (``kernels.flash.SITES``; named here, where
+nothing imports triton, so fault plans validate without it)."""
 
 
 def interpreting() -> bool:

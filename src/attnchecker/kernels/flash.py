@@ -15,8 +15,9 @@ import torch
 import triton
 from torch import Tensor
 
+from attnchecker.kernels import KERNEL_SITES, interpreting
 from attnchecker.kernels import flash_bwd as bwd
-from attnchecker.kernels import interpreting
+from attnchecker.kernels.common import FAULT_FIELDS, MODES
 from attnchecker.kernels.flash_fwd import SITE_PV, SITE_S, _fwd
 
 __all__ = [
@@ -36,6 +37,7 @@ SITES = {"s": SITE_S, "pv": SITE_PV, "st": bwd.SITE_ST, "dpt": bwd.SITE_DPT, "dv
 dP^T and the dV, dK accumulators; in the dQ program S (recomputed), dP and the dQ accumulator."""
 _SITES = SITES
 FORWARD_SITES = ("s", "pv")
+assert tuple(SITES) == KERNEL_SITES
 
 
 @dataclass(frozen=True)
@@ -49,18 +51,22 @@ class KernelFault:
     site: str
     batch: int
     head: int
-    row: int
-    col: int
-    value: float
+    row: int  # -1: every row (a column fault)
+    col: int  # -1: every column (a row fault)
+    value: float = 0.0
     persistent: bool = False
+    mode: str = "set"  # set to value, scale by it, flip ``bit``, or the reference "exponent" flip
+    bit: int = 0
 
     def encode(self, heads: int, device: torch.device) -> Tensor:
+        """The (len(FAULT_FIELDS),) float32 vector the kernels read."""
         if self.site not in _SITES:
-            raise ValueError(
-                f"kernel fault site must be one of {sorted(_SITES)}, got {self.site!r}"
-            )
+            raise ValueError(f"kernel fault site must be one of {sorted(_SITES)}: {self.site!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"kernel fault mode must be one of {sorted(MODES)}: {self.mode!r}")
         bh = self.batch * heads + self.head
-        vals = [_SITES[self.site], bh, self.row, self.col, self.value, float(self.persistent)]
+        vals = [_SITES[self.site], bh, self.row, self.col, self.value, float(self.persistent),
+                MODES[self.mode], self.bit]  # fmt: skip
         return torch.tensor(vals, dtype=torch.float32, device=device)
 
 
@@ -133,7 +139,7 @@ def _launch_args(q, k, key_mask, fault, window, device):
     elif fault is not None:  # already encoded (the custom ops pass tensors)
         code = fault
     else:
-        code = torch.zeros(6, dtype=torch.float32, device=device)
+        code = torch.zeros(len(FAULT_FIELDS), dtype=torch.float32, device=device)
     return mask, code
 
 
@@ -202,12 +208,13 @@ def flash_attention(
     counts: Tensor | None = None,
     sink: Tensor | None = None,
     fault: KernelFault | None = None,
+    check: bool = True,
 ) -> Tensor:
     """Differentiable checked flash attention (the custom ops of :mod:`attnchecker.kernels.ops`,
     so torch.compile traces one op): the forward's detections are added to ``counts``
     (:func:`new_counts`), the backward's accumulate in ``sink.grad`` (``ops.new_sink``). A
     ``fault`` at a backward site is injected in the backward, at a forward site in the
-    forward."""
+    forward. ``check=False`` runs the kernels without their checks (an unprotected arm)."""
     from attnchecker.kernels.ops import flash_fwd_op, new_sink
 
     code_f = code_b = None
@@ -216,7 +223,9 @@ def flash_attention(
         code_f, code_b = (code, None) if fault.site in FORWARD_SITES else (None, code)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     sink = new_sink(q.device) if sink is None else sink
-    out, _, found = flash_fwd_op(q, k, v, key_mask, sink, code_f, code_b, causal, window, scale)
+    out, _, found = flash_fwd_op(
+        q, k, v, key_mask, sink, code_f, code_b, causal, window, scale, check
+    )
     if counts is not None:
         counts.add_(found)
     return out

@@ -31,6 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from attnchecker.kernels.common import at, corrupt, load_fault
+
 ST_CHECK, DPT_CHECK, DV_CHECK, DK_CHECK, P_SUM, DS_SUM, DQ_CHECK = 3, 4, 5, 6, 7, 8, 9  # rows
 SITE_ST, SITE_DPT, SITE_DV, SITE_DK, SITE_SQ, SITE_DP, SITE_DQ = 3, 4, 5, 6, 7, 8, 9
 TAU_ABS = 1e-30
@@ -85,14 +87,7 @@ def _bwd_dkdv(
     if CAUSAL:  # query rows before the first key of this block see none of it
         lo = tl.maximum(0, pid_n * BLOCK_N - shift) // BLOCK_M * BLOCK_M
 
-    f_site, f_bh, f_row, f_col, f_val, f_keep = 0, -1, -1, -1, 0.0, 0
-    if INJECT:
-        f_site = tl.load(FAULT).to(tl.int32)
-        f_bh = tl.load(FAULT + 1).to(tl.int32)
-        f_row = tl.load(FAULT + 2).to(tl.int32)
-        f_col = tl.load(FAULT + 3).to(tl.int32)
-        f_val = tl.load(FAULT + 4)
-        f_keep = tl.load(FAULT + 5).to(tl.int32)
+    f_site, f_bh, f_row, f_col, f_val, f_keep, f_mode, f_bit = load_fault(FAULT, INJECT)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -133,9 +128,9 @@ def _bwd_dkdv(
                 # S^T (BLOCK_N, BLOCK_M)
                 st = tl.dot(k, tl.trans(q))
                 if INJECT:
-                    hit = ((f_site == SITE_ST) & here & fresh & (offs_n[:, None] == f_col)
-                           & (offs_m[None, :] == f_row))  # fmt: skip
-                    st = tl.where(hit, f_val, st)
+                    hit = ((f_site == SITE_ST) & here & fresh & at(offs_n, f_col)[:, None]
+                           & at(offs_m, f_row)[None, :])  # fmt: skip
+                    st = corrupt(st, hit, f_val, f_mode, f_bit)
                 if CHECK:
                     q_bar = tl.sum(q.to(tl.float32), 0)
                     q_abs = tl.sum(tl.abs(q).to(tl.float32), 0)
@@ -148,9 +143,9 @@ def _bwd_dkdv(
                         if INJECT:
                             again = (
                                 (f_site == SITE_ST) & here & (f_keep != 0)
-                                & (offs_n[:, None] == f_col) & (offs_m[None, :] == f_row)
+                                & at(offs_n, f_col)[:, None] & at(offs_m, f_row)[None, :]
                             )  # fmt: skip
-                            st = tl.where(again, f_val, st)
+                            st = corrupt(st, again, f_val, f_mode, f_bit)
                         bad = ~(tl.abs(tl.sum(st, 1) - ref) <= tau * bound + TAU_ABS) & key_ok
                         still = (tl.sum(bad.to(tl.int32), 0) > 0).to(tl.int32)
                         tl.atomic_add(COUNTS + ST_CHECK * 3 + 1 + still, 1)
@@ -161,14 +156,14 @@ def _bwd_dkdv(
                 dv = tl.dot(pt_lo, do, dv)
                 if INJECT:
                     hit = ((f_site == SITE_DV) & here & fresh & (start == lo)
-                           & (offs_n[:, None] == f_row) & (offs_d[None, :] == f_col))  # fmt: skip
-                    dv = tl.where(hit, f_val, dv)
+                           & at(offs_n, f_row)[:, None] & at(offs_d, f_col)[None, :])  # fmt: skip
+                    dv = corrupt(dv, hit, f_val, f_mode, f_bit)
                 # dP^T (BLOCK_N, BLOCK_M)
                 dpt = tl.dot(v, tl.trans(do))
                 if INJECT:
-                    hit = ((f_site == SITE_DPT) & here & fresh & (offs_n[:, None] == f_col)
-                           & (offs_m[None, :] == f_row))  # fmt: skip
-                    dpt = tl.where(hit, f_val, dpt)
+                    hit = ((f_site == SITE_DPT) & here & fresh & at(offs_n, f_col)[:, None]
+                           & at(offs_m, f_row)[None, :])  # fmt: skip
+                    dpt = corrupt(dpt, hit, f_val, f_mode, f_bit)
                 if CHECK:
                     do_bar = tl.sum(do.to(tl.float32), 0)
                     do_abs = tl.sum(tl.abs(do).to(tl.float32), 0)
@@ -181,9 +176,9 @@ def _bwd_dkdv(
                         if INJECT:
                             again = (
                                 (f_site == SITE_DPT) & here & (f_keep != 0)
-                                & (offs_n[:, None] == f_col) & (offs_m[None, :] == f_row)
+                                & at(offs_n, f_col)[:, None] & at(offs_m, f_row)[None, :]
                             )  # fmt: skip
-                            dpt = tl.where(again, f_val, dpt)
+                            dpt = corrupt(dpt, again, f_val, f_mode, f_bit)
                         bad = ~(tl.abs(tl.sum(dpt, 1) - ref) <= tau * bound + TAU_ABS) & key_ok
                         still = (tl.sum(bad.to(tl.int32), 0) > 0).to(tl.int32)
                         tl.atomic_add(COUNTS + DPT_CHECK * 3 + 1 + still, 1)
@@ -192,8 +187,8 @@ def _bwd_dkdv(
                 dk = tl.dot(dst_lo, q, dk)
                 if INJECT:
                     hit = ((f_site == SITE_DK) & here & fresh & (start == lo)
-                           & (offs_n[:, None] == f_row) & (offs_d[None, :] == f_col))  # fmt: skip
-                    dk = tl.where(hit, f_val, dk)
+                           & at(offs_n, f_row)[:, None] & at(offs_d, f_col)[None, :])  # fmt: skip
+                    dk = corrupt(dk, hit, f_val, f_mode, f_bit)
                 if CHECK:
                     p32 = pt_lo.to(tl.float32)
                     c_dv += tl.sum(p32 * tl.sum(do.to(tl.float32), 1)[None, :], 1)
@@ -267,14 +262,7 @@ def _bwd_dq(
     if WINDOW:
         lo = tl.maximum(0, (pid_m * BLOCK_M + shift - window + 1) // BLOCK_N * BLOCK_N)
 
-    f_site, f_bh, f_row, f_col, f_val, f_keep = 0, -1, -1, -1, 0.0, 0
-    if INJECT:
-        f_site = tl.load(FAULT).to(tl.int32)
-        f_bh = tl.load(FAULT + 1).to(tl.int32)
-        f_row = tl.load(FAULT + 2).to(tl.int32)
-        f_col = tl.load(FAULT + 3).to(tl.int32)
-        f_val = tl.load(FAULT + 4)
-        f_keep = tl.load(FAULT + 5).to(tl.int32)
+    f_site, f_bh, f_row, f_col, f_val, f_keep, f_mode, f_bit = load_fault(FAULT, INJECT)
     here = f_bh == bh
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -308,24 +296,24 @@ def _bwd_dq(
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k))
             if INJECT:
-                hit = ((f_site == SITE_SQ) & here & fresh & (offs_m[:, None] == f_row)
-                       & (offs_n[None, :] == f_col))  # fmt: skip
-                s = tl.where(hit, f_val, s)
+                hit = ((f_site == SITE_SQ) & here & fresh & at(offs_m, f_row)[:, None]
+                       & at(offs_n, f_col)[None, :])  # fmt: skip
+                s = corrupt(s, hit, f_val, f_mode, f_bit)
             ok = _allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
                           CAUSAL, WINDOW, HAS_MASK)  # fmt: skip
             p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v))
             if INJECT:
-                hit = ((f_site == SITE_DP) & here & fresh & (offs_m[:, None] == f_row)
-                       & (offs_n[None, :] == f_col))  # fmt: skip
-                dp = tl.where(hit, f_val, dp)
+                hit = ((f_site == SITE_DP) & here & fresh & at(offs_m, f_row)[:, None]
+                       & at(offs_n, f_col)[None, :])  # fmt: skip
+                dp = corrupt(dp, hit, f_val, f_mode, f_bit)
             ds = p * (dp - delta[:, None])
             ds_lo = ds.to(k.dtype)
             dq = tl.dot(ds_lo, k, dq)
             if INJECT:
                 hit = ((f_site == SITE_DQ) & here & fresh & (start == lo)
-                       & (offs_m[:, None] == f_row) & (offs_d[None, :] == f_col))  # fmt: skip
-                dq = tl.where(hit, f_val, dq)
+                       & at(offs_m, f_row)[:, None] & at(offs_d, f_col)[None, :])  # fmt: skip
+                dq = corrupt(dq, hit, f_val, f_mode, f_bit)
             if CHECK:
                 p_sum += tl.sum(p, 1)
                 ds_sum += tl.sum(ds, 1)

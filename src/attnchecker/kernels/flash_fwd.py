@@ -37,6 +37,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from attnchecker.kernels.common import at, corrupt, load_fault
+
 S_CHECK, PV_CHECK, SOFTMAX_CHECK = 0, 1, 2  # rows of the counters
 SITE_S, SITE_PV = 1, 2  # fault sites
 TAU_ABS = 1e-30
@@ -75,14 +77,7 @@ def _fwd(
     if WINDOW:
         lo = tl.maximum(0, (pid_m * BLOCK_M + shift - window + 1) // BLOCK_N * BLOCK_N)
 
-    f_site, f_bh, f_row, f_col, f_val, f_keep = 0, -1, -1, -1, 0.0, 0
-    if INJECT:
-        f_site = tl.load(FAULT).to(tl.int32)
-        f_bh = tl.load(FAULT + 1).to(tl.int32)
-        f_row = tl.load(FAULT + 2).to(tl.int32)
-        f_col = tl.load(FAULT + 3).to(tl.int32)
-        f_val = tl.load(FAULT + 4)
-        f_keep = tl.load(FAULT + 5).to(tl.int32)
+    f_site, f_bh, f_row, f_col, f_val, f_keep, f_mode, f_bit = load_fault(FAULT, INJECT)
     here = f_bh == bh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -121,10 +116,10 @@ def _fwd(
             if INJECT:
                 hit = (
                     (f_site == SITE_S) & here
-                    & (offs_m[:, None] == f_row) & (offs_n[None, :] == f_col)
+                    & at(offs_m, f_row)[:, None] & at(offs_n, f_col)[None, :]
                     & ((attempt == 0) | (f_keep != 0))
                 )  # fmt: skip
-                s = tl.where(hit, f_val, s)
+                s = corrupt(s, hit, f_val, f_mode, f_bit)
             if CHECK:
                 k_bar = tl.sum(k.to(tl.float32), 0)  # (BLOCK_D,)
                 k_abs = tl.sum(tl.abs(k).to(tl.float32), 0)
@@ -138,9 +133,9 @@ def _fwd(
                     if INJECT:
                         again = (
                             (f_site == SITE_S) & here & (f_keep != 0)
-                            & (offs_m[:, None] == f_row) & (offs_n[None, :] == f_col)
+                            & at(offs_m, f_row)[:, None] & at(offs_n, f_col)[None, :]
                         )  # fmt: skip
-                        s = tl.where(again, f_val, s)
+                        s = corrupt(s, again, f_val, f_mode, f_bit)
                     bad = ~(tl.abs(tl.sum(s, 1) - ref) <= tau * bound + TAU_ABS) & row_ok
                     still = tl.sum(bad.to(tl.int32), 0) > 0
                     tl.atomic_add(COUNTS + S_CHECK * 3 + 1 + still.to(tl.int32), 1)
@@ -163,10 +158,10 @@ def _fwd(
             if INJECT:
                 hit = (
                     (f_site == SITE_PV) & here & (start == lo)
-                    & (offs_m[:, None] == f_row) & (offs_d[None, :] == f_col)
+                    & at(offs_m, f_row)[:, None] & at(offs_d, f_col)[None, :]
                     & ((attempt == 0) | (f_keep != 0))
                 )  # fmt: skip
-                acc = tl.where(hit, f_val, acc)
+                acc = corrupt(acc, hit, f_val, f_mode, f_bit)
             if CHECK:
                 p32 = p_lo.to(tl.float32)
                 v_bar = tl.sum(v.to(tl.float32), 1)  # (BLOCK_N,)

@@ -3,8 +3,8 @@
 implementation for shapes) and autograd its registered backward.
 
 Both ops are functional (an op with an autograd formula may not mutate its inputs): the forward
-``attnchecker::flash_fwd(q, k, v, key_mask, sink, fault_fwd, fault_bwd, causal, window, scale)
--> (out, lse, counts)`` returns the counters of its checks, which the caller adds to its own;
+``attnchecker::flash_fwd(q, k, v, key_mask, sink, fault_fwd, fault_bwd, causal, window, scale,
+check) -> (out, lse, counts)`` returns the counters of its checks, which the caller adds to its own;
 the backward's counters are returned as the *gradient of* ``sink``, a small float leaf tensor
 that requires grad and is otherwise unused, so autograd itself accumulates them into
 ``sink.grad`` over every layer and step (no mutation, nothing to sync). Faults are encoded
@@ -41,15 +41,17 @@ def flash_fwd_op(
     causal: bool,
     window: int,
     scale: float,
+    check: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     out, lse, counts = flash_forward(
         q, k, v, causal=causal, key_mask=key_mask, window=window, scale=scale, fault=fault_fwd,
+        check=check,
     )  # fmt: skip
     return out, lse, counts
 
 
 @flash_fwd_op.register_fake
-def _(q, k, v, key_mask, sink, fault_fwd, fault_bwd, causal, window, scale):
+def _(q, k, v, key_mask, sink, fault_fwd, fault_bwd, causal, window, scale, check):
     B, H, L, _ = q.shape
     counts = q.new_empty(len(CHECKS), 3, dtype=torch.int32)
     return torch.empty_like(q), q.new_empty(B, H, L, dtype=torch.float32), counts
@@ -68,35 +70,36 @@ def flash_bwd_op(
     causal: bool,
     window: int,
     scale: float,
+    check: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     counts = new_counts(q.device)
     dq, dk, dv = flash_backward(
         q, k, v, out, lse, grad, causal=causal, key_mask=key_mask, window=window, scale=scale,
-        counts=counts, fault=fault,
+        counts=counts, fault=fault, check=check,
     )  # fmt: skip
     return dq, dk, dv, counts.to(torch.float32)
 
 
 @flash_bwd_op.register_fake
-def _(q, k, v, out, lse, grad, key_mask, fault, causal, window, scale):
+def _(q, k, v, out, lse, grad, key_mask, fault, causal, window, scale, check):
     counts = q.new_empty(len(CHECKS), 3, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), counts
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, key_mask, _, _, fault_bwd, causal, window, scale = inputs
+    q, k, v, key_mask, _, _, fault_bwd, causal, window, scale, check = inputs
     out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.extra = (key_mask, fault_bwd, causal, window, scale)
+    ctx.extra = (key_mask, fault_bwd, causal, window, scale, check)
 
 
 def _backward(ctx, grad_out, grad_lse, grad_counts):
     q, k, v, out, lse = ctx.saved_tensors
-    key_mask, fault, causal, window, scale = ctx.extra
+    key_mask, fault, causal, window, scale, check = ctx.extra
     dq, dk, dv, counts = flash_bwd_op(
-        q, k, v, out, lse, grad_out, key_mask, fault, causal, window, scale
+        q, k, v, out, lse, grad_out, key_mask, fault, causal, window, scale, check
     )
-    return dq, dk, dv, None, counts, None, None, None, None, None
+    return dq, dk, dv, None, counts, None, None, None, None, None, None
 
 
 flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
