@@ -213,3 +213,29 @@ def test_kernel_fault_plans_are_validated():
         Injector(model, FaultPlan((Fault(step=1, site="kernel:s"),))),
     ):
         pass
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_found_inf_skips_a_fused_optimizer_step_on_the_device():
+    """A persistent fault in the backward: handle.found_inf() (no host sync) makes a fused
+    AdamW skip its update; on a clean step it is 0 and the update happens."""
+    from attnchecker.testing import count_ops
+
+    base, inputs, _ = _llama_one_layer()
+    for persistent, skipped in ((True, True), (False, False)):
+        model = copy.deepcopy(base)
+        handle = protect_(model, TRITON.replace(policy="warn"))
+        if persistent:
+            fault = KernelFault("dv", 0, 0, 1, 2, math.inf, persistent=True)
+            handle.state(handle.modules[0]).kernel_fault = fault
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model(**inputs).loss.backward()
+        counter = count_ops(lambda o=opt, h=handle: setattr(o, "found_inf", h.found_inf()))
+        assert counter.syncs == {}
+        opt.step()
+        same = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        assert same == skipped
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle.drain()

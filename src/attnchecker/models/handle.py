@@ -171,6 +171,22 @@ class ProtectionHandle:
                 c["uncorrectable"] += int(unc)
         return out
 
+    def found_inf(self) -> torch.Tensor:
+        """1.0 (a float32 0-dim tensor on the model's device) when an uncorrectable error was
+        recorded since the last drain, else 0.0, with no host synchronisation: hand it to a
+        fused optimizer (``opt.found_inf = handle.found_inf()`` before ``opt.step()``, as
+        GradScaler does) to skip the update on the device. Call it after the backward."""
+        lost_field = RECORD_FIELDS.index("lost")
+        total = self._clock.count.new_zeros(())
+        for st in self._states.values():
+            st.flush()
+            st.commit()
+            total = total + st.log[:, lost_field].sum().to(total.device)
+            kern = st.kernel_counts()
+            if kern is not None:
+                total = total + kern[:, 2].sum().to(total.device)
+        return (total > 0).to(torch.float32)
+
     def drain(self) -> list[Event]:
         """Events recorded since the last drain (one host sync), with the policy applied:
         ``raise`` raises :class:`UncorrectableFaultError` on an uncorrectable event, ``warn``
