@@ -4,11 +4,14 @@
 #
 #   bash scripts/gpu_check.sh            # from the repo root (it cds there itself)
 #
-# 1. the `gpu` tests (tests/integration/test_gpu.py) with the system python, failing when any of
-#    them is skipped (they must really run on the GPU), and
-# 2. benchmarks/protect_vs_sdpa.py on CUDA (it writes under benchmarks/results/).
+# 1. the `gpu` tests (tests/integration/test_gpu.py) and the fused kernels' tests
+#    (tests/unit/kernels: compiled for the GPU, no interpreter) with the system python, failing
+#    when any of them is skipped (they must really run on the GPU),
+# 2. benchmarks/protect_vs_sdpa.py on CUDA and
+# 3. benchmarks/flash_kernels.py (checked vs unchecked kernels vs SDPA, and the false-alarm
+#    count on real MMAs); both write under benchmarks/results/.
 #
-# Both stages run even when the first fails; the exit status is 0 only when both succeeded.
+# Every stage runs even when an earlier one fails; the exit status is 0 only when all succeeded.
 # Each stage runs under `timeout`, inside an overall budget (GPU_CHECK_BUDGET seconds, 290 by
 # default), so the whole script ends within 5 minutes. When $OUT is set (the device runner's
 # output folder), the files the benchmark wrote under benchmarks/results/ (same relative paths)
@@ -16,8 +19,9 @@
 # its results only when it finishes; its per-row lines are in gpu_check_benchmark.log even if
 # the timeout stops it.
 #
-# Environment: PYTHON (default: python3 on PATH), GPU_CHECK_TEST_TIMEOUT (120),
-# GPU_CHECK_BENCH_TIMEOUT (170), GPU_CHECK_BUDGET (290), OUT (optional).
+# Environment: PYTHON (default: python3 on PATH), GPU_CHECK_TEST_TIMEOUT (110),
+# GPU_CHECK_BENCH_TIMEOUT (90), GPU_CHECK_KERNEL_TIMEOUT (80), GPU_CHECK_BUDGET (290), OUT
+# (optional).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -28,8 +32,9 @@ if [[ -z "$PY" ]]; then
     echo "gpu_check: no python3 or python on PATH" >&2
     exit 2
 fi
-TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-120}
-BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-170}
+TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-110}
+BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-90}
+KERNEL_TIMEOUT=${GPU_CHECK_KERNEL_TIMEOUT:-80}
 BUDGET=${GPU_CHECK_BUDGET:-290}
 OUT_DIR=${OUT:-}
 
@@ -80,13 +85,13 @@ EOF
 status=0
 
 # ---------------------------------------------------------------- 1. the gpu tests
-# -m gpu on the command line overrides pyproject's `-m 'not slow'`; --noconftest keeps
-# tests/conftest.py (it needs hypothesis, which may be absent here) out: this script exports the
-# offline variables it sets. -p no:timeout: pytest-timeout may be absent, the outer timeout rules.
+# --noconftest keeps tests/conftest.py (it needs hypothesis, which may be absent here, and would
+# set TRITON_INTERPRET without CUDA) out: this script exports the offline variables it sets.
+# -p no:timeout: pytest-timeout may be absent, the outer timeout rules.
 t=$(cap "$TEST_TIMEOUT")
 echo "== tests (timeout ${t}s)"
 test_rc=0
-timeout -k 5 "$t" "$PY" -m pytest -q -m gpu tests/integration/test_gpu.py \
+timeout -k 5 "$t" "$PY" -m pytest -q -m "not slow" tests/integration/test_gpu.py tests/unit/kernels \
     -p no:cacheprovider -p no:timeout --noconftest -rfEs \
     --junitxml="$work/junit.xml" 2>&1 | tee "$work/pytest.log" || test_rc=$?
 if ((test_rc == 124 || test_rc == 137)); then
@@ -135,7 +140,7 @@ elif ((t < 20)); then
 else
     echo "== benchmark (timeout ${t}s)"
     timeout -k 5 "$t" "$PY" benchmarks/protect_vs_sdpa.py --device cuda \
-        --families gpt2 bert llama --lengths 128 1024 4096 --dtypes bf16 \
+        --families gpt2 llama --lengths 128 1024 4096 --dtypes bf16 \
         --compile eager compiled --compile-max-len 128 --reps 5 2>&1 | tee "$work/benchmark.log" || bench_rc=$?
     if ((bench_rc == 124 || bench_rc == 137)); then
         echo "gpu_check: benchmark TIMED OUT after ${t}s"
@@ -148,6 +153,24 @@ else
     echo "gpu_check: benchmark done"
 fi
 
+# ---------------------------------------------------------------- 3. the kernels' benchmark
+kernel_rc=0
+t=$(cap "$KERNEL_TIMEOUT")
+if ((t < 20)); then
+    echo "gpu_check: no time left for the kernels' benchmark (${t}s)"
+    kernel_rc=124
+else
+    echo "== kernels' benchmark (timeout ${t}s)"
+    (cd benchmarks && timeout -k 5 "$t" "$PY" flash_kernels.py --lengths 1024 4096 16384 \
+        --dims 64 128) 2>&1 | tee "$work/kernels.log" || kernel_rc=$?
+fi
+if ((kernel_rc != 0)); then
+    echo "gpu_check: KERNELS' BENCHMARK FAILED (rc $kernel_rc)"
+    status=1
+else
+    echo "gpu_check: kernels' benchmark done"
+fi
+
 # ---------------------------------------------------------------- results
 new=$(find benchmarks/results -type f -newer "$work/stamp" 2>/dev/null || true)
 echo "== files written under benchmarks/results:"
@@ -156,11 +179,11 @@ if [[ -n "$OUT_DIR" && -d "$OUT_DIR" ]]; then
     if [[ -n "$new" ]]; then
         while IFS= read -r f; do cp --parents "$f" "$OUT_DIR/"; done <<<"$new"
     fi
-    for f in junit.xml pytest.log benchmark.log; do
+    for f in junit.xml pytest.log benchmark.log kernels.log; do
         if [[ -f "$work/$f" ]]; then cp "$work/$f" "$OUT_DIR/gpu_check_$f"; fi
     done
     echo "gpu_check: copied to $OUT_DIR"
 fi
 
-echo "== gpu_check: tests rc $test_rc, benchmark rc $bench_rc, ${SECONDS}s"
+echo "== gpu_check: tests rc $test_rc, benchmark rc $bench_rc, kernels rc $kernel_rc, ${SECONDS}s"
 exit "$status"

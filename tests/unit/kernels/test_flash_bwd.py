@@ -21,7 +21,7 @@ from attnchecker.kernels import available
 from attnchecker.kernels.flash import CHECKS, KernelFault, flash_attention, new_counts
 from attnchecker.kernels.ops import new_sink
 
-from .test_flash_fwd import DTYPES, _allowed, _operands
+from .test_flash_fwd import DEVICE, DTYPES, _allowed, _operands
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs triton (CUDA or the interpreter)")
 
@@ -49,10 +49,10 @@ def _grads(q, k, v, grad, **kw):
 def test_gradients_equal_sdpa(case, dtype):
     B, H, Hkv, L, Lk, d, causal, window, padding = CASES[case]
     q, k, v = _operands(B, H, Hkv, L, Lk, d, dtype, seed=1)
-    grad = torch.randn(B, H, L, d, generator=torch.Generator().manual_seed(2)).to(q.dtype)
+    grad = torch.randn(B, H, L, d, generator=torch.Generator().manual_seed(2)).to(q)
     key_mask = None
     if padding:
-        key_mask = torch.ones(B, Lk, dtype=torch.bool)
+        key_mask = torch.ones(B, Lk, dtype=torch.bool, device=DEVICE)
         key_mask[1, Lk - 9 :] = False
     got, counts = _grads(q, k, v, grad, causal=causal, window=window, key_mask=key_mask)
     assert counts.sum() == 0, counts.tolist()  # no false alarm
@@ -78,7 +78,7 @@ KINDS = {"inf": math.inf, "nan": math.nan, "near_inf": 1e10, "large_negative": -
 @pytest.mark.parametrize("site", BACKWARD_SITES)
 def test_backward_faults_are_corrected_or_reported(site, kind, persistent):
     q, k, v = _operands(1, 2, 1, 48, 48, 64, "fp32", seed=5)
-    grad = torch.randn(1, 2, 48, 64, generator=torch.Generator().manual_seed(6))
+    grad = torch.randn(1, 2, 48, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     want, clean = _grads(q, k, v, grad, causal=True)
     row, col = {"dv": (5, 11), "dk": (5, 11), "dq": (30, 11)}.get(site, (30, 7))
     fault = KernelFault(site, 0, 1, row, col, KINDS[kind], persistent)
@@ -96,13 +96,14 @@ def test_backward_faults_are_corrected_or_reported(site, kind, persistent):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_no_false_alarm_in_the_backward(dtype):
-    total, sink = new_counts(torch.device("cpu")), new_sink(torch.device("cpu"))
+    total, sink = new_counts(torch.device(DEVICE)), new_sink(torch.device(DEVICE))
     for seed, scale in enumerate((0.1, 1.0, 10.0, 100.0)):
         for causal, padding in ((False, True), (True, False)):
             q, k, v = _operands(1, 2, 1, 40, 40, 64, dtype, scale=scale, seed=seed)
             key_mask = None
             if padding:
-                key_mask = torch.rand(1, 40, generator=torch.Generator().manual_seed(seed)) > 0.3
+                g = torch.Generator().manual_seed(seed)
+                key_mask = (torch.rand(1, 40, generator=g) > 0.3).to(DEVICE)
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             out = flash_attention(
                 q, k, v, causal=causal, key_mask=key_mask, counts=total, sink=sink

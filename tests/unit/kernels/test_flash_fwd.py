@@ -22,6 +22,7 @@ from attnchecker.kernels.flash import CHECKS, KernelFault, flash_forward
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs triton (CUDA or the interpreter)")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ATOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 2e-2}
 
@@ -29,7 +30,7 @@ ATOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 2e-2}
 def _operands(B, H, Hkv, L, Lk, d, dtype, scale=1.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (
-        (scale * torch.randn(B, n, m, d, generator=g)).to(DTYPES[dtype])
+        (scale * torch.randn(B, n, m, d, generator=g)).to(DEVICE, DTYPES[dtype])
         for n, m in ((H, L), (Hkv, Lk), (Hkv, Lk))
     )
     return q, k, v
@@ -44,7 +45,7 @@ def _allowed(B, L, Lk, *, causal, window, key_mask):
         ok &= j <= i
     if window:
         ok &= j > i - window
-    ok = ok.expand(B, 1, L, Lk)
+    ok = ok.expand(B, 1, L, Lk).to(DEVICE)
     if key_mask is not None:
         ok = ok & key_mask[:, None, None, :]
     return ok
@@ -78,7 +79,7 @@ def test_equals_sdpa(case, dtype):
     q, k, v = _operands(B, H, Hkv, L, Lk, d, dtype)
     key_mask = None
     if padding:
-        key_mask = torch.ones(B, Lk, dtype=torch.bool)
+        key_mask = torch.ones(B, Lk, dtype=torch.bool, device=DEVICE)
         key_mask[1, Lk - 13 :] = False
     out, lse, counts = flash_forward(q, k, v, causal=causal, window=window, key_mask=key_mask)
     want, rows = _reference(q, k, v, _allowed(B, L, Lk, causal=causal, window=window,
@@ -129,14 +130,15 @@ def test_a_fault_in_a_masked_position_is_harmless_and_still_seen():
 def test_no_false_alarm_over_scales_and_masks(dtype):
     """Input scales 0.1 .. 100 (logits up to ~6e5), causal / bidirectional, padding, window:
     no check fires."""
-    total = torch.zeros(len(CHECKS), 3, dtype=torch.int32)
+    total = torch.zeros(len(CHECKS), 3, dtype=torch.int32, device=DEVICE)
     cases = 0
     for seed, scale in enumerate((0.1, 1.0, 10.0, 100.0)):
         for causal, window, padding in ((False, 0, True), (True, 0, False), (True, 16, True)):
             q, k, v = _operands(1, 2, 1, 50, 50, 64, dtype, scale=scale, seed=seed)
             key_mask = None
             if padding:
-                key_mask = torch.rand(1, 50, generator=torch.Generator().manual_seed(seed)) > 0.3
+                g = torch.Generator().manual_seed(seed)
+                key_mask = (torch.rand(1, 50, generator=g) > 0.3).to(DEVICE)
             flash_forward(q, k, v, causal=causal, window=window, key_mask=key_mask, counts=total)
             cases += 1
     assert cases == 12 and total.sum() == 0, total.tolist()
@@ -173,7 +175,7 @@ def test_bad_shapes_are_refused():
         flash_forward(q, k, v)
     q, k, v = _operands(1, 2, 2, 8, 8, 16, "fp32")
     with pytest.raises(ValueError, match="key_mask"):
-        flash_forward(q, k, v, key_mask=torch.ones(1, 9, dtype=torch.bool))
+        flash_forward(q, k, v, key_mask=torch.ones(1, 9, dtype=torch.bool, device=DEVICE))
     with pytest.raises(ValueError, match="backward site"):
         flash_forward(q, k, v, fault=KernelFault("dq", 0, 0, 0, 0, 1.0))
     with pytest.raises(ValueError, match="site must be one of"):
