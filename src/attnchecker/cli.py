@@ -38,7 +38,7 @@ def _campaign(args: argparse.Namespace) -> int:
     cfg = CampaignConfig(
         families=split(args.families), sites=split(args.sites), kinds=split(args.kinds),
         patterns=split(args.patterns), trials=args.trials, steps=args.steps, layer=args.layer,
-        size=args.size, seed=args.seed, workers=args.workers,
+        size=args.size, seed=args.seed, workers=args.workers, backend=args.backend,
         rank=int(os.environ.get("RANK", 0)) if args.rank is None else args.rank,
         world=int(os.environ.get("WORLD_SIZE", 1)) if args.world is None else args.world,
     )  # fmt: skip
@@ -193,6 +193,10 @@ def _parser() -> argparse.ArgumentParser:
     camp.add_argument("--trials", type=int, default=1, help="trials per combination")
     camp.add_argument("--steps", type=int, default=3, help="training steps per run")
     camp.add_argument("--layer", type=int, default=0)
+    camp.add_argument(
+        "--backend", default="eager", choices=["eager", "triton", "auto"],
+        help="attention backend of both arms; triton adds the sites kernel:s .. kernel:dq",
+    )  # fmt: skip
     camp.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
     camp.add_argument("--seed", type=int, default=0)
     camp.add_argument("--workers", type=int, default=1, help="processes")

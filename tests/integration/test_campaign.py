@@ -134,3 +134,31 @@ def test_a_second_campaign_in_one_process_gets_its_own_setup(tmp_path):
     assert ref_a != ref_b
     setup = _setup(second, "gpt2")
     assert setup.batches[0]["input_ids"].shape == (second.batch, 16) and setup.lr == 3e-3
+
+
+def test_campaign_on_the_fused_backend(tmp_path):
+    """The same campaign on backend="triton": kernel sites beside the projections; the
+    unprotected arm runs the kernels unchecked and dies, the protected one is corrected."""
+    import pytest
+
+    from attnchecker.kernels import available
+
+    if not available():
+        pytest.skip("needs triton (CUDA or the interpreter)")
+    cfg = CampaignConfig(families=("llama",), sites=("kernel:s", "kernel:dq", "q"),
+                         kinds=("nan",), steps=2, backend="triton")  # fmt: skip
+    run_campaign(cfg, tmp_path, progress=False)
+    rows = {r["site"]: r for r in load_trials(tmp_path)}
+    for site in cfg.sites:
+        assert rows[site]["unprotected"]["outcome"] == "non_trainable", site
+        assert rows[site]["protected"]["outcome"] == "masked", site
+        assert rows[site]["protected"]["detected_at_site"], site
+
+
+def test_kernel_sites_need_the_fused_backend():
+    import pytest
+
+    from attnchecker.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown sites"):
+        CampaignConfig(sites=("kernel:s",))

@@ -51,15 +51,21 @@ class CampaignConfig:
     workers: int = 1
     rank: int = 0
     world: int = 1
+    backend: str = "eager"  # ABFTConfig.backend of every arm; "triton" adds the kernel:<site> sites
 
     def __post_init__(self) -> None:
+        from attnchecker.attention.config import BACKENDS
         from attnchecker.inject.kinds import FaultKind
         from attnchecker.inject.plan import FaultPattern
+        from attnchecker.kernels import KERNEL_SITES
         from attnchecker.models.families import FAMILIES
 
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        kernel = [f"kernel:{s}" for s in KERNEL_SITES] if self.backend != "eager" else []
         for name, values, allowed in [
             ("families", self.families, FAMILIES),
-            ("sites", self.sites, OPS),
+            ("sites", self.sites, [*OPS, *kernel]),
             ("kinds", self.kinds, [k.value for k in FaultKind]),
             ("patterns", self.patterns, [p.value for p in FaultPattern]),
         ]:
@@ -119,7 +125,7 @@ def load_trials(out: Path) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- workers
 
 _SETUPS: dict[tuple, Any] = {}
-_SETUP_FIELDS = ("size", "seed", "seq_len", "batch", "steps", "lr", "layer")
+_SETUP_FIELDS = ("size", "seed", "seq_len", "batch", "steps", "lr", "layer", "backend")
 """What defines a worker's model, batches and reference run besides the family: its cache key
 (a second campaign in one process must never reuse the first one's setup)."""
 
@@ -142,7 +148,7 @@ def _setup(cfg: CampaignConfig, family: str):
             batches.append(
                 {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
             )
-        _SETUPS[key] = reference(family, model, batches, cfg.lr, cfg.layer)
+        _SETUPS[key] = reference(family, model, batches, cfg.lr, cfg.layer, cfg.backend)
     return _SETUPS[key]
 
 

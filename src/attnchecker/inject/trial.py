@@ -47,6 +47,7 @@ class TrialSetup:
     ref_losses: list[float]
     ref_params: dict[str, Tensor]
     ref_seen: dict[str, Tensor]  # clean tensors at the observed places, step 1
+    backend: str = "eager"  # the attention backend of every arm (ABFTConfig.backend)
 
 
 def _train(model: nn.Module, batches: list[dict[str, Tensor]], lr: float, seed: int) -> list[float]:
@@ -144,7 +145,8 @@ def run_arm(
     from attnchecker.models.protect import protect_
 
     model = copy.deepcopy(setup.model)
-    handle = protect_(model, ABFTConfig(policy="warn") if protected else ABFTConfig(ops=()))
+    config = ABFTConfig(policy="warn") if protected else ABFTConfig(ops=())
+    handle = protect_(model, config.replace(backend=setup.backend))
     plan = FaultPlan((fault,), seed)
     seen: dict[str, Tensor] = {}
     with Injector(model, plan) as inj:
@@ -172,7 +174,12 @@ def run_arm(
             "new": r.new[:4],
         }
     if protected:
-        mine = [e for e in events if e.op == fault.site and e.layer == fault.layer]
+        if fault.family == "kernel":  # whichever of the kernels' checks saw it
+            from attnchecker.kernels.flash import CHECKS
+
+            mine = [e for e in events if e.op in CHECKS and e.layer == fault.layer]
+        else:
+            mine = [e for e in events if e.op == fault.site and e.layer == fault.layer]
         actions = {e.action for e in events}
         if "uncorrectable" in actions:
             result = "uncorrectable"
@@ -193,13 +200,18 @@ def run_arm(
 
 
 def reference(
-    family: str, model: nn.Module, batches: list[dict[str, Tensor]], lr: float, layer: int
+    family: str,
+    model: nn.Module,
+    batches: list[dict[str, Tensor]],
+    lr: float,
+    layer: int,
+    backend: str = "eager",
 ) -> TrialSetup:
-    """Run the fault-free training once and keep what trials compare against."""
+    """Run the fault-free training once (on ``backend``) and keep what trials compare against."""
     from attnchecker.models.protect import protect_, unprotect_
 
     probe = copy.deepcopy(model)
-    handle = protect_(probe, ABFTConfig(ops=()))
+    handle = protect_(probe, ABFTConfig(ops=(), backend=backend))
     seen: dict[str, Tensor] = {}
     detach = _observe(probe, handle, layer, seen)
     losses = _train(probe, batches, lr, seed=0)
@@ -207,4 +219,4 @@ def reference(
         d.remove()
     unprotect_(probe)
     params = {n: p.detach().clone() for n, p in probe.named_parameters()}
-    return TrialSetup(family, model, batches, lr, losses, params, seen)
+    return TrialSetup(family, model, batches, lr, losses, params, seen, backend)
