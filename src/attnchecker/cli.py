@@ -103,7 +103,8 @@ def _train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         family=args.family, model=args.model, size=args.size, task=args.task, steps=args.steps,
         batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed, protect=args.protect,
-        abft=ABFTConfig(policy=args.policy) if args.protect else None, recovery=args.recovery,
+        abft=ABFTConfig(policy=args.policy, backend=args.backend) if args.protect else None,
+        recovery=args.recovery,
         checkpoint_every=args.checkpoint_every, bf16=args.bf16, warmup=args.warmup,
         data=tuple(args.data) if args.data else None,
     )  # fmt: skip
@@ -223,6 +224,10 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--protect", action="store_true", help="protect_ the model")
     tr.add_argument("--policy", default="warn", choices=["raise", "skip_step", "warn"])
+    tr.add_argument(
+        "--backend", default="eager", choices=["eager", "triton", "auto"],
+        help="protected attention: the checked eager math, or the fused kernels (triton)",
+    )  # fmt: skip
     tr.add_argument("--recovery", default="none", choices=["none", "checkpoint"])
     tr.add_argument("--checkpoint-every", type=int, default=10)
     tr.add_argument("--warmup", type=int, default=0, help="linear learning-rate warmup steps")

@@ -215,3 +215,21 @@ def test_cli_train_on_the_users_own_config(tmp_path, data):
     assert model.config.model_type == "qwen3" and model.get_input_embeddings().num_embeddings == 300
     with pytest.raises(ConfigError, match="cannot read"):
         from_file(str(tmp_path / "missing.json"))
+
+
+def test_cli_train_on_the_fused_backend(tmp_path, data):
+    """`attnchecker train --backend triton`: the fused kernels train the model; a fault plan
+    at a kernel GEMM of the backward is corrected."""
+    from attnchecker import cli
+    from attnchecker.kernels import available
+
+    if not available():
+        pytest.skip("needs triton (CUDA or the interpreter)")
+    plan = FaultPlan.builder().at(2).site("kernel:dk", layer=1).kind("nan").add().build()
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    args = ["train", "--out", str(tmp_path / "run"), "--family", "llama", "--steps", "3"]
+    args += ["--batch", "2", "--seq-len", "32", "--data", *data, "--protect", "--backend"]
+    assert cli.main([*args, "triton", "--faults", str(tmp_path / "plan.json")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["faults_injected"] == summary["faults_corrected"] == 1
+    assert not summary["non_trainable"]
