@@ -9,8 +9,6 @@ attention, and the gradients are stored in it).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch.nn import functional as F
@@ -21,7 +19,7 @@ from attnchecker.kernels import available
 from attnchecker.kernels.flash import CHECKS, KernelFault, flash_attention, new_counts
 from attnchecker.kernels.ops import new_sink
 
-from .test_flash_fwd import DEVICE, DTYPES, _allowed, _operands
+from .test_flash_fwd import DEVICE, DTYPES, KINDS, _allowed, _operands
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs triton (CUDA or the interpreter)")
 
@@ -69,7 +67,6 @@ def test_gradients_equal_sdpa(case, dtype):
 
 
 BACKWARD_SITES = ("st", "dpt", "dv", "dk", "sq", "dp", "dq")
-KINDS = {"inf": math.inf, "nan": math.nan, "near_inf": 1e10, "large_negative": -3e4}
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy's inf - inf
@@ -81,7 +78,8 @@ def test_backward_faults_are_corrected_or_reported(site, kind, persistent):
     grad = torch.randn(1, 2, 48, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     want, clean = _grads(q, k, v, grad, causal=True)
     row, col = {"dv": (5, 11), "dk": (5, 11), "dq": (30, 11)}.get(site, (30, 7))
-    fault = KernelFault(site, 0, 1, row, col, KINDS[kind], persistent)
+    mode, value = KINDS[kind]
+    fault = KernelFault(site, 0, 1, row, col, value, persistent, mode)
     got, counts = _grads(q, k, v, grad, causal=True, fault=fault)
     assert clean.sum() == 0
     assert counts[:, 0].sum() >= 1, counts.tolist()

@@ -90,8 +90,11 @@ def test_equals_sdpa(case, dtype):
     assert counts.sum() == 0, counts.tolist()  # and no false alarm
 
 
-KINDS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan, "near_inf": 1e10,
-         "large_negative": -3e4, "random_large": 7.3e6}  # fmt: skip
+KINDS = {  # name: (mode, value) of the kernel fault (kernels.common)
+    "inf": ("set", math.inf), "-inf": ("set", -math.inf), "nan": ("set", math.nan),
+    "near_inf": ("set", 1e10), "exponent_flip": ("exponent", 0.0),
+    "random_large": ("set", 7.3e6), "large_negative": ("set", -3e4),
+}  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy's inf - inf
@@ -101,8 +104,9 @@ KINDS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan, "near_inf": 1e10,
 def test_faults_are_corrected_or_reported(site, kind, persistent):
     q, k, v = _operands(2, 2, 2, 70, 70, 64, "fp32", seed=3)
     want, _, clean = flash_forward(q, k, v, causal=True)
+    mode, value = KINDS[kind]
     fault = KernelFault(site, batch=1, head=1, row=40, col=(7 if site == "s" else 11),
-                        value=KINDS[kind], persistent=persistent)  # fmt: skip
+                        value=value, persistent=persistent, mode=mode)  # fmt: skip
     out, _, counts = flash_forward(q, k, v, causal=True, fault=fault)
     row = CHECKS.index(site)
     assert clean.sum() == 0
