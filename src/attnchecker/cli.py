@@ -16,7 +16,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     records = run_math_demo(seed=args.seed)
     failed = [r for r in records[:-1] if r["status"] == "missed"]
-    model = run_model_demo(family=args.family, seed=args.seed)
+    model = run_model_demo(family=args.family, seed=args.seed, backend=args.backend)
     failed += [r for r in model if r["protected_grad_diff"] > 1e-5]
     if args.steps > 0:
         s = run_training_demo(args.out, family=args.family, steps=args.steps)
@@ -166,6 +166,11 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="show extreme errors located and corrected")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random operands")
     demo.add_argument("--family", default="gpt2", choices=FAMILIES)
+    demo.add_argument(
+        "--backend", default="eager", choices=["eager", "triton"],
+        help="the model demo on the checked eager attention or the fused kernels (faults "
+        "inside them; on a machine without CUDA in Triton's interpreter: slow)",
+    )  # fmt: skip
     demo.add_argument("--out", default="runs/demo", help="where the training demo writes its runs")
     demo.add_argument("--steps", type=int, default=60, help="training demo steps (0: skip it)")
     demo.set_defaults(func=_demo)
@@ -272,7 +277,23 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if getattr(args, "backend", "eager") != "eager":
+        _kernels_here(args.backend)
     return int(args.func(args))
+
+
+def _kernels_here(backend: str) -> None:
+    """The fused kernels without CUDA run in Triton's interpreter, which must be chosen before
+    the kernels are first imported; say so (it is slow: for trying things out and tests)."""
+    import torch
+
+    if (
+        backend == "triton"
+        and not torch.cuda.is_available()
+        and "TRITON_INTERPRET" not in os.environ
+    ):
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("attnchecker: no CUDA device: the fused kernels run in Triton's interpreter (slow)")
 
 
 if __name__ == "__main__":

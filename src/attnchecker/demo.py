@@ -165,11 +165,29 @@ _MODEL_FAULTS = (
 )
 
 
+def _fused_faults():
+    """The model demo's faults on the fused backend: inside the kernels' GEMMs, forward and
+    backward, and in the projections, which keep their checks."""
+    from attnchecker.kernels.flash import KernelFault
+
+    return (
+        ("INF in one score (S tile)", "kernel:s", KernelFault("s", 0, 1, 5, 3, float("inf"))),
+        ("NaN across a K row", "k", _MODEL_FAULTS[1][2]),
+        ("1e10 in the P V accumulator", "kernel:pv", KernelFault("pv", 0, 2, 7, 4, 1e10)),
+        ("exponent flip in dQ (backward)", "kernel:dq",
+         KernelFault("dq", 1, 0, 9, 5, mode="exponent")),
+        ("NaN down a dV column (backward)", "kernel:dv",
+         KernelFault("dv", 0, 3, -1, 6, float("nan"))),
+        _MODEL_FAULTS[3],
+    )  # fmt: skip
+
+
 def run_model_demo(
-    console: Console | None = None, family: str = "gpt2", seed: int = 0
+    console: Console | None = None, family: str = "gpt2", seed: int = 0, backend: str = "eager"
 ) -> list[dict[str, object]]:
     """One AdamW training step of a small model per fault, unprotected and protected, against
-    the fault-free step; prints a table and returns one record per fault."""
+    the fault-free step; prints a table and returns one record per fault. ``backend="triton"``:
+    the fused kernels (dropout off, so that they run every call), faults inside them."""
     import copy
 
     from attnchecker import ABFTConfig, protect_
@@ -179,6 +197,12 @@ def run_model_demo(
     torch.manual_seed(seed)
     base = build(family, "small", max_len=64, seed=seed)
     base.train()
+    faults = _MODEL_FAULTS
+    if backend != "eager":
+        faults = _fused_faults()
+        for m in base.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
     ids = torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(seed))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
@@ -194,10 +218,14 @@ def run_model_demo(
     def diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
         return max(float((a[k] - b[k]).abs().max()) for k in b)
 
-    loss0, grads0, params0 = step(copy.deepcopy(base))
+    def protected(config: ABFTConfig) -> tuple[torch.nn.Module, object]:
+        model = copy.deepcopy(base)
+        return model, protect_(model, config.replace(backend=backend))
+
+    loss0, grads0, params0 = step(protected(ABFTConfig(ops=()))[0])
     console.print(
         f"\n[bold]protect_(model)[/]: one training step of a {family} model (hidden 256, 4 layers) "
-        f"per fault, landing in layer 0; fault-free loss {loss0:.6f}."
+        f"per fault, landing in layer 0 ({backend} backend); fault-free loss {loss0:.6f}."
     )
     table = Table()
     cols = ("fault", "site", "unprotected loss", "|param diff|", "protected loss", "|grad diff|")
@@ -206,17 +234,20 @@ def run_model_demo(
             col, justify="left" if col in ("fault", "events") else "right", no_wrap=True
         )
     records = []
-    for name, site, edit in _MODEL_FAULTS:
+    for name, site, edit in faults:
         row: dict[str, object] = {"fault": name, "site": site}
         for arm, config in (("unprotected", ABFTConfig(ops=())), ("protected", ABFTConfig())):
-            model = copy.deepcopy(base)
-            handle = protect_(model, config)
+            model, handle = protected(config)
+            if site.startswith("kernel:"):
+                first = handle.modules[0]  # layer 0
+                handle.state(first).kernel_fault = edit
+            else:
 
-            def fault(c: SiteCall, site: str = site, edit: Callable = edit) -> None:
-                if c.site == site and c.layer == 0:
-                    edit(c.tensor)
+                def fault(c: SiteCall, site: str = site, edit: Callable = edit) -> None:
+                    if c.site == site and c.layer == 0:
+                        edit(c.tensor)
 
-            handle.attach(fault)
+                handle.attach(fault)
             loss, grads, params = step(model)
             row[f"{arm}_loss"] = loss
             row[f"{arm}_grad_diff"] = diff(grads, grads0)

@@ -54,11 +54,18 @@ def test_cli_demo_exit_code():
     assert cli.main(["demo", "--seed", "1", "--steps", "0"]) == 0
 
 
-def test_model_demo_shows_unprotected_failing_and_protected_exact():
+@pytest.mark.parametrize(
+    "backend",
+    ["eager", pytest.param("triton", marks=pytest.mark.slow)],  # interpreter: ~1 min
+)
+def test_model_demo_shows_unprotected_failing_and_protected_exact(backend):
     from attnchecker.demo import run_model_demo
+    from attnchecker.kernels import available
 
-    records = run_model_demo(family="llama")
-    assert len(records) == 5
+    if backend == "triton" and not available():
+        pytest.skip("needs triton (CUDA or the interpreter)")
+    records = run_model_demo(family="llama", backend=backend)
+    assert len(records) == (5 if backend == "eager" else 6)
     for r in records:
         assert r["unprotected_param_diff"] > 1e-3 or r["unprotected_loss"] != r["unprotected_loss"]
         assert r["protected_grad_diff"] < 1e-5
