@@ -239,3 +239,21 @@ def test_found_inf_skips_a_fused_optimizer_step_on_the_device():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             handle.drain()
+
+
+def test_kernels_self_test(monkeypatch):
+    """backend="auto" uses the kernels only on a device where they pass a small self-test
+    against SDPA; here (the interpreter) they do, and a broken kernel gives the reason."""
+    import attnchecker.kernels as kernels
+    import attnchecker.kernels.flash as flash
+
+    kernels._SELF_TESTS.clear()
+    assert kernels.self_test("cpu") is None
+    kernels._SELF_TESTS.clear()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(flash, "flash_attention", broken)
+    assert kernels.self_test("cpu") == "RuntimeError: PassManager::run failed"
+    kernels._SELF_TESTS.clear()

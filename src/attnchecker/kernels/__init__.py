@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["KERNEL_SITES", "available", "interpreting"]
+__all__ = ["KERNEL_SITES", "available", "interpreting", "self_test"]
 
 KERNEL_SITES = ("s", "pv", "st", "dpt", "dv", "dk", "sq", "dp", "dq")
 """The GEMMs of the fused kernels a fault can hit (``kernels.flash.SITES``; named here, where
@@ -31,3 +31,47 @@ def available() -> bool:
     import torch
 
     return interpreting() or torch.cuda.is_available()
+
+
+_SELF_TESTS: dict[str, str | None] = {}
+
+
+def self_test(device) -> str | None:
+    """Run the checked kernels once on ``device`` (a small causal GQA case, forward and
+    backward, bf16 on CUDA) against SDPA: None when they compile, agree and raise no alarm,
+    else why not. Cached per device; ``backend="auto"`` uses the kernels only where it passes,
+    so a Triton or driver the kernels were not built against costs a warning, not a crash."""
+    import torch
+
+    key = str(device)
+    if key in _SELF_TESTS:
+        return _SELF_TESTS[key]
+    reason = None
+    try:
+        from torch.nn import functional as F
+
+        from attnchecker.kernels.flash import flash_attention, new_counts
+
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, n, 80, 64, generator=g).to(device, dtype).requires_grad_()
+                   for n in (4, 2, 2))  # fmt: skip
+        counts = new_counts(q.device)
+        out = flash_attention(q, k, v, causal=True, counts=counts)
+        out.float().sum().backward()
+        q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
+        want = F.scaled_dot_product_attention(
+            q2, k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1), is_causal=True
+        )
+        want.sum().backward()
+        errors = [(out.float() - want).abs().max()] + [
+            (a.grad.float() - b.grad).abs().max() for a, b in ((q, q2), (k, k2), (v, v2))
+        ]
+        if max(float(e) for e in errors) > (5e-2 if dtype == torch.bfloat16 else 1e-4):
+            reason = f"results differ from SDPA by {max(float(e) for e in errors):.2e}"
+        elif int(counts.sum()):
+            reason = f"false alarms on clean data: {counts.tolist()}"
+    except Exception as exc:  # compile errors, missing drivers: the reason is the answer
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    _SELF_TESTS[key] = reason
+    return reason

@@ -9,6 +9,7 @@ No parameter, buffer or module is added or replaced, so ``state_dict()`` is unch
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -122,7 +123,17 @@ def _fused(config: ABFTConfig, found, device: torch.device) -> bool:
         return False
     usable = kernels.available() and not found.wiring.patch
     if config.backend == "auto":
-        return usable and device.type == "cuda"
+        if not (usable and device.type == "cuda"):
+            return False
+        reason = kernels.self_test(device)
+        if reason is not None:
+            warnings.warn(
+                f"backend='auto': the fused kernels failed their self-test on {device} "
+                f"({reason}); the checked eager attention runs instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return reason is None
     if not kernels.available():
         raise ConfigError(
             "backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU, "
