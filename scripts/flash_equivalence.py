@@ -16,11 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch.nn import functional as F  # noqa: E402
+from tests.unit.kernels import test_flash_bwd as bwd
+from tests.unit.kernels import test_flash_fwd as fwd
+from torch.nn import functional as F
 
-from attnchecker.kernels.flash import flash_forward  # noqa: E402
-from tests.unit.kernels import test_flash_bwd as bwd  # noqa: E402
-from tests.unit.kernels import test_flash_fwd as fwd  # noqa: E402
+from attnchecker.kernels.flash import flash_forward
 
 
 def _mask(B: int, Lk: int, padding: bool, cut: int) -> torch.Tensor | None:
