@@ -13,6 +13,7 @@ from attnchecker.errors import (
     UnsupportedModelError,
 )
 from attnchecker.models import Event, ProtectionHandle, protect_, unprotect_
+from attnchecker.recovery.guard import GuardedOptimizer, guard
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "AttnCheckerError",
     "ConfigError",
     "Event",
+    "GuardedOptimizer",
     "NoMatchingModuleError",
     "Pattern",
     "ProtectionHandle",
@@ -29,6 +31,7 @@ __all__ = [
     "UnsupportedModelError",
     "ValueKind",
     "__version__",
+    "guard",
     "protect_",
     "protected_matmul",
     "unprotect_",

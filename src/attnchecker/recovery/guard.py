@@ -1,0 +1,101 @@
+"""``guard(optimizer, handle)``: an optimizer whose update is skipped, on the device, in a step
+where protection recorded an uncorrectable error.
+
+    opt = attnchecker.guard(torch.optim.AdamW(model.parameters(), fused=True), handle)
+    loss.backward(); opt.step(); opt.zero_grad(); handle.drain()
+
+The flag is :meth:`~attnchecker.models.handle.ProtectionHandle.found_inf` (the eager engine's
+logs and the fused kernels' counters, read without a host synchronisation), max-reduced over the
+process group when ``torch.distributed`` is initialised, so every rank skips together.
+
+- **Fused** Adam, AdamW and SGD (``fused=True``) take it as their ``found_inf`` (GradScaler's
+  mechanism): the kernels leave parameters, moments and the step count untouched.
+- **Any other optimizer**: a masked update. Parameters and optimizer state are kept, the step
+  runs, and ``torch.where(flag, kept, updated)`` restores them where the flag is set: exact,
+  at the cost of one copy of parameters and state per step. State an optimizer creates in its
+  first step (momentum buffers, Adam's moments) cannot be masked to "absent": on a parameter's
+  first step the flag is read once (one host sync, then never again) and a flagged step is not
+  taken. Step counters that live on the CPU (non-fused, non-capturable Adam on CUDA) are
+  restored the same way, which costs a device-to-host read: prefer ``fused=True``.
+
+``skipped`` counts the skipped steps on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["GuardedOptimizer", "guard"]
+
+_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class GuardedOptimizer:
+    """Wraps an optimizer; every other attribute is the wrapped optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, handle: Any, *, group: Any = None):
+        self.optimizer = optimizer
+        self.handle = handle
+        self.group = group
+        self.skipped: Tensor | None = None  # device counter, created at the first step
+        self.fused = isinstance(optimizer, _FUSED) and all(
+            g.get("fused") for g in optimizer.param_groups
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+    def flag(self) -> Tensor:
+        """1.0 where this step must be skipped (on every rank alike), as a device tensor."""
+        flag = self.handle.found_inf()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return flag
+
+    def step(self, closure: Any = None) -> Any:
+        flag = self.flag()
+        self.skipped = flag.clone() if self.skipped is None else self.skipped.add_(flag)
+        if self.fused:
+            self.optimizer.found_inf = flag
+            try:
+                return self.optimizer.step(closure)
+            finally:
+                del self.optimizer.found_inf
+        return self._masked_step(flag, closure)
+
+    def _masked_step(self, flag: Tensor, closure: Any) -> Any:
+        opt = self.optimizer
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if any(not opt.state.get(p) for p in params) and bool(flag):  # first step: one read
+            return None
+        kept = [p.detach().clone() for p in params]
+        kept_state = [
+            {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, Tensor)} for p in params
+        ]
+        out = opt.step(closure)
+        skip = flag > 0
+        with torch.no_grad():
+            for p, old, state in zip(params, kept, kept_state, strict=True):
+                p.copy_(torch.where(skip, old, p))
+                for key, old_v in state.items():
+                    new = opt.state[p][key]
+                    new.copy_(torch.where(skip.to(new.device), old_v, new))
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def guard(optimizer: torch.optim.Optimizer, handle: Any, *, group: Any = None) -> GuardedOptimizer:
+    """``optimizer``, skipping its update on the device in a step where ``handle`` (a
+    :class:`~attnchecker.models.handle.ProtectionHandle`) recorded an uncorrectable error."""
+    return GuardedOptimizer(optimizer, handle, group=group)

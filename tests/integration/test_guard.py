@@ -1,0 +1,155 @@
+"""``attnchecker.guard(optimizer, handle)``: a step with an uncorrectable error leaves the
+parameters and the optimizer state untouched, on the device; a clean step is exactly the plain
+optimizer's. Fused optimizers take the flag as ``found_inf`` (no host sync); the others get a
+masked update.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from attnchecker import ABFTConfig, guard, protect_
+from attnchecker.testing import count_ops
+
+from .helpers import batch, models
+
+OPTIMIZERS = {
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "sgd_fused": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+}
+
+
+def _uncorrectable(handle) -> None:
+    """NaN in three heads of the scores of layer 0 with max_heads=1: beyond the repair budget."""
+
+    def hook(c):
+        if c.site == "scores" and c.layer == 0:
+            c.tensor[:, :3, 2, 2] = float("nan")
+
+    return handle.attach(hook)
+
+
+def _state(opt) -> dict:
+    return {
+        id(p): {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+        for p, s in opt.state.items()
+    }
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_guard_skips_a_faulty_step_and_matches_a_clean_one(name):
+    base, _ = models("bert")
+    inputs = batch("bert")
+    plain, guarded = copy.deepcopy(base), copy.deepcopy(base)
+    opt_plain = OPTIMIZERS[name](plain.parameters())
+    handle = protect_(guarded, ABFTConfig(policy="warn", max_heads=1))
+    opt = guard(OPTIMIZERS[name](guarded.parameters()), handle)
+    for _ in range(2):  # clean steps: exactly the plain optimizer's (state created on the way)
+        torch.manual_seed(0)
+        plain(**inputs).loss.backward()
+        opt_plain.step()
+        opt_plain.zero_grad()
+        torch.manual_seed(0)
+        guarded(**inputs).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert handle.drain() == []
+        assert all(
+            torch.equal(a, b) for a, b in zip(plain.parameters(), guarded.parameters(), strict=True)
+        )
+    before = {n: p.detach().clone() for n, p in guarded.named_parameters()}
+    state = _state(opt.optimizer)
+    detach = _uncorrectable(handle)
+    guarded(**inputs).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    detach.remove()
+    with pytest.warns(RuntimeWarning, match="uncorrectable"):
+        handle.drain()
+    assert all(torch.equal(p, before[n]) for n, p in guarded.named_parameters())
+    after = _state(opt.optimizer)
+    assert all(torch.equal(after[i][k], v) for i, s in state.items() for k, v in s.items()), (
+        "optimizer state moved"
+    )
+    assert float(opt.skipped) == 1.0
+
+
+def test_guard_of_a_fused_optimizer_never_synchronises():
+    base, _ = models("llama")
+    handle = protect_(base)
+    opt = guard(torch.optim.AdamW(base.parameters(), lr=1e-3, fused=True), handle)
+    base(**batch("llama")).loss.backward()
+    assert count_ops(opt.step).syncs == {}
+
+
+def test_a_fault_at_the_first_step_is_skipped_exactly():
+    """No optimizer state yet (SGD's momentum buffer would start from the faulty step's
+    gradient): the flag is read once and the step not taken at all."""
+    base, _ = models("bert")
+    handle = protect_(base, ABFTConfig(policy="warn", max_heads=1))
+    opt = guard(torch.optim.SGD(base.parameters(), lr=1e-2, momentum=0.9), handle)
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    _uncorrectable(handle)
+    base(**batch("bert")).loss.backward()
+    opt.step()
+    assert not opt.optimizer.state  # no momentum buffer was created
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    """One DDP rank (gloo): a clean step, then a step with an uncorrectable fault on rank 1 only;
+    saves its parameters after each."""
+    import os
+    import warnings
+
+    import torch.distributed as dist
+
+    from .helpers import batch, models
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        base, _ = models("bert")
+        handle = protect_(base, ABFTConfig(policy="warn", max_heads=1))
+        net = torch.nn.parallel.DistributedDataParallel(base)
+        opt = guard(torch.optim.AdamW(base.parameters(), lr=1e-3, fused=True), handle)
+        saved = []
+        for step in range(2):
+            detach = _uncorrectable(handle) if (step == 1 and rank == 1) else None
+            torch.manual_seed(0)
+            net(**batch("bert", seed=rank)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if detach is not None:
+                detach.remove()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                handle.drain()
+            saved.append({n: p.detach().clone() for n, p in base.named_parameters()})
+        torch.save({"params": saved, "skipped": float(opt.skipped)}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ranks_skip_together(tmp_path):
+    """A fault on rank 1 alone: both ranks skip the step (the flag is max-reduced), so their
+    parameters stay identical and equal to those after the clean step."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["skipped"] == r1["skipped"] == 1.0
+    for n, p in r0["params"][1].items():
+        assert torch.equal(p, r1["params"][1][n]), n  # ranks identical
+        assert torch.equal(p, r0["params"][0][n]), n  # the faulty step was skipped
