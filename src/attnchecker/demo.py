@@ -297,6 +297,7 @@ def run_training_demo(
     import json
     from pathlib import Path
 
+    from attnchecker import ABFTConfig
     from attnchecker.report.training import ARMS, COLUMNS, arm_row, demo_report
     from attnchecker.train.loop import TrainConfig, train
 
@@ -307,7 +308,8 @@ def run_training_demo(
         "reference": (TrainConfig(**base), None),
         "unprotected": (TrainConfig(**base), plan),
         "checkpoint_restore": (TrainConfig(**base, recovery="checkpoint"), plan),
-        "protected": (TrainConfig(**base, protect=True), plan),
+        # skip_step: the guarded optimizer would skip a step whose fault were beyond repair
+        "protected": (TrainConfig(**base, protect=True, abft=ABFTConfig(policy="skip_step")), plan),
     }
     console.print(
         f"\n[bold]Training demo[/]: {family} ({size}) on Shakespeare, {steps} steps, the same "

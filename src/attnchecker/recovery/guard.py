@@ -55,8 +55,10 @@ class GuardedOptimizer:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return flag
 
-    def step(self, closure: Any = None) -> Any:
-        flag = self.flag()
+    def step(self, closure: Any = None, *, flag: Tensor | None = None) -> Any:
+        """The optimizer's step, skipped where the flag (:meth:`flag`, or the one given, already
+        reduced) is set."""
+        flag = self.flag() if flag is None else flag
         self.skipped = flag.clone() if self.skipped is None else self.skipped.add_(flag)
         if self.fused:
             self.optimizer.found_inf = flag

@@ -9,7 +9,9 @@ The loop reads the loss and gradient norm once per step (its single host sync, a
 boundary), drains protection events there, and then decides: a non-trainable step (NaN/INF loss
 or gradient norm, or a loss spike) rolls back to the last checkpoint when the baseline is on
 (faults are transient, so the replay does not meet them again), or marks the run non-trainable;
-a step with an uncorrectable error under ``policy="skip_step"`` is skipped (a guarded optimizer).
+a step with an uncorrectable error under ``policy="skip_step"`` is skipped by the guarded
+optimizer (:func:`attnchecker.guard`: fused AdamW with protection's ``found_inf``, reduced over
+the ranks, read with the loss).
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) the model is wrapped in ``DistributedDataParallel``
 (gloo on CPU, nccl on GPU), each rank trains on its own data, faults hit ``fault_rank`` only,
@@ -89,6 +91,7 @@ def train(
     from attnchecker.models.protect import protect_
     from attnchecker.models.tiny import build, from_file
     from attnchecker.recovery.checkpoint import NonTrainableDetector, save_weights
+    from attnchecker.recovery.guard import guard
     from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -114,11 +117,14 @@ def train(
         )
     model.config.use_cache = False
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
     sched = None
     if cfg.warmup > 0:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
     handle = protect_(model, cfg.abft or ABFTConfig(policy="warn")) if cfg.protect else None
+    guarded = (
+        guard(opt, handle) if handle is not None and handle.config.policy == "skip_step" else None
+    )
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     if rank != cfg.fault_rank:
         faults = None  # a fault is one node's: the others compute cleanly
@@ -174,11 +180,14 @@ def train(
                 loss = net(input_ids=x, attention_mask=torch.ones_like(x), labels=labels).loss
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            # the guard's skip flag (before the drain that resets it; reduced over the ranks)
+            flag = guarded.flag() if guarded is not None else torch.zeros(())
             if world > 1:  # every rank must take the same decision: share the worst loss
                 worst = torch.stack([loss.detach(), grad_norm]).nan_to_num(float("inf"))
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 loss, grad_norm = worst[0], worst[1]
-            loss_v, grad_v = loss.item(), grad_norm.item()  # the step's one host sync
+            stats = torch.stack([loss.detach().float(), grad_norm.float(), flag.to(loss.device)])
+            loss_v, grad_v, skip_v = stats.tolist()  # the step's one host sync
             for r in inj.records[fired_seen:] if inj else []:
                 _write(events_f, {"type": "fault", **r.to_dict()})
             fired_seen = len(inj.records) if inj else 0
@@ -187,12 +196,8 @@ def train(
                 counts["detected"] += 1
                 counts["corrected" if e.action != "uncorrectable" else "uncorrectable"] += 1
                 _write(events_f, {"type": "protection", **e.to_dict()})
-            skip = handle is not None and handle.skip_requested
-            if world > 1:
-                flag = torch.tensor(float(skip))
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                skip = bool(flag)
-            if skip:  # the guarded optimizer: no update
+            if skip_v:  # the guarded optimizer skips the update (on the device)
+                guarded.step(flag=flag)
                 opt.zero_grad(set_to_none=True)
                 totals["skipped"] += 1
                 _write(events_f, {"type": "skipped_step", "step": step + 1})
@@ -216,7 +221,10 @@ def train(
                 step = restored["step"]
                 continue
             non_trainable |= bool(status)
-            opt.step()
+            if guarded is not None:
+                guarded.step(flag=flag)
+            else:
+                opt.step()
             opt.zero_grad(set_to_none=True)
             if sched is not None:
                 sched.step()
