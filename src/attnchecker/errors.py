@@ -24,7 +24,8 @@ class NoMatchingModuleError(AttnCheckerError, ValueError):
 
 
 class UnsupportedModelError(AttnCheckerError):
-    """The model family has no adapter; the message lists the supported families."""
+    """protect_ does not understand the model (its family, a module, an option): the message says
+    what, and lists the supported families where that helps."""
 
 
 class UncorrectableFaultError(AttnCheckerError):

@@ -1,4 +1,4 @@
-"""The public surface: clear errors, policies, and the transformers structures adapters rely on."""
+"""The public surface: clear errors, policies, and the structures the family table relies on."""
 
 from __future__ import annotations
 
@@ -23,15 +23,15 @@ from attnchecker.models.tiny import build
 from .helpers import attention_layers, batch
 
 
-def test_transformers_version_is_the_one_adapters_were_written_for():
+def test_transformers_version_is_the_one_the_table_was_written_for():
     assert transformers.__version__.startswith("5.24"), (
-        "re-run the contract tests and update adapters"
+        "re-run the contract tests and update the family table"
     )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_contract_of_each_family(family):
-    """The structures the adapters rely on. If transformers changes them, this fails loudly."""
+    """The structures the table entries rely on. If transformers changes them, this fails loudly."""
     model = build(family)
     blocks = discover(model).blocks
     assert [b.layer for b in blocks] == attention_layers(model)

@@ -1,4 +1,4 @@
-"""Where Hugging Face models meet attnchecker: family adapters, ``protect_``/``unprotect_``."""
+"""Where Hugging Face models meet attnchecker: the family table, discovery, protect_."""
 
 from attnchecker.models.handle import Event, ProtectionHandle
 from attnchecker.models.protect import protect_, unprotect_

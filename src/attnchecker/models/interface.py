@@ -1,7 +1,7 @@
 """The checked attention function, registered with transformers' ``AttentionInterface``.
 
 It is total over what transformers calls: a module bound by protection runs the checked core; any
-other module that reaches it (a cross-attention the adapter did not bind, a layer not selected)
+other module that reaches it (a module discovery did not bind, a layer not selected)
 runs its own family's eager attention, exactly. Every keyword is either known not to change the
 eager math (:data:`KEYWORDS`) or refused with :class:`~attnchecker.errors.UnsupportedModelError`
 naming it: never silently different math.
