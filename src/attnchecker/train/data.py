@@ -76,7 +76,7 @@ def tokenizer_for(corpus: Corpus, vocab_size: int = 2048):
         special_tokens=["<pad>", "<s>", "</s>"],
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: ranks build it together
     tok.save(str(tmp))
     tmp.replace(path)  # atomic: a concurrent reader never sees half a file
     return Tokenizer.from_file(str(path))
@@ -106,7 +106,7 @@ class TokenBlocks:
             return cls(t["ids"], t["labels"], names, tokenizer.get_vocab_size())
         blocks = cls._encode(corpus, tokenizer, seq_len, names)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: ranks build it together
         save_file({"ids": blocks.ids, "labels": blocks.labels}, str(tmp))
         tmp.replace(path)
         return blocks
