@@ -45,7 +45,7 @@ def _step(base, config, inputs, fault=None):
 
 @pytest.mark.parametrize("family", FUSED)
 def test_fused_training_step_equals_the_eager_engine(family):
-    base, _ = models(family)
+    base, _ = models(family, layers=1)
     inputs = batch(family)
     (got, h), (want, _) = _step(base, TRITON, inputs), _step(base, ABFTConfig(), inputs)
     assert torch.allclose(got[0], want[0], rtol=1e-5, atol=0), (got[0], want[0])
