@@ -101,46 +101,54 @@ def flash_forward(
     """Attention softmax(q k^T * scale + masks) v: (out (B, H, L, d), lse (B, H, L) in base 2
     (log2 of each row's normaliser, scaled logits), counts) with the checks of ``flash_fwd``;
     ``counts`` (from :func:`new_counts`) is added to in place."""
+    if isinstance(fault, KernelFault) and fault.site in SITES and fault.site not in FORWARD_SITES:
+        raise ValueError(f"{fault.site!r} is a backward site: give it to flash_attention")
+    B, H, L, d = q.shape
+    Hkv = k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+    counts = new_counts(q.device) if counts is None else counts
+    mask, code, flags = _launch(q, k, v, key_mask, fault, causal, window, check)
+    _fwd[(triton.cdiv(L, flags["BLOCK_M"]), B * H)](
+        q, k, v, out, lse, mask, counts, code,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), mask.stride(0),
+        H, L, k.shape[2], d, H // Hkv, scale * LOG2E, window, tolerance(q.dtype), **flags,
+    )  # fmt: skip
+    return out, lse, counts
+
+
+LOG2E = 1.4426950408889634  # the kernels work in base 2
+
+
+def _launch(q, k, v, key_mask, fault, causal: bool, window: int, check: bool):
+    """(int8 key mask, encoded fault, the kernels' constexpr flags) of one launch; the shapes
+    are validated here."""
     B, H, L, d = q.shape
     Bk, Hkv, Lk, dk = k.shape
     if (Bk, dk) != (B, d) or v.shape != k.shape or H % Hkv:
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if key_mask is not None and tuple(key_mask.shape) != (B, Lk):
         raise ValueError(f"key_mask must be (B, Lk) = {(B, Lk)}, got {tuple(key_mask.shape)}")
-    if isinstance(fault, KernelFault) and fault.site in SITES and fault.site not in FORWARD_SITES:
-        raise ValueError(f"{fault.site!r} is a backward site: give it to flash_attention")
-    scale = d**-0.5 if scale is None else scale
-    out = torch.empty_like(q)
-    lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-    counts = new_counts(q.device) if counts is None else counts
-    mask, code = _launch_args(q, k, key_mask, fault, window, q.device)
-    block_m, block_n = _block(L, 64), _block(Lk, 64)
-    grid = (triton.cdiv(L, block_m), B * H)
-    _fwd[grid](
-        q, k, v, out, lse, mask, counts, code,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), mask.stride(0),
-        H, L, Lk, d, H // Hkv, scale * 1.4426950408889634, window, tolerance(q.dtype),
-        CAUSAL=causal, WINDOW=window > 0, HAS_MASK=key_mask is not None,
-        UPCAST=interpreting() and q.dtype == torch.bfloat16, CHECK=check,
-        INJECT=fault is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-    )  # fmt: skip
-    return out, lse, counts
-
-
-def _launch_args(q, k, key_mask, fault, window, device):
+    device = q.device
     mask = (
         key_mask.to(torch.int8).contiguous()
         if key_mask is not None
         else torch.empty(1, 1, dtype=torch.int8, device=device)
     )
     if isinstance(fault, KernelFault):
-        code = fault.encode(q.shape[1], device)
+        code = fault.encode(H, device)
     elif fault is not None:  # already encoded (the custom ops pass tensors)
         code = fault
     else:
         code = torch.zeros(len(FAULT_FIELDS), dtype=torch.float32, device=device)
-    return mask, code
+    flags = dict(
+        CAUSAL=causal, WINDOW=window > 0, HAS_MASK=key_mask is not None,
+        UPCAST=interpreting() and q.dtype == torch.bfloat16, CHECK=check,
+        INJECT=fault is not None, BLOCK_M=_block(L, 64), BLOCK_N=_block(Lk, 64),
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+    )  # fmt: skip
+    return mask, code, flags
 
 
 def flash_backward(
@@ -174,22 +182,15 @@ def flash_backward(
     dq = torch.empty_like(q)
     dk = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device)
     dv = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-    mask, code = _launch_args(q, k, key_mask, fault, window, q.device)
-    block_m, block_n = _block(L, 64), _block(Lk, 64)
-    flags = dict(
-        CAUSAL=causal, WINDOW=window > 0, HAS_MASK=key_mask is not None,
-        UPCAST=interpreting() and q.dtype == torch.bfloat16, CHECK=check,
-        INJECT=fault is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-    )  # fmt: skip
+    mask, code, flags = _launch(q, k, v, key_mask, fault, causal, window, check)
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad.stride(), mask.stride(0))
-    qk_scale, tau = scale * 1.4426950408889634, tolerance(q.dtype)
-    bwd._bwd_dkdv[(triton.cdiv(Lk, block_n), B * Hkv)](
+    qk_scale, tau = scale * LOG2E, tolerance(q.dtype)
+    bwd._bwd_dkdv[(triton.cdiv(Lk, flags["BLOCK_N"]), B * Hkv)](
         q, k, v, grad, lse, delta, dk, dv, mask, counts, code, *strides,
         H, Hkv, L, Lk, d, H // Hkv, qk_scale, scale, window, tau, **flags,
     )  # fmt: skip
     tau_out = 2 * torch.finfo(out.dtype).eps
-    bwd._bwd_dq[(triton.cdiv(L, block_m), B * H)](
+    bwd._bwd_dq[(triton.cdiv(L, flags["BLOCK_M"]), B * H)](
         q, k, v, grad, lse, delta, delta_abs, dq, mask, counts, code, *strides,
         H, L, Lk, d, H // Hkv, qk_scale, scale, window, tau, tau_out, **flags,
     )  # fmt: skip
