@@ -103,8 +103,11 @@ def _train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         family=args.family, model=args.model, size=args.size, task=args.task, steps=args.steps,
         batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed, protect=args.protect,
-        abft=ABFTConfig(policy=args.policy, backend=args.backend) if args.protect else None,
-        recovery=args.recovery,
+        abft=(
+            ABFTConfig(policy=args.policy, backend=args.backend, scope=args.scope)
+            if args.protect else None
+        ),
+        recovery=args.recovery, fault_rank=args.fault_rank,
         checkpoint_every=args.checkpoint_every, bf16=args.bf16, warmup=args.warmup,
         data=tuple(args.data) if args.data else None,
     )  # fmt: skip
@@ -241,6 +244,11 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--faults", help="a fault plan as JSON (FaultPlan.to_json)")
     tr.add_argument("--fault-rate", type=float, default=0.0, help="faults per step, sampled")
     tr.add_argument("--nproc", type=int, default=1, help="processes: DDP through torchrun")
+    tr.add_argument("--fault-rank", type=int, default=0, help="the rank the faults hit")
+    tr.add_argument(
+        "--scope", default="attention", choices=["attention", "all_linear"],
+        help="what --protect checks: the attention modules, or every linear layer too",
+    )  # fmt: skip
     tr.set_defaults(func=_train)
     sdc = sub.add_parser("sdc", help="SDC analysis: a healthy and a faulty replica in lockstep")
     sdc_sub = sdc.add_subparsers(dest="sdc_command", required=True)

@@ -26,7 +26,15 @@ PATTERNS = ("0D", "1R", "1C", "2D")
 
 def pattern_index(t: Tensor, pattern: str) -> tuple:
     """Where a pattern lands in a site tensor: projections (B, L, N) are the flattened GEMM
-    (B * L tokens by N features); attention tensors (B, H, L, M) are per-head matrices."""
+    (B * L tokens by N features); attention tensors (B, H, L, M) are per-head matrices; the
+    backward's dX (T, K) and dW (N, K) are matrices."""
+    if t.dim() == 2:
+        return {
+            "0D": (5, 3),
+            "1R": (5, slice(None)),
+            "1C": (slice(None), 7),
+            "2D": (slice(2, 5), slice(4, 9)),
+        }[pattern]
     if t.dim() == 3:
         return {
             "0D": (1, 5, 3),

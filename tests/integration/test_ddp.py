@@ -29,7 +29,8 @@ def test_two_ranks_stay_identical_and_equal_to_fault_free(tmp_path, monkeypatch)
     assert cli.main([*common, "--out", str(tmp_path / "clean")]) == 0
     assert (
         cli.main(
-            [*common, "--out", str(tmp_path / "faulty"), "--faults", str(tmp_path / "plan.json")]
+            [*common, "--out", str(tmp_path / "faulty"), "--faults", str(tmp_path / "plan.json"),
+             "--fault-rank", "1"]
         )
         == 0
     )
@@ -45,9 +46,16 @@ def test_two_ranks_stay_identical_and_equal_to_fault_free(tmp_path, monkeypatch)
         assert torch.allclose(v, runs["clean"][0][k], atol=1e-5), k  # and equal to fault-free
     import json
 
-    events = (tmp_path / "faulty" / "events.jsonl").read_text()
+    events = (tmp_path / "faulty" / "rank1" / "events.jsonl").read_text()  # the faulty rank's
     assert '"type": "fault"' in events and '"action": "corrected"' in events
-    assert not json.loads((tmp_path / "faulty" / "summary.json").read_text())["non_trainable"]
+    summary = json.loads((tmp_path / "faulty" / "summary.json").read_text())
+    assert not summary["non_trainable"]
+    # the diagnosis: rank 1's computation fault, named; rank 0 clean
+    assert '"type": "diagnosis"' in events and '"cause": "computation_fault"' in events
+    assert [(r["rank"], r["faults"]) for r in summary["ranks"]] == [(0, 0), (1, 1)]
+    [named] = summary["outlier_ranks"]
+    assert named.startswith("rank 1, host ")
+    assert named.endswith(": 1 corrected fault(s) in 3 steps; others 0")
 
 
 def test_two_ranks_roll_back_together(tmp_path, monkeypatch):
@@ -79,7 +87,8 @@ def test_two_ranks_roll_back_together(tmp_path, monkeypatch):
     assert cli.main([*common, "--out", str(tmp_path / "clean")]) == 0
     assert (
         cli.main(
-            [*common, "--out", str(tmp_path / "faulty"), "--faults", str(tmp_path / "plan.json")]
+            [*common, "--out", str(tmp_path / "faulty"), "--faults", str(tmp_path / "plan.json"),
+             "--fault-rank", "1"]
         )
         == 0
     )

@@ -39,7 +39,8 @@ pattern inside them:
   thin GEMM p [v-bar, |v|-bar] gives the reference and its bound (and, with no dropout between
   them, p [1] the probabilities' row sums in the same GEMM).
 
-Each check returns float32 records [flagged rows, flagged columns, value, lost], one per site;
+Each check returns float32 records [flagged rows, flagged columns, value, lost, reproduced], one
+per site;
 the state adds a layer's records to its device log in one go
 (:data:`~attnchecker.attention.state.RECORD_FIELDS`).
 """
@@ -87,10 +88,13 @@ def _factor(out: Tensor, *operands: Tensor, inner: int, length: int) -> float:
     ) + rounded * unit_roundoff(out.dtype)
 
 
-def _record(rows: Tensor, cols: Tensor, value: Tensor, lost: Tensor) -> Tensor:
-    """(n, 4) float32 records [rows, cols, value, lost] from float32 n-vectors or 0-dim tensors
-    (``lost`` may be bool)."""
-    return torch.stack([rows, cols, value, lost.to(torch.float32)], -1).view(-1, 4)
+def _record(rows: Tensor, cols: Tensor, value: Tensor, lost: Tensor, again: Tensor) -> Tensor:
+    """(n, 5) float32 records [rows, cols, value, lost, reproduced] from float32 n-vectors or
+    0-dim tensors (``lost`` and ``again`` may be bool). ``reproduced``: a recomputation from the
+    operands gave a flagged result again, so the operands themselves imply it (numerics, or a
+    fault upstream), not this GEMM."""
+    f32 = torch.float32
+    return torch.stack([rows, cols, value, lost.to(f32), again.to(f32)], -1).view(-1, 5)
 
 
 # --------------------------------------------------------------------------------- projections
@@ -385,9 +389,11 @@ def projection_check_(
     # Repaired only if every row passes now: a block beyond the budget, a second column, or an
     # input x that was already bad (recomputing repeats the fault) leave rows flagged.
     with _no_autocast(x.device):
-        lost = _per_site(site_major(~(rows_check()[1] <= 0), 0), groups) > 0
+        still = ~(rows_check()[1] <= 0)  # (T, G)
+        lost = _per_site(site_major(still, 0), groups) > 0
+        again = (still.index_select(0, idx) & take).any()  # a recomputed row flagged again
     bound = xn1 * ws.norms if bounds else None
-    return _record(n_rows, n_cols, value, lost), ref, bound
+    return _record(n_rows, n_cols, value, lost, again.expand(len(groups))), ref, bound
 
 
 # ------------------------------------------------------ heads: scores, probs, context
@@ -478,12 +484,13 @@ def heads_repair_(
     checks of a chain (scores -> probs -> context recomputed together), given in chain order.
 
     Each check is (residual, excess), both (B, H, L), excess > 0 (or NaN) on flagged rows.
-    Returns (len(checks), 4) records: flagged rows (twice: row checks alone cannot tell an
+    Returns (len(checks), 5) records: flagged rows (twice: row checks alone cannot tell an
     element from a row, so a pattern is one row or several), the residual of the check's worst
-    row, and whether more matrices were flagged than repaired.
+    row, whether more matrices were flagged than repaired or a recomputed one is not finite
+    again (lost), and the latter alone (reproduced).
     """
     C = len(checks)
-    B, H, L = checks[0][1].shape
+    B, H, _ = checks[0][1].shape
     Kh = min(max_heads, B * H)
     excess = torch.stack([e for _, e in checks])  # (C, B, H, L)
     bad = ~(excess <= 0)
@@ -497,9 +504,11 @@ def heads_repair_(
     take, idx = flagged[:Kh, None, None], idx[:Kh]
     news = recompute(idx // H, idx % H)
     for t, new in zip(targets, news, strict=True):
-        t3 = t.data.view(B * H, L, t.shape[-1])
+        t3 = t.data.view(B * H, *t.shape[-2:])
         t3.index_copy_(0, idx, torch.where(take, new.to(t.dtype), t3.index_select(0, idx)))
+    # a recomputed matrix that is not finite again: its operands imply it (an overflow)
+    again = (~torch.isfinite(news[-1]).view(news[-1].shape[0], -1).all(1) & take.view(-1)).any()
     # each check's worst row (NaN ranks first; a tensor, never a Python int)
     worst = excess.view(C, -1).argmax(1, keepdim=True)  # (C, 1)
     value = torch.stack([r for r, _ in checks]).view(C, -1).gather(1, worst).view(C)
-    return _record(rows, rows, value, lost.expand(C))
+    return _record(rows, rows, value, (lost | again).expand(C), again.expand(C))

@@ -36,6 +36,7 @@ from attnchecker.attention.checks import (
     probs_residual,
     scores_residual,
 )
+from attnchecker.attention.grads import autocast_operands, checked_matmul
 from attnchecker.attention.handoff import Handoff
 from attnchecker.attention.state import AttentionState, _ranged
 
@@ -132,7 +133,16 @@ def attend(
         p = nn.functional.softmax(z, dim=-1)
         return [*saved, p], (p.type(value.dtype) if spec.probs_to_value_dtype else p)
 
-    scores = scores_of()  # (B, H, L, Lk)
+    checked = state is not None and state.grads is not None and torch.is_grad_enabled()
+    if checked and not upcast_reordered:  # backward: dQ, dK checked (and dP, dV below)
+        scores = checked_matmul(
+            query, key.transpose(-1, -2), state.grads, state.clock.count,
+            ops=("dq", "dk"), check=(state.checks("dq"), state.checks("dk")), b_transposed=True,
+            max_heads=state.config.max_heads, scale=state.config.tolerance_scale,
+            hook=state.grad_hook(),
+        )  # fmt: skip
+    else:
+        scores = scores_of()  # (B, H, L, Lk)
     if state is None:
         probs = probs_of(scores)[1]
         probs = nn.functional.dropout(probs, p=dropout, training=training)
@@ -162,7 +172,18 @@ def attend(
     if dropping:
         mixed, redo = _dropout(probs, dropout)
         targets.append(mixed)
-    context = torch.matmul(mixed, value)  # (B, H, L, d)
+    if checked:
+        cast = autocast_operands(mixed)[0]  # what the GEMM multiplies, saved for dV
+        if cast is not mixed:
+            targets.append(cast)
+        context = checked_matmul(
+            cast, value, state.grads, state.clock.count,
+            ops=("dp", "dv"), check=(on("dp"), on("dv")), nonneg_a=True,
+            max_heads=state.config.max_heads, scale=state.config.tolerance_scale,
+            hook=state.grad_hook(),
+        )  # fmt: skip
+    else:
+        context = torch.matmul(mixed, value)  # (B, H, L, d)
     state.site("context", context)
     targets.append(context)
     if v_sums is not None and n_rep > 1:
@@ -183,6 +204,8 @@ def attend(
         news = [*new_saved, new_probs] if converts else new_saved
         if redo is not None:
             new_probs = redo(new_probs, b, h)
+            news.append(new_probs)
+        if checked and cast is not mixed:
             news.append(new_probs)
         return [*news, torch.matmul(new_probs, value[b, h])]
 

@@ -28,7 +28,7 @@ from attnchecker.attention.checks import (
     row_factor,
     row_floor,
 )
-from attnchecker.attention.config import OPS, ABFTConfig
+from attnchecker.attention.config import GRAD_OPS, OPS, ABFTConfig
 from attnchecker.attention.handoff import Handoff
 
 __all__ = [
@@ -41,11 +41,13 @@ __all__ = [
     "new_log",
 ]
 
-RECORD_FIELDS = ("n_rows", "n_cols", "value", "lost", "detected", "step_sum")
+RECORD_FIELDS = ("n_rows", "n_cols", "value", "lost", "reproduced", "detected", "step_sum")
 """One check's record: flagged rows / columns of its unit (tokens and features for a projection;
 query rows, twice, for attention), the delivered value at the worst flagged position, whether a
 detection was left unrepaired (beyond the repair budget, or the operands were already bad),
-whether it detected, and the step. The first four are the checks' own records, in order."""
+whether recomputing from the operands gave a flagged result again (the operands imply it:
+numerics, not this GEMM), whether it detected, and the step. The first five are the checks' own
+records, in order."""
 
 
 def in_replay() -> bool:
@@ -107,8 +109,14 @@ class AttentionState:
     layer: int
     config: ABFTConfig
     clock: Clock
-    log: Tensor  # (len(OPS), len(RECORD_FIELDS)) float64, on the module's device
-    hooks: dict[str, list[SiteHook]] = field(default_factory=lambda: {s: [] for s in OPS})
+    log: Tensor  # (len(ops), len(RECORD_FIELDS)) float64, on the module's device
+    hooks: dict[str, list[SiteHook]] = field(default_factory=dict)
+    # the forward's and the backward's op names: the rows of ``log`` and of ``grads.grad``
+    ops: tuple[str, ...] = OPS
+    grad_ops: tuple[str, ...] = GRAD_OPS
+    # the leaf whose .grad collects the backward checks' records (attention.grads), or None
+    grads: Tensor | None = None
+    checked: frozenset[str] | None = None  # the ops checked, when not the config's (a linear)
     pending: list = field(default_factory=list)  # projection checks waiting for their group
     handoff: object | None = None  # what the projection checks leave for the core (passing)
     noted: list = field(default_factory=list)  # this layer's records, until commit()
@@ -118,6 +126,31 @@ class AttentionState:
     kernel: Tensor | None = None
     kernel_sink: Tensor | None = None  # its .grad collects the backward kernels' counters
     kernel_fault: object | None = None
+
+    def __post_init__(self) -> None:
+        for site in (*self.ops, *self.grad_ops):
+            self.hooks.setdefault(site, [])
+
+    def grad_records(self) -> Tensor:
+        """The backward checks' records since the last drain, (len(grad_ops), 6) float64."""
+        if self.grads is None or self.grads.grad is None:
+            return self.log.new_zeros(len(self.grad_ops), len(RECORD_FIELDS))
+        return self.grads.grad.to(self.log.device)
+
+    def grad_hook(self):
+        """What the backward runs at its sites: None unless a hook is attached to one (checked
+        when the forward runs, so a hook attached for a step reaches that step's backward)."""
+        if not any(self.hooks.get(s) for s in self.grad_ops):
+            return None
+
+        def run(site: str, tensor: Tensor) -> None:
+            call = SiteCall(site, tensor, self.name, self.layer, False, self.clock)
+            for hook in list(self.hooks[site]):
+                out = hook(call)
+                if out is not None and out is not tensor and out._base is None:
+                    tensor.copy_(out)
+
+        return run
 
     def kernel_counts(self) -> Tensor | None:
         """The fused kernels' counters so far, forward and backward (int32, on the device)."""
@@ -133,7 +166,7 @@ class AttentionState:
             self.kernel_sink.grad = None
 
     def checks(self, op: str) -> bool:
-        return op in self.config.ops
+        return op in (self.config.ops if self.checked is None else self.checked)
 
     def site(self, site: str, tensor: Tensor) -> None:
         """Run the hooks attached to ``site`` on ``tensor`` (no-op when none are attached)."""
@@ -213,8 +246,8 @@ class AttentionState:
                 offset += width
 
     def note(self, ops: tuple[str, ...], rec: Tensor) -> None:
-        """Keep the (len(ops), 4) float32 records [rows, cols, value, lost] of one check until
-        :meth:`commit` writes the layer's records to the log in one go."""
+        """Keep the (len(ops), 5) float32 records [rows, cols, value, lost, reproduced] of one
+        check until :meth:`commit` writes the layer's records to the log in one go."""
         self.noted.append((ops, rec))
 
     def commit(self) -> None:
@@ -231,7 +264,7 @@ class AttentionState:
             self.log = self.log.to(recs.device)
         det = recs[:, :1] > 0  # (n, 1): flagged rows (the column count alone is a range locator)
         step = self.clock.count.view(1, 1).expand(recs.shape[0], 1)
-        full = torch.cat([recs.to(torch.float64), det, step], 1)  # (n, 6): RECORD_FIELDS
+        full = torch.cat([recs.to(torch.float64), det, step], 1)  # (n, 7): RECORD_FIELDS
         self.log.index_add_(0, _index(ops, recs.device), torch.where(det, full, 0.0))
 
 
@@ -249,11 +282,14 @@ def _index(ops: tuple[str, ...], device: torch.device) -> Tensor:
     key = (ops, device)
     if key in _INDEX:
         return _INDEX[key]
-    index = torch.tensor([OPS.index(o) for o in ops], device=device)
+    index = torch.tensor([_ROW[o] for o in ops], device=device)
     if not torch.compiler.is_compiling():
         _INDEX[key] = index
     return index
 
 
-def new_log(device: torch.device) -> Tensor:
-    return torch.zeros(len(OPS), len(RECORD_FIELDS), dtype=torch.float64, device=device)
+_ROW = {**{o: i for i, o in enumerate(OPS)}, "y": 0}  # a log row per op; a linear layer's one
+
+
+def new_log(device: torch.device, n_ops: int = len(OPS)) -> Tensor:
+    return torch.zeros(n_ops, len(RECORD_FIELDS), dtype=torch.float64, device=device)

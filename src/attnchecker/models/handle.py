@@ -10,13 +10,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from attnchecker.abft.eec import NEAR_INF
-from attnchecker.attention.config import OPS, ABFTConfig
+from attnchecker.attention.config import ALL_OPS, ABFTConfig
 from attnchecker.attention.state import RECORD_FIELDS, AttentionState, Clock, SiteHook
 from attnchecker.errors import UncorrectableFaultError
 
 __all__ = ["Event", "ProtectionHandle", "pattern_of"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def pattern_of(n_rows: int, n_cols: int) -> str:
@@ -51,6 +51,10 @@ class Event:
     n_cols: int
     replay: bool = False  # checkpointing replays are checked, never counted
     count: int = 1
+    # "fault": the GEMM's output disagreed with its operands (a computation fault); "numerics":
+    # recomputing from the operands gave the flagged result again, so they imply it (an
+    # overflow upstream: not this GEMM's hardware)
+    cause: str = "fault"
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, object]:
@@ -72,6 +76,10 @@ def _count(into: dict[str, int], row: list[float]) -> None:
     into["detected"] += det
     into["uncorrectable"] += lost
     into["corrected"] += det - lost
+
+
+def _zero() -> dict[str, int]:
+    return {"detected": 0, "corrected": 0, "uncorrectable": 0}
 
 
 def _checks() -> tuple[str, ...]:
@@ -96,8 +104,9 @@ class ProtectionHandle:
         self._states = states
         self._clock = clock
         self._undo: list[Callable[[], None]] = []
-        self._totals = {op: {"detected": 0, "corrected": 0, "uncorrectable": 0} for op in OPS}
+        self._totals = {op: {"detected": 0, "corrected": 0, "uncorrectable": 0} for op in ALL_OPS}
         self.skip_requested = False
+        self._causes = {"fault": 0, "numerics": 0}  # detections by cause since protection
 
     @property
     def modules(self) -> list[str]:
@@ -113,20 +122,29 @@ class ProtectionHandle:
         return self._states[module]
 
     def attach(
-        self, hook: SiteHook, *, sites: Iterable[str] = OPS, modules: Iterable[str] | None = None
+        self,
+        hook: SiteHook,
+        *,
+        sites: Iterable[str] | None = None,
+        modules: Iterable[str] | None = None,
     ) -> _Detach:
-        """Run ``hook`` at the named ``sites`` of the given protected ``modules`` (all by default).
+        """Run ``hook`` at the named ``sites`` of the given protected ``modules`` (all by default;
+        a site a module does not have, such as ``dx.k`` of a fused Q|K|V projection, is skipped).
 
         The hook sees each site's tensor between the operation and its check and may edit it in
         place: this is how faults are placed. Returns an object whose ``remove()`` detaches it.
         """
-        sites = list(sites)
-        if unknown := sorted(set(sites) - set(OPS)):
-            raise ValueError(f"unknown sites {unknown}; choose from {list(OPS)}")
+        known_all = [s for st in self._states.values() for s in st.hooks]
+        sites = list(dict.fromkeys(known_all)) if sites is None else list(sites)
+        known = {s for st in self._states.values() for s in st.hooks}
+        if unknown := sorted(set(sites) - known):
+            raise ValueError(f"unknown sites {unknown}; choose from {sorted(known)}")
         names = self.modules if modules is None else list(modules)
         if unknown := sorted(set(names) - set(self._states)):
             raise ValueError(f"not protected modules: {unknown}")
-        targets = [(self._states[n].hooks[s]) for n in names for s in sites]
+        targets = [
+            self._states[n].hooks[s] for n in names for s in sites if s in self._states[n].hooks
+        ]
         for lst in targets:
             lst.append(hook)
 
@@ -144,25 +162,29 @@ class ProtectionHandle:
             return [], [], 0
         states = list(self._states.values())
         dev = states[0].log.device
-        logs = torch.stack([st.log.to(dev) for st in states])  # (S, OPS, fields)
+        # per module: its forward ops' rows, then its backward ops' rows
+        logs = [torch.cat([st.log.to(dev), st.grad_records().to(dev)]) for st in states]
         kern = [c.to(dev) for st in states if (c := st.kernel_counts()) is not None]
-        parts = [logs.flatten(), self._clock.count.to(dev, torch.float64)]
+        parts = [*(g.flatten() for g in logs), self._clock.count.to(dev, torch.float64)]
         if kern:
             parts.append(torch.stack(kern).flatten().to(torch.float64))
         flat = torch.cat(parts).tolist()
-        n = logs.numel()
-        log_rows = torch.tensor(flat[:n]).view(logs.shape).tolist()
-        kern_rows = torch.tensor(flat[n + 1 :]).view(len(kern), -1, 3).tolist() if kern else []
-        return log_rows, kern_rows, int(flat[n])
+        log_rows, at = [], 0
+        for g in logs:
+            rows, width = g.shape
+            log_rows.append([flat[at + i * width : at + (i + 1) * width] for i in range(rows)])
+            at += g.numel()
+        kern_rows = torch.tensor(flat[at + 1 :]).view(len(kern), -1, 3).tolist() if kern else []
+        return log_rows, kern_rows, int(flat[at])
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Totals per op since protection (forward passes only, not checkpointing replays), and
         per fused-kernel check (:data:`attnchecker.kernels.flash.CHECKS`) under ``fused``."""
         out = {op: dict(c) for op, c in self._totals.items()}
         logs, kern, _ = self._read()
-        for log in logs:
-            for op, row in zip(OPS, log, strict=True):
-                _count(out[op], row)
+        for st, log in zip(self._states.values(), logs, strict=True):
+            for op, row in zip((*st.ops, *st.grad_ops), log, strict=True):
+                _count(out.setdefault(op, _zero()), row)
         for rows in kern:
             for check, (det, corr, unc) in zip(_checks(), rows, strict=True):
                 c = out.setdefault(check, {"detected": 0, "corrected": 0, "uncorrectable": 0})
@@ -182,6 +204,8 @@ class ProtectionHandle:
             st.flush()
             st.commit()
             total = total + st.log[:, lost_field].sum().to(total.device)
+            if st.grads is not None and st.grads.grad is not None:
+                total = total + st.grads.grad[:, lost_field].sum().to(total.device)
             kern = st.kernel_counts()
             if kern is not None:
                 total = total + kern[:, 2].sum().to(total.device)
@@ -203,14 +227,16 @@ class ProtectionHandle:
         for st in self._states.values():
             st.log.zero_()
             st.reset_kernel_counts()
+            if st.grads is not None:
+                st.grads.grad = None
         events = []
         for (name, st), log in zip(self._states.items(), logs, strict=True):
-            for op, row in zip(OPS, log, strict=True):
+            for op, row in zip((*st.ops, *st.grad_ops), log, strict=True):
                 rec = dict(zip(RECORD_FIELDS, row, strict=True))
                 n = int(rec["detected"])
                 if not n:
                     continue
-                _count(self._totals[op], row)
+                _count(self._totals.setdefault(op, _zero()), row)
                 n_rows, n_cols = int(rec["n_rows"]), int(rec["n_cols"])
                 pattern = pattern_of(n_rows, n_cols)
                 if rec["lost"]:
@@ -218,9 +244,10 @@ class ProtectionHandle:
                 else:
                     action = "recomputed" if pattern == "2D" else "corrected"
                 step = round(rec["step_sum"] / n)
+                cause = "numerics" if rec["reproduced"] else "fault"
                 events.append(
                     Event(step, name, st.layer, op, pattern, kind_of(rec["value"]), action,
-                          n_rows, n_cols, count=n)
+                          n_rows, n_cols, count=n, cause=cause)
                 )  # fmt: skip
         fused = [(name, st) for name, st in self._states.items() if st.kernel is not None]
         for (name, st), rows in zip(fused, kern, strict=True):
@@ -238,6 +265,8 @@ class ProtectionHandle:
                     Event(step_now, name, st.layer, check, "tile", "unknown", action, int(det), 0,
                           count=int(det))
                 )  # fmt: skip
+        for e in events:
+            self._causes[e.cause] = self._causes.get(e.cause, 0) + e.count
         bad = [e for e in events if e.action == "uncorrectable"]
         if bad:
             self._apply_policy(bad)
@@ -252,13 +281,24 @@ class ProtectionHandle:
         self.skip_requested = self.config.policy == "skip_step"
 
     def summary(self) -> dict[str, object]:
-        """Protected modules, checked ops, steps and counters, as plain data."""
+        """Protected modules, checked ops, steps, counters, and where this process runs with
+        its detections by cause (computation ``fault`` / ``numerics``: see
+        :mod:`attnchecker.recovery.diagnosis`; :func:`~attnchecker.recovery.diagnosis.gather`
+        collects them over ranks), as plain data."""
+        from attnchecker.recovery.diagnosis import here
+
+        where = here(self._clock.count.device)
         return {
             "modules": self.modules,
             "ops": list(self.config.ops),
+            "scope": self.config.scope,
             "mode": self.config.mode,
             "steps": self.step,
             "counters": self.counters(),
+            "rank": where.rank,
+            "host": where.host,
+            "device": where.device,
+            "detections": dict(self._causes),
         }
 
     def _remove(self) -> None:

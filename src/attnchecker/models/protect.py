@@ -15,12 +15,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from attnchecker.attention.checks import Projection
-from attnchecker.attention.config import ABFTConfig
-from attnchecker.attention.state import AttentionState, Clock, new_log
+from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
+from attnchecker.attention.config import GRAD_OPS, LINEAR_OPS, ABFTConfig
+from attnchecker.attention.grads import CORE_GRAD_OPS, checked_linear, new_records_sink
+from attnchecker.attention.state import AttentionState, Clock, _ranged, new_log
 from attnchecker.errors import ConfigError, NoMatchingModuleError, UnsupportedModelError
 from attnchecker.models.handle import ProtectionHandle
-from attnchecker.models.registry import CORE, ProjectionSpec, discover, install
+from attnchecker.models.registry import CORE, ProjectionSpec, _is_conv1d, discover, install
 
 __all__ = ["protect_", "unprotect_"]
 
@@ -55,6 +56,85 @@ def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..
             state.defer(proj, args[0], y, last=spec.last)
 
     return hook
+
+
+def _patch_backward(
+    module: nn.Module, conv1d: bool, state: AttentionState, dx: str, dw: str
+) -> Callable[[], None] | None:
+    """Route a Linear / Conv1D's forward through :func:`checked_linear`, whose backward checks
+    dX (op ``dx``) and dW (op ``dw``) where the config checks them, and runs their sites either
+    way; returns the undo, or None for a module of another kind (its forward is left alone)."""
+    from transformers.pytorch_utils import Conv1D
+
+    kind = Conv1D if conv1d else nn.Linear
+    if type(module).forward is not kind.forward or "forward" in vars(module):
+        return None
+    ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
+    check = (state.checks(dx), state.checks(dw))
+    config = state.config
+
+    def forward(x: Tensor) -> Tensor:
+        hook = state.grad_hook()
+        if state.grads is None or not torch.is_grad_enabled() or not (any(check) or hook):
+            return kind.forward(module, x)
+        return checked_linear(
+            x, module.weight, module.bias, state.grads, state.clock.count, ops=ops, check=check,
+            conv1d=conv1d, max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,
+        )  # fmt: skip
+
+    module.forward = forward
+    return lambda: delattr(module, "forward")
+
+
+def _linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
+    """Check a linear layer's output like a projection of one head group (``scope="all_linear"``):
+    rows (tokens) against x . sum_o W_o + sum_o b_o, columns by range, repaired in place."""
+
+    def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
+        state.site("y", y)
+        x = args[0]
+        if not state.checks("y") or x.dim() < 2 or not y.is_contiguous():
+            return
+        x3, y3 = x.reshape(1, -1, x.shape[-1]), y.view(1, -1, y.shape[-1])  # (1, T, K), (1, T, N)
+        item = [(Projection(module.weight, module.bias, conv1d, ("y",), 1), y3)]
+        factor = row_factor(x3, item, state.config.tolerance_scale)
+        with _ranged(f"linear.{state.name}"):
+            rec = projection_check_(
+                x3, item, max_rows=state.config.max_rows, factor=factor,
+                floor=row_floor(item) / factor,
+            )[0]  # fmt: skip
+        state.note(("y",), rec)
+        state.commit()
+
+    return hook
+
+
+def _protect_linears(
+    model: nn.Module, handle: ProtectionHandle, taken: set[int], config: ABFTConfig, clock: Clock
+) -> None:
+    """``scope="all_linear"``: every Linear / Conv1D outside the protected attention modules
+    gets a state of its own (ops ``y``, ``dx``, ``dw``: :data:`LINEAR_OPS`)."""
+    LINEAR_GRAD_OPS = LINEAR_OPS[1:]
+    backward = any(op in config.ops for op in GRAD_OPS)
+    checked = frozenset(("y", *(LINEAR_GRAD_OPS if backward else ())))
+    for name, m in model.named_modules():
+        conv1d = _is_conv1d(m)
+        if id(m) in taken or not (isinstance(m, nn.Linear) or conv1d):
+            continue
+        dev = _device(m, clock.count.device)
+        layer = next((int(part) for part in name.split(".") if part.isdigit()), -1)
+        st = AttentionState(
+            name, layer, config, clock, new_log(dev, 1), ops=("y",),
+            grad_ops=LINEAR_GRAD_OPS, checked=checked,
+        )  # fmt: skip
+        st.grads = new_records_sink(len(LINEAR_GRAD_OPS), dev)
+        handle._states[name] = st
+        handle._undo.append(m.register_forward_hook(_linear_hook(st, conv1d)).remove)
+        undo = _patch_backward(m, conv1d, st, *LINEAR_GRAD_OPS)
+        if undo is not None:
+            handle._undo.append(undo)
+        else:
+            st.hooks = {"y": st.hooks["y"]}
 
 
 def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHandle:
@@ -100,10 +180,20 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
         setattr(b.core, CORE, (b.spec, states.get(b.name)))
     handle._undo.append(lambda: [delattr(b.core, CORE) for b in blocks])
     for b in chosen:
+        st = states[b.name]
+        st.grads = new_records_sink(len(st.grad_ops), _device(b.core, device))
+        wired = {*st.ops, *(() if fused else CORE_GRAD_OPS)}  # the sites this module has
         for p in b.projections:
-            handle._undo.append(
-                p.module.register_forward_hook(_projection_hook(states[b.name], p)).remove
-            )
+            handle._undo.append(p.module.register_forward_hook(_projection_hook(st, p)).remove)
+            ops = (f"dx.{p.sites[0]}", f"dw.{p.sites[0]}")
+            undo = _patch_backward(p.module, p.conv1d, st, *ops)
+            if undo is not None:
+                handle._undo.append(undo)
+                wired.update(ops)
+        st.hooks = {s: hooks for s, hooks in st.hooks.items() if s in wired}
+    if config.scope == "all_linear":
+        taken = {id(p.module) for b in chosen for p in b.projections}
+        _protect_linears(model, handle, taken, config, clock)
     handle._undo.append(install(model, found, fused=fused))
 
     def tick(module: nn.Module, *_: object) -> None:

@@ -13,6 +13,11 @@ a step with an uncorrectable error under ``policy="skip_step"`` is skipped by th
 optimizer (:func:`attnchecker.guard`: fused AdamW with protection's ``found_inf``, reduced over
 the ranks, read with the loss).
 
+Every step is diagnosed (:mod:`attnchecker.recovery.diagnosis`): a step with a computation
+fault (your hardware) or numerics (NaN / INF or a spike with every check consistent: not your
+hardware) writes a ``diagnosis`` line to ``events.jsonl``; ``summary.json`` carries every rank's
+counts (``ranks``) and names a rank whose faults stand out (``outlier_ranks``).
+
 Under ``torchrun`` (``WORLD_SIZE`` > 1) the model is wrapped in ``DistributedDataParallel``
 (gloo on CPU, nccl on GPU), each rank trains on its own data, faults hit ``fault_rank`` only,
 and the ranks agree on every decision (they share the worst loss and the skip flag); rank 0
@@ -25,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -36,6 +42,7 @@ import torch.distributed as dist
 
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.errors import ConfigError
+from attnchecker.recovery.diagnosis import RankCounts, classify, gather, here, outliers, tally
 
 __all__ = ["TrainConfig", "train"]
 
@@ -172,6 +179,8 @@ def train(
             totals["save_s"] += time.perf_counter() - t0
             totals["saves"] += 1
         fired_seen = 0
+        where = here(next(model.parameters()).device)
+        mine, recent = RankCounts(where.rank, where.host, where.device), []
         while step < cfg.steps:
             t0 = time.perf_counter()
             x, y = blocks.batch(step * world + rank, cfg.batch, cfg.seed)  # each rank its own data
@@ -192,6 +201,12 @@ def train(
                 _write(events_f, {"type": "fault", **r.to_dict()})
             fired_seen = len(inj.records) if inj else 0
             events = handle.drain() if handle else []
+            finding = classify(events, step=step + 1, loss=loss_v, history=recent, where=where)
+            tally(mine, events, finding)
+            if finding is not None:
+                _write(events_f, finding.to_dict())
+            if math.isfinite(loss_v):
+                recent = [*recent[-19:], loss_v]
             for e in events:
                 counts["detected"] += 1
                 counts["corrected" if e.action != "uncorrectable" else "uncorrectable"] += 1
@@ -244,6 +259,7 @@ def train(
                 break
     wall = time.perf_counter() - t_start
     save_weights(model, out / "model.safetensors")
+    ranks = gather(mine)  # every rank's counts (a collective under a process group)
     if owns_group:
         dist.barrier()
         dist.destroy_process_group()
@@ -257,6 +273,8 @@ def train(
         "uncorrectable": counts["uncorrectable"],
         "wall_time_s": wall,
         **totals,
+        "ranks": [r.to_dict() for r in ranks],
+        "outlier_ranks": outliers(ranks),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

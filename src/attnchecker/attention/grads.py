@@ -1,0 +1,295 @@
+"""Checked backward GEMMs: every gradient product of protected attention (and, with
+``scope="all_linear"``, of every linear layer) verified with checksums and repaired in the same
+backward pass.
+
+Two autograd functions compute exactly what autograd computes for the op they replace (the same
+ATen calls in the same layouts, so a clean protected step's gradients are those of the plain
+model, bitwise on CPU), then check each gradient and recompute what fails:
+
+- :func:`checked_matmul`, the attention core's c = a @ b on (B, H, M, K) x (B, H, K, N): the
+  scores q k^T and the context p v. Gradients da = dc b^T and db = a^T dc (dQ = dS K,
+  dK = dS^T Q, dP = dO V^T, dV = P^T dO). Every row of each gradient (of dK and dV: every key
+  row) is checked against the thin product that predicts its sum; the ``max_heads`` (batch, head)
+  matrices with most flagged rows are recomputed whole (any pattern inside them).
+- :func:`checked_linear`, y = x W^T + b (Conv1D: x W + b) on T tokens: dX = dY W and dW = dY^T X
+  are checked by rows and by columns; up to ``max_rows`` worst rows and the worst column are
+  recomputed from dY and the saved operand, then every row is checked again (what still fails is
+  ``lost``). The bias gradient is a reduction, not a GEMM, and is not checked.
+
+The check of a product out = x @ y (rows i, inner k, n columns) compares the recomputed row sum
+with x_i . (y 1), and flags it when they differ by more than the rounding bound
+f * sum_k |x_ik| sum_n |y_kn| <= f ||x_i|| ||(sum_n |y_kn|)_k|| (Cauchy-Schwarz; exact when x >= 0,
+as the probabilities are), f from :func:`~attnchecker.abft.tolerance.magnitude_factor`.
+
+The records leave the backward as the *gradient of* a small leaf tensor that requires grad (one
+per protected module, (n ops, 7) float64 records of
+:data:`~attnchecker.attention.state.RECORD_FIELDS`): autograd accumulates them over layers and
+steps, nothing is mutated or synchronised, and compiled backward graphs carry them like any
+gradient. Fault injection reaches every gradient through its named site (:data:`GRAD_OPS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from attnchecker.abft.tolerance import magnitude_factor, underflow_floor, unit_roundoff
+from attnchecker.attention.checks import _record
+from attnchecker.attention.config import GRAD_OPS
+
+__all__ = [
+    "CORE_GRAD_OPS",
+    "GradSite",
+    "autocast_operands",
+    "checked_linear",
+    "checked_matmul",
+    "new_records_sink",
+    "product_check_",
+    "product_residual",
+]
+
+CORE_GRAD_OPS = ("dq", "dk", "dp", "dv")  # the core's (eager backend; the kernels check theirs)
+
+_F32 = torch.float32
+
+# Run a site's injection hooks on a gradient: (op, tensor) -> None, edits in place
+GradSite = Callable[[str, Tensor], None]
+
+
+def new_records_sink(n_ops: int, device: torch.device) -> Tensor:
+    """The leaf whose ``.grad`` collects a module's backward records (n_ops, 7) float64."""
+    return torch.zeros(n_ops, 7, dtype=torch.float64, device=device, requires_grad=True)
+
+
+def _factor(out: Tensor, x: Tensor, y: Tensor, *, inner: int, length: int) -> float:
+    rounded = (x.dtype != out.dtype) + (y.dtype != out.dtype)
+    return magnitude_factor(
+        out.dtype, out.device, inner=inner, length=length
+    ) + rounded * unit_roundoff(out.dtype)
+
+
+def _reference(
+    out: Tensor, x: Tensor, y: Tensor, *, scale: float, nonneg: bool = False
+) -> tuple[Tensor, Tensor]:
+    """(reference, tolerance) (..., M) of the row sums of out = x @ y, x (..., M, K),
+    y (..., K, N)."""
+    K, N = y.shape[-2], y.shape[-1]
+    xf = x if x.dtype == _F32 else x.to(_F32)
+    ysum = y.sum(-1, dtype=_F32)  # (..., K)
+    yabs = y.abs().sum(-1, dtype=_F32)  # (..., K)
+    if nonneg:
+        both = xf @ torch.stack([ysum, yabs], -1)  # (..., M, 2)
+        ref, mag = both[..., 0], both[..., 1]
+    else:
+        ref = (xf @ ysum.unsqueeze(-1)).squeeze(-1)  # (..., M)
+        mag = torch.linalg.vector_norm(x, dim=-1, dtype=_F32) * torch.linalg.vector_norm(
+            yabs, dim=-1, keepdim=True
+        )
+    tol = _factor(out, x, y, inner=K, length=N) * scale
+    return ref, mag.mul_(tol).add_(underflow_floor(out.dtype, length=N))
+
+
+def _excess(out: Tensor, ref: Tensor, tol: Tensor) -> tuple[Tensor, Tensor]:
+    res = out.sum(-1, dtype=_F32) - ref
+    return res, res.abs() - tol
+
+
+def product_residual(
+    out: Tensor, x: Tensor, y: Tensor, *, scale: float, nonneg: bool = False
+) -> tuple[Tensor, Tensor]:
+    """(residual, excess) (..., M) of the rows of out = x @ y, x (..., M, K), y (..., K, N):
+    excess > 0 (or NaN) where a row is flagged. ``nonneg``: x >= 0 (probabilities), so one thin
+    GEMM gives the reference and an exact magnitude."""
+    with torch.autocast(out.device.type, enabled=False):
+        return _excess(out, *_reference(out, x, y, scale=scale, nonneg=nonneg))
+
+
+@torch.no_grad()
+def product_check_(out: Tensor, x: Tensor, y: Tensor, *, max_rows: int, scale: float) -> Tensor:
+    """Check and repair in place out (M, N) = x (M, K) @ y (K, N), by rows and columns; returns
+    the (1, 5) float32 record of :func:`~attnchecker.attention.checks._record`."""
+    R = min(max_rows, x.shape[0])
+    with torch.autocast(out.device.type, enabled=False):
+        ref, tol = _reference(out, x, y, scale=scale)  # (M,)
+        res_r, exc_r = _excess(out, ref, tol)
+        # columns: 1^T out = (1^T x) y, the transposed problem
+        exc_c = product_residual(out.t(), y.t(), x.t(), scale=scale)[1]  # (N,)
+        top, idx = exc_r.topk(R)  # NaN ranks first
+        take = ~(top <= 0)[:, None]  # (R, 1)
+        out.index_copy_(0, idx, torch.where(take, x.index_select(0, idx) @ y, out[idx]))
+        worst, col = exc_c.max(0, keepdim=True)  # (1,)
+        new = x @ y.index_select(1, col)  # (M, 1)
+        out.index_copy_(1, col, torch.where(~(worst <= 0), new, out.index_select(1, col)))
+        value = res_r.gather(0, exc_r.argmax().view(1)).view(())
+        still = ~(_excess(out, ref, tol)[1] <= 0)  # every row again, after the repair
+        again = (still.index_select(0, idx) & take.view(-1)).any()
+        rows, cols = (~(exc_r <= 0)).sum(dtype=_F32), (~(exc_c <= 0)).sum(dtype=_F32)
+        return _record(rows, cols, value, still.any(), again)
+
+
+def _heads_check_(
+    grad: Tensor,
+    rows: tuple[Tensor, Tensor],
+    recompute: Callable[[Tensor, Tensor], Tensor],
+    max_heads: int,
+) -> Tensor:
+    from attnchecker.attention.checks import heads_repair_
+
+    return heads_repair_([grad], [rows], lambda b, h: [recompute(b, h)], max_heads=max_heads)
+
+
+def _sink_grad(
+    shape: torch.Size, index: tuple[int, ...], recs: list[Tensor], step: Tensor
+) -> Tensor:
+    """The records (n, 5) of the checks just run as a gradient of ``sink`` (rows ``index``;
+    of a sink of ``shape``, on the device of the clock ``step``)."""
+    rec = torch.cat(recs).to(torch.float64)
+    det = (rec[:, :1] > 0).to(torch.float64)  # flagged rows
+    full = torch.cat([rec, det, step.view(1, 1).expand(rec.shape[0], 1)], 1)
+    full = torch.where(det > 0, full, 0.0)  # a NaN value of an undetected check must not leak
+    grad = torch.zeros(shape, dtype=torch.float64, device=step.device)
+    return grad.index_copy_(0, torch.tensor(index, device=step.device), full)
+
+
+def _site(hook: GradSite | None, op: str, t: Tensor) -> None:
+    if hook is not None and not torch.compiler.is_compiling():
+        with torch.no_grad():
+            hook(op, t)
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, sink, step, ops, check, nonneg_a, b_transposed, max_heads, scale, hook):
+        ctx.save_for_backward(a, b, step.clone() if any(check) else None)
+        ctx.sink = sink.shape
+        ctx.args = (ops, check, nonneg_a, b_transposed, max_heads, scale, hook)
+        return torch.matmul(a, b)
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b, step = ctx.saved_tensors
+        (op_a, op_b), (check_a, check_b), nonneg_a, b_transposed, max_heads, scale, hook = ctx.args
+        da = db = None
+        index, recs = [], []
+        if ctx.needs_input_grad[0]:
+            da = dc @ b.mT  # (B, H, M, K), as autograd's bmm backward
+            _site(hook, GRAD_OPS[op_a], da)
+        if ctx.needs_input_grad[0] and check_a:
+            rows = product_residual(da, dc, b.mT, scale=scale)
+            recs.append(_heads_check_(da, rows, lambda i, h: dc[i, h] @ b[i, h].mT, max_heads))
+            index.append(op_a)
+        if ctx.needs_input_grad[1]:
+            db = a.mT @ dc  # (B, H, K, N)
+            _site(hook, GRAD_OPS[op_b], db)
+        if ctx.needs_input_grad[1] and check_b:
+            if b_transposed:  # b = key^T: check the rows of dK = dc^T a
+                rows = product_residual(db.mT, dc.mT, a, scale=scale)
+            else:  # dV = p^T dO, p >= 0
+                rows = product_residual(db, a.mT, dc, scale=scale, nonneg=nonneg_a)
+            recs.append(_heads_check_(db, rows, lambda i, h: a[i, h].mT @ dc[i, h], max_heads))
+            index.append(op_b)
+        grad_sink = _sink_grad(ctx.sink, tuple(index), recs, step) if recs else None
+        return da, db, grad_sink, None, None, None, None, None, None, None, None
+
+
+def checked_matmul(
+    a: Tensor,
+    b: Tensor,
+    sink: Tensor,
+    step: Tensor,
+    *,
+    ops: tuple[str, str],
+    check: tuple[bool, bool],
+    max_heads: int,
+    scale: float,
+    nonneg_a: bool = False,
+    b_transposed: bool = False,
+    hook: GradSite | None = None,
+) -> Tensor:
+    """``torch.matmul(a, b)`` of (B, H, M, K) x (B, H, K, N) whose backward checks and repairs
+    the gradients (named by ``ops``: a's, b's) that ``check`` selects, records into
+    ``sink.grad`` at the clock ``step``; ``hook`` runs at both sites, checked or not."""
+    if not any(check) and hook is None:
+        return torch.matmul(a, b)
+    idx = (GRAD_OPS.index(ops[0]), GRAD_OPS.index(ops[1]))
+    a, b = autocast_operands(a, b)
+    return _Matmul.apply(
+        a, b, sink, step, idx, check, nonneg_a, b_transposed, max_heads, scale, hook
+    )
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, sink, step, ops, check, conv1d, max_rows, scale, hook):
+        ctx.save_for_backward(x, weight, step.clone() if any(check) else None)
+        ctx.sink = sink.shape
+        ctx.args = (ops, check, conv1d, max_rows, scale, hook, bias is not None)
+        if conv1d:  # transformers' Conv1D
+            out = x.view(-1, x.shape[-1])
+            out = out @ weight if bias is None else torch.addmm(bias, out, weight)
+            return out.view(*x.shape[:-1], weight.shape[-1])
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, step = ctx.saved_tensors
+        (op_x, op_w), (check_x, check_w), conv1d, max_rows, scale, hook, has_bias = ctx.args
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (T, N)
+        x2 = x.reshape(-1, x.shape[-1])  # (T, K)
+        dx = dw = db = None
+        index, recs = [], []
+        if ctx.needs_input_grad[0]:
+            w = weight.t() if conv1d else weight  # (N, K)
+            dx2 = dy2.mm(w)  # (T, K)
+            _site(hook, op_x[1], dx2)
+            if check_x:
+                recs.append(product_check_(dx2, dy2, w, max_rows=max_rows, scale=scale))
+                index.append(op_x[0])
+            dx = dx2.view(x.shape)
+        if ctx.needs_input_grad[1]:
+            # dW (N, K) = dY^T X; Conv1D's (K, N) = X^T dY
+            a, b = (x2.t(), dy2) if conv1d else (dy2.t(), x2)
+            dw = a.mm(b)
+            _site(hook, op_w[1], dw)
+            if check_w:
+                recs.append(product_check_(dw, a, b, max_rows=max_rows, scale=scale))
+                index.append(op_w[0])
+        if has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        grad_sink = _sink_grad(ctx.sink, tuple(index), recs, step) if recs else None
+        return dx, dw, db, grad_sink, None, None, None, None, None, None, None
+
+
+def checked_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    sink: Tensor,
+    step: Tensor,
+    *,
+    ops: tuple[tuple[int, str], tuple[int, str]],
+    check: tuple[bool, bool],
+    conv1d: bool,
+    max_rows: int,
+    scale: float,
+    hook: GradSite | None = None,
+) -> Tensor:
+    """The module's y = x W^T + b (``conv1d``: x W + b) whose backward checks and repairs dX and
+    dW as ``check`` selects; ``ops`` = ((row of ``sink``, site name) of dX, of dW). Under autocast
+    the operands are cast as autocast casts them for the module's own op."""
+    x, weight, bias = autocast_operands(x, weight, bias)
+    return _Linear.apply(x, weight, bias, sink, step, ops, check, conv1d, max_rows, scale, hook)
+
+
+def autocast_operands(*ts: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The operands as autocast casts them for a GEMM (fp32 to the autocast dtype; the same
+    tensors without autocast), so the autograd functions save what the GEMM multiplied."""
+    dev = next(t for t in ts if t is not None).device.type
+    if not torch.is_autocast_enabled(dev):
+        return ts
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if t is not None and t.dtype == torch.float32 else t for t in ts)
+
