@@ -12,12 +12,23 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from attnchecker.demo import run_math_demo, run_model_demo, run_training_demo
+    from attnchecker.demo import (
+        run_diagnosis_demo,
+        run_math_demo,
+        run_model_demo,
+        run_training_demo,
+    )
 
     records = run_math_demo(seed=args.seed)
     failed = [r for r in records[:-1] if r["status"] == "missed"]
     model = run_model_demo(family=args.family, seed=args.seed, backend=args.backend)
     failed += [r for r in model if r["protected_grad_diff"] > 1e-5]
+    found = run_diagnosis_demo(f"{args.out}/diagnosis", family=args.family)
+    device, numerics = found["failing device"], found["unstable numerics"]
+    if [f["cause"] for f in device] != ["computation_fault"] * 3 or not numerics or any(
+        f["cause"] != "numerics" for f in numerics
+    ):
+        failed.append(found)
     if args.steps > 0:
         s = run_training_demo(args.out, family=args.family, steps=args.steps)
         failed += (

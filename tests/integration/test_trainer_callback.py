@@ -64,6 +64,12 @@ def test_faults_are_corrected_under_the_trainer(tmp_path):
         assert torch.allclose(p, q, atol=1e-5), n
     logs = [h for h in trainer.recorded.logs if "attnchecker/corrected" in h]
     assert logs[-1]["attnchecker/corrected"] == 1
+    # diagnosed: a computation fault at step 2 on this rank, counted in the logs
+    [finding] = cb.findings
+    assert (finding.step, finding.cause) == (2, "computation_fault")
+    assert finding.verdict == "your hardware"
+    assert "layer 1 scores" in finding.message
+    assert logs[-1]["attnchecker/rank0/faults"] == 1
 
 
 def test_skip_step_policy_drops_the_update(tmp_path):
@@ -89,5 +95,7 @@ def test_skip_step_policy_drops_the_update(tmp_path):
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
     with Injector(model, plan):
         trainer.train()
-    assert cb.skipped_steps == 1
+    assert cb.skipped_steps == 1  # by the guard, on the device (fused AdamW's found_inf)
+    assert cb.guarded is not None and cb.guarded.fused
+    assert "step" not in vars(cb.guarded.optimizer)  # the optimizer's step restored at the end
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

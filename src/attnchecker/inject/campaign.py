@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attnchecker.attention.config import OPS
+from attnchecker.attention.config import ALL_OPS, OPS
 from attnchecker.errors import ConfigError
 
 __all__ = ["CampaignConfig", "load_trials", "run_campaign", "summarize", "trial_specs"]
@@ -65,7 +65,7 @@ class CampaignConfig:
         kernel = [f"kernel:{s}" for s in KERNEL_SITES] if self.backend != "eager" else []
         for name, values, allowed in [
             ("families", self.families, FAMILIES),
-            ("sites", self.sites, [*OPS, *kernel]),
+            ("sites", self.sites, [*ALL_OPS, *kernel]),
             ("kinds", self.kinds, [k.value for k in FaultKind]),
             ("patterns", self.patterns, [p.value for p in FaultPattern]),
         ]:

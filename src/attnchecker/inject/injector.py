@@ -186,8 +186,11 @@ class Injector:
         """The loop's step when it gave ``step_fn``, else the number of forward passes so far."""
         return self.step if self._step_fn is None else self._step_fn()
 
-    def _due(self, i: int, fault: Fault) -> bool:
-        return i not in self._fired and fault.step == self.current_step and not in_replay()
+    def _due(self, i: int, fault: Fault, replay: bool | None = None) -> bool:
+        """Not fired yet, this step, and not a checkpointing replay (``replay``: as the site
+        says; a backward site runs inside autograd but is never a replay)."""
+        replay = in_replay() if replay is None else replay
+        return i not in self._fired and fault.step == self.current_step and not replay
 
     def _fire(self, i: int, t: Tensor, layer: int | None) -> None:
         fault = self.plan.faults[i]
@@ -210,7 +213,7 @@ class Injector:
                 f.family == "attention"
                 and f.site == call.site
                 and f.layer == call.layer
-                and self._due(i, f)
+                and self._due(i, f, call.replay)
             ):
                 self._fire(i, call.tensor, call.layer)
 

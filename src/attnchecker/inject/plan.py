@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnchecker.attention.config import OPS
+from attnchecker.attention.config import ALL_OPS, OPS
 from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import FaultKind
 
@@ -68,9 +68,9 @@ class Fault:
         if self.step < 1:
             raise ConfigError(f"step counts forward passes from 1, got {self.step}")
         prefix = self.site.split(":", 1)[0]
-        if self.site not in OPS and prefix not in ("module", "grad", "optim", "kernel"):
+        if self.site not in ALL_OPS and prefix not in ("module", "grad", "optim", "kernel"):
             raise ConfigError(
-                f"unknown site {self.site!r}: use one of {list(OPS)} or 'module:<name>', "
+                f"unknown site {self.site!r}: use one of {list(ALL_OPS)} or 'module:<name>', "
                 "'grad:<param>', 'optim:<param>:<state key>', 'kernel:<site>'"
             )
         if prefix == "kernel":
@@ -89,7 +89,7 @@ class Fault:
     @property
     def family(self) -> str:
         """attention, module, grad, optim or kernel."""
-        return "attention" if self.site in OPS else self.site.split(":", 1)[0]
+        return "attention" if self.site in ALL_OPS else self.site.split(":", 1)[0]
 
     def index(self, shape: torch.Size, generator: torch.Generator) -> tuple:
         """The index of the elements this fault edits in a tensor of ``shape``.

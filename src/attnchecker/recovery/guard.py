@@ -38,6 +38,7 @@ class GuardedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, handle: Any, *, group: Any = None):
         self.optimizer = optimizer
+        self._step = optimizer.step  # as bound now (an integration may reroute optimizer.step)
         self.handle = handle
         self.group = group
         self.skipped: Tensor | None = None  # device counter, created at the first step
@@ -63,7 +64,7 @@ class GuardedOptimizer:
         if self.fused:
             self.optimizer.found_inf = flag
             try:
-                return self.optimizer.step(closure)
+                return self._step(closure)
             finally:
                 del self.optimizer.found_inf
         return self._masked_step(flag, closure)
@@ -77,7 +78,7 @@ class GuardedOptimizer:
         kept_state = [
             {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, Tensor)} for p in params
         ]
-        out = opt.step(closure)
+        out = self._step(closure)
         skip = flag > 0
         with torch.no_grad():
             for p, old, state in zip(params, kept, kept_state, strict=True):

@@ -64,6 +64,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     warmup: int = 0  # steps of linear learning-rate warmup (a scheduler the checkpoints carry)
     bf16: bool = False
+    fp16: bool = False  # CPU fp16 autocast (its range overflows where bf16's does not)
     data: tuple[str, ...] | None = None  # text files or folders; default: Shakespeare
     vocab_size: int = 2048
     stop_when_non_trainable: bool = True
@@ -185,7 +186,8 @@ def train(
             t0 = time.perf_counter()
             x, y = blocks.batch(step * world + rank, cfg.batch, cfg.seed)  # each rank its own data
             labels = x if cfg.task == "lm" else (y == tragedy).long()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            low = torch.float16 if cfg.fp16 else torch.bfloat16
+            with torch.autocast("cpu", dtype=low, enabled=cfg.bf16 or cfg.fp16):
                 loss = net(input_ids=x, attention_mask=torch.ones_like(x), labels=labels).loss
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
