@@ -1,10 +1,11 @@
 """protect_ against what users run: the plain model with its default SDPA attention (and eager),
 eager and under torch.compile, fp32 and bf16 autocast, short and long sequences; plus op counts.
 
-For each family, length, dtype and execution mode, three copies of one model are stepped
+For each family, length, dtype and execution mode, five copies of one model are stepped
 alternately in one process (forward, backward, AdamW): ``sdpa`` (transformers' default; GPT-Neo
-has no SDPA path, so eager is its default), ``eager`` and ``protected``. Overheads are medians of
-per-pair time ratios. In eager mode the attention forward of layer 0 (projections, core, output
+has no SDPA path, so eager is its default), ``eager``, and three protected arms: ``forward``
+(the forward's checks only), ``protected`` (the default: forward and backward) and
+``all_linear`` (every linear layer too). Overheads are medians of per-pair time ratios. In eager mode the attention forward of layer 0 (projections, core, output
 projection) is timed the same way on captured inputs, and the aten ops of one training step are
 counted per attention module (a layer; BART's decoder layers have two; all ops and launching ops, :mod:`attnchecker.testing`). Base width (hidden
 768, 12 heads), batch 8 at L = 128 and 8 * 128 / L sequences (at least 1) beyond, causal LM for
@@ -25,13 +26,19 @@ import time
 import torch
 
 from _common import environment, write
-from attnchecker import protect_
+from attnchecker import ABFTConfig, protect_
+from attnchecker.attention.config import OPS
 from attnchecker.models.families import TABLE
 from attnchecker.models.registry import discover
 from attnchecker.models.tiny import build
 from attnchecker.testing import count_ops
 
 ATTENTION = ("self_attn", "attn", "attention")  # how transformers' layers name their attention
+ARMS = {  # the protected arms: the forward's checks, + the backward's (default), + every linear
+    "forward": ABFTConfig(ops=OPS),
+    "protected": ABFTConfig(),
+    "all_linear": ABFTConfig(scope="all_linear"),
+}
 
 
 def _sync(device: str) -> None:
@@ -52,9 +59,11 @@ def _models(family: str, L: int, device: str):
     sdpa = copy.deepcopy(base)
     if TABLE[family].sdpa:
         sdpa.set_attn_implementation("sdpa")
-    protected = copy.deepcopy(base)
-    protect_(protected)
-    return {"sdpa": sdpa.to(device), "eager": base.to(device), "protected": protected.to(device)}
+    arms = {"sdpa": sdpa, "eager": base}
+    for arm, config in ARMS.items():
+        arms[arm] = copy.deepcopy(base)
+        protect_(arms[arm], config)
+    return {k: m.to(device) for k, m in arms.items()}
 
 
 def _inputs(L: int, device: str) -> dict[str, torch.Tensor]:
@@ -135,6 +144,7 @@ def measure(family: str, L: int, dtype: str, mode: str, device: str, reps: int) 
         "family": family, "L": L, "batch": inputs["input_ids"].shape[0], "dtype": dtype,
         "mode": mode, "setup_s": setup_s,
         **{f"step_{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
+        **{f"{k}_vs_sdpa": _ratio(times, k, "sdpa") for k in ARMS},
         "step_vs_sdpa": _ratio(times, "protected", "sdpa"),
         "step_vs_eager": _ratio(times, "protected", "eager"),
         "eager_vs_sdpa": _ratio(times, "eager", "sdpa"),
@@ -155,6 +165,9 @@ def measure(family: str, L: int, dtype: str, mode: str, device: str, reps: int) 
                 "eager_vs_sdpa": (ops["eager"].total - ops["sdpa"].total) / n,
                 "sdpa_total_per_layer": ops["sdpa"].total / n,
             }  # fmt: skip
+            row["launching_vs_sdpa_per_step"] = {
+                k: ops[k].launching - ops["sdpa"].launching for k in ARMS
+            }
     del models, runs, steps
     if mode == "compiled":
         torch._dynamo.reset()
@@ -169,9 +182,26 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
     lines = [
         "# protect_ vs the plain model as users run it (SDPA), eager and compiled",
         "",
+        "Protected arms: `forward` (the forward's seven checks, `ops=OPS`), `protected` (the "
+        "default: forward and backward), `all_linear` (`scope=\"all_linear\"`: every linear "
+        "layer, forward and backward). Launching ops are per training step beyond SDPA.",
+        "",
+        "| family | L | dtype | mode | sdpa ms | forward | protected | all_linear | "
+        "launching ops forward / protected / all_linear |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {r['family']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['step_sdpa_ms']:.1f} | "
+            + " | ".join(_pct(r.get(f"{k}_vs_sdpa")) for k in ARMS)
+            + " | " + " / ".join(str(v) for v in r.get("launching_vs_sdpa_per_step", {}).values())
+            + " |"
+            for r in rows
+        ),
+        "",
+        "## the default arm in detail",
+        "",
         f"`{cmd}`; torch {env['torch']}, {env['threads']} threads, {env['processor']}, "
         f"{env['date']}. Base width (hidden 768, 12 heads), {ARGS.layers} layers, batch 8 at "
-        "L = 128 (8 * 128 / L sequences beyond), train mode, AdamW. Three copies stepped "
+        "L = 128 (8 * 128 / L sequences beyond), train mode, AdamW. Five copies (sdpa, eager and the three protected arms) stepped "
         "alternately in one process; overhead = median of per-pair time ratios - 1; nothing "
         "subtracted. Ops: aten ops of one eager training step per attention module beyond the "
         "SDPA model (all / launching, i.e. without views).",

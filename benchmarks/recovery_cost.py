@@ -7,7 +7,7 @@ Derived: save + load in training steps, and the time lost per fault with checkpo
 k = 100 and 500 steps (load + on average k / 2 replayed steps + the steps' share of saving),
 against protection's cost (its per-step overhead; a fault costs nothing more).
 
-    python benchmarks/recovery_cost.py [--families bert gpt2] [--reps 6]
+    python benchmarks/recovery_cost.py [--families bert gpt2 llama] [--reps 6]
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import time
 import torch
 
 from _common import alternate, environment, median_ms, write
-from attnchecker import protect_
-from attnchecker.models.families import FAMILIES
+from attnchecker import ABFTConfig, protect_
+from attnchecker.attention.config import OPS
+from attnchecker.models.families import FAMILIES, TABLE
 from attnchecker.models.tiny import build
 from attnchecker.recovery import CheckpointManager
 
@@ -31,8 +32,12 @@ def measure(family: str, reps: int) -> dict[str, object]:
     plain = build(family, "base", layers=2, max_len=128)
     plain.config.use_cache = False
     plain.train()
+    forward = copy.deepcopy(plain)
+    protect_(forward, ABFTConfig(ops=OPS))  # ATTNChecker's coverage: the forward alone
     protected = copy.deepcopy(plain)
-    protect_(protected)
+    protect_(protected)  # forward and backward
+    if TABLE[family].sdpa:  # the plain model as users run it
+        plain.set_attn_implementation("sdpa")
     ids = torch.randint(3, 128, (8, 128), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     opts = {}
@@ -48,11 +53,16 @@ def measure(family: str, reps: int) -> dict[str, object]:
         return step
 
     t = alternate(
-        {"plain": stepper("plain", plain), "protected": stepper("protected", protected)},
+        {
+            "plain": stepper("plain", plain),
+            "forward": stepper("forward", forward),
+            "protected": stepper("protected", protected),
+        },
         reps,
         warmup=1,
     )
     ratio = statistics.median(p / q for p, q in zip(t["protected"], t["plain"], strict=True))
+    fwd = statistics.median(p / q for p, q in zip(t["forward"], t["plain"], strict=True))
     step_s = median_ms(t["plain"]) / 1e3
     saves, loads = [], []
     with tempfile.TemporaryDirectory() as d:
@@ -71,6 +81,7 @@ def measure(family: str, reps: int) -> dict[str, object]:
         "step_ms": 1e3 * step_s,
         "protected_step_ms": median_ms(t["protected"]),
         "protection_overhead": ratio - 1,
+        "forward_only_overhead": fwd - 1,
         "save_s": save_s,
         "load_s": load_s,
         "save_load_steps": (save_s + load_s) / step_s,
@@ -85,7 +96,7 @@ def measure(family: str, reps: int) -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--families", nargs="+", default=["bert", "gpt2", "llama"], choices=FAMILIES)
     ap.add_argument("--reps", type=int, default=6)
     args = ap.parse_args()
     env = environment()
@@ -105,16 +116,23 @@ def main() -> None:
         "Base width (hidden 768, 12 heads), 2 layers, batch 8, L = 128, fp32, AdamW. Checkpoint = model + AdamW state "
         "(safetensors + SHA-256), local disk. Lost per fault = load + k/2 replayed steps (a fault lands on average half an "
         "interval after the last checkpoint); saving also costs save/k of every step. Protection repairs the fault inside the "
-        "step: its cost is the per-step overhead, paid whether or not a fault happens.",
+        "step: its cost is the per-step overhead, paid whether or not a fault happens. Step time and overheads against "
+        "the plain model with its default SDPA attention (GPT-Neo: eager).",
         "",
-        "| family | params (M) | step ms | save s | load s | save+load in steps | lost steps/fault k=100 | k=500 | saving overhead k=100 | k=500 | protection overhead |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "A fault in a **backward** GEMM (dQ, dK, dV, dP, a projection's dX or dW): with the forward's checks alone "
+        "(ATTNChecker's coverage) it reaches the gradients unseen, so it costs what it costs unprotected (a rollback: "
+        "the lost-steps columns); with the backward checks (the default) it is repaired in the step, no step lost, for "
+        "the last column's overhead (`tests/integration/test_protect_backward.py`: every family, every backward GEMM).",
+        "",
+        "| family | params (M) | step ms | save s | load s | save+load in steps | lost steps/fault k=100 | k=500 | saving overhead k=100 | k=500 | forward-only protection | protection (fwd + bwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['family']} | {r['params_m']:.0f} | {r['step_ms']:.0f} | {r['save_s']:.2f} | {r['load_s']:.2f} | "
             f"{r['save_load_steps']:.1f} | {r['lost_steps_per_fault_k100']:.0f} | {r['lost_steps_per_fault_k500']:.0f} | "
-            f"{100 * r['save_overhead_k100']:.2f}% | {100 * r['save_overhead_k500']:.2f}% | {100 * r['protection_overhead']:+.1f}% |"
+            f"{100 * r['save_overhead_k100']:.2f}% | {100 * r['save_overhead_k500']:.2f}% | "
+            f"{100 * r['forward_only_overhead']:+.1f}% | {100 * r['protection_overhead']:+.1f}% |"
         )
     write("recovery_cost", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
 

@@ -3,7 +3,9 @@ and a fault at any op is corrected in the compiled program exactly as in eager, 
 
 Compiling takes tens of seconds on two cores, so one family runs by default and the others are
 ``slow``. Dropout draws different random numbers compiled and eager, so the reference of a
-faulty compiled step is the clean compiled step from the same weights.
+faulty compiled step is the clean compiled step from the same weights. The backward's checks
+compile with the rest (one compilation, no graph break, no false alarm); faults in backward GEMMs
+are injected in eager only (compiled backward graphs run no Python hooks).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ FAULTS = dict(
     zip(
         SITES,
         [("nan", "1R"), ("inf", "1C"), ("-inf", "2D"), ("1e10", "0D"), ("nan", "2D"),
-         ("nan", "1C"), ("inf", "2D")],
+         ("-inf", "1C"), ("inf", "2D")],
         strict=True,
     )
 )  # fmt: skip
@@ -43,11 +45,19 @@ def _compiled_step(model, compiled, inputs):
     return loss.detach(), grads, params
 
 
+SLOW = [pytest.mark.slow, pytest.mark.timeout(900)]
+# each faulty site is a recompilation (its hook is traced into the graph): two in the default
+# run, a projection and the core's repair, every site in the slow ones
+QUICK = ("q", "context")
+
+
 @pytest.mark.parametrize(
-    "family", ["gpt2", *(pytest.param(f, marks=[pytest.mark.slow, pytest.mark.timeout(900)])
-                         for f in ("llama", "bert", "qwen3", "gpt_neox", "opt", "bart"))],
+    ("family", "sites"),
+    [("gpt2", QUICK), pytest.param("gpt2", tuple(FAULTS), marks=SLOW),
+     *(pytest.param(f, tuple(FAULTS), marks=SLOW)
+       for f in ("llama", "bert", "qwen3", "gpt_neox", "opt", "bart"))],
 )  # fmt: skip
-def test_compiled_protected_model_compiles_once_and_corrects_every_op(family):
+def test_compiled_protected_model_compiles_once_and_corrects_every_op(family, sites):
     torch._dynamo.reset()
     counters.clear()
     model = build(family, layers=1)
@@ -69,7 +79,8 @@ def test_compiled_protected_model_compiles_once_and_corrects_every_op(family):
 
     snapshot = copy.deepcopy(model.state_dict())
     want = _compiled_step(model, compiled, inputs)
-    for site, (kind, pattern) in FAULTS.items():
+    for site in sites:
+        kind, pattern = FAULTS[site]
         model.load_state_dict(snapshot)
         hook = fire_once(site, pattern, kind, layer=0)
         detach = handle.attach(hook)

@@ -503,15 +503,14 @@ def heads_repair_(
     lost = flagged[Kh] if Kh < B * H else flagged[0] & False
     take, idx = flagged[:Kh, None, None], idx[:Kh]
     news = recompute(idx // H, idx % H)
-    same = None
     for t, new in zip(targets, news, strict=True):
         t3 = t.data.view(B * H, *t.shape[-2:])
         old, new = t3.index_select(0, idx), new.to(t.dtype)
-        if same is None:  # the chain's first tensor, recomputed exactly as delivered (NaN too)
-            same = ((new == old) | (new.isnan() & old.isnan())).view(len(idx), -1).all(1)
         t3.index_copy_(0, idx, torch.where(take, new, old))
-    # a flagged matrix recomputed exactly as delivered: its operands imply it (an overflow of
-    # the dtype, a fault upstream), not this GEMM
+    # a flagged matrix whose chain's end (the context; a gradient) is recomputed exactly as
+    # delivered, NaN for NaN: its operands imply it (an overflow of the dtype, a fault
+    # upstream), not these GEMMs; a fault anywhere in the chain changes the end
+    same = ((new == old) | (new.isnan() & old.isnan())).view(len(idx), -1).all(1)
     again = (same & take.view(-1)).any()
     # each check's worst row (NaN ranks first; a tensor, never a Python int)
     worst = excess.view(C, -1).argmax(1, keepdim=True)  # (C, 1)

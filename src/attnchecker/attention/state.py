@@ -139,9 +139,10 @@ class AttentionState:
 
     def grad_hook(self):
         """What the backward runs at its sites: None unless a hook is attached to one (checked
-        when the forward runs, so a hook attached for a step reaches that step's backward)."""
-        if not any(self.hooks.get(s) for s in self.grad_ops):
-            return None
+        when the forward runs, so a hook attached for a step reaches that step's backward), and
+        None under torch.compile (backward sites take faults in eager only)."""
+        if torch.compiler.is_compiling() or not any(self.hooks.get(s) for s in self.grad_ops):
+            return None  # compiled backward graphs do not run Python hooks
 
         def run(site: str, tensor: Tensor) -> None:
             call = SiteCall(site, tensor, self.name, self.layer, False, self.clock)

@@ -227,9 +227,9 @@ def test_clean_projections_are_never_flagged(dtype, layout, data, log_scale, see
     before = [y.clone() for _, y in case.pairs]
     rec, ref, bound = _check(case)
     n_sites = sum(len(p.sites) for p, _ in case.pairs)
-    assert rec.shape == (n_sites, 4)
+    assert rec.shape == (n_sites, 5)
     assert (rec[:, 0] == 0).all() and (rec[:, 1] == 0).all(), f"false alarm: {rec.tolist()}"
-    assert (rec[:, 3] == 0).all()
+    assert (rec[:, 3] == 0).all() and (rec[:, 4] == 0).all()
     for (_, y), y0 in zip(case.pairs, before, strict=True):
         assert torch.equal(y, y0)  # nothing written but the values already there
     assert (bound > 0).all() and torch.isfinite(ref).all()
@@ -374,7 +374,7 @@ def test_clean_attention_is_never_flagged(dtype, data, log_scale, seed, **shape)
         before = t.clone()
         with _autocast(att.autocast):
             rec = _repair(t, res, excess, att.recompute(op))
-        assert rec.shape == (1, 4)
+        assert rec.shape == (1, 5)
         assert rec[0, 0] == 0 and rec[0, 1] == 0 and rec[0, 3] == 0, f"{op}: {rec.tolist()}"
         assert torch.equal(t, before)
 
