@@ -99,19 +99,22 @@ def clean_run(
     seq_len: int = 64,
     batch: int = 4,
     seed: int = 0,
+    scope: str = "attention",
 ) -> CleanRun:
     """Train a protected tiny ``family`` model on Shakespeare under real dynamics and count its
     events: AdamW at a high learning rate (every norm weight moves: LayerNorm, RMSNorm, q_norm
     / k_norm), ``outliers`` times larger values in two embedding features (the massive
-    activations of trained LLMs), fp32 or bf16 autocast (``dtype="bf16"``)."""
+    activations of trained LLMs), fp32, or bf16 / fp16 autocast (``dtype="bf16"`` / ``"fp16"``);
+    ``scope`` as :class:`~attnchecker.ABFTConfig`'s."""
     import torch
 
-    from attnchecker import protect_
+    from attnchecker import ABFTConfig, protect_
     from attnchecker.models.tiny import build
     from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
 
-    if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+    low = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in low:
+        raise ValueError(f"dtype must be one of {list(low)}, got {dtype!r}")
     corpus = load_corpus()
     blocks = TokenBlocks.build(corpus, tokenizer_for(corpus, 512), seq_len)
     model = build(family, vocab_size=blocks.vocab_size, max_len=seq_len, seed=seed)
@@ -123,12 +126,12 @@ def clean_run(
         for n, p in model.named_parameters()
         if "norm" in n.rsplit(".", 2)[-2].lower() or n.rsplit(".", 2)[-2].startswith("ln")
     }
-    handle = protect_(model)
+    handle = protect_(model, ABFTConfig(scope=scope))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     events, uncorrectable, losses = 0, 0, []
     for step in range(steps):
         ids, _ = blocks.batch(step, batch, seed)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with torch.autocast("cpu", dtype=low[dtype] or torch.bfloat16, enabled=bool(low[dtype])):
             loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
         loss.backward()
         opt.step()

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 
-from attnchecker import protect_
+from attnchecker import ABFTConfig, protect_
 from attnchecker.models.families import FAMILIES
 from attnchecker.models.tiny import build
 
@@ -216,3 +216,55 @@ def test_model_moved_after_protect_runs_on_cuda():
     got, want = train_step(faulty, inputs), train_step(ref, inputs)
     assert torch.allclose(got[0], want[0], rtol=1e-6) and max_diff(got[1], want[1]) <= 1e-5
     assert [(e.op, e.action) for e in h.drain()] == [("scores", "corrected")]
+
+
+# ------------------------------------------------------------------ backward and all_linear
+
+
+@pytest.mark.parametrize("family", FAULT_FAMILIES)
+def test_backward_faults_are_corrected_on_cuda(family):
+    """As test_protect_backward: a fault in any backward GEMM repaired in the same backward,
+    the step equal to the fault-free one (fp32, IEEE)."""
+    import copy
+
+    from .helpers import fire_once, update_excess
+
+    base, ref = cuda_models(family)
+    inputs = cuda_batch(family)
+    want = train_step(ref, inputs)
+    handle = protect_(base)
+    snapshot = copy.deepcopy(base.state_dict())
+    sites = ("dq", "dk", "dp", "dv", "dx.q", "dw.q", "dx.out", "dw.out")
+    failures = []
+    for site in sites:
+        for pattern, kind in zip(PATTERNS, ("nan", "inf", "1e10", "nan"), strict=True):
+            base.load_state_dict(snapshot)
+            base.zero_grad(set_to_none=True)
+            hook = fire_once(site, pattern, kind)
+            detach = handle.attach(hook, sites=[site])
+            got = train_step(base, inputs)
+            detach.remove()
+            events = handle.drain()
+            if not (
+                hook.fired
+                and max_diff(got[1], want[1]) <= 1e-5
+                and update_excess(got, want) <= 1e-5
+                and [e.action for e in events] in (["corrected"], ["recomputed"])
+            ):
+                failures.append((site, pattern, kind, max_diff(got[1], want[1]), events))
+    assert not failures, failures[:4]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_all_linear_has_no_false_alarm_in_bf16_on_cuda(family):
+    model = build(family).cuda()
+    model.train()
+    handle = protect_(model, ABFTConfig(scope="all_linear"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(5):
+        with _autocast(True):
+            loss = model(**cuda_batch(family, seed=step)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert handle.drain() == []

@@ -471,6 +471,12 @@ def context_residual(
         return out
 
 
+def _same(new: Tensor, old: Tensor) -> Tensor:
+    """(K,) whether each of K matrices (K, ...) is bitwise the same (NaN equal to NaN)."""
+    new = new.to(old.dtype)
+    return ((new == old) | (new.isnan() & old.isnan())).view(old.shape[0], -1).all(1)
+
+
 @torch.no_grad()
 def heads_repair_(
     targets: Sequence[Tensor],
@@ -478,10 +484,14 @@ def heads_repair_(
     recompute: Recompute,
     *,
     max_heads: int,
+    probe: Tensor | None = None,
 ) -> Tensor:
     """Recompute the ``max_heads`` (batch, head) matrices with the most flagged rows over all
     ``checks`` in every tensor of ``targets`` (B, H, L, M_i), in place: one repair for the
     checks of a chain (scores -> probs -> context recomputed together), given in chain order.
+    ``probe``: a tensor of the chain that is not written (the scores), which ``recompute``
+    returns last, after the targets; a matrix is *reproduced* when it and the last target come
+    out of the recomputation exactly as delivered.
 
     Each check is (residual, excess), both (B, H, L), excess > 0 (or NaN) on flagged rows.
     Returns (len(checks), 5) records: flagged rows (twice: row checks alone cannot tell an
@@ -502,15 +512,18 @@ def heads_repair_(
     flagged = top > 0
     lost = flagged[Kh] if Kh < B * H else flagged[0] & False
     take, idx = flagged[:Kh, None, None], idx[:Kh]
-    news = recompute(idx // H, idx % H)
+    news = list(recompute(idx // H, idx % H))
+    probe_new = news.pop() if probe is not None else None
     for t, new in zip(targets, news, strict=True):
         t3 = t.data.view(B * H, *t.shape[-2:])
         old, new = t3.index_select(0, idx), new.to(t.dtype)
         t3.index_copy_(0, idx, torch.where(take, new, old))
-    # a flagged matrix whose chain's end (the context; a gradient) is recomputed exactly as
-    # delivered, NaN for NaN: its operands imply it (an overflow of the dtype, a fault
-    # upstream), not these GEMMs; a fault anywhere in the chain changes the end
-    same = ((new == old) | (new.isnan() & old.isnan())).view(len(idx), -1).all(1)
+    # a flagged matrix whose chain's end (the context; a gradient) and probe (the scores) are
+    # recomputed exactly as delivered, NaN for NaN: its operands imply it (an overflow of the
+    # dtype, a fault upstream), not these GEMMs
+    same = _same(new, old)
+    if probe is not None:
+        same &= _same(probe_new, probe.data.view(B * H, *probe.shape[-2:]).index_select(0, idx))
     again = (same & take.view(-1)).any()
     # each check's worst row (NaN ranks first; a tensor, never a Python int)
     worst = excess.view(C, -1).argmax(1, keepdim=True)  # (C, 1)

@@ -200,18 +200,21 @@ def attend(
             found.append(("probs", probs_residual(probs, scale=scale)))
 
     def chain(b: Tensor, h: Tensor) -> list[Tensor]:
-        new_saved, new_probs = probs_of(scores_of(b, h), b, h)
+        new_scores = scores_of(b, h)
+        new_saved, new_probs = probs_of(new_scores, b, h)
         news = [*new_saved, new_probs] if converts else new_saved
         if redo is not None:
             new_probs = redo(new_probs, b, h)
             news.append(new_probs)
         if checked and cast is not mixed:
             news.append(new_probs)
-        return [*news, torch.matmul(new_probs, value[b, h])]
+        return [*news, torch.matmul(new_probs, value[b, h]), new_scores]
 
     if found:
         with _ranged("heads_repair"):
-            rec = heads_repair_(targets, [r for _, r in found], chain, max_heads=heads)
+            rec = heads_repair_(
+                targets, [r for _, r in found], chain, max_heads=heads, probe=scores
+            )
         state.note(tuple(op for op, _ in found), rec)
     if not on("out"):
         state.commit()  # otherwise the output projection's check writes the layer's records
