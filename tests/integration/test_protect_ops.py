@@ -100,7 +100,9 @@ def test_extra_ops_per_layer_stay_within_budget(family):
     assert total <= ceiling_total, (family, total, launching, eager)
     assert launching <= ceiling_launching, (family, total, launching, eager)
     first = {"bert": 727, "roberta": 727, "gpt2": 551, "gpt_neo": 739, "llama": 805}
-    assert family not in first or total < 0.55 * first[family]  # the first engine's counts
+    # the first engine's counts: the rebuilt one was under 0.55x, under 0.6x since issue 12's
+    # test of whether a repair reproduced the fault (numerics) added about 15 per layer
+    assert family not in first or total < 0.6 * first[family]
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])  # separate and fused Q|K|V
