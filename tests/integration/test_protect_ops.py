@@ -45,21 +45,21 @@ CEILING = {  # extra ops per layer per training step: (all ops, launching ops)
 }
 
 BACKWARD_CEILING = {  # launching ops per layer the backward's checks add
-    "bert": 760,
-    "roberta": 760,
-    "distilbert": 760,
-    "gpt2": 490,
-    "gpt_neo": 760,
-    "gpt_neox": 480,
-    "opt": 760,
-    "bart": 760,
-    "llama": 760,
-    "mistral": 760,
-    "qwen2": 760,
-    "qwen3": 760,
-    "olmo2": 760,
-    "phi3": 480,
-    "gemma2": 760,
+    "bert": 720,
+    "roberta": 720,
+    "distilbert": 720,
+    "gpt2": 460,
+    "gpt_neo": 720,
+    "gpt_neox": 460,
+    "opt": 720,
+    "bart": 720,
+    "llama": 720,
+    "mistral": 720,
+    "qwen2": 720,
+    "qwen3": 720,
+    "olmo2": 720,
+    "phi3": 460,
+    "gemma2": 720,
 }
 
 

@@ -30,6 +30,7 @@ gradient. Fault injection reaches every gradient through its named site (:data:`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -71,25 +72,40 @@ def _factor(out: Tensor, x: Tensor, y: Tensor, *, inner: int, length: int) -> fl
     ) + rounded * unit_roundoff(out.dtype)
 
 
+def _norm(t: Tensor) -> Tensor:
+    """||t||_F of each matrix of t (..., M, K): (...) fp32."""
+    return torch.linalg.vector_norm(t, dim=(-2, -1), dtype=_F32)
+
+
 def _reference(
-    out: Tensor, x: Tensor, y: Tensor, *, scale: float, nonneg: bool = False
+    out: Tensor,
+    x: Tensor,
+    y: Tensor,
+    *,
+    scale: float,
+    nonneg: bool = False,
+    norms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(reference, tolerance) (..., M) of the row sums of out = x @ y, x (..., M, K),
-    y (..., K, N)."""
+    y (..., K, N), in few passes over the large operands: the reference is one GEMV in the
+    operands' dtype (fp32 for fp16, whose range a row sum can overflow); the magnitude bound is
+    per matrix, sum_k |x_ik| sum_n |y_kn| <= ||x||_F sqrt(N) ||y||_F (Cauchy-Schwarz twice,
+    two norms, no |x| pass; ``norms``: ||x||_F ||y||_F already at hand), exact per row when
+    x >= 0 (``nonneg``: one GEMV gives both)."""
     K, N = y.shape[-2], y.shape[-1]
-    xf = x if x.dtype == _F32 else x.to(_F32)
+    dt = x.dtype if x.dtype == y.dtype and x.dtype != torch.float16 else _F32
+    rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0  # x and the sums in dt
     ysum = y.sum(-1, dtype=_F32)  # (..., K)
-    yabs = y.abs().sum(-1, dtype=_F32)  # (..., K)
     if nonneg:
-        both = xf @ torch.stack([ysum, yabs], -1)  # (..., M, 2)
-        ref, mag = both[..., 0], both[..., 1]
+        yabs = y.abs().sum(-1, dtype=_F32)  # y is the small operand here (dO)
+        both = x.to(dt) @ torch.stack([ysum, yabs], -1).to(dt)  # (..., M, 2)
+        ref, mag = both[..., 0].to(_F32), both[..., 1].to(_F32)
     else:
-        ref = (xf @ ysum.unsqueeze(-1)).squeeze(-1)  # (..., M)
-        mag = torch.linalg.vector_norm(x, dim=-1, dtype=_F32) * torch.linalg.vector_norm(
-            yabs, dim=-1, keepdim=True
-        )
-    tol = _factor(out, x, y, inner=K, length=N) * scale
-    return ref, mag.mul_(tol).add_(underflow_floor(out.dtype, length=N))
+        ref = (x.to(dt) @ ysum.to(dt).unsqueeze(-1)).squeeze(-1).to(_F32)  # (..., M)
+        mag = _norm(x) * _norm(y) if norms is None else norms  # (...)
+        mag = (mag * math.sqrt(N)).unsqueeze(-1)  # (..., 1)
+    tol = (_factor(out, x, y, inner=K, length=N) + rounding) * scale
+    return ref, (mag * tol).add_(underflow_floor(out.dtype, length=N))
 
 
 def _excess(out: Tensor, ref: Tensor, tol: Tensor) -> tuple[Tensor, Tensor]:
@@ -98,25 +114,41 @@ def _excess(out: Tensor, ref: Tensor, tol: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def product_residual(
-    out: Tensor, x: Tensor, y: Tensor, *, scale: float, nonneg: bool = False
+    out: Tensor,
+    x: Tensor,
+    y: Tensor,
+    *,
+    scale: float,
+    nonneg: bool = False,
+    norms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(residual, excess) (..., M) of the rows of out = x @ y, x (..., M, K), y (..., K, N):
     excess > 0 (or NaN) where a row is flagged. ``nonneg``: x >= 0 (probabilities), so one thin
     GEMM gives the reference and an exact magnitude."""
     with torch.autocast(out.device.type, enabled=False):
-        return _excess(out, *_reference(out, x, y, scale=scale, nonneg=nonneg))
+        return _excess(out, *_reference(out, x, y, scale=scale, nonneg=nonneg, norms=norms))
 
 
 @torch.no_grad()
-def product_check_(out: Tensor, x: Tensor, y: Tensor, *, max_rows: int, scale: float) -> Tensor:
+def product_check_(
+    out: Tensor,
+    x: Tensor,
+    y: Tensor,
+    *,
+    max_rows: int,
+    scale: float,
+    norms: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """Check and repair in place out (M, N) = x (M, K) @ y (K, N), by rows and columns; returns
-    the (1, 5) float32 record of :func:`~attnchecker.attention.checks._record`."""
+    the (1, 5) float32 record of :func:`~attnchecker.attention.checks._record`. ``norms``:
+    (||x||_F, ||y||_F) when the caller has them (a linear's dX and dW checks share ||dY||)."""
     R = min(max_rows, x.shape[0])
     with torch.autocast(out.device.type, enabled=False):
-        ref, tol = _reference(out, x, y, scale=scale)  # (M,)
+        xn, yn = (_norm(x), _norm(y)) if norms is None else norms
+        ref, tol = _reference(out, x, y, scale=scale, norms=xn * yn)  # (M,)
         res_r, exc_r = _excess(out, ref, tol)
-        # columns: 1^T out = (1^T x) y, the transposed problem
-        exc_c = product_residual(out.t(), y.t(), x.t(), scale=scale)[1]  # (N,)
+        # columns: 1^T out = (1^T x) y, the transposed problem (the same two norms)
+        exc_c = _excess(out.t(), *_reference(out.t(), y.t(), x.t(), scale=scale, norms=xn * yn))[1]
         top, idx = exc_r.topk(R)  # NaN ranks first
         take = ~(top <= 0)[:, None]  # (R, 1)
         out.index_copy_(0, idx, torch.where(take, x.index_select(0, idx) @ y, out[idx]))
@@ -174,11 +206,14 @@ class _Matmul(torch.autograd.Function):
         (op_a, op_b), (check_a, check_b), nonneg_a, b_transposed, max_heads, scale, hook = ctx.args
         da = db = None
         index, recs = [], []
+        # ||dc|| per head, shared by both checks when dc is the large operand (dS)
+        dcn = _norm(dc) if b_transposed and check_a and check_b else None
         if ctx.needs_input_grad[0]:
             da = dc @ b.mT  # (B, H, M, K), as autograd's bmm backward
             _site(hook, GRAD_OPS[op_a], da)
         if ctx.needs_input_grad[0] and check_a:
-            rows = product_residual(da, dc, b.mT, scale=scale)
+            norms = None if dcn is None else dcn * _norm(b)
+            rows = product_residual(da, dc, b.mT, scale=scale, norms=norms)
             recs.append(_heads_check_(da, rows, lambda i, h: dc[i, h] @ b[i, h].mT, max_heads))
             index.append(op_a)
         if ctx.needs_input_grad[1]:
@@ -186,7 +221,8 @@ class _Matmul(torch.autograd.Function):
             _site(hook, GRAD_OPS[op_b], db)
         if ctx.needs_input_grad[1] and check_b:
             if b_transposed:  # b = key^T: check the rows of dK = dc^T a
-                rows = product_residual(db.mT, dc.mT, a, scale=scale)
+                norms = None if dcn is None else dcn * _norm(a)
+                rows = product_residual(db.mT, dc.mT, a, scale=scale, norms=norms)
             else:  # dV = p^T dO, p >= 0
                 rows = product_residual(db, a.mT, dc, scale=scale, nonneg=nonneg_a)
             recs.append(_heads_check_(db, rows, lambda i, h: a[i, h].mT @ dc[i, h], max_heads))
@@ -241,12 +277,15 @@ class _Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # (T, K)
         dx = dw = db = None
         index, recs = [], []
+        dyn = _norm(dy2) if check_x or check_w else None  # shared by both checks
         if ctx.needs_input_grad[0]:
             w = weight.t() if conv1d else weight  # (N, K)
             dx2 = dy2.mm(w)  # (T, K)
             _site(hook, op_x[1], dx2)
             if check_x:
-                recs.append(product_check_(dx2, dy2, w, max_rows=max_rows, scale=scale))
+                recs.append(product_check_(
+                    dx2, dy2, w, max_rows=max_rows, scale=scale, norms=(dyn, _norm(w))
+                ))  # fmt: skip
                 index.append(op_x[0])
             dx = dx2.view(x.shape)
         if ctx.needs_input_grad[1]:
@@ -255,7 +294,11 @@ class _Linear(torch.autograd.Function):
             dw = a.mm(b)
             _site(hook, op_w[1], dw)
             if check_w:
-                recs.append(product_check_(dw, a, b, max_rows=max_rows, scale=scale))
+                xn = _norm(x2)
+                recs.append(product_check_(
+                    dw, a, b, max_rows=max_rows, scale=scale,
+                    norms=(xn, dyn) if conv1d else (dyn, xn),
+                ))  # fmt: skip
                 index.append(op_w[0])
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
