@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from attnchecker.errors import AttnCheckerError
 from attnchecker.models.families import FAMILIES
 
 __all__ = ["main"]
@@ -176,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="attnchecker", description=__doc__)
     p.add_argument("--version", action="version", version=f"attnchecker {__version__}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="show extreme errors located and corrected")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random operands")
@@ -294,11 +296,38 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; bad input (a library error, a missing or malformed file, a bad value) is
+    one line on stderr and exit status 2, without a traceback unless ``--debug``."""
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if getattr(args, "backend", "eager") != "eager":
-        _kernels_here(args.backend)
-    return int(args.func(args))
+    try:
+        if getattr(args, "backend", "eager") != "eager":
+            _kernels_here(args.backend)
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("attnchecker: interrupted", file=sys.stderr)
+        return 130
+    except (AttnCheckerError, OSError, ValueError) as e:
+        if args.debug:
+            raise
+        print(f"attnchecker: error: {_say(e)} (--debug shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _say(e: BaseException) -> str:
+    """One line about a bad input."""
+    import json
+
+    if isinstance(e, FileNotFoundError):
+        return f"no such file or directory: {e.filename}"
+    if isinstance(e, IsADirectoryError):
+        return f"a directory where a file was expected: {e.filename}"
+    if isinstance(e, PermissionError):
+        return f"permission denied: {e.filename}"
+    if isinstance(e, json.JSONDecodeError):
+        return f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
 def _kernels_here(backend: str) -> None:

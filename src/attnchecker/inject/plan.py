@@ -62,8 +62,14 @@ class Fault:
     persistent: bool = False  # kernel sites: every recomputation is hit too
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", FaultKind(self.kind))
-        object.__setattr__(self, "pattern", FaultPattern(self.pattern))
+        for name, kinds in (("kind", FaultKind), ("pattern", FaultPattern)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kinds(value))
+            except ValueError:
+                raise ConfigError(
+                    f"unknown fault {name} {value!r}; choose from {[e.value for e in kinds]}"
+                ) from None
         object.__setattr__(self, "size", tuple(self.size))
         if self.step < 1:
             raise ConfigError(f"step counts forward passes from 1, got {self.step}")
@@ -191,7 +197,24 @@ class FaultPlan:
 
     @classmethod
     def from_json(cls, text: str) -> FaultPlan:
-        d = json.loads(text)
+        """A plan from :meth:`to_json`'s text; :class:`ConfigError` says what is wrong with a
+        malformed one (not JSON, a missing field, an unknown key, a bad value)."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"a fault plan must be JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+            ) from None
+        if not isinstance(d, dict) or not isinstance(d.get("faults"), list) or "seed" not in d:
+            raise ConfigError('a fault plan is {"seed": <int>, "faults": [{...}, ...]}')
+        fields = {f.name for f in dataclasses.fields(Fault)}
+        for i, f in enumerate(d["faults"]):
+            if not isinstance(f, dict):
+                raise ConfigError(f"fault {i} of the plan is not an object: {f!r}")
+            if unknown := sorted(set(f) - fields):
+                raise ConfigError(f"fault {i}: unknown keys {unknown}; known: {sorted(fields)}")
+            if missing := sorted(k for k in ("step", "site") if k not in f):
+                raise ConfigError(f"fault {i}: missing {missing}")
         return cls(
             tuple(Fault(**f) for f in d["faults"]),
             d["seed"],

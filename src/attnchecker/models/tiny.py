@@ -45,7 +45,13 @@ def family_config(
     kwargs = {k_hidden: hidden, k_layers: layers, k_heads: heads}
     kwargs[k_positions] = max_len + fam.positions_extra
     kwargs |= fam.extra(hidden, layers, heads, max_len) | fam.ids
-    cfg = getattr(tf, fam.config)(vocab_size=vocab_size, **kwargs)
+    cls = getattr(tf, fam.config)
+    defaults = cls()
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the original vocabulary's
+        v = getattr(defaults, k, None)
+        if k not in kwargs and isinstance(v, int) and v >= vocab_size:
+            kwargs[k] = None  # beyond the tiny vocabulary (GPT-2's 50256): unused, not a warning
+    cfg = cls(vocab_size=vocab_size, **kwargs)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
