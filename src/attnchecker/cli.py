@@ -144,9 +144,29 @@ def _sdc(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         from attnchecker.report.sdc import sdc_report
 
-        sdc_report(args.out)
-        print(json.dumps({k: v for k, v in summary.items() if k != "per_layer_drift"}, indent=2))
+        report = sdc_report(args.out)
+        shown = {k: v for k, v in summary.items() if k != "per_layer_drift"}
+        if args.json:
+            print(json.dumps(shown, indent=2))
+        else:
+            _table(f"SDC lockstep, level {args.level}: {args.out}", shown)
+            print(f"report: {report}; every figure: {args.out}/summary.json")
     return 0 if summary["deterministic"] else 1
+
+
+def _table(title: str, summary: dict) -> None:
+    """A short human summary: each scalar figure on a row (nested ones counted)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    for k, v in summary.items():
+        if isinstance(v, float):
+            v = f"{v:.4g}"
+        elif isinstance(v, dict | list):
+            v = f"{len(v)} entries (--json)"
+        table.add_row(k.replace("_", " "), str(v))
+    Console().print(table)
 
 
 def _sdc_record(args: argparse.Namespace) -> int:
@@ -168,7 +188,29 @@ def _sdc_compare(args: argparse.Namespace) -> int:
     from attnchecker.sdc.fingerprint import compare
 
     result = compare(args.a, args.b)
-    print(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0 if result["identical"] else 1
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    first = result["first_divergence"]
+    if first is None:
+        console.print(f"[bold]identical[/]: {result['compared']:,} fingerprints compared")
+    else:
+        console.print(
+            f"[bold]first divergence[/]: step {first['step']}, {first['module']}, "
+            f"{first['phase']} ({result['compared']:,} fingerprints compared, "
+            f"{result['only_in_one']} in one recording only)"
+        )
+        table = Table("step", "max relative norm drift")
+        for step, d in result["max_norm_drift_by_step"].items():
+            table.add_row(str(step), f"{d:.3g}")
+        console.print(table)
+    nf = result["nonfinite"]
+    if nf["a"] or nf["b"]:
+        console.print(f"non-finite values: {nf['a']} in {args.a}, {nf['b']} in {args.b}")
     return 0 if result["identical"] else 1
 
 
@@ -276,6 +318,7 @@ def _parser() -> argparse.ArgumentParser:
     lock.add_argument(
         "--nproc", type=int, default=1, choices=[1, 2], help="2: healthy rank 0, faulty rank 1"
     )
+    lock.add_argument("--json", action="store_true", help="print the summary as JSON")
     lock.set_defaults(func=_sdc)
     rec = sdc_sub.add_parser("record", help="record per-step fingerprints of a short training")
     rec.add_argument("--out", required=True, help="JSONL file")
@@ -288,6 +331,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp_ = sdc_sub.add_parser("compare", help="first divergence and drift of two recordings")
     cmp_.add_argument("a")
     cmp_.add_argument("b")
+    cmp_.add_argument("--json", action="store_true", help="the machine-readable document")
     cmp_.set_defaults(func=_sdc_compare)
     rep = sub.add_parser("report", help="rebuild a campaign's, demo's or run's report from files")
     rep.add_argument("out")

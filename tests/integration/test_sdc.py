@@ -104,14 +104,20 @@ def test_cli_sdc_lockstep(text, tmp_path):
     assert cli.main(["report", str(tmp_path / "o")]) == 0
 
 
-def test_record_and_compare_from_files(text, tmp_path):
+def test_record_and_compare_from_files(text, tmp_path, capsys):
     a, b, c = (str(tmp_path / f"{n}.jsonl") for n in "abc")
     base = ["sdc", "record", "--steps", "3", "--data", *text]
     assert cli.main([*base, "--out", a]) == 0
     assert cli.main([*base, "--out", b]) == 0
     assert cli.main([*base, "--out", c, "--faulty"]) == 0
+    capsys.readouterr()
     assert cli.main(["sdc", "compare", a, b]) == 0  # two healthy runs: identical, exit 0
+    assert capsys.readouterr().out.startswith("identical: 24 fingerprints compared")
     assert cli.main(["sdc", "compare", a, c]) == 1
+    said = capsys.readouterr().out  # the answer first, in words
+    assert said.startswith("first divergence: step 1, ") and "max relative norm drift" in said
+    assert cli.main(["sdc", "compare", a, c, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["first_divergence"]["step"] == 1
     from attnchecker.sdc.fingerprint import compare
 
     ac, ca = compare(a, c), compare(c, a)
