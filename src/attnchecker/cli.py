@@ -214,6 +214,18 @@ def _sdc_compare(args: argparse.Namespace) -> int:
     return 0 if result["identical"] else 1
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown; description and epilog wrapped line by line (their line breaks kept)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        return "\n".join(
+            textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent + "  ")
+            for line in text.splitlines()
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     from attnchecker import __version__
 
@@ -221,7 +233,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"attnchecker {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = p.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="show extreme errors located and corrected")
+    demo = sub.add_parser(
+        "demo", help="show extreme errors located and corrected", formatter_class=_Help,
+        description="The main job, in four parts: the math core on one attention-shaped GEMM "
+        "(every fault kind and pattern), a protected model under the same faults as an "
+        "unprotected one, the diagnosis of a failing device beside an unstable run, and a "
+        "training demo (reference, unprotected, checkpoint/restore and protected arms).",
+        epilog="outputs: <out>/<arm>/ run directories (metrics.jsonl, events.jsonl, "
+        "summary.json), <out>/report.html, <out>/diagnosis/\n"
+        "example: attnchecker demo --family llama --steps 30",
+    )  # fmt: skip
     demo.add_argument("--seed", type=int, default=0, help="seed of the random operands")
     demo.add_argument("--family", default="gpt2", choices=FAMILIES)
     demo.add_argument(
@@ -235,7 +256,16 @@ def _parser() -> argparse.ArgumentParser:
 
     from attnchecker.attention.config import OPS
 
-    camp = sub.add_parser("campaign", help="fault-injection campaign: trials, rates, report")
+    camp = sub.add_parser(
+        "campaign", help="fault-injection campaign: trials, rates, report", formatter_class=_Help,
+        description="For every family x site x kind x pattern, seeded trials train a short run "
+        "twice under the same fault, unprotected and protected, and record how the error "
+        "propagated and whether training survived. Sizes: tiny (hidden 32), small (256), "
+        "base (768). Interrupted campaigns resume from their trials file.",
+        epilog="outputs: <out>/trials.jsonl (one line per trial), summary.json (rates per "
+        "cell), meta.json, report.html\n"
+        "example: attnchecker campaign --out runs/camp --families gpt2 llama --trials 4",
+    )  # fmt: skip
     camp.add_argument("--out", required=True, help="run directory (resumes if it has trials)")
     from attnchecker.inject.campaign import CampaignConfig
 
@@ -269,7 +299,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     camp.add_argument("--world", type=int, default=None, help="shards (default: $WORLD_SIZE)")
     camp.set_defaults(func=_campaign)
-    tr = sub.add_parser("train", help="train a model, optionally protected, under faults")
+    tr = sub.add_parser(
+        "train", help="train a model, optionally protected, under faults", formatter_class=_Help,
+        description="Train a family preset (--size tiny: hidden 32, 2 layers; small: 256, 4 "
+        "layers; base: 768, 12 heads) or your own transformers config (--model) on "
+        "Shakespeare or your texts, optionally protected (--protect), under a fault plan or "
+        "sampled faults, with checkpoint/restore (--recovery checkpoint), on N processes "
+        "(--nproc: DDP through torchrun). Every step is diagnosed (your hardware / not).",
+        epilog="outputs: <out>/meta.json, metrics.jsonl (a line per step), events.jsonl "
+        "(faults, protection events, diagnoses, rollbacks), model.safetensors, summary.json "
+        "(every rank's counts, the outlier rank); rank r > 0 under <out>/rank<r>/\n"
+        "example: attnchecker train --out runs/t --family llama --protect --fault-rate 0.1",
+    )  # fmt: skip
     tr.add_argument("--out", required=True, help="run directory")
     tr.add_argument("--family", default="gpt2", choices=FAMILIES)
     tr.add_argument(
@@ -305,7 +346,16 @@ def _parser() -> argparse.ArgumentParser:
         help="what --protect checks: the attention modules, or every linear layer too",
     )  # fmt: skip
     tr.set_defaults(func=_train)
-    sdc = sub.add_parser("sdc", help="SDC analysis: a healthy and a faulty replica in lockstep")
+    sdc = sub.add_parser(
+        "sdc", help="SDC analysis: a healthy and a faulty replica in lockstep",
+        formatter_class=_Help,
+        description="Silent data corruption as the study of real faulty nodes measures it: "
+        "lockstep (level 1: every submodule's output, 2: every step's gradients, 3: a "
+        "period of training against a control), or record fingerprints on two machines and "
+        "compare them.",
+        epilog="example: attnchecker sdc record --out a.jsonl (on each machine), then "
+        "attnchecker sdc compare a.jsonl b.jsonl",
+    )  # fmt: skip
     sdc_sub = sdc.add_subparsers(dest="sdc_command", required=True)
     lock = sdc_sub.add_parser("lockstep", help="level 1 (submodules), 2 (steps) or 3 (a period)")
     lock.add_argument("--level", type=int, choices=[1, 2, 3], default=1)
@@ -333,7 +383,11 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("b")
     cmp_.add_argument("--json", action="store_true", help="the machine-readable document")
     cmp_.set_defaults(func=_sdc_compare)
-    rep = sub.add_parser("report", help="rebuild a campaign's, demo's or run's report from files")
+    rep = sub.add_parser(
+        "report", help="rebuild a campaign's, demo's or run's report from files",
+        formatter_class=_Help,
+        epilog="example: attnchecker report runs/camp (writes runs/camp/report.html)",
+    )  # fmt: skip
     rep.add_argument("out")
     rep.set_defaults(func=_report)
     return p

@@ -69,3 +69,13 @@ def test_python_dash_m_is_the_command():
         [sys.executable, "-m", "attnchecker", "--help"], capture_output=True, text=True, timeout=60
     )
     assert run.returncode == 0 and "usage: attnchecker" in run.stdout
+
+
+@pytest.mark.parametrize("command", ["demo", "campaign", "train", "sdc", "report"])
+def test_every_command_explains_itself_with_an_example(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = capsys.readouterr().out
+    assert f"example: attnchecker {command}" in text
+    if command in ("demo", "campaign", "train"):
+        assert "outputs:" in text
