@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-all lint bench setup clean
+.PHONY: demo test test-all lint bench screenshots setup clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/check_sensitivity.py
 	$(BIN)/python benchmarks/protect_vs_sdpa.py
 	$(BIN)/python benchmarks/recovery_cost.py
+
+# the HTML reports in headless Chromium (apt-get install chromium), into docs/screenshots/
+screenshots: $(STAMP)
+	scripts/screenshots.sh docs/screenshots
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

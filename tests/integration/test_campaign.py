@@ -86,6 +86,9 @@ def test_cli_campaign_and_report(tmp_path):
     assert cli.main(args) == 0
     report = (tmp_path / "report.md").read_text()
     assert "| bert | v | inf | 1 |" in report and (tmp_path / "non_trainable_by_site.png").exists()
+    assert (tmp_path / "heatmaps.png").exists()
+    page = (tmp_path / "report.html").read_text()  # one file: tables, images embedded
+    assert "<table>" in page and page.count("data:image/png;base64,") == 2
     assert cli.main(["report", str(tmp_path)]) == 0
 
 

@@ -166,6 +166,12 @@ def test_training_demo_end_to_end(tmp_path):
             "wall_time_s",
         } <= set(doc[arm])
     assert (tmp_path / "report.html").exists() and (tmp_path / "loss.png").exists()
+    # robust figures: per-step medians, none for the arm that stopped
+    assert doc["unprotected"]["overhead"] is None and doc["protected"]["overhead"] is not None
+    page = (tmp_path / "report.html").read_text()  # the story in words, the plan as a table
+    assert "unprotected: died at step" in page and "checkpoint_restore: rolled back" in page
+    assert "protected: 3 of 3 detections corrected" in page
+    assert "<th>site</th>" in page and "transformer.h.0.attn" in page
 
 
 def test_cli_train_with_a_fault_plan_file(tmp_path, data):

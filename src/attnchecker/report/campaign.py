@@ -1,4 +1,6 @@
-"""A campaign's report from its files alone: ``report.md`` with tables and PNG plots."""
+"""A campaign's report from its files alone: ``report.md`` with tables and PNG plots, and the
+same as one self-contained ``report.html`` (images embedded), with heatmaps of the
+non-trainable and repair rates per family x site x kind."""
 
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def _propagation(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def campaign_report(out: str | Path) -> Path:
-    """Write ``out/report.md`` and ``out/*.png`` from ``out/trials*.jsonl``; return the report path."""
+    """Write ``out/report.md``, ``out/*.png`` and ``out/report.html`` from
+    ``out/trials*.jsonl``; return the HTML report's path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,7 +111,8 @@ def campaign_report(out: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for k, arm in enumerate(("unprotected", "protected")):
         vals = [sum(by_site[s][arm]) / max(len(by_site[s][arm]), 1) for s in sites]
-        ax.bar([i + 0.4 * k for i in range(len(sites))], vals, width=0.4, label=arm)
+        bars = ax.bar([i + 0.4 * k for i in range(len(sites))], vals, width=0.4, label=arm)
+        ax.bar_label(bars, labels=[f"{100 * v:.0f}%" for v in vals], fontsize=8)
     ax.set_xticks([i + 0.2 for i in range(len(sites))], sites)
     ax.set_ylabel("non-trainable rate")
     ax.set_ylim(0, 1)
@@ -118,6 +122,80 @@ def campaign_report(out: str | Path) -> Path:
     fig.savefig(out / "non_trainable_by_site.png", dpi=120)
     plt.close(fig)
     lines += ["", "![non-trainable rate by site](non_trainable_by_site.png)", ""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    _heatmaps(cells, out / "heatmaps.png")
+    lines[4:4] = [
+        "## At a glance: family x site x kind",
+        "",
+        "Left: how often one fault makes training non-trainable without protection; middle: the "
+        "same with protection; right: how often protection repaired it (corrected, recomputed, "
+        "or masked without a repair needed).",
+        "",
+        "![heatmaps](heatmaps.png)",
+        "",
+    ]
+    text = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(text)
+    path = out / "report.html"
+    path.write_text(_html(text, out, title="attnchecker campaign"))
     return path
+
+
+def _heatmaps(cells: list[dict[str, Any]], path: Path) -> None:
+    """Per family: sites x kinds of the unprotected and protected non-trainable rates and of
+    the protected repair rate, annotated."""
+    import matplotlib.pyplot as plt
+
+    families = list(dict.fromkeys(c["family"] for c in cells))
+    sites = list(dict.fromkeys(c["site"] for c in cells))
+    kinds = list(dict.fromkeys(c["kind"] for c in cells))
+    panels = (
+        ("unprotected", "non_trainable_rate", "non-trainable, unprotected", "Reds"),
+        ("protected", "non_trainable_rate", "non-trainable, protected", "Reds"),
+        ("protected", None, "repaired or not needed, protected", "Greens"),
+    )
+    fig, axes = plt.subplots(
+        len(families), 3, figsize=(3.2 * 3, 0.45 * len(sites) * len(families) + 1.2),
+        squeeze=False,
+    )  # fmt: skip
+    for r, fam in enumerate(families):
+        for c, (arm, key, title, cmap) in enumerate(panels):
+            grid = [[float("nan")] * len(kinds) for _ in sites]
+            for cell in cells:
+                if cell["family"] != fam or cell["arm"] != arm:
+                    continue
+                v = cell[key] if key else sum(
+                    cell.get(k, 0.0) for k in ("corrected_rate", "recomputed_rate", "not_needed_rate")
+                )  # fmt: skip
+                grid[sites.index(cell["site"])][kinds.index(cell["kind"])] = v
+            ax = axes[r][c]
+            ax.imshow(grid, vmin=0, vmax=1, cmap=cmap, aspect="auto")
+            for i, row in enumerate(grid):
+                for j, v in enumerate(row):
+                    if v == v:
+                        ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=7,
+                                color="white" if v > 0.6 else "black")  # fmt: skip
+            ax.set_xticks(range(len(kinds)), kinds, rotation=45, ha="right", fontsize=7)
+            ax.set_yticks(range(len(sites)), sites if c == 0 else [], fontsize=7)
+            ax.set_title(f"{fam}: {title}" if r == 0 or c == 0 else fam, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _html(text: str, out: Path, *, title: str) -> str:
+    """One self-contained page from the report's markdown: tables, and images embedded."""
+    import base64
+    import re
+
+    import markdown
+
+    def embed(m: re.Match) -> str:
+        data = base64.b64encode((out / m.group(2)).read_bytes()).decode()
+        return f"![{m.group(1)}](data:image/png;base64,{data})"
+
+    body = markdown.markdown(re.sub(r"!\[([^]]*)\]\(([^)]+\.png)\)", embed, text),
+                             extensions=["tables"])  # fmt: skip
+    style = ("body{font-family:sans-serif;max-width:70em;margin:2em auto}"
+             "td,th{padding:.2em .6em;border-bottom:1px solid #ddd}img{max-width:100%}")  # fmt: skip
+    return (f'<!doctype html><meta charset="utf-8"><title>{title}</title>'
+            f"<style>{style}</style>{body}")  # fmt: skip

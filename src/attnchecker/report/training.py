@@ -39,20 +39,35 @@ def demo_report(out: str | Path) -> Path:
     summary = json.loads((out / "summary.json").read_text())
     arms = [a for a in ARMS if (out / a / "metrics.jsonl").exists()]
     fig, ax = plt.subplots(figsize=(8, 4))
+    style = {"reference": {"color": "black", "ls": "--", "lw": 1.2, "zorder": 3},
+             "protected": {"lw": 2.5}}  # fmt: skip
     for arm in arms:
-        rows = read_metrics(out / arm)
-        ax.plot(
-            [r["step"] for r in rows],
-            [r["loss"] for r in rows],
-            label=arm,
-            lw=2 if arm == "protected" else 1.2,
-        )
+        # the trajectory kept: a step replayed after a rollback replaces the one rolled back
+        kept = {r["step"]: r["loss"] for r in read_metrics(out / arm)}
+        steps, losses = sorted(kept), [kept[st] for st in sorted(kept)]
+        (line,) = ax.plot(steps, losses, label=arm, **style.get(arm, {"lw": 1.2}))
+        finite = [(st, lo) for st, lo in zip(steps, losses, strict=True) if _finite(lo)]
+        if summary[arm]["non_trainable"] and finite:  # where it died
+            died = next((st for st, lo in zip(steps, losses, strict=True) if not _finite(lo)),
+                        steps[-1])  # fmt: skip
+            ax.plot([died], [finite[-1][1]], "x", ms=12, mew=3, color=line.get_color())
+            ax.annotate(f"{arm} dies", (died, finite[-1][1]), textcoords="offset points",
+                        xytext=(6, 6), color=line.get_color())  # fmt: skip
+        at = dict(finite)
+        for e in _events(out / arm):
+            if e.get("type") == "rollback" and e["at_step"] in at:  # the step that went bad
+                ax.annotate("", (e["at_step"], at[e["at_step"]]), xytext=(0, 18),
+                            textcoords="offset points",
+                            arrowprops={"arrowstyle": "-|>", "color": line.get_color()})  # fmt: skip
+            if e.get("type") == "protection" and e.get("step") in at:
+                ax.plot([e["step"]], [at[e["step"]]], "o", ms=7, mfc="none", color="tab:green")
     faults = [r for r in _events(out / "protected") if r.get("type") == "fault"]
     for f in faults:
         ax.axvline(f["step"], color="grey", ls=":", lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("Same seeded faults (dotted), four arms")
+    ax.set_title("Same seeded faults (dotted): x = the arm dies, arrow = a rollback, o = corrected",
+                 fontsize=10)  # fmt: skip
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)
@@ -88,17 +103,64 @@ def demo_report(out: str | Path) -> Path:
         "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in arm_row(arm, summary)) + "</tr>"
         for arm in arms
     )
+    story = "".join(f"<li>{html.escape(_story(arm, summary[arm], out / arm))}</li>" for arm in arms)
+    plan = _table(["step", "site", "layer", "kind", "pattern"],
+                  [[f.get(k, "") for k in ("step", "site", "layer", "kind", "pattern")]
+                   for f in summary.get("faults", [])])  # fmt: skip
+    event_keys = ["step", "module", "op", "pattern", "kind", "action", "cause"]
+    events = _table(event_keys, [[e.get(k, "") for k in event_keys]
+                                 for e in _events(out / "protected") if e.get("type") == "protection"])  # fmt: skip
     page = f"""<!doctype html><meta charset="utf-8"><title>attnchecker demo</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td,th{{padding:.2em .6em;border-bottom:1px solid #ddd}}</style>
 <h1>attnchecker: the same faults, four ways</h1>
 <p>{html.escape(summary.get("description", ""))}</p>
+<h2>What happened</h2><ul>{story}</ul>
 <table><tr>{"".join(f"<th>{h}</th>" for h in COLUMNS)}</tr>{rows_html}</table>
+<p>Overhead: the arm's median step time against the reference's (the arms run one after
+another; an arm that stopped has none).</p>
 <h2>Loss</h2><img src="loss.png" alt="loss curves">
+<h2>The fault plan</h2>{plan}
+<h2>What protection found (the protected arm)</h2>{events}
 <h2>Where the time went</h2><img src="time.png" alt="time breakdown">
 """
     path = out / "report.html"
     path.write_text(page)
     return path
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and x == x and abs(x) != float("inf")
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    if not rows:
+        return "<p>none</p>"
+    cells = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows
+    )
+    return f"<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{cells}</table>"
+
+
+def _story(arm: str, s: dict[str, Any], run: Path) -> str:
+    """What happened to one arm, in words."""
+    events = _events(run)
+    if arm == "reference":
+        return f"reference: no fault, {s['steps_done']} steps, final loss {s['final_loss']:.4f}."
+    if s["non_trainable"]:
+        rows = read_metrics(run)
+        died = next((r["step"] for r in rows if not _finite(r["loss"])), s["steps_done"])
+        return (f"{arm}: died at step {died} (the loss became {rows[-1]['loss'] if rows else '?'}"
+                f") after {s['faults_injected']} fault(s); training stopped there.")  # fmt: skip
+    if s["rollbacks"]:
+        at = [e["at_step"] for e in events if e.get("type") == "rollback"]
+        return (f"{arm}: rolled back {s['rollbacks']} time(s) (at steps "
+                f"{', '.join(map(str, at))}), replayed {s['replayed_steps']} steps, final loss "
+                f"{s['final_loss']:.4f}.")  # fmt: skip
+    if s["faults_detected"]:
+        return (f"{arm}: {s['faults_corrected']} of {s['faults_detected']} detections "
+                f"corrected in the step, {s['skipped']} step(s) skipped, no step lost, final "
+                f"loss {s['final_loss']:.4f}.")  # fmt: skip
+    return f"{arm}: {s['faults_injected']} fault(s), none detected, final loss {s['final_loss']:.4f}."
 
 
 def _events(run: Path) -> list[dict[str, Any]]:
@@ -116,10 +178,17 @@ def arm_row(arm: str, summary: dict[str, Any]) -> list[str]:
     recovery = ""
     if s["saves"]:
         recovery = f"{s['recovery_cost_steps']:.1f} steps, {s['rollbacks']} rollbacks"
+    overhead = s.get("overhead")
+    if arm == "reference":
+        shown = ""
+    elif overhead is None:
+        shown = "stopped"
+    else:
+        shown = f"{100 * overhead:+.0f}%"
     return [
         arm, str(s["faults_injected"]), str(s["faults_detected"]), str(s["faults_corrected"]),
         f"{s['final_loss']:.4f}", "yes" if s["non_trainable"] else "no", f"{s['wall_time_s']:.1f}",
-        "" if arm == "reference" else f"{100 * s['overhead']:+.0f}%", recovery,
+        shown, recovery,
     ]  # fmt: skip
 
 
