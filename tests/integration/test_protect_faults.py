@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from attnchecker import ABFTConfig, protect_
+from attnchecker.attention.config import OPS
 from attnchecker.models.families import FAMILIES
 
 from .helpers import KINDS, PATTERNS, SITES, batch, fault_matrix, fire_once, models, train_step
@@ -36,8 +37,11 @@ def _faulty_step(base, inputs, site, kind, pattern, layer=0, mode="naive"):
     [(f, "naive") for f in FAMILIES] + [("bert", "passing"), ("llama", "passing")],
 )
 def test_every_fault_is_corrected(family, mode):
+    # the forward's faults with the forward's checks (the backward's checks have their own
+    # matrix in test_protect_backward; forward faults under the default config: DDP, Trainer,
+    # compile, usage tests)
     base, _ = models(family)
-    failures = fault_matrix(base, batch(family), train_step, config=ABFTConfig(mode=mode))
+    failures = fault_matrix(base, batch(family), train_step, config=ABFTConfig(mode=mode, ops=OPS))
     assert not failures, (
         f"{len(failures)} of {len(SITES) * len(KINDS) * len(PATTERNS)}: {failures[:5]}"
     )
