@@ -14,9 +14,9 @@ runs=runs/screenshots
 mkdir -p "$out" "$runs"
 .venv/bin/attnchecker campaign --out "$runs/campaign" --families gpt2 llama \
     --sites q scores context dk dw.q --kinds nan inf,-inf exponent_flip --trials 2 --steps 2
-.venv/bin/attnchecker demo --steps 20 --out "$runs/demo"
+.venv/bin/attnchecker demo --out "$runs/demo"
 for name in campaign demo; do
-    "$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1200,2300 \
+    "$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1200,3000 \
         --screenshot="$PWD/$out/$name.png" "file://$PWD/$runs/$name/report.html" 2>/dev/null
     echo "screenshots: $out/$name.png"
 done

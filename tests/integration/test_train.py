@@ -151,8 +151,13 @@ def test_guarded_step_skips_an_uncorrectable_step(tmp_path, data):
 
 
 def test_training_demo_end_to_end(tmp_path):
-    from attnchecker.demo import run_training_demo
+    from attnchecker.demo import run_diagnosis_demo, run_training_demo
 
+    found = run_diagnosis_demo(str(tmp_path / "diagnosis"), steps=3)  # as `attnchecker demo`
+    assert [f["cause"] for f in found["failing device"]] == ["computation_fault"]
+    assert found["unstable numerics"] and {f["cause"] for f in found["unstable numerics"]} == {
+        "numerics"
+    }
     s = run_training_demo(str(tmp_path), size="tiny", steps=8, checkpoint_every=2)
     assert s["unprotected"]["non_trainable"] and not s["protected"]["non_trainable"]
     assert s["protected"]["faults_corrected"] == s["protected"]["faults_injected"] == 3
@@ -172,6 +177,7 @@ def test_training_demo_end_to_end(tmp_path):
     assert "unprotected: died at step" in page and "checkpoint_restore: rolled back" in page
     assert "protected: 3 of 3 detections corrected" in page
     assert "<th>site</th>" in page and "transformer.h.0.attn" in page
+    assert "Diagnosis: your hardware, or not" in page and "not your hardware: numerics" in page
 
 
 def test_cli_train_with_a_fault_plan_file(tmp_path, data):

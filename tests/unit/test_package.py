@@ -50,8 +50,8 @@ def test_demo_corrects_every_correctable_scenario(capsys):
     assert "corrected" in capsys.readouterr().out
 
 
-def test_cli_demo_exit_code():
-    assert cli.main(["demo", "--seed", "1", "--steps", "0"]) == 0
+def test_cli_demo_exit_code(tmp_path):
+    assert cli.main(["demo", "--seed", "1", "--steps", "0", "--out", str(tmp_path)]) == 0
 
 
 @pytest.mark.parametrize(

@@ -122,10 +122,36 @@ another; an arm that stopped has none).</p>
 <h2>The fault plan</h2>{plan}
 <h2>What protection found (the protected arm)</h2>{events}
 <h2>Where the time went</h2><img src="time.png" alt="time breakdown">
-"""
+{_diagnosis(out / "diagnosis")}"""
     path = out / "report.html"
     path.write_text(page)
     return path
+
+
+def _diagnosis(root: Path) -> str:
+    """The diagnosis demo's two arms (``root/<arm>/``), step by step, if it ran."""
+    arms = sorted(p for p in root.glob("*") if (p / "events.jsonl").exists()) if root.exists() else []
+    if not arms:
+        return ""
+    found = {a.name: {e["step"]: e for e in _events(a) if e.get("type") == "diagnosis"} for a in arms}
+    losses = {a.name: {r["step"]: r["loss"] for r in read_metrics(a)} for a in arms}
+    steps = sorted({st for f in found.values() for st in f} | {st for v in losses.values() for st in v})
+    rows = []
+    for st in steps:
+        row: list[Any] = [st]
+        for a in arms:
+            f, loss = found[a.name].get(st), losses[a.name].get(st)
+            row += ["skipped" if loss is None else f"{loss:.3f}",
+                    "healthy" if f is None else f"{f['verdict']}: {f['cause']}"]  # fmt: skip
+        rows.append(row)
+    head = ["step"] + [h for a in arms for h in (f"{a.name}: loss", f"{a.name}: diagnosis")]
+    first = "".join(
+        f"<li>{html.escape(a.name)}: {html.escape(next(iter(found[a.name].values()))['message'])}</li>"
+        for a in arms if found[a.name]
+    )  # fmt: skip
+    return (f"<h2>Diagnosis: your hardware, or not</h2><p>Two protected, guarded runs: a device "
+            f"that corrupts GEMMs, and an unstable run with no fault.</p>{_table(head, rows)}"
+            f"<ul>{first}</ul>")  # fmt: skip
 
 
 def _finite(x: Any) -> bool:
