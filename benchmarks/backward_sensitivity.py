@@ -1,0 +1,135 @@
+"""Smallest error the backward's checks detect, and their false alarms, per dtype.
+
+The checks of ``attnchecker.attention.grads`` as the backward runs them, at attention shapes
+(T = 1024 tokens, hidden 768; B 8, H 12, L 128, d 64): a projection's dX = dY W and
+dW = dY^T X (``product_check_``: rows and columns, a per-matrix Frobenius magnitude bound),
+the core's dQ = dS K (``product_residual`` by rows, dS signed) and dV = P^T dO (P >= 0: an
+exact per-row bound). Operands: X ~ N(0, 1), W ~ N(0, 0.02^2) (GPT-2's init), dY ~ N(0, s^2)
+with s = 1e-3, softmax probabilities of N(0, 1) logits, dS = P (dP - rowsum(P dP)) as softmax's
+backward makes it.
+
+1. False alarms: ``--clean`` clean products per GEMM and dtype, flagged or not.
+2. Sensitivity: one element of every checked row changed by delta = r * ||row||_1 (random
+   sign and position, in the output's dtype), r on a half-decade grid 1e-8 .. 1e2; reported:
+   the smallest r from which every faulty row is flagged (the row's own L1 norm as the unit,
+   as ``check_sensitivity.py`` reports the forward's).
+
+    python benchmarks/backward_sensitivity.py [--clean 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import Tensor
+
+from _common import environment, write
+from attnchecker.attention.grads import product_check_, product_residual
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GRID = [10.0 ** (e / 2) for e in range(-16, 5)]
+
+
+def _operands(dtype: torch.dtype, g: torch.Generator) -> dict[str, Tensor]:
+    T, K, N = 1024, 768, 768
+    B, H, L, d = 8, 12, 128, 64
+    x = torch.randn(T, K, generator=g)
+    w = torch.randn(N, K, generator=g) * 0.02
+    dy = torch.randn(T, N, generator=g) * 1e-3
+    p = torch.randn(B, H, L, L, generator=g).softmax(-1)
+    dp = torch.randn(B, H, L, L, generator=g) * 1e-3
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    k = torch.randn(B, H, L, d, generator=g)
+    do = torch.randn(B, H, L, d, generator=g) * 1e-3
+    ops = {"x": x, "w": w, "dy": dy, "p": p, "ds": ds, "k": k, "do": do}
+    return {n: t.to(dtype) for n, t in ops.items()}
+
+
+def _gemms(o: dict[str, Tensor]):
+    """(name, out, x, y, kind) of each checked backward GEMM: out = x @ y."""
+    return [
+        ("dX = dY W", o["dy"] @ o["w"], o["dy"], o["w"], "linear"),
+        ("dW = dY^T X", o["dy"].t() @ o["x"], o["dy"].t(), o["x"], "linear"),
+        ("dQ = dS K", o["ds"] @ o["k"], o["ds"], o["k"], "heads"),
+        ("dV = P^T dO", o["p"].mT @ o["do"], o["p"].mT, o["do"], "heads+"),
+    ]
+
+
+def _flags(out: Tensor, x: Tensor, y: Tensor, kind: str) -> Tensor:
+    """Per-row flags of the check (for a linear, rows flagged before the repair)."""
+    if kind == "linear":
+        from attnchecker.attention.grads import _excess, _reference
+
+        return ~(_excess(out, *_reference(out, x, y, scale=1.0))[1] <= 0)
+    return ~(product_residual(out, x, y, scale=1.0, nonneg=kind == "heads+")[1] <= 0)
+
+
+def _clean(dtype: torch.dtype, n: int) -> dict[str, int]:
+    alarms: dict[str, int] = {}
+    for seed in range(n):
+        g = torch.Generator().manual_seed(seed)
+        for name, out, x, y, kind in _gemms(_operands(dtype, g)):
+            if kind == "linear":
+                rec = product_check_(out.clone(), x, y, max_rows=4, scale=1.0)
+                bad = bool(rec[0, 0] > 0 or rec[0, 1] > 0)
+            else:
+                bad = bool(_flags(out, x, y, kind).any())
+            alarms[name] = alarms.get(name, 0) + bad
+    return alarms
+
+
+def _sensitivity(dtype: torch.dtype) -> dict[str, float | None]:
+    g = torch.Generator().manual_seed(1234)
+    found: dict[str, float | None] = {}
+    for name, out, x, y, kind in _gemms(_operands(dtype, g)):
+        rows = out.reshape(-1, out.shape[-1])
+        n = rows.shape[0]
+        cols = torch.randint(0, rows.shape[1], (n,), generator=g)
+        sign = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+        l1 = rows.float().abs().sum(-1)
+        found[name] = None
+        for r in GRID:
+            faulty = rows.clone()
+            idx = torch.arange(n)
+            faulty[idx, cols] = (rows[idx, cols].float() + sign * r * l1).to(dtype)
+            changed = faulty[idx, cols] != rows[idx, cols]
+            flags = _flags(faulty.view(out.shape), x, y, kind).reshape(-1)
+            if bool(flags[changed].all()) and bool(changed.all()):
+                found[name] = r
+                break
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clean", type=int, default=20, help="clean cases per GEMM and dtype")
+    args = ap.parse_args()
+    env = environment()
+    rows = {}
+    for dname, dtype in DTYPES.items():
+        rows[dname] = {"false_alarms": _clean(dtype, args.clean), "smallest": _sensitivity(dtype)}
+        print(dname, rows[dname], flush=True)
+    names = list(rows["fp32"]["smallest"])
+    lines = [
+        "# The backward's checks: false alarms and smallest detected error",
+        "",
+        f"`python benchmarks/backward_sensitivity.py --clean {args.clean}`; torch {env['torch']}, "
+        f"{env['date']}. Smallest r (one element changed by r x its row's L1 norm) from which "
+        "every faulty row is flagged, and false alarms in clean products.",
+        "",
+        "| GEMM | " + " | ".join(f"{d} smallest r | {d} false alarms" for d in DTYPES) + " |",
+        "|---|" + "---|---|" * len(DTYPES),
+    ]
+    for name in names:
+        cells = []
+        for d in DTYPES:
+            r = rows[d]["smallest"][name]
+            cells += ["not within 1e2" if r is None else f"{r:.1e}",
+                      f"{rows[d]['false_alarms'][name]} / {args.clean}"]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    write("backward_sensitivity", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
