@@ -84,14 +84,16 @@ def _reference(
     *,
     scale: float,
     nonneg: bool = False,
-    norms: Tensor | None = None,
+    norms: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(reference, tolerance) (..., M) of the row sums of out = x @ y, x (..., M, K),
     y (..., K, N), in few passes over the large operands: the reference is one GEMV in the
     operands' dtype (fp32 for fp16, whose range a row sum can overflow); the magnitude bound is
-    per matrix, sum_k |x_ik| sum_n |y_kn| <= ||x||_F sqrt(N) ||y||_F (Cauchy-Schwarz twice,
-    two norms, no |x| pass; ``norms``: ||x||_F ||y||_F already at hand), exact per row when
-    x >= 0 (``nonneg``: one GEMV gives both)."""
+    sum_k |x_ik| sum_n |y_kn| <= ||x_i|| sqrt(N) ||y||_F (Cauchy-Schwarz twice, no |x| pass),
+    with the row norms ||x_i|| where x's rows are contiguous (one fast pass) and ||x||_F in
+    their place where they are not (a strided pass would cost more than the GEMV); ``norms``:
+    (||x||_F, ||y||_F) already at hand. Exact per row when x >= 0 (``nonneg``: one GEMV gives
+    both)."""
     K, N = y.shape[-2], y.shape[-1]
     dt = x.dtype if x.dtype == y.dtype and x.dtype != torch.float16 else _F32
     rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0  # x and the sums in dt
@@ -102,8 +104,12 @@ def _reference(
         ref, mag = both[..., 0].to(_F32), both[..., 1].to(_F32)
     else:
         ref = (x.to(dt) @ ysum.to(dt).unsqueeze(-1)).squeeze(-1).to(_F32)  # (..., M)
-        mag = _norm(x) * _norm(y) if norms is None else norms  # (...)
-        mag = (mag * math.sqrt(N)).unsqueeze(-1)  # (..., 1)
+        yn = _norm(y) if norms is None else norms[1]  # (...)
+        if x.stride(-1) == 1:  # rows contiguous: (..., M)
+            xn = torch.linalg.vector_norm(x, dim=-1, dtype=_F32)
+        else:  # (..., 1)
+            xn = (_norm(x) if norms is None else norms[0]).unsqueeze(-1)
+        mag = xn * (yn * math.sqrt(N)).unsqueeze(-1)
     tol = (_factor(out, x, y, inner=K, length=N) + rounding) * scale
     return ref, (mag * tol).add_(underflow_floor(out.dtype, length=N))
 
@@ -120,7 +126,7 @@ def product_residual(
     *,
     scale: float,
     nonneg: bool = False,
-    norms: Tensor | None = None,
+    norms: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(residual, excess) (..., M) of the rows of out = x @ y, x (..., M, K), y (..., K, N):
     excess > 0 (or NaN) where a row is flagged. ``nonneg``: x >= 0 (probabilities), so one thin
@@ -145,10 +151,10 @@ def product_check_(
     R = min(max_rows, x.shape[0])
     with torch.autocast(out.device.type, enabled=False):
         xn, yn = (_norm(x), _norm(y)) if norms is None else norms
-        ref, tol = _reference(out, x, y, scale=scale, norms=xn * yn)  # (M,)
+        ref, tol = _reference(out, x, y, scale=scale, norms=(xn, yn))  # (M,)
         res_r, exc_r = _excess(out, ref, tol)
         # columns: 1^T out = (1^T x) y, the transposed problem (the same two norms)
-        exc_c = _excess(out.t(), *_reference(out.t(), y.t(), x.t(), scale=scale, norms=xn * yn))[1]
+        exc_c = _excess(out.t(), *_reference(out.t(), y.t(), x.t(), scale=scale, norms=(yn, xn)))[1]
         top, idx = exc_r.topk(R)  # NaN ranks first
         take = ~(top <= 0)[:, None]  # (R, 1)
         out.index_copy_(0, idx, torch.where(take, x.index_select(0, idx) @ y, out[idx]))
@@ -212,7 +218,7 @@ class _Matmul(torch.autograd.Function):
             da = dc @ b.mT  # (B, H, M, K), as autograd's bmm backward
             _site(hook, GRAD_OPS[op_a], da)
         if ctx.needs_input_grad[0] and check_a:
-            norms = None if dcn is None else dcn * _norm(b)
+            norms = None if dcn is None else (dcn, _norm(b))
             rows = product_residual(da, dc, b.mT, scale=scale, norms=norms)
             recs.append(_heads_check_(da, rows, lambda i, h: dc[i, h] @ b[i, h].mT, max_heads))
             index.append(op_a)
@@ -221,7 +227,7 @@ class _Matmul(torch.autograd.Function):
             _site(hook, GRAD_OPS[op_b], db)
         if ctx.needs_input_grad[1] and check_b:
             if b_transposed:  # b = key^T: check the rows of dK = dc^T a
-                norms = None if dcn is None else dcn * _norm(a)
+                norms = None if dcn is None else (dcn, _norm(a))
                 rows = product_residual(db.mT, dc.mT, a, scale=scale, norms=norms)
             else:  # dV = p^T dO, p >= 0
                 rows = product_residual(db, a.mT, dc, scale=scale, nonneg=nonneg_a)
