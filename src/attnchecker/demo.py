@@ -278,10 +278,11 @@ def run_model_demo(
 
 def _median_step(run) -> float:
     """Median step time of a run directory's metrics (seconds)."""
-    import json
     import statistics
 
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    from attnchecker.report.training import read_metrics
+
+    rows = read_metrics(run)
     return statistics.median(r["step_time_s"] for r in rows) if rows else float("nan")
 
 

@@ -197,3 +197,19 @@ def sync_counts(model, inputs) -> dict[str, int]:
     from attnchecker.testing import count_ops
 
     return count_ops(lambda: model(**inputs).loss.backward()).syncs
+
+
+def step_and_drain(run, opt, handle, detach=None) -> list:
+    """One training step of ``run()`` (returns the loss) from seed 0, the hook ``detach`` (an
+    attached fault) removed after it, and the events drained with warnings silenced."""
+    import warnings
+
+    torch.manual_seed(0)
+    run().backward()
+    opt.step()
+    opt.zero_grad()
+    if detach is not None:
+        detach.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return handle.drain()

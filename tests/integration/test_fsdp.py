@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import os
 import socket
-import warnings
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
     from attnchecker import ABFTConfig, guard, protect_
 
-    from .helpers import batch, fire_once, models
+    from .helpers import batch, fire_once, models, step_and_drain
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -47,15 +46,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                             c.tensor[:, :3, 2, 2] = float("nan")
 
                     detach = handle.attach(beyond)
-                torch.manual_seed(0)
-                model(**batch("llama", seed=rank)).loss.backward()
-                opt.step()
-                opt.zero_grad()
-                if detach is not None:
-                    detach.remove()
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    events = handle.drain()
+                events = step_and_drain(
+                    lambda m=model: m(**batch("llama", seed=rank)).loss, opt, handle, detach
+                )
                 params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
                 steps.append((sorted({(e.op, e.action) for e in events}), params))
             runs[arm] = {"steps": steps, "skipped": float(opt.skipped)}

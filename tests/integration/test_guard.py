@@ -105,11 +105,10 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     """One DDP rank (gloo): a clean step, then a step with an uncorrectable fault on rank 1 only;
     saves its parameters after each."""
     import os
-    import warnings
 
     import torch.distributed as dist
 
-    from .helpers import batch, models
+    from .helpers import batch, models, step_and_drain
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -121,15 +120,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         saved = []
         for step in range(2):
             detach = _uncorrectable(handle) if (step == 1 and rank == 1) else None
-            torch.manual_seed(0)
-            net(**batch("bert", seed=rank)).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if detach is not None:
-                detach.remove()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                handle.drain()
+            step_and_drain(lambda: net(**batch("bert", seed=rank)).loss, opt, handle, detach)
             saved.append({n: p.detach().clone() for n, p in base.named_parameters()})
         torch.save({"params": saved, "skipped": float(opt.skipped)}, f"{out}/rank{rank}.pt")
     finally:

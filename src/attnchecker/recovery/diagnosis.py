@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from attnchecker.attention.config import ALL_OPS
+from attnchecker.attention.config import ALL_OPS, GRAD_OPS, LINEAR_OPS
 
 __all__ = ["Finding", "Here", "RankCounts", "classify", "gather", "here", "outliers", "tally"]
 
@@ -75,7 +75,7 @@ class Finding:
 def _order(e) -> tuple[int, int, int]:
     """Execution order of an event's op: forward ops by layer, then the backward's in reverse."""
     i = ALL_OPS.index(e.op) if e.op in ALL_OPS else len(ALL_OPS)
-    backward = e.op.startswith("d") or e.op.startswith("kernel")
+    backward = e.op in GRAD_OPS or e.op in LINEAR_OPS[1:]
     return (int(backward), -e.layer if backward else e.layer, i)
 
 
