@@ -26,8 +26,10 @@ def _demo(args: argparse.Namespace) -> int:
     failed += [r for r in model if r["protected_grad_diff"] > 1e-5]
     found = run_diagnosis_demo(f"{args.out}/diagnosis", family=args.family)
     device, numerics = found["failing device"], found["unstable numerics"]
-    if [f["cause"] for f in device] != ["computation_fault"] * 3 or not numerics or any(
-        f["cause"] != "numerics" for f in numerics
+    if (
+        [f["cause"] for f in device] != ["computation_fault"] * 3
+        or not numerics
+        or any(f["cause"] != "numerics" for f in numerics)
     ):
         failed.append(found)
     if args.steps > 0:

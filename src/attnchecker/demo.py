@@ -337,9 +337,9 @@ def run_training_demo(
         s["median_step_s"] = step_s[arm]
         # per-step medians (robust to a burst of load); none for an arm that stopped
         s["overhead"] = None if s["non_trainable"] else step_s[arm] / step_s["reference"] - 1
-        s["recovery_cost_steps"] = (
-            (s["save_s"] + s["load_s"]) / step_s["reference"] + s["replayed_steps"]
-        )
+        s["recovery_cost_steps"] = (s["save_s"] + s["load_s"]) / step_s["reference"] + s[
+            "replayed_steps"
+        ]
     summary_doc = {
         "description": f"{family} ({size}), {steps} steps, the same seeded faults in three arms",
         "faults": json.loads(plan.to_json())["faults"],

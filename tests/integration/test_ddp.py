@@ -29,8 +29,15 @@ def test_two_ranks_stay_identical_and_equal_to_fault_free(tmp_path, monkeypatch)
     assert cli.main([*common, "--out", str(tmp_path / "clean")]) == 0
     assert (
         cli.main(
-            [*common, "--out", str(tmp_path / "faulty"), "--faults", str(tmp_path / "plan.json"),
-             "--fault-rank", "1"]
+            [
+                *common,
+                "--out",
+                str(tmp_path / "faulty"),
+                "--faults",
+                str(tmp_path / "plan.json"),
+                "--fault-rank",
+                "1",
+            ]
         )
         == 0
     )
@@ -87,8 +94,15 @@ def test_two_ranks_roll_back_together(tmp_path, monkeypatch):
     assert cli.main([*common, "--out", str(tmp_path / "clean")]) == 0
     assert (
         cli.main(
-            [*common, "--out", str(tmp_path / "faulty"), "--faults", str(tmp_path / "plan.json"),
-             "--fault-rank", "1"]
+            [
+                *common,
+                "--out",
+                str(tmp_path / "faulty"),
+                "--faults",
+                str(tmp_path / "plan.json"),
+                "--fault-rank",
+                "1",
+            ]
         )
         == 0
     )

@@ -59,6 +59,13 @@ class ABFTConfig:
     - ``max_heads``: (batch, head) matrices of scores / probabilities / context that may be
       recomputed per call (any pattern inside them).
     - ``tolerance_scale``: multiplies every derived tolerance (>= 1 makes checks less sensitive).
+    - ``schedule``: per-layer checks instead of ``ops`` x ``layers``: ``(layer, op, every)``
+      triples, ``every`` = 1 for every step, k for every k-th step (one k per config, so a
+      compiled model holds two graphs, the checked and the unchecked variant, and never
+      recompiles); an op of a layer not listed is not checked. The period counts
+      :meth:`~attnchecker.models.handle.ProtectionHandle.drain` calls (one per step in
+      ``attnchecker.train``, the Trainer callback and ``GuardedOptimizer``).
+      :meth:`from_profile` builds one (:mod:`attnchecker.adaptive`).
     - ``backend``: ``"eager"`` runs the checked eager attention (materialised scores);
       ``"triton"`` the fused flash kernels with their checks inside
       (:mod:`attnchecker.kernels`: forward and backward, no L x L tensor), falling back to the
@@ -77,6 +84,25 @@ class ABFTConfig:
     max_heads: int = 2
     tolerance_scale: float = 1.0
     backend: str = "eager"
+    schedule: tuple[tuple[int, str, int], ...] | None = None
+
+    @property
+    def period(self) -> int:
+        """The k of the schedule's every-k-steps checks (1: none)."""
+        return max((every for _, _, every in self.schedule or ()), default=1)
+
+    def layer_ops(self, layer: int, step: int | None = None) -> frozenset[str]:
+        """The ops checked in ``layer`` (at ``step``, counting from 1, when given: a periodic
+        check runs on steps 1, 1 + k, 1 + 2k, ...); without a schedule, ``ops`` in every layer
+        of ``layers``."""
+        if self.schedule is None:
+            chosen = self.layers is None or layer in self.layers
+            return frozenset(self.ops if chosen else ())
+        return frozenset(
+            op
+            for at, op, every in self.schedule
+            if at == layer and (every == 1 or step is None or (step - 1) % every == 0)
+        )
 
     def __post_init__(self) -> None:
         if isinstance(self.ops, str):
@@ -105,6 +131,54 @@ class ABFTConfig:
                 raise ConfigError(f"layers must be non-negative layer indices, got {self.layers!r}")
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
         object.__setattr__(self, "ops", tuple(op for op in ALL_OPS if op in self.ops))
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", self._checked_schedule())
+
+    def _checked_schedule(self) -> tuple[tuple[int, str, int], ...]:
+        if self.layers is not None or self.ops != ALL_OPS:
+            raise ConfigError("give either a schedule or ops / layers, not both")
+        if self.scope != "attention":
+            raise ConfigError("a schedule covers the attention ops: use scope='attention'")
+        entries = []
+        for entry in self.schedule:
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 3):
+                raise ConfigError(f"schedule entries are (layer, op, every), got {entry!r}")
+            layer, op, every = entry
+            if not isinstance(layer, int) or layer < 0:
+                raise ConfigError(f"schedule layer must be a layer index, got {layer!r}")
+            if op not in ALL_OPS:
+                raise ConfigError(f"unknown op {op!r} in schedule; choose from {list(ALL_OPS)}")
+            if not isinstance(every, int) or every < 1:
+                raise ConfigError(f"schedule 'every' must be an integer >= 1, got {every!r}")
+            entries.append((layer, op, every))
+        if len({(layer, op) for layer, op, _ in entries}) != len(entries):
+            raise ConfigError("a (layer, op) appears twice in the schedule")
+        if len({every for *_, every in entries if every > 1}) > 1:
+            raise ConfigError(
+                "one period per schedule (every step, every k steps, or never): a compiled "
+                "model then holds two graphs"
+            )
+        return tuple(sorted(entries, key=lambda e: (e[0], ALL_OPS.index(e[1]))))
+
+    @classmethod
+    def from_profile(cls, vulnerability, cost, rate, **goal: object) -> ABFTConfig:
+        """The cheapest schedule meeting a risk target, or the safest within an overhead
+        budget: see :func:`attnchecker.adaptive.controller.choose` (same arguments)."""
+        from attnchecker.adaptive.controller import choose
+
+        return choose(vulnerability, cost, rate, **goal).config
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> ABFTConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(data) - fields):
+            raise ConfigError(f"unknown ABFTConfig fields {unknown}; choose from {sorted(fields)}")
+        tuples = {k: tuple(tuple(e) if isinstance(e, list) else e for e in v)
+                  for k, v in data.items() if isinstance(v, list)}  # fmt: skip
+        return cls(**(data | tuples))
 
     def replace(self, **changes: object) -> ABFTConfig:
         return dataclasses.replace(self, **changes)

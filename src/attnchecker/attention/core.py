@@ -233,7 +233,11 @@ def _dropout(x: Tensor, p: float) -> tuple[Tensor, Callable[[Tensor, Tensor, Ten
     if p >= 1:
         zero = torch.zeros((), dtype=x.dtype, device=x.device)
         return x * zero, lambda new, b, h: new * zero
-    noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+    if torch.compiler.is_compiling():  # inductor draws its own numbers; its lowering of
+        # bernoulli_ on a fresh empty_like, fused into the GEMM's input, gave NaN (torch 2.13)
+        noise = (torch.rand_like(x) < 1 - p).to(x.dtype) * (1 / (1 - p))
+    else:
+        noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
     return x * noise, lambda new, b, h: new * noise[b, h]
 
 

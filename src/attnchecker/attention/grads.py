@@ -341,4 +341,3 @@ def autocast_operands(*ts: Tensor | None) -> tuple[Tensor | None, ...]:
         return ts
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.dtype == torch.float32 else t for t in ts)
-

@@ -117,6 +117,9 @@ class AttentionState:
     # the leaf whose .grad collects the backward checks' records (attention.grads), or None
     grads: Tensor | None = None
     checked: frozenset[str] | None = None  # the ops checked, when not the config's (a linear)
+    # a schedule's (off-step, on-step) ops of this layer; the handle switches ``checked``
+    # between these two objects at each drain (a compiled model guards on them: two graphs)
+    phases: tuple[frozenset[str], frozenset[str]] | None = None
     pending: list = field(default_factory=list)  # projection checks waiting for their group
     handoff: object | None = None  # what the projection checks leave for the core (passing)
     noted: list = field(default_factory=list)  # this layer's records, until commit()

@@ -224,11 +224,14 @@ class ProtectionHandle:
         logs, kern, step_now = self._read()
         if not logs:
             return []
+        on = step_now % self.config.period == 0  # the next step, step_now + 1, is checked
         for st in self._states.values():
             st.log.zero_()
             st.reset_kernel_counts()
             if st.grads is not None:
                 st.grads.grad = None
+            if st.phases is not None:
+                st.checked = st.phases[on]
         events = []
         for (name, st), log in zip(self._states.items(), logs, strict=True):
             for op, row in zip((*st.ops, *st.grad_ops), log, strict=True):
@@ -291,6 +294,7 @@ class ProtectionHandle:
         return {
             "modules": self.modules,
             "ops": list(self.config.ops),
+            "schedule": None if self.config.schedule is None else list(self.config.schedule),
             "scope": self.config.scope,
             "mode": self.config.mode,
             "steps": self.step,

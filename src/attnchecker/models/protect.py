@@ -36,8 +36,6 @@ def _projection(spec: ProjectionSpec) -> Projection:
 
 
 def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..., None]:
-    checked = any(state.checks(s) for s in spec.sites)
-
     def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
         proj, start = _projection(spec), 0
         if spec.interleaved:  # (..., heads, sites, d): a site is a strided slice, edited as a copy
@@ -52,7 +50,7 @@ def _projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..
             for site, width in zip(spec.sites, proj.site_widths(y.shape[-1]), strict=True):
                 state.site(site, y[..., start : start + width])
                 start += width
-        if checked:
+        if any(state.checks(s) for s in spec.sites):  # read per call: a schedule switches it
             state.defer(proj, args[0], y, last=spec.last)
 
     return hook
@@ -70,11 +68,11 @@ def _patch_backward(
     if type(module).forward is not kind.forward or "forward" in vars(module):
         return None
     ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
-    check = (state.checks(dx), state.checks(dw))
     config = state.config
 
     def forward(x: Tensor) -> Tensor:
         hook = state.grad_hook()
+        check = (state.checks(dx), state.checks(dw))  # per call: a schedule switches them
         if state.grads is None or not torch.is_grad_enabled() or not (any(check) or hook):
             return kind.forward(module, x)
         return checked_linear(
@@ -152,10 +150,13 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
         )
     found = discover(model)
     blocks = found.blocks
-    chosen = [b for b in blocks if config.layers is None or b.layer in config.layers]
+    layers = config.layers
+    if config.schedule is not None:
+        layers = tuple(sorted({layer for layer, _, _ in config.schedule}))
+    chosen = [b for b in blocks if layers is None or b.layer in layers]
     if not chosen:
         raise NoMatchingModuleError(
-            f"layers={config.layers} selects none of the {len(blocks)} attention layers "
+            f"layers={layers} selects none of the {len(blocks)} attention layers "
             f"(indices {sorted(b.layer for b in blocks)})"
         )
     device = _device(model)
@@ -175,6 +176,10 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
         for b in chosen:
             states[b.name].kernel = new_counts(_device(b.core, device))
             states[b.name].kernel_sink = new_sink(_device(b.core, device))
+    if config.schedule is not None:
+        for st in states.values():  # step 1 runs every check of the schedule
+            st.phases = (config.layer_ops(st.layer, step=2), config.layer_ops(st.layer))
+            st.checked = st.phases[1]
     handle = ProtectionHandle(config, states, clock)
     for b in blocks:
         setattr(b.core, CORE, (b.spec, states.get(b.name)))

@@ -130,12 +130,18 @@ another; an arm that stopped has none).</p>
 
 def _diagnosis(root: Path) -> str:
     """The diagnosis demo's two arms (``root/<arm>/``), step by step, if it ran."""
-    arms = sorted(p for p in root.glob("*") if (p / "events.jsonl").exists()) if root.exists() else []
+    arms = (
+        sorted(p for p in root.glob("*") if (p / "events.jsonl").exists()) if root.exists() else []
+    )
     if not arms:
         return ""
-    found = {a.name: {e["step"]: e for e in _events(a) if e.get("type") == "diagnosis"} for a in arms}
+    found = {
+        a.name: {e["step"]: e for e in _events(a) if e.get("type") == "diagnosis"} for a in arms
+    }
     losses = {a.name: {r["step"]: r["loss"] for r in read_metrics(a)} for a in arms}
-    steps = sorted({st for f in found.values() for st in f} | {st for v in losses.values() for st in v})
+    steps = sorted(
+        {st for f in found.values() for st in f} | {st for v in losses.values() for st in v}
+    )
     rows = []
     for st in steps:
         row: list[Any] = [st]
@@ -186,7 +192,9 @@ def _story(arm: str, s: dict[str, Any], run: Path) -> str:
         return (f"{arm}: {s['faults_corrected']} of {s['faults_detected']} detections "
                 f"corrected in the step, {s['skipped']} step(s) skipped, no step lost, final "
                 f"loss {s['final_loss']:.4f}.")  # fmt: skip
-    return f"{arm}: {s['faults_injected']} fault(s), none detected, final loss {s['final_loss']:.4f}."
+    return (
+        f"{arm}: {s['faults_injected']} fault(s), none detected, final loss {s['final_loss']:.4f}."
+    )
 
 
 def _events(run: Path) -> list[dict[str, Any]]:
