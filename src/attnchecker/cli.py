@@ -52,12 +52,17 @@ def _campaign(args: argparse.Namespace) -> int:
     cfg = CampaignConfig(
         families=split(args.families), sites=split(args.sites), kinds=split(args.kinds),
         patterns=split(args.patterns), trials=args.trials, steps=args.steps, layer=args.layer,
+        layers=tuple(args.layers) if args.layers else None,
         size=args.size, seed=args.seed, workers=args.workers, backend=args.backend,
         rank=int(os.environ.get("RANK", 0)) if args.rank is None else args.rank,
         world=int(os.environ.get("WORLD_SIZE", 1)) if args.world is None else args.world,
     )  # fmt: skip
+    from attnchecker.cli_adaptive import write_profiles
+
     summary = run_campaign(cfg, args.out)
-    print(f"{summary['trials']} trials in {args.out}; report: {campaign_report(args.out)}")
+    profiles = ", ".join(p.name for p in write_profiles(args.out))
+    print(f"{summary['trials']} trials in {args.out}; report: {campaign_report(args.out)}; "
+          f"vulnerability profiles: {profiles}")  # fmt: skip
     return 0
 
 
@@ -108,6 +113,10 @@ def _train(args: argparse.Namespace) -> int:
     from attnchecker.train.loop import TrainConfig, train
 
     faults = None
+    abft = None
+    if args.plan:  # attnchecker plan's choice
+        abft = ABFTConfig.from_dict(json.loads(Path(args.plan).read_text())["config"])
+        abft = abft.replace(policy=args.policy, backend=args.backend)
     if args.faults:
         faults = FaultPlan.from_json(Path(args.faults).read_text())
     elif args.fault_rate > 0:
@@ -116,12 +125,12 @@ def _train(args: argparse.Namespace) -> int:
         faults = FaultPlan.sample(n, args.seed, kinds=kinds, steps=tuple(range(1, args.steps + 1)))
     cfg = TrainConfig(
         family=args.family, model=args.model, size=args.size, task=args.task, steps=args.steps,
-        batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed, protect=args.protect,
-        abft=(
+        batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+        abft=abft or (
             ABFTConfig(policy=args.policy, backend=args.backend, scope=args.scope)
             if args.protect else None
         ),
-        recovery=args.recovery, fault_rank=args.fault_rank,
+        recovery=args.recovery, fault_rank=args.fault_rank, protect=args.protect or bool(abft),
         checkpoint_every=args.checkpoint_every, bf16=args.bf16, warmup=args.warmup,
         data=tuple(args.data) if args.data else None,
     )  # fmt: skip
@@ -265,7 +274,7 @@ def _parser() -> argparse.ArgumentParser:
         "propagated and whether training survived. Sizes: tiny (hidden 32), small (256), "
         "base (768). Interrupted campaigns resume from their trials file.",
         epilog="outputs: <out>/trials.jsonl (one line per trial), summary.json (rates per "
-        "cell), meta.json, report.html\n"
+        "cell), meta.json, report.html, vulnerability-<family>.json (for attnchecker plan)\n"
         "example: attnchecker campaign --out runs/camp --families gpt2 llama --trials 4",
     )  # fmt: skip
     camp.add_argument("--out", required=True, help="run directory (resumes if it has trials)")
@@ -289,6 +298,7 @@ def _parser() -> argparse.ArgumentParser:
     camp.add_argument("--trials", type=int, default=1, help="trials per combination")
     camp.add_argument("--steps", type=int, default=3, help="training steps per run")
     camp.add_argument("--layer", type=int, default=0)
+    camp.add_argument("--layers", type=int, nargs="+", help="faulty layers (instead of --layer)")
     camp.add_argument(
         "--backend", default="eager", choices=["eager", "triton", "auto"],
         help="attention backend of both arms; triton adds the sites kernel:s .. kernel:dq",
@@ -329,6 +339,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=3e-4)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--protect", action="store_true", help="protect_ the model")
+    tr.add_argument("--plan", help="protect with attnchecker plan's choice (its plan.json)")
     tr.add_argument("--policy", default="warn", choices=["raise", "skip_step", "warn"])
     tr.add_argument(
         "--backend", default="eager", choices=["eager", "triton", "auto"],
@@ -392,6 +403,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     rep.add_argument("out")
     rep.set_defaults(func=_report)
+    from attnchecker.cli_adaptive import add_commands
+
+    add_commands(sub, _Help)
     return p
 
 

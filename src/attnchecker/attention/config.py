@@ -62,7 +62,8 @@ class ABFTConfig:
     - ``schedule``: per-layer checks instead of ``ops`` x ``layers``: ``(layer, op, every)``
       triples, ``every`` = 1 for every step, k for every k-th step (one k per config, so a
       compiled model holds two graphs, the checked and the unchecked variant, and never
-      recompiles); an op of a layer not listed is not checked. The period counts
+      recompiles); an op of a layer not listed is not checked (its sites remain, for
+      fault injection). The period counts
       :meth:`~attnchecker.models.handle.ProtectionHandle.drain` calls (one per step in
       ``attnchecker.train``, the Trainer callback and ``GuardedOptimizer``).
       :meth:`from_profile` builds one (:mod:`attnchecker.adaptive`).

@@ -40,6 +40,7 @@ class CampaignConfig:
     trials: int = 1  # per combination, each with its own seed (fault position)
     steps: int = 3  # training steps per run; the fault fires at step 1
     layer: int = 0
+    layers: tuple[int, ...] | None = None  # the faulty layers (None: just ``layer``)
     size: str = "tiny"
     batch: int = 4
     seq_len: int = 32
@@ -73,6 +74,10 @@ class CampaignConfig:
                 raise ConfigError(f"unknown {name} {bad}; choose from {list(allowed)}")
         if "bit_flip" in self.kinds:
             raise ConfigError("campaigns use exponent_flip for bit flips (a bit_flip needs a bit)")
+        if self.layers is not None and (
+            not self.layers or any(not isinstance(i, int) or i < 0 for i in self.layers)
+        ):
+            raise ConfigError(f"layers must be layer indices, got {self.layers!r}")
         if self.trials < 1 or self.steps < 1 or self.workers < 1:
             raise ConfigError("trials, steps and workers must be >= 1")
         if not 0 <= self.rank < self.world:
@@ -83,6 +88,10 @@ class CampaignConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def faulty_layers(self) -> tuple[int, ...]:
+        return (self.layer,) if self.layers is None else self.layers
+
 
 def trial_specs(cfg: CampaignConfig) -> list[dict[str, Any]]:
     """Every trial of the campaign, in a fixed order with stable ids (this shard's share)."""
@@ -90,19 +99,15 @@ def trial_specs(cfg: CampaignConfig) -> list[dict[str, Any]]:
     i = 0
     for fam in cfg.families:
         for site in cfg.sites:
-            for kind in cfg.kinds:
-                for pattern in cfg.patterns:
-                    for rep in range(cfg.trials):
-                        if i % cfg.world == cfg.rank:
-                            spec = {
-                                "id": i,
-                                "family": fam,
-                                "site": site,
-                                "kind": kind,
-                                "pattern": pattern,
-                            }
-                            specs.append(spec | {"rep": rep, "seed": cfg.seed * 100_003 + i})
-                        i += 1
+            for layer in cfg.faulty_layers:
+                for kind in cfg.kinds:
+                    for pattern in cfg.patterns:
+                        for rep in range(cfg.trials):
+                            if i % cfg.world == cfg.rank:
+                                spec = {"id": i, "family": fam, "site": site, "layer": layer,
+                                        "kind": kind, "pattern": pattern}  # fmt: skip
+                                specs.append(spec | {"rep": rep, "seed": cfg.seed * 100_003 + i})
+                            i += 1
     return specs
 
 
@@ -125,13 +130,13 @@ def load_trials(out: Path) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- workers
 
 _SETUPS: dict[tuple, Any] = {}
-_SETUP_FIELDS = ("size", "seed", "seq_len", "batch", "steps", "lr", "layer", "backend")
+_SETUP_FIELDS = ("size", "seed", "seq_len", "batch", "steps", "lr", "backend")
 """What defines a worker's model, batches and reference run besides the family: its cache key
 (a second campaign in one process must never reuse the first one's setup)."""
 
 
-def _setup(cfg: CampaignConfig, family: str):
-    key = (family, *(getattr(cfg, f) for f in _SETUP_FIELDS))
+def _setup(cfg: CampaignConfig, family: str, layer: int):
+    key = (family, layer, *(getattr(cfg, f) for f in _SETUP_FIELDS))
     if key not in _SETUPS:
         import torch
 
@@ -148,7 +153,7 @@ def _setup(cfg: CampaignConfig, family: str):
             batches.append(
                 {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
             )
-        _SETUPS[key] = reference(family, model, batches, cfg.lr, cfg.layer, cfg.backend)
+        _SETUPS[key] = reference(family, model, batches, cfg.lr, layer, cfg.backend)
     return _SETUPS[key]
 
 
@@ -160,13 +165,14 @@ def _run_one(args: tuple[CampaignConfig, dict[str, Any]]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     cfg, spec = args
-    setup = _setup(cfg, spec["family"])
+    layer = spec.get("layer", cfg.layer)
+    setup = _setup(cfg, spec["family"], layer)
     fault = Fault(
         step=1,
         site=spec["site"],
         kind=spec["kind"],
         pattern=spec["pattern"],
-        layer=cfg.layer,
+        layer=layer,
         size=(2, 3),
     )
     arms = {

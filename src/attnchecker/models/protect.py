@@ -150,15 +150,20 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
         )
     found = discover(model)
     blocks = found.blocks
-    layers = config.layers
-    if config.schedule is not None:
-        layers = tuple(sorted({layer for layer, _, _ in config.schedule}))
+    layers = config.layers  # a schedule wires every layer: its sites stay addressable
     chosen = [b for b in blocks if layers is None or b.layer in layers]
     if not chosen:
         raise NoMatchingModuleError(
             f"layers={layers} selects none of the {len(blocks)} attention layers "
             f"(indices {sorted(b.layer for b in blocks)})"
         )
+    if config.schedule is not None:
+        have = {b.layer for b in blocks}
+        if missing := sorted({layer for layer, _, _ in config.schedule} - have):
+            raise NoMatchingModuleError(
+                f"the schedule names layers {missing}; the model's attention layers are "
+                f"{sorted(have)}"
+            )
     device = _device(model)
     fused = _fused(config, found, device)
     clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))

@@ -1,0 +1,203 @@
+"""``measure_costs``: the cost profile of one family on this machine (``attnchecker bench``).
+
+Copies of one model are stepped alternately in one process (forward, backward, AdamW), one
+step each per round, so drift and bursts of load hit every arm alike: ``plain`` (what users run:
+transformers' default SDPA attention; GPT-Neo has none, so eager), ``engine`` (``protect_``
+checking nothing: the checked eager engine instead of SDPA) and one arm per op checking that op
+in every layer; a protected step ends with ``drain()``, as in a training loop. An op's cost
+is the median over rounds of (t_op - t_engine) / t_plain, the engine's of
+(t_engine - t_plain) / t_plain, each with the order-statistic interval of a median.
+Ops launched per step are counted (aten ops that launch a kernel on a GPU, eager), and each
+attention GEMM's multiply-adds per step are read from the shapes at its sites: the exposure of
+that site to faults that arrive per element operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import platform
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from attnchecker.adaptive.profile import CostProfile, Estimate, OpCost
+from attnchecker.attention.config import ALL_OPS, OPS, ABFTConfig
+from attnchecker.errors import ConfigError
+
+__all__ = ["measure_costs", "median_interval"]
+
+DTYPES = ("fp32", "bf16")
+
+
+def median_interval(xs: list[float], confidence: float = 0.95) -> Estimate:
+    """The median of ``xs`` and the distribution-free interval of a median from order
+    statistics: [x_(j), x_(n+1-j)] with P(Binomial(n, 1/2) < j) <= (1 - confidence) / 2."""
+    xs = sorted(xs)
+    n = len(xs)
+    cdf, j = 0.0, 0
+    while j < n // 2 and cdf + math.comb(n, j) / 2**n <= (1 - confidence) / 2:
+        cdf += math.comb(n, j) / 2**n
+        j += 1
+    j = max(j, 1)
+    return Estimate(statistics.median(xs), xs[j - 1], xs[n - j])
+
+
+def _models(family: str, size: str, seq_len: int, layers: int | None, seed: int, device: str):
+    from attnchecker.models.families import TABLE
+    from attnchecker.models.tiny import build
+
+    extra = {} if layers is None else {"layers": layers}
+    base = build(family, size, seed=seed, max_len=max(64, seq_len), **extra)
+    base.config.use_cache = False
+    base.train()
+    plain = copy.deepcopy(base)
+    if TABLE[family].sdpa:
+        plain.set_attn_implementation("sdpa")
+    return base.to(device), plain.to(device)
+
+
+def _stepper(model, run, inputs, dtype: str, device: str):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    cast = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else None
+    handle = getattr(model, "_attnchecker_handle", None)
+
+    def step() -> None:
+        with cast or contextlib.nullcontext():
+            loss = run(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if handle is not None:
+            handle.drain()  # a protected step reads its records once, as training loops do
+
+    return step
+
+
+def _site_macs(handle, model, step) -> dict[tuple[int, str], int]:
+    """Multiply-adds per step of every attention GEMM (and the softmax's elements), from the
+    output shapes at the forward sites of one step (a backward GEMM has its forward's size)."""
+    shapes: dict[tuple[str, str], torch.Size] = {}
+
+    def seen(call) -> None:
+        if not call.replay:
+            shapes.setdefault((call.module, call.site), call.tensor.shape)
+
+    detach = handle.attach(seen, sites=OPS)
+    step()
+    detach.remove()
+    out: dict[tuple[int, str], int] = defaultdict(int)
+    for name in handle.modules:
+        st = handle.state(name)
+        sh = {s: shapes[(name, s)] for s in OPS if (name, s) in shapes}
+        if len(sh) < len(OPS):
+            continue
+        n = {s: math.prod(v) for s, v in sh.items()}
+        hidden, d, Lk, inner = sh["out"][-1], sh["context"][-1], sh["scores"][-1], sh["q"][-1]
+        fwd = {"q": n["q"] * hidden, "k": n["k"] * hidden, "v": n["v"] * hidden,
+               "scores": n["scores"] * d, "probs": n["probs"], "context": n["context"] * Lk,
+               "out": n["out"] * inner}  # fmt: skip
+        fused = "dx.k" not in st.hooks  # one Q|K|V GEMM: its gradients under dx.q, dw.q
+        qkv = fwd["q"] + fwd["k"] + fwd["v"]
+        grads = {"dq": fwd["scores"], "dk": fwd["scores"], "dp": fwd["context"],
+                 "dv": fwd["context"], "dx.out": fwd["out"], "dw.out": fwd["out"]}  # fmt: skip
+        for s in ("q", "k", "v"):
+            if f"dx.{s}" in st.hooks:
+                grads[f"dx.{s}"] = grads[f"dw.{s}"] = qkv if fused else fwd[s]
+        for op, m in {**fwd, **grads}.items():
+            out[(st.layer, op)] += m
+    return dict(out)
+
+
+def _step_macs(model, step) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops() // 2
+
+
+def measure_costs(
+    family: str,
+    *,
+    size: str = "tiny",
+    batch: int = 4,
+    seq_len: int = 32,
+    layers: int | None = None,
+    compile: bool = False,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    reps: int = 9,
+    warmup: int = 2,
+    seed: int = 0,
+    ops: tuple[str, ...] = ALL_OPS,
+    progress: bool = False,
+) -> CostProfile:
+    """The cost profile of ``family`` (a preset ``size``, random weights, token batches of
+    ``batch`` x ``seq_len``) on ``device``: see the module docstring."""
+    from attnchecker.inject.campaign import _Progress
+    from attnchecker.models.protect import protect_
+    from attnchecker.testing import count_ops
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if reps < 3:
+        raise ConfigError(f"reps must be >= 3 for a median and its interval, got {reps}")
+    if unknown := sorted(set(ops) - set(ALL_OPS)):
+        raise ConfigError(f"unknown ops {unknown}; choose from {list(ALL_OPS)}")
+    base, plain = _models(family, size, seq_len, layers, seed, device)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (batch, seq_len), generator=g).to(device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    engine = copy.deepcopy(base)
+    handle = protect_(engine, ABFTConfig(ops=()))
+    wired = {s for name in handle.modules for s in handle.state(name).hooks}
+    checked = [op for op in ops if op in wired]  # a fused Q|K|V projection has no dx.k
+    arms = {"plain": plain, "engine": engine}
+    for op in checked:
+        arms[op] = copy.deepcopy(base)
+        protect_(arms[op], ABFTConfig(ops=(op,)))
+    runs = {k: torch.compile(m) if compile else m for k, m in arms.items()}
+    steps = {k: _stepper(arms[k], runs[k], inputs, dtype, device) for k in arms}
+    eager_steps = {k: _stepper(arms[k], arms[k], inputs, dtype, device) for k in arms}
+    launches = {k: count_ops(eager_steps[k]).launching for k in arms}
+    macs = _site_macs(handle, engine, eager_steps["engine"])
+    step_macs = _step_macs(plain, eager_steps["plain"])
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(warmup):  # compiles here, when compiling
+        for f in steps.values():
+            f()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    with _Progress(reps, progress) as advance:
+        for _ in range(reps):
+            for k, f in steps.items():
+                sync()
+                t0 = time.perf_counter()
+                f()
+                sync()
+                times[k].append(time.perf_counter() - t0)
+            advance()
+    plain_t, engine_t = times["plain"], times["engine"]
+    def share(op: str) -> list[float]:  # (t_op - t_engine) / t_plain per round
+        return [(a - e) / p for a, e, p in zip(times[op], engine_t, plain_t, strict=True)]
+
+    op_costs = tuple(
+        OpCost(op, median_interval(share(op)), launches[op] - launches["engine"]) for op in checked
+    )
+    n_layers = len({layer for layer, _ in macs})
+    return CostProfile(
+        family=family,
+        setup={"size": size, "batch": batch, "seq_len": seq_len, "layers": n_layers,
+               "compile": compile, "dtype": dtype, "device": device, "reps": reps, "seed": seed},
+        step_seconds=statistics.median(plain_t),
+        engine=median_interval([(e - p) / p for e, p in zip(engine_t, plain_t, strict=True)]),
+        engine_launches=launches["engine"] - launches["plain"],
+        ops=op_costs,
+        macs=tuple((layer, op, m) for (layer, op), m in sorted(macs.items())),
+        step_macs=step_macs,
+        host={"machine": platform.machine(), "python": platform.python_version(),
+              "torch": torch.__version__, "threads": torch.get_num_threads()},
+    )  # fmt: skip

@@ -1,0 +1,355 @@
+"""The controller: which ops of which layers to check, and how often, for a fault rate.
+
+The model
+---------
+A *site* i is one GEMM (op x layer) of a training step (the softmax counts as one). Faults
+arrive independently at rate r; site i sees lambda_i of them per step (its exposure):
+
+- r per element operation: lambda_i = r * m_i, m_i the site's multiply-adds per step;
+- r per step or per device-hour: the step's faults fall on its GEMMs in proportion to their
+  work, lambda_i = r_step * m_i / M, with M every GEMM of the step (attention, MLP, head;
+  forward and backward) and r_step = r * t_step / 3600 for a rate per device-hour.
+
+A fault of kind k (probability pi_k) at site i makes training non-trainable with probability
+v_ik when the site is unchecked and w_ik when it is checked: the non-trainable rates of the
+campaign's unprotected and protected arms at that (op, layer, kind) (a layer the campaign did
+not measure takes its op's trials pooled over the measured layers; an op the campaign never
+faulted is left out, like the MLP: nothing is known of it). A site checked on a fraction f_i
+of the steps (1, 1/k, or 0) then loses, per step,
+
+    L = sum_i lambda_i * sum_k pi_k * (f_i * w_ik + (1 - f_i) * v_ik)
+
+expected non-trainable events (for rare faults: the probability of two in one step is
+second order), reported per million steps. The overhead is additive over checks,
+
+    C = E + sum_i f_i * c_i      (C = 0 when nothing is checked)
+
+with E what leaving SDPA for the checked engine costs and c_i the op's measured cost per layer,
+both fractions of the plain step (:mod:`attnchecker.adaptive.bench`). Minimising L under
+C <= budget (or C under L <= target) is a knapsack: items are taken in order of risk removed
+per cost, lambda_i (v_i - w_i) / c_i, every step while they fit and then every k steps, for each
+k of :data:`PERIODS` (one k per schedule), keeping the best.
+
+Intervals: each rate's Wilson interval enters L at its ends, so L's interval is the sum of
+the ends (wider than its stated confidence); decisions use the upper end (``estimate="high"``),
+so a target is met with that confidence; C's interval sums the order-statistic intervals.
+
+Where it is conservative
+------------------------
+- A check is credited only with faults at its own site, but checks see further: the context
+  check's repair recomputes scores -> probabilities -> context from Q and K, so it also repairs
+  a fault in the scores or probabilities; a backward check flags gradients made non-finite by an
+  unchecked forward fault. L over-counts the risk of such unchecked sites.
+- Summed interval ends (above).
+- Costs add per op. An op's measured cost includes work it shares with others (the layer's
+  records, shared norms), which over-counts many checks together; on a small model the
+  Python work per protected module can go the other way (measured: ``simulate``).
+Not in L: faults outside the profiled GEMMs (ops the campaign did not fault, MLP, LM head,
+optimizer); the profiled sites' share of the step's work is reported as ``coverage``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
+from attnchecker.attention.config import ALL_OPS, ABFTConfig
+from attnchecker.errors import ConfigError
+
+__all__ = ["PERIODS", "RATE_UNITS", "Choice", "FaultRate", "Site", "choose", "sites"]
+
+PERIODS = (2, 4, 8, 16, 32, 64)
+RATE_UNITS = ("step", "element-op", "device-hour")
+PER_MILLION = 1e6
+
+
+@dataclass(frozen=True)
+class FaultRate:
+    """Faults per ``per`` (:data:`RATE_UNITS`), with their distribution over ``kinds``
+    (None: uniform over the kinds the vulnerability profile measured)."""
+
+    value: float
+    per: str = "step"
+    kinds: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.value >= 0:
+            raise ConfigError(f"the fault rate must be >= 0, got {self.value!r}")
+        if self.per not in RATE_UNITS:
+            raise ConfigError(f"a fault rate is per {' / '.join(RATE_UNITS)}, got {self.per!r}")
+        if self.kinds is not None:
+            if not self.kinds or any(not p >= 0 for p in self.kinds.values()):
+                raise ConfigError(f"kind probabilities must be >= 0, got {self.kinds!r}")
+            total = sum(self.kinds.values())
+            if total <= 0:
+                raise ConfigError("kind probabilities must not all be 0")
+            object.__setattr__(self, "kinds", {k: p / total for k, p in self.kinds.items()})
+
+    def per_step(self, macs: int, cost: CostProfile) -> float:
+        """Faults per step at a site of ``macs`` multiply-adds."""
+        if self.per == "element-op":
+            return self.value * macs
+        steps = self.value if self.per == "step" else self.value * cost.step_seconds / 3600
+        return steps * macs / cost.step_macs
+
+
+@dataclass(frozen=True)
+class Site:
+    """One (layer, op) as the controller sees it: faults per step, non-trainable probability per
+    fault unchecked / checked (mixed over kinds), cost per step as a fraction of the plain step."""
+
+    layer: int
+    op: str
+    faults: float
+    unchecked: Estimate
+    checked: Estimate
+    cost: Estimate
+    launches: float
+    note: str = ""  # "extrapolated": the op's trials pooled over other layers
+
+    def risk(self, f: float, end: int = 0) -> float:
+        """Expected non-trainable events per step when checked on a fraction f of the steps
+        (end: 0 point, 1 low, 2 high)."""
+        return self.faults * (f * self.checked[end] + (1 - f) * self.unchecked[end])
+
+
+def sites(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
+          confidence: float = 0.95) -> list[Site]:  # fmt: skip
+    """Every checkable (layer, op) of the cost profile, with its exposure and vulnerability."""
+    if vuln.family != cost.family:
+        raise ConfigError(
+            f"the vulnerability profile is of {vuln.family}, the cost profile of {cost.family}"
+        )
+    kinds = rate.kinds or {k: 1 / len(vuln.kinds) for k in vuln.kinds}
+    if unknown := sorted(set(kinds) - set(vuln.kinds)):
+        raise ConfigError(f"kinds {unknown} were not measured; the campaign has {list(vuln.kinds)}")
+    n_layers = len(cost.layers)
+    out = []
+    for layer, op, macs in cost.macs:
+        oc = cost.op(op)
+        if oc is None:
+            continue  # not checkable here (e.g. a fused projection's dx.k)
+        unchecked, checked, notes = [0.0] * 3, [0.0] * 3, set()
+        cells = {kind: vuln.cell(op, layer, kind) for kind in kinds}
+        if any(cell is None for cell, _ in cells.values()):
+            continue  # the campaign did not fault this op (with every kind): not profiled
+        for kind, p in kinds.items():
+            cell, pooled = cells[kind]
+            u = cell.rate(confidence=confidence)
+            w = cell.rate(protected=True, confidence=confidence)
+            notes |= {"extrapolated"} if pooled else set()
+            for acc, e in ((unchecked, u), (checked, w)):
+                for j in range(3):
+                    acc[j] += p * e[j]
+        out.append(
+            Site(layer, op, rate.per_step(macs, cost), Estimate(*unchecked), Estimate(*checked),
+                 oc.cost.scaled(1 / n_layers), oc.launches / n_layers, ",".join(sorted(notes)))
+        )  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the controller chose, and what it expects of it."""
+
+    config: ABFTConfig
+    checks: tuple[tuple[int, str, int], ...]  # (layer, op, every)
+    risk: Estimate  # non-trainable events per million steps with the choice
+    unprotected: Estimate  # ... with no check
+    full: Estimate  # ... with every check every step
+    overhead: Estimate  # fraction of the plain step
+    full_overhead: Estimate
+    launches: float  # ops launched per step beyond the plain model's
+    coverage: float  # share of the step's multiply-adds at the profiled sites
+    goal: str
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["config"] = self.config.to_dict()
+        return d
+
+    def lines(self, step_seconds: float | None = None) -> list[str]:
+        """What ``attnchecker plan`` prints."""
+        by_op: dict[tuple[str, int], list[int]] = {}
+        for layer, op, every in self.checks:
+            by_op.setdefault((op, every), []).append(layer)
+        out = [f"goal: {self.goal}"]
+        if not self.checks:
+            out.append("choice: no check (protect_ is not needed)")
+        for (op, every), layers in sorted(by_op.items(), key=lambda x: ALL_OPS.index(x[0][0])):
+            when = "every step" if every == 1 else f"every {every} steps"
+            out.append(f"  check {op:<7} layers {_ranges(layers)}: {when}")
+        out += [
+            "non-trainable events per million steps (point [interval]):",
+            f"  unprotected        {_est(self.unprotected)}",
+            f"  with this choice   {_est(self.risk)}",
+            f"  everything checked {_est(self.full)}",
+            f"expected overhead vs the plain model (SDPA): {_pct(self.overhead)} "
+            f"(everything checked: {_pct(self.full_overhead)}), "
+            f"{self.launches:.0f} more ops launched per step",
+            f"faults covered: {self.coverage:.1%} of the step's multiply-adds are at profiled "
+            f"sites (the rest: MLP, LM head, ... are not in these numbers)",
+        ]
+        if step_seconds:
+            days = PER_MILLION * step_seconds * (1 + self.overhead.point) / 86400
+            out.append(f"a million steps here is {days:.1f} device-days")
+        return out + [f"note: {n}" for n in self.notes]
+
+
+def _ranges(layers: list[int]) -> str:
+    layers, parts, i = sorted(layers), [], 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        parts.append(str(layers[i]) if i == j else f"{layers[i]}-{layers[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _est(e: Estimate) -> str:
+    return f"{e.point:.4g} [{e.low:.4g}, {e.high:.4g}]"
+
+
+def _pct(e: Estimate) -> str:
+    return f"{e.point:+.1%} [{e.low:+.1%}, {e.high:+.1%}]"
+
+
+def _risk(ss: list[Site], f: dict[int, float]) -> Estimate:
+    return Estimate(*(PER_MILLION * sum(s.risk(f.get(i, 0.0), j) for i, s in enumerate(ss))
+                      for j in range(3)))  # fmt: skip
+
+
+def _overhead(ss: list[Site], f: dict[int, float], engine: Estimate) -> Estimate:
+    if not any(f.values()):
+        return Estimate(0.0, 0.0, 0.0)
+    return Estimate(*(engine[j] + sum(v * ss[i].cost[j] for i, v in f.items()) for j in range(3)))
+
+
+def choose(
+    vuln: VulnerabilityProfile,
+    cost: CostProfile,
+    rate: FaultRate,
+    *,
+    target: float | None = None,
+    budget: float | None = None,
+    confidence: float = 0.95,
+    estimate: str = "high",
+    policy: str = "skip_step",
+) -> Choice:
+    """The cheapest schedule whose expected non-trainable events per million steps are at most
+    ``target``, or the one with the fewest within ``budget`` (overhead, a fraction of the plain
+    step): see the module docstring. ``estimate``: which end of the risk intervals decides
+    ("high": the target holds with ``confidence``; "point")."""
+    if (target is None) == (budget is None):
+        raise ConfigError("give a target (events per million steps) or a budget, not both")
+    if target is not None and not target >= 0:
+        raise ConfigError(f"the target must be >= 0 events per million steps, got {target!r}")
+    if budget is not None and not budget >= 0:
+        raise ConfigError(f"the budget must be an overhead >= 0 (0.05 = 5%), got {budget!r}")
+    end = {"point": 0, "high": 2}.get(estimate)
+    if end is None:
+        raise ConfigError(f"estimate must be 'high' or 'point', got {estimate!r}")
+    ss = sites(vuln, cost, rate, confidence)
+    if not ss:
+        raise ConfigError(
+            f"the profiles share no site: the campaign faulted {list(vuln.ops)}, the cost "
+            f"profile measured {[o.op for o in cost.ops]}"
+        )
+    everything = {i: 1.0 for i in range(len(ss))}
+    base = dict(unprotected=_risk(ss, {}), full=_risk(ss, everything),
+                full_overhead=_overhead(ss, everything, cost.engine),
+                coverage=sum(cost.macs_of(s.layer, s.op) for s in ss) / cost.step_macs)  # fmt: skip
+    gain = [s.risk(0.0, end) - s.risk(1.0, end) for s in ss]
+    order = sorted(range(len(ss)), key=lambda i: -gain[i] / max(ss[i].cost.point, 1e-9))
+    order = [i for i in order if gain[i] > 0]
+    notes = _notes(ss, rate, cost)
+    if target is not None:
+        goal = f"at most {target:g} non-trainable events per million steps ({estimate} estimate)"
+        f = _for_target(ss, order, target / PER_MILLION, end)
+        if f is None:
+            raise ConfigError(
+                f"no schedule meets {target:g} non-trainable events per million steps: checking "
+                f"every op of every layer every step still leaves {base['full'][end]:.4g} "
+                f"({estimate} estimate at {confidence:.0%}: the protected arm's residual rate, "
+                f"bounded by the campaign's trials per cell; more trials tighten it)"
+            )
+    else:
+        goal = f"overhead at most {budget:.1%} of the plain step"
+        if not order:
+            f = {}
+        else:
+            cheapest = min(ss[i].cost.point for i in order) / PERIODS[-1]
+            if budget < cost.engine.point + cheapest:
+                raise ConfigError(
+                    f"a budget of {budget:.1%} is below the cheapest check: leaving SDPA for the "
+                    f"checked engine costs {cost.engine.point:.1%} and the cheapest check "
+                    f"{cheapest:.2%} (every {PERIODS[-1]} steps); raise the budget or leave the "
+                    f"model unprotected"
+                )
+            f = _for_budget(ss, order, budget - cost.engine.point, end)
+    if not order:
+        notes += ("no check removes risk at this fault rate: nothing to check",)
+    checks = tuple(sorted(((ss[i].layer, ss[i].op, round(1 / v)) for i, v in f.items() if v),
+                          key=lambda c: (c[0], ALL_OPS.index(c[1]))))  # fmt: skip
+    config = ABFTConfig(schedule=checks, policy=policy) if checks else ABFTConfig(ops=())
+    launches = (cost.engine_launches + sum(v * ss[i].launches for i, v in f.items())) if f else 0
+    return Choice(config, checks, _risk(ss, f), overhead=_overhead(ss, f, cost.engine),
+                  launches=launches, goal=goal, notes=notes, **base)  # fmt: skip
+
+
+def _for_target(ss: list[Site], order: list[int], target: float, end: int) -> dict | None:
+    """The cheapest schedule (over the periods) with risk <= target, greedily; None if none."""
+    best, best_cost = None, float("inf")
+    for k in (1, *PERIODS):
+        f: dict[int, float] = {}
+        risk = sum(s.risk(0.0, end) for s in ss)
+        for i in order:
+            if risk <= target:
+                break
+            step = ss[i].risk(0.0, end) - ss[i].risk(1.0, end)
+            if k > 1 and risk - step / k <= target:
+                f[i], risk = 1 / k, risk - step / k
+                break
+            f[i], risk = 1.0, risk - step
+        if risk > target * (1 + 1e-12):
+            return None
+        c = sum(v * ss[i].cost.point for i, v in f.items())
+        if c < best_cost:
+            best, best_cost = f, c
+    return best
+
+
+def _for_budget(ss: list[Site], order: list[int], room: float, end: int) -> dict:
+    """The schedule with the least risk whose checks cost at most ``room``, greedily."""
+    best, best_risk = {}, float("inf")
+    for k in (1, *PERIODS):
+        f: dict[int, float] = {}
+        left = room
+        for i in order:  # every step while they fit
+            if ss[i].cost.point <= left:
+                f[i], left = 1.0, left - max(ss[i].cost.point, 0.0)
+        if k > 1:
+            for i in order:  # then every k steps
+                if i not in f and ss[i].cost.point / k <= left:
+                    f[i], left = 1 / k, left - max(ss[i].cost.point, 0.0) / k
+        risk = sum(s.risk(f.get(i, 0.0), end) for i, s in enumerate(ss))
+        if risk < best_risk - 1e-18:
+            best, best_risk = f, risk
+    return best
+
+
+def _notes(ss: list[Site], rate: FaultRate, cost: CostProfile) -> tuple[str, ...]:
+    notes = []
+    pooled = sorted({s.op for s in ss if "extrapolated" in s.note}, key=ALL_OPS.index)
+    if pooled:
+        notes.append(f"{', '.join(pooled)}: some layers from the op's trials in other layers")
+    profiled = {s.op for s in ss}
+    if left := [o.op for o in cost.ops if o.op not in profiled]:
+        notes.append(f"not faulted by the campaign, so not in these numbers: {', '.join(left)}")
+    if rate.value == 0:
+        notes.append("fault rate 0: no check pays for itself")
+    return tuple(notes)

@@ -1,0 +1,234 @@
+"""The two profiles the controller decides from, as versioned JSON files.
+
+- :class:`VulnerabilityProfile`: for one family, per (op, layer, fault kind), how many campaign
+  trials (:mod:`attnchecker.inject.campaign`) ended in each outcome, unprotected and protected;
+  rates come with Wilson score intervals from those counts. Written next to the campaign as
+  ``vulnerability.json``.
+- :class:`CostProfile`: what checking each op costs on this machine (a fraction of the plain
+  model's training step with transformers' default SDPA attention, all layers checked), what
+  leaving SDPA for the checked engine costs, the ops launched, and each GEMM's size in element
+  operations (multiply-adds) per step: the exposure of a site to faults. Measured by
+  :func:`attnchecker.adaptive.bench.measure_costs` (``attnchecker bench``), ``cost.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from attnchecker.attention.config import ALL_OPS
+from attnchecker.errors import ConfigError
+
+__all__ = ["Cell", "CostProfile", "Estimate", "OpCost", "VulnerabilityProfile", "wilson"]
+
+PROFILE_VERSION = 1
+OUTCOMES = ("masked", "silent_deviation", "loss_spike", "non_trainable")
+_Z = {0.8: 1.2816, 0.9: 1.6449, 0.95: 1.9600, 0.99: 2.5758}
+
+
+class Estimate(NamedTuple):
+    """A point estimate and its interval."""
+
+    point: float
+    low: float
+    high: float
+
+    def scaled(self, c: float) -> Estimate:
+        return Estimate(self.point * c, self.low * c, self.high * c)
+
+
+def wilson(k: int, n: int, confidence: float = 0.95) -> Estimate:
+    """k successes in n trials: k / n and the Wilson score interval (sensible at k = 0 and k = n,
+    where the normal interval collapses to a point)."""
+    if n <= 0:
+        return Estimate(math.nan, 0.0, 1.0)
+    if confidence not in _Z:
+        raise ConfigError(f"confidence must be one of {sorted(_Z)}, got {confidence!r}")
+    z, p = _Z[confidence], k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return Estimate(p, max(0.0, centre - half), min(1.0, centre + half))
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The trials of one (op, layer, kind): outcome counts per arm."""
+
+    op: str
+    layer: int
+    kind: str
+    trials: int
+    unprotected: dict[str, int]
+    protected: dict[str, int]
+
+    def rate(self, outcome: str = "non_trainable", *, protected: bool = False,
+             confidence: float = 0.95) -> Estimate:  # fmt: skip
+        counts = self.protected if protected else self.unprotected
+        return wilson(counts.get(outcome, 0), self.trials, confidence)
+
+
+@dataclass(frozen=True)
+class VulnerabilityProfile:
+    family: str
+    setup: dict[str, Any]  # the campaign's model and training setup (size, batch, seq_len, ...)
+    cells: tuple[Cell, ...]
+    version: int = PROFILE_VERSION
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(c.kind for c in self.cells))
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        ops = {c.op for c in self.cells}
+        return tuple(op for op in ALL_OPS if op in ops)
+
+    def cell(self, op: str, layer: int, kind: str) -> tuple[Cell | None, bool]:
+        """The trials of (op, layer, kind), or when that layer was not measured the op's trials
+        pooled over the layers that were (second value True: extrapolated); (None, False) when
+        the op or kind was never measured."""
+        mine = [c for c in self.cells if c.op == op and c.kind == kind]
+        exact = [c for c in mine if c.layer == layer]
+        if exact:
+            return exact[0], False
+        if not mine:
+            return None, False
+        pooled = Cell(op, layer, kind, sum(c.trials for c in mine), _add(mine, "unprotected"),
+                      _add(mine, "protected"))  # fmt: skip
+        return pooled, True
+
+    @classmethod
+    def from_campaign(cls, out: str | Path, family: str | None = None) -> VulnerabilityProfile:
+        """The profile of ``family`` (the campaign's only one when None) from its trial files."""
+        from attnchecker.inject.campaign import load_trials
+
+        out = Path(out)
+        metas = sorted(out.glob("meta*.json"))
+        if not metas:
+            raise ConfigError(f"{out}: not a campaign directory (no meta.json)")
+        config = json.loads(metas[0].read_text())["config"]
+        rows = load_trials(out)
+        families = sorted({r["family"] for r in rows})
+        if family is None:
+            if len(families) != 1:
+                raise ConfigError(
+                    f"{out} holds families {families}: say which one (--family)"
+                    if families
+                    else f"{out} has no trials yet"
+                )
+            family = families[0]
+        if family not in families:
+            raise ConfigError(f"{out} has no trials of {family!r}; it has {families}")
+        groups: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
+        for r in rows:
+            if r["family"] == family:
+                groups[(r["site"], r.get("layer", config["layer"]), r["kind"])].append(r)
+        cells = tuple(
+            Cell(op, layer, kind, len(rs), _count(rs, "unprotected"), _count(rs, "protected"))
+            for (op, layer, kind), rs in sorted(groups.items())
+        )
+        keys = ("size", "batch", "seq_len", "steps", "lr", "seed", "patterns", "backend")
+        return cls(family, {k: config[k] for k in keys if k in config}, cells)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VulnerabilityProfile:
+        _version(d, "vulnerability profile")
+        cells = tuple(Cell(**c) for c in d["cells"])
+        return cls(d["family"], d["setup"], cells, d["version"])
+
+    def save(self, path: str | Path) -> Path:
+        return _save(self.to_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> VulnerabilityProfile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Checking ``op`` in every layer: its time beyond the engine's, as a fraction of the plain
+    step (median over paired repetitions, with an order-statistic interval), and the ops it
+    launches per step."""
+
+    op: str
+    cost: Estimate
+    launches: int
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    family: str
+    setup: dict[str, Any]  # size, batch, seq_len, layers, compile, dtype, device, reps
+    step_seconds: float  # the plain model's median training step (SDPA attention)
+    engine: Estimate  # protect_ with no check (the checked engine instead of SDPA), a fraction
+    engine_launches: int
+    ops: tuple[OpCost, ...]
+    # (layer, op) -> multiply-adds of that GEMM per step (probs: elements of the softmax)
+    macs: tuple[tuple[int, str, int], ...]
+    step_macs: int  # every GEMM of the step (attention, MLP, head), forward and backward
+    version: int = PROFILE_VERSION
+    host: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted({layer for layer, _, _ in self.macs}))
+
+    def op(self, name: str) -> OpCost | None:
+        return next((o for o in self.ops if o.op == name), None)
+
+    def macs_of(self, layer: int, op: str) -> int:
+        return next((m for at, o, m in self.macs if at == layer and o == op), 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostProfile:
+        _version(d, "cost profile")
+        ops = tuple(OpCost(o["op"], Estimate(*o["cost"]), o["launches"]) for o in d["ops"])
+        return cls(d["family"], d["setup"], d["step_seconds"], Estimate(*d["engine"]),
+                   d["engine_launches"], ops, tuple(tuple(m) for m in d["macs"]),
+                   d["step_macs"], d["version"], d.get("host", {}))  # fmt: skip
+
+    def save(self, path: str | Path) -> Path:
+        return _save(self.to_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostProfile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _count(rows: list[dict], arm: str) -> dict[str, int]:
+    out = dict.fromkeys(OUTCOMES, 0)
+    for r in rows:
+        out[r[arm]["outcome"]] += 1
+    return out
+
+
+def _add(cells: list[Cell], arm: str) -> dict[str, int]:
+    return {o: sum(getattr(c, arm).get(o, 0) for c in cells) for o in OUTCOMES}
+
+
+def _version(d: dict[str, Any], what: str) -> None:
+    if d.get("version") != PROFILE_VERSION:
+        raise ConfigError(
+            f"{what} version {d.get('version')!r}; this attnchecker reads version "
+            f"{PROFILE_VERSION}: rebuild it"
+        )
+
+
+def _save(d: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(d, indent=1))
+    tmp.replace(path)  # a crash never leaves half a profile
+    return path

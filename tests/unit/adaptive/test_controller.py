@@ -1,0 +1,176 @@
+"""The controller's math on hand-made profiles: the knapsack under a budget or a target, the
+edge cases (zero rate, a budget below the cheapest check, an unreachable target), intervals, and
+the schedules it hands to ABFTConfig."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnchecker.adaptive.bench import median_interval
+from attnchecker.adaptive.controller import FaultRate, choose, sites
+from attnchecker.adaptive.profile import (
+    Cell,
+    CostProfile,
+    Estimate,
+    OpCost,
+    VulnerabilityProfile,
+    wilson,
+)
+from attnchecker.adaptive.simulate import poisson_interval
+from attnchecker.attention.config import ABFTConfig
+from attnchecker.errors import ConfigError
+
+OPS = ("scores", "context", "dk")
+
+
+def _vuln(trials: int = 50, fatal: dict | None = None) -> VulnerabilityProfile:
+    fatal = fatal or {"scores": 50, "context": 25, "dk": 5}  # of 50 unprotected faults
+    cells = []
+    for op in OPS:
+        for layer in (0, 1):
+            for kind in ("nan", "inf"):
+                k = fatal[op] * trials // 50
+                cells.append(Cell(op, layer, kind, trials,
+                                  {"non_trainable": k, "masked": trials - k},
+                                  {"non_trainable": 0, "masked": trials}))  # fmt: skip
+    return VulnerabilityProfile("gpt2", {"size": "tiny"}, tuple(cells))
+
+
+def _cost(engine: float = 0.05) -> CostProfile:
+    costs = {"scores": 0.10, "context": 0.10, "dk": 0.02}  # all layers
+    return CostProfile(
+        "gpt2", {"layers": 2}, 0.01, Estimate(engine, engine * 0.5, engine * 1.5), 10,
+        tuple(OpCost(op, Estimate(c, c * 0.8, c * 1.2), 100) for op, c in costs.items()),
+        tuple((layer, op, 1000) for layer in (0, 1) for op in OPS), step_macs=10_000,
+    )  # fmt: skip
+
+
+def test_wilson_interval_contains_the_rate_and_is_sensible_at_zero():
+    e = wilson(0, 20)
+    assert e.point == 0 and e.low == 0 and 0.1 < e.high < 0.2
+    e = wilson(20, 20)
+    assert e.point == 1 and e.high == 1 and 0.8 < e.low < 0.9
+    e = wilson(5, 20)
+    assert e.low < 0.25 < e.high
+    assert wilson(50, 200).high - wilson(50, 200).low < e.high - e.low  # more trials: tighter
+
+
+def test_median_and_poisson_intervals():
+    e = median_interval([5.0, 1.0, 3.0, 2.0, 4.0, 9.0, 0.0])
+    assert e.point == 3.0 and e.low <= 1.0 and e.high >= 5.0
+    assert poisson_interval(0.0, 0.0) == (0, 0)
+    lo, hi = poisson_interval(100.0, 100.0)
+    assert 75 < lo < 85 and 115 < hi < 125
+
+
+def test_exposure_follows_the_rate_unit():
+    vuln, cost = _vuln(), _cost()
+    per_op = sites(vuln, cost, FaultRate(1e-4, "element-op"))
+    assert {s.faults for s in per_op} == {1e-4 * 1000}
+    per_step = sites(vuln, cost, FaultRate(1.0, "step"))
+    assert {s.faults for s in per_step} == {1000 / 10_000}  # by share of the step's work
+    hourly = sites(vuln, cost, FaultRate(3600.0, "device-hour"))  # one per second, 0.01 s steps
+    assert {round(s.faults, 12) for s in hourly} == {0.01 * 1000 / 10_000}
+
+
+def test_a_larger_budget_never_leaves_more_risk_and_stays_within_it():
+    vuln, cost = _vuln(), _cost()
+    rate = FaultRate(1.0)
+    risks = []
+    for budget in (0.06, 0.08, 0.15, 0.3, 1.0):
+        c = choose(vuln, cost, rate, budget=budget)
+        assert c.overhead.point <= budget + 1e-12
+        risks.append(c.risk.high)
+        ABFTConfig.from_dict(c.config.to_dict())  # what protect_ accepts, round trip
+    assert risks == sorted(risks, reverse=True) and risks[-1] < risks[0]
+    full = choose(vuln, cost, rate, budget=1.0)
+    assert len(full.checks) == 6 and full.risk.point == 0
+    # per layer: scores removes 1.0 of risk per fault for 0.05, dk 0.1 for 0.01, context 0.5
+    # for 0.05: the scores of one layer is the best buy
+    first = choose(vuln, cost, rate, budget=0.10)
+    assert [(op, every) for _, op, every in first.checks] == [("scores", 1)]
+
+
+def test_periodic_checks_fill_a_budget_between_whole_checks():
+    vuln, cost = _vuln(), _cost()
+    c = choose(vuln, cost, FaultRate(1.0), budget=0.05 + 0.02 + 0.05 / 4)
+    everies = {every for *_, every in c.checks}
+    assert everies - {1}, c.checks  # something every k steps
+    assert c.config.period in (2, 4, 8, 16, 32, 64)
+
+
+def test_target_is_met_at_the_high_end_and_cheaper_targets_cost_less():
+    vuln, cost = _vuln(), _cost()
+    rate = FaultRate(1.0)
+    ends = choose(vuln, cost, rate, budget=1.0)
+    none, full = ends.unprotected, ends.full  # full.high: 0 of 50 protected failures' bound
+    costs = []
+    for frac in (0.8, 0.5, 0.1):
+        target = full.high + frac * (none.high - full.high)
+        c = choose(vuln, cost, rate, target=target)
+        assert c.risk.high <= target * (1 + 1e-9)
+        costs.append(c.overhead.point)
+    assert costs == sorted(costs)
+    assert choose(vuln, cost, rate, target=none.high * 2).checks == ()  # met unprotected
+
+
+def test_edge_cases_say_what_is_wrong():
+    vuln, cost = _vuln(), _cost()
+    zero = choose(vuln, cost, FaultRate(0.0), budget=0.5)
+    assert zero.checks == () and zero.risk.high == 0 and zero.overhead.point == 0
+    assert any("fault rate 0" in n for n in zero.notes)
+    assert choose(vuln, cost, FaultRate(0.0), target=0.0).checks == ()
+    with pytest.raises(ConfigError, match="below the cheapest check"):
+        choose(vuln, cost, FaultRate(1.0), budget=0.01)
+    few = _vuln(trials=5)  # 0 of 5 protected failures: the upper bound stays high
+    with pytest.raises(ConfigError, match="no schedule meets"):
+        choose(few, cost, FaultRate(1.0), target=1.0)
+    with pytest.raises(ConfigError, match="not both"):
+        choose(vuln, cost, FaultRate(1.0), target=1.0, budget=0.1)
+    with pytest.raises(ConfigError, match="per step"):
+        FaultRate(1.0, "fortnight")
+    with pytest.raises(ConfigError, match="not measured"):
+        choose(vuln, cost, FaultRate(1.0, kinds={"exponent_flip": 1.0}), budget=0.5)
+
+
+def test_unprofiled_ops_are_left_out_and_named():
+    vuln = VulnerabilityProfile("gpt2", {}, tuple(c for c in _vuln().cells if c.op != "dk"))
+    c = choose(vuln, _cost(), FaultRate(1.0), budget=1.0)
+    assert "dk" not in {op for _, op, _ in c.checks}
+    assert any("dk" in n for n in c.notes) and c.coverage == pytest.approx(0.4)
+
+
+def test_profiles_round_trip_and_refuse_other_versions(tmp_path):
+    vuln, cost = _vuln(), _cost()
+    assert VulnerabilityProfile.load(vuln.save(tmp_path / "v.json")) == vuln
+    assert CostProfile.load(cost.save(tmp_path / "c.json")) == cost
+    (tmp_path / "old.json").write_text('{"version": 0}')
+    with pytest.raises(ConfigError, match="version"):
+        CostProfile.load(tmp_path / "old.json")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(schedule=((0, "scores", 2), (0, "dk", 4))), "one period"),
+        (dict(schedule=((0, "scores", 1), (0, "scores", 2))), "twice"),
+        (dict(schedule=((0, "nope", 1),)), "unknown op"),
+        (dict(schedule=((0, "dk", 0),)), "every"),
+        (dict(schedule=((0, "dk", 1),), layers=(0,)), "not both"),
+        (dict(schedule=((0, "dk", 1),), scope="all_linear"), "scope"),
+    ],
+)
+def test_bad_schedules_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        ABFTConfig(**kwargs)
+
+
+def test_schedule_ops_per_layer_and_step():
+    cfg = ABFTConfig(schedule=((1, "dk", 1), (0, "scores", 4), (0, "context", 1)))
+    assert cfg.period == 4 and cfg.schedule[0] == (0, "scores", 4)
+    assert cfg.layer_ops(0, step=1) == {"scores", "context"}
+    assert cfg.layer_ops(0, step=2) == {"context"} and cfg.layer_ops(0, step=5) == {
+        "scores", "context"}  # fmt: skip
+    assert cfg.layer_ops(2) == frozenset()
+    with pytest.raises(ConfigError, match="unknown ABFTConfig fields"):
+        ABFTConfig.from_dict({"opps": []})
