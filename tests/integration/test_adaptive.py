@@ -24,8 +24,8 @@ SITES = ["scores", "context", "dk", "dw.q"]
 @pytest.fixture(scope="module")
 def flow(tmp_path_factory):
     out = tmp_path_factory.mktemp("camp")
-    assert main(["campaign", "--out", str(out), "--families", "gpt2", "--sites", *SITES,
-                 "--kinds", "nan", "near_inf", "--trials", "2", "--layers", "0", "1"]) == 0  # fmt: skip
+    args = ["--sites", *SITES, "--kinds", "nan", "near_inf", "--trials", "2", "--layers", "0", "1"]
+    assert main(["campaign", "--out", str(out), "--families", "gpt2", *args]) == 0
     assert main(["bench", "--campaign", str(out), "--reps", "3"]) == 0
     return out
 

@@ -135,7 +135,7 @@ def test_a_second_campaign_in_one_process_gets_its_own_setup(tmp_path):
     ref_a = {r["ref_final_loss"] for r in load_trials(tmp_path / "a")}
     ref_b = {r["ref_final_loss"] for r in load_trials(tmp_path / "b")}
     assert ref_a != ref_b
-    setup = _setup(second, "gpt2")
+    setup = _setup(second, "gpt2", second.layer)
     assert setup.batches[0]["input_ids"].shape == (second.batch, 16) and setup.lr == 3e-3
 
 
