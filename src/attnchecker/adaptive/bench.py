@@ -181,6 +181,7 @@ def measure_costs(
                 times[k].append(time.perf_counter() - t0)
             advance()
     plain_t, engine_t = times["plain"], times["engine"]
+
     def share(op: str) -> list[float]:  # (t_op - t_engine) / t_plain per round
         return [(a - e) / p for a, e, p in zip(times[op], engine_t, plain_t, strict=True)]
 

@@ -8,10 +8,12 @@ The model is protected by the chosen schedule (``policy="warn"``, as the campaig
 arm). A step after which the loss or a parameter is not finite is a non-trainable event: it is
 counted and the model and optimizer go back to their state three steps earlier (a campaign
 trial watches three steps after its fault), and training goes on. Then the chosen
-configuration and the plain model (SDPA) are timed alternately on clean steps.
+configuration and the plain model (SDPA) are timed alternately on clean steps, as the cost
+profile times its arms.
 
 ``inside`` says whether the count lies in the predicted interval: the Poisson quantiles
-(2.5% / 97.5%) at the low and high ends of the predicted mean; likewise for the overhead.
+(2.5% / 97.5%) at the low and high ends of the predicted mean (``verdict``: below it is the
+model's conservative side, above it a broken claim); likewise for the overhead.
 :func:`frontier` does this for several budgets (the report plots it).
 """
 
@@ -69,11 +71,20 @@ class Simulation:
         return self.events_interval[0] <= self.events <= self.events_interval[1]
 
     @property
+    def verdict(self) -> str:
+        """inside; below (fewer than predicted: the model's conservative side); ABOVE (more:
+        the claim broke)."""
+        if self.inside:
+            return "inside"
+        return "below" if self.events < self.events_interval[0] else "ABOVE"
+
+    @property
     def overhead_inside(self) -> bool:
         return self.predicted_overhead.low <= self.overhead.point <= self.predicted_overhead.high
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"inside": self.inside, "overhead_inside": self.overhead_inside}
+        return asdict(self) | {"inside": self.inside, "verdict": self.verdict,
+                               "overhead_inside": self.overhead_inside}  # fmt: skip
 
 
 def _plan(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, steps: int, seed: int):
@@ -185,30 +196,25 @@ def choice_risk(vuln, cost, rate, choice: Choice) -> Estimate:
 
 
 def _overhead(plain, model, choice: Choice, B: int, L: int, reps: int, seed: int) -> Estimate:
-    """Median over alternated clean steps of t_protected / t_plain - 1, with its interval."""
+    """Median over alternated clean steps of t_protected / t_plain - 1, with its interval: the
+    steps of the cost profile (forward, backward, AdamW; the protected one drains), a period
+    of protected steps against as many plain ones."""
+    from attnchecker.adaptive.bench import _stepper
+
     g = torch.Generator().manual_seed(seed + 2)
     ids = torch.randint(3, 128, (B, L), generator=g)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    handle = model._attnchecker_handle
-    fns = {}
-    for name, m in (("plain", plain), ("protected", model)):
-        opt = torch.optim.SGD(m.parameters(), lr=0.0)  # clean steps that change nothing
-
-        def step(m=m, opt=opt) -> None:
-            m(**inputs).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if m is model:
-                handle.drain()  # the schedule's period counts drains
-
-        fns[name] = step
+    fns = {
+        name: _stepper(m, m, inputs, "fp32", "cpu")
+        for name, m in (("plain", plain), ("protected", model))
+    }
     k = max(1, choice.config.period)
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(2):
         for f in fns.values():
             f()
     for _ in range(reps):
-        for n, f in fns.items():  # a period of protected steps against as many plain ones
+        for n, f in fns.items():
             t0 = time.perf_counter()
             for _ in range(k):
                 f()

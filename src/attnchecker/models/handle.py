@@ -293,7 +293,9 @@ class ProtectionHandle:
         where = here(self._clock.count.device)
         return {
             "modules": self.modules,
-            "ops": list(self.config.ops),
+            "ops": list(self.config.ops)
+            if self.config.schedule is None
+            else sorted({op for _, op, _ in self.config.schedule}, key=ALL_OPS.index),
             "schedule": None if self.config.schedule is None else list(self.config.schedule),
             "scope": self.config.scope,
             "mode": self.config.mode,

@@ -13,7 +13,7 @@ __all__ = ["frontier_report"]
 def _rows(sims) -> list[str]:
     lines = [
         "| budget | checks | faults | non-trainable measured | predicted [interval of the count] "
-        "| inside | overhead measured | predicted | inside |",
+        "| count | overhead measured | predicted | inside |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sims:
@@ -21,7 +21,7 @@ def _rows(sims) -> list[str]:
         lines.append(
             f"| {'none' if not s.budget else f'{s.budget:.0%}'} | {len(s.checks)} | {s.faults} "
             f"| {s.events} | {p.point:.1f} [{s.events_interval[0]}, {s.events_interval[1]}] "
-            f"| {'yes' if s.inside else 'NO'} | {o.point:+.1%} [{o.low:+.1%}, {o.high:+.1%}] "
+            f"| {s.verdict} | {o.point:+.1%} [{o.low:+.1%}, {o.high:+.1%}] "
             f"| {q.point:+.1%} [{q.low:+.1%}, {q.high:+.1%}] "
             f"| {'yes' if s.overhead_inside else 'NO'} |"
         )

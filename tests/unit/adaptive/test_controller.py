@@ -91,6 +91,12 @@ def test_a_larger_budget_never_leaves_more_risk_and_stays_within_it():
     assert [(op, every) for _, op, every in first.checks] == [("scores", 1)]
 
 
+def test_from_profile_is_the_controllers_config():
+    vuln, cost = _vuln(), _cost()
+    config = ABFTConfig.from_profile(vuln, cost, FaultRate(1.0), budget=0.3)
+    assert config == choose(vuln, cost, FaultRate(1.0), budget=0.3).config and config.schedule
+
+
 def test_periodic_checks_fill_a_budget_between_whole_checks():
     vuln, cost = _vuln(), _cost()
     c = choose(vuln, cost, FaultRate(1.0), budget=0.05 + 0.02 + 0.05 / 4)
