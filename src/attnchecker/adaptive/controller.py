@@ -58,7 +58,7 @@ from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityPro
 from attnchecker.attention.config import ALL_OPS, ABFTConfig
 from attnchecker.errors import ConfigError
 
-__all__ = ["PERIODS", "RATE_UNITS", "Choice", "FaultRate", "Site", "choose", "sites"]
+__all__ = ["PERIODS", "RATE_UNITS", "Choice", "FaultRate", "Site", "choose", "risk_of", "sites"]
 
 PERIODS = (2, 4, 8, 16, 32, 64)
 RATE_UNITS = ("step", "element-op", "device-hour")
@@ -221,6 +221,15 @@ def _pct(e: Estimate) -> str:
 def _risk(ss: list[Site], f: dict[int, float]) -> Estimate:
     return Estimate(*(PER_MILLION * sum(s.risk(f.get(i, 0.0), j) for i, s in enumerate(ss))
                       for j in range(3)))  # fmt: skip
+
+
+def risk_of(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
+            checks: tuple[tuple[int, str, int], ...]) -> Estimate:  # fmt: skip
+    """Expected non-trainable events per million steps at ``rate`` with the ``checks``
+    ((layer, op, every), a schedule)."""
+    every = {(layer, op): 1 / k for layer, op, k in checks}
+    ss = sites(vuln, cost, rate)
+    return _risk(ss, {i: every.get((s.layer, s.op), 0.0) for i, s in enumerate(ss)})
 
 
 def _overhead(ss: list[Site], f: dict[int, float], engine: Estimate) -> Estimate:

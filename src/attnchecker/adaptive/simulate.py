@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from attnchecker.adaptive.bench import median_interval
-from attnchecker.adaptive.controller import Choice, FaultRate, choose, sites
+from attnchecker.adaptive.controller import Choice, FaultRate, choose, risk_of, sites
 from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
 from attnchecker.errors import ConfigError
 
@@ -178,21 +178,12 @@ def simulate(
         plain.set_attn_implementation("sdpa")
     overhead = _overhead(plain, model, choice, B, L, timing_reps, seed) if choice.checks else (
         Estimate(0.0, 0.0, 0.0))  # fmt: skip
-    mean = choice_risk(vuln, cost, rate, choice).scaled(steps / 1e6)
+    mean = risk_of(vuln, cost, rate, choice.checks).scaled(steps / 1e6)
     return Simulation(
         budget, choice.checks, steps, len(plan.faults), events, mean,
         poisson_interval(mean.low, mean.high), overhead, choice.overhead,
         time.perf_counter() - t_start,
     )  # fmt: skip
-
-
-def choice_risk(vuln, cost, rate, choice: Choice) -> Estimate:
-    """The choice's expected non-trainable events per million steps at ``rate``."""
-    from attnchecker.adaptive.controller import _risk
-
-    ss = sites(vuln, cost, rate)
-    every = {(layer, op): 1 / k for layer, op, k in choice.checks}
-    return _risk(ss, {i: every.get((s.layer, s.op), 0.0) for i, s in enumerate(ss)})
 
 
 def _overhead(plain, model, choice: Choice, B: int, L: int, reps: int, seed: int) -> Estimate:

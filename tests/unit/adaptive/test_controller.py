@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from attnchecker.adaptive.bench import median_interval
-from attnchecker.adaptive.controller import FaultRate, choose, sites
+from attnchecker.adaptive.controller import FaultRate, choose, risk_of, sites
 from attnchecker.adaptive.profile import (
     Cell,
     CostProfile,
@@ -94,7 +94,10 @@ def test_a_larger_budget_never_leaves_more_risk_and_stays_within_it():
 def test_from_profile_is_the_controllers_config():
     vuln, cost = _vuln(), _cost()
     config = ABFTConfig.from_profile(vuln, cost, FaultRate(1.0), budget=0.3)
-    assert config == choose(vuln, cost, FaultRate(1.0), budget=0.3).config and config.schedule
+    choice = choose(vuln, cost, FaultRate(1.0), budget=0.3)
+    assert config == choice.config and config.schedule
+    assert risk_of(vuln, cost, FaultRate(1.0), choice.checks) == choice.risk
+    assert risk_of(vuln, cost, FaultRate(1.0), ()) == choice.unprotected
 
 
 def test_periodic_checks_fill_a_budget_between_whole_checks():
