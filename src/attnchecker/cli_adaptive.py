@@ -50,8 +50,11 @@ def _bench(args: argparse.Namespace) -> int:
         family = family or _family(args)
     if family is None:
         raise ConfigError("give --model FAMILY or --campaign DIR")
-    cost = measure_costs(family, **setup, compile=args.compile, dtype=args.dtype,
-                         reps=args.reps, device=args.device, progress=True)  # fmt: skip
+    from attnchecker.attention.config import ALL_OPS
+
+    ops = tuple(args.ops or ALL_OPS)
+    cost = measure_costs(family, **setup, compile=args.compile, dtype=args.dtype, reps=args.reps,
+                         device=args.device, ops=ops, progress=True)  # fmt: skip
     where = args.out or (Path(args.campaign or ".") / f"cost-{family}.json")
     path = cost.save(where)
     print(f"plain step {1e3 * cost.step_seconds:.1f} ms; leaving SDPA for the checked engine "
@@ -70,6 +73,8 @@ def _profiles(args: argparse.Namespace):
     family = _family(args)
     vuln = VulnerabilityProfile.from_campaign(args.campaign, family)
     vuln.save(Path(args.campaign) / f"vulnerability-{family}.json")
+    if args.pool_layers:
+        vuln = vuln.pooled()
     cost_path = Path(args.cost or Path(args.campaign) / f"cost-{family}.json")
     if not cost_path.exists():
         raise ConfigError(
@@ -117,6 +122,7 @@ def _validate(args: argparse.Namespace) -> int:
     sims = frontier(vuln, cost, rate, args.budgets, steps=args.steps, seed=args.seed,
                     timing_reps=args.timing_reps, progress=True)  # fmt: skip
     meta = {"family": vuln.family, "rate": f"{rate.value:g} faults per {rate.per}",
+            "pooled_layers": args.pool_layers,
             "campaign": str(args.campaign), "cost": cost.setup}  # fmt: skip
     path = frontier_report(sims, args.out or Path(args.campaign) / "frontier", meta)
     print("\n".join(_rows(sims)))
@@ -136,6 +142,9 @@ def _rate_args(p: argparse.ArgumentParser) -> None:
                    "step's GEMMs by their work")  # fmt: skip
     p.add_argument("--kinds", help="kind distribution, e.g. nan=0.5,inf=0.5 (default: uniform "
                    "over the campaign's kinds)")  # fmt: skip
+    p.add_argument("--pool-layers", action="store_true",
+                   help="one vulnerability per op from the trials of every layer (tighter "
+                   "intervals from few trials; assumes the layers alike)")  # fmt: skip
 
 
 def add_commands(sub, formatter) -> None:
@@ -158,7 +167,8 @@ def add_commands(sub, formatter) -> None:
     b.add_argument("--compile", action="store_true", help="time every arm under torch.compile")
     b.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     b.add_argument("--device", default="cpu")
-    b.add_argument("--reps", type=int, default=9, help="rounds (every arm steps once each)")
+    b.add_argument("--reps", type=int, default=15, help="rounds (every arm steps once each)")
+    b.add_argument("--ops", nargs="+", help="only these ops (e.g. with --compile: an arm each)")
     b.add_argument("--out", help="cost profile file")
     b.set_defaults(func=_bench)
 

@@ -98,9 +98,24 @@ class VulnerabilityProfile:
             return exact[0], False
         if not mine:
             return None, False
+        if len(mine) == 1 and mine[0].layer == -1:  # a pooled profile: every layer alike
+            return mine[0], False
         pooled = Cell(op, layer, kind, sum(c.trials for c in mine), _add(mine, "unprotected"),
                       _add(mine, "protected"))  # fmt: skip
         return pooled, True
+
+    def pooled(self) -> VulnerabilityProfile:
+        """The same trials with layers merged per (op, kind), layer -1 standing for every layer:
+        for campaigns with few trials per layer, when layers are taken to be alike."""
+        groups: dict[tuple[str, str], list[Cell]] = defaultdict(list)
+        for c in self.cells:
+            groups[(c.op, c.kind)].append(c)
+        cells = tuple(
+            Cell(op, -1, kind, sum(c.trials for c in cs), _add(cs, "unprotected"),
+                 _add(cs, "protected"))
+            for (op, kind), cs in groups.items()
+        )  # fmt: skip
+        return dataclasses.replace(self, cells=cells)
 
     @classmethod
     def from_campaign(cls, out: str | Path, family: str | None = None) -> VulnerabilityProfile:

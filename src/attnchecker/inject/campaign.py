@@ -1,9 +1,10 @@
 """Fault-injection campaigns: many trials, appended as they finish, resumable, parallel, sharded.
 
 ``run_campaign(CampaignConfig(...), out)`` enumerates families x sites x layers x kinds x
-patterns x trials (each with its own seed), skips the trials already in ``out/trials*.jsonl`` (a killed
-campaign resumes with no trial lost or counted twice: a trial is written, flushed and synced as
-one line when it finishes, and a torn last line is ignored), runs the rest in worker processes,
+patterns x trials (each with its own seed), skips the trials already in ``out/trials*.jsonl``
+(a killed campaign resumes with no trial lost or counted twice: a trial is written, flushed and
+synced as one line when it finishes, and a torn last line is ignored), runs the rest in worker
+processes,
 and writes ``meta.json`` (config, seed, versions) and ``summary.json`` (rates per family x site
 x kind x arm). With ``rank``/``world`` a campaign is split across machines: each shard writes
 its own ``trials.rank<r>.jsonl`` and :func:`summarize` merges whatever files are there.

@@ -149,6 +149,18 @@ def test_unprofiled_ops_are_left_out_and_named():
     assert any("dk" in n for n in c.notes) and c.coverage == pytest.approx(0.4)
 
 
+def test_pooling_layers_merges_their_trials():
+    vuln = _vuln(trials=10)
+    pooled = vuln.pooled()
+    assert len(pooled.cells) == len(vuln.cells) // 2 and {c.trials for c in pooled.cells} == {20}
+    cell, extrapolated = pooled.cell("scores", 1, "nan")
+    assert cell.trials == 20 and not extrapolated
+    wide, tight = vuln.cell("dk", 0, "nan")[0].rate(), cell.rate()
+    assert tight.high - tight.low < wide.high - wide.low or cell.rate().point in (0, 1)
+    ss = sites(pooled, _cost(), FaultRate(1.0))
+    assert len(ss) == 6 and not any(s.note for s in ss)
+
+
 def test_profiles_round_trip_and_refuse_other_versions(tmp_path):
     vuln, cost = _vuln(), _cost()
     assert VulnerabilityProfile.load(vuln.save(tmp_path / "v.json")) == vuln
