@@ -77,6 +77,10 @@ def _report(args: argparse.Namespace) -> int:
         print(campaign_report(out))
     elif (out / "summary.json").exists() and (out / "reference").is_dir():
         print(demo_report(out))
+    elif (out / "frontier.json").exists():
+        from attnchecker.report.adaptive import rebuild_frontier
+
+        print(rebuild_frontier(out))
     elif (out / "metrics.jsonl").exists():
         print(run_report(out))
     elif (out / "steps.jsonl").exists() and (out / "summary.json").exists():

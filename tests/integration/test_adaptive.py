@@ -12,11 +12,12 @@ import pytest
 from attnchecker import protect_
 from attnchecker.adaptive.controller import FaultRate, choose
 from attnchecker.adaptive.profile import CostProfile, VulnerabilityProfile
-from attnchecker.adaptive.simulate import simulate
+from attnchecker.adaptive.simulate import Simulation, simulate
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.cli import main
 from attnchecker.inject.campaign import load_trials
 from attnchecker.models.tiny import build
+from attnchecker.report.adaptive import frontier_report
 
 SITES = ["scores", "context", "dk", "dw.q"]
 
@@ -80,7 +81,7 @@ def test_plan_writes_a_config_that_protect_and_train_accept(flow, tmp_path, caps
     assert "below the cheapest check" in err and "no schedule meets" in err
 
 
-def test_simulated_non_trainable_counts_fall_in_the_predicted_intervals(flow):
+def test_simulated_non_trainable_counts_fall_in_the_predicted_intervals(flow, tmp_path):
     vuln = VulnerabilityProfile.load(flow / "vulnerability-gpt2.json")
     cost = CostProfile.load(flow / "cost-gpt2.json")
     rate = FaultRate(1.0, "step", {"nan": 1.0})  # ~0.15 faults per step at the profiled sites
@@ -94,3 +95,9 @@ def test_simulated_non_trainable_counts_fall_in_the_predicted_intervals(flow):
     assert none.inside, none.to_dict()
     assert full.inside and full.events == 0, full.to_dict()
     assert len(full.checks) == len(SITES) * 2 and full.overhead.point == full.overhead.point
+    out = tmp_path / "frontier"
+    frontier_report([none, full], out, {"family": "gpt2", "rate": "1 per step"})
+    assert main(["report", str(out)]) == 0  # rebuilt from frontier.json alone
+    assert (out / "frontier.png").stat().st_size > 0
+    assert "| none |" in (out / "frontier.md").read_text()
+    assert Simulation.from_dict(none.to_dict()) == none

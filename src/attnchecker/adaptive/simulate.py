@@ -53,6 +53,29 @@ def poisson_interval(low_mean: float, high_mean: float, tail: float = 0.025) -> 
     return lo, quantile(high_mean, 1 - tail)
 
 
+def _cdf(k: int, mean: float) -> float:
+    term = cdf = math.exp(-mean)
+    for i in range(1, k + 1):
+        term *= mean / i
+        cdf += term
+    return cdf
+
+
+def count_interval(k: int, tail: float = 0.025) -> tuple[float, float]:
+    """The exact (Garwood) interval of a Poisson mean from an observed count k: the means at
+    which P(N >= k) and P(N <= k) are ``tail``."""
+
+    def crossing(f, target: float) -> float:  # f increases with the mean
+        lo, hi = 0.0, 10.0 + 10.0 * k
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if f(mid) >= target else (mid, hi)
+        return (lo + hi) / 2
+
+    low = 0.0 if k == 0 else crossing(lambda m: 1 - _cdf(k - 1, m), tail)  # P(N >= k) = tail
+    return low, crossing(lambda m: 1 - _cdf(k, m), 1 - tail)  # P(N <= k) = tail
+
+
 @dataclass(frozen=True)
 class Simulation:
     budget: float | None
@@ -81,6 +104,14 @@ class Simulation:
     @property
     def overhead_inside(self) -> bool:
         return self.predicted_overhead.low <= self.overhead.point <= self.predicted_overhead.high
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Simulation:
+        est = ("predicted_events", "overhead", "predicted_overhead")
+        return cls(**{k: d[k] for k in ("budget", "steps", "faults", "events", "seconds")},
+                   checks=tuple(tuple(c) for c in d["checks"]),
+                   events_interval=tuple(d["events_interval"]),
+                   **{k: Estimate(*d[k]) for k in est})  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"inside": self.inside, "verdict": self.verdict,

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["frontier_report"]
+__all__ = ["frontier_report", "rebuild_frontier"]
 
 
 def _rows(sims) -> list[str]:
@@ -34,6 +34,8 @@ def _plot(sims, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from attnchecker.adaptive.simulate import count_interval
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, s in enumerate(sims):
         per = 1e6 / s.steps  # events per million steps
@@ -42,9 +44,10 @@ def _plot(sims, path: Path, title: str) -> None:
                     [100 * (q.high - q.point)]], yerr=[[per * (p.point - s.events_interval[0])],
                     [per * (s.events_interval[1] - p.point)]], fmt="s", color="tab:blue",
                     alpha=0.5, capsize=3, label="predicted" if i == 0 else None)  # fmt: skip
-        o = s.overhead
+        o, (lo, hi) = s.overhead, count_interval(s.events)
         ax.errorbar(100 * o.point, per * s.events, xerr=[[100 * (o.point - o.low)],
-                    [100 * (o.high - o.point)]], fmt="o", color="tab:red", capsize=3,
+                    [100 * (o.high - o.point)]], yerr=[[per * (s.events - lo)],
+                    [per * (hi - s.events)]], fmt="o", color="tab:red", capsize=3,
                     label="measured" if i == 0 else None)  # fmt: skip
         ax.annotate("none" if not s.budget else f"budget {s.budget:.0%}",
                     (100 * o.point, per * s.events), textcoords="offset points", xytext=(6, 6),
@@ -71,9 +74,18 @@ def frontier_report(sims, out: str | Path, meta: dict[str, Any]) -> Path:
     md = [f"# Adaptive protection: the frontier ({meta.get('family')})", "",
           f"Fault rate {meta.get('rate')}, {sims[0].steps} steps per point. Predicted: the "
           "controller's expected count and the Poisson interval at the ends of its risk "
-          "interval; measured: the count of non-trainable steps, and the overhead (median of "
-          "alternated clean steps against the plain model with SDPA).", "",
+          "interval; measured: the count of non-trainable steps (plotted with its exact Poisson "
+          "interval), and the overhead (median of alternated clean steps against the plain "
+          "model with SDPA).", "",
           *_rows(sims), "", "![frontier](frontier.png)", ""]  # fmt: skip
     path = out / "frontier.md"
     path.write_text("\n".join(md))
     return path
+
+
+def rebuild_frontier(out: str | Path) -> Path:
+    """The report again from ``out/frontier.json`` alone."""
+    from attnchecker.adaptive.simulate import Simulation
+
+    d = json.loads((Path(out) / "frontier.json").read_text())
+    return frontier_report([Simulation.from_dict(x) for x in d["points"]], out, d["meta"])

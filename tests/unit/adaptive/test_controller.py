@@ -16,7 +16,7 @@ from attnchecker.adaptive.profile import (
     VulnerabilityProfile,
     wilson,
 )
-from attnchecker.adaptive.simulate import poisson_interval
+from attnchecker.adaptive.simulate import count_interval, poisson_interval
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.errors import ConfigError
 
@@ -59,6 +59,8 @@ def test_median_and_poisson_intervals():
     e = median_interval([5.0, 1.0, 3.0, 2.0, 4.0, 9.0, 0.0])
     assert e.point == 3.0 and e.low <= 1.0 and e.high >= 5.0
     assert poisson_interval(0.0, 0.0) == (0, 0)
+    assert count_interval(0)[1] == pytest.approx(3.689, abs=1e-3)  # the exact 95% bounds
+    assert count_interval(10) == pytest.approx((4.795, 18.390), abs=1e-3)
     lo, hi = poisson_interval(100.0, 100.0)
     assert 75 < lo < 85 and 115 < hi < 125
 
