@@ -1,7 +1,8 @@
 """``measure_costs``: the cost profile of one family on this machine (``attnchecker bench``).
 
-Copies of one model are stepped alternately in one process (forward, backward, AdamW), one
-step each per round, so drift and bursts of load hit every arm alike: ``plain`` (what users run:
+Copies of one model are stepped alternately in one process (forward, backward, AdamW), a few
+steps in a row each per round (:func:`alternate`), so drift and bursts of load hit every arm
+alike: ``plain`` (what users run:
 transformers' default SDPA attention; GPT-Neo has none, so eager), ``engine`` (``protect_``
 checking nothing: the checked eager engine instead of SDPA) and one arm per op checking that op
 in every layer; a protected step ends with ``drain()``, as in a training loop. An op's cost
@@ -21,6 +22,7 @@ import platform
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -28,9 +30,10 @@ from attnchecker.adaptive.profile import CostProfile, Estimate, OpCost
 from attnchecker.attention.config import ALL_OPS, OPS, ABFTConfig
 from attnchecker.errors import ConfigError
 
-__all__ = ["measure_costs", "median_interval"]
+__all__ = ["alternate", "measure_costs", "median_interval"]
 
 DTYPES = ("fp32", "bf16")
+PER_ROUND = 3  # timed steps in a row per arm and round
 
 
 def median_interval(xs: list[float], confidence: float = 0.95) -> Estimate:
@@ -75,6 +78,34 @@ def _stepper(model, run, inputs, dtype: str, device: str):
             handle.drain()  # a protected step reads its records once, as training loops do
 
     return step
+
+
+def alternate(
+    steps: dict[str, Callable[[], None]],
+    reps: int,
+    per_round: int = PER_ROUND,
+    *,
+    warm: int = 1,
+    sync: Callable[[], None] = lambda: None,
+    advance: Callable[[], None] = lambda: None,
+) -> dict[str, list[float]]:
+    """Seconds per round of each arm: rounds alternate the arms; in a round an arm runs
+    ``warm`` untimed steps then ``per_round`` timed ones in a row, so its caches are as warm as
+    in a training loop (stepping many models one step each measures cold steps, and the plain
+    model's cold step hides the checks' overhead)."""
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(reps):
+        for k, f in steps.items():
+            for _ in range(warm):
+                f()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                f()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+        advance()
+    return times
 
 
 def _site_macs(handle, model, step) -> dict[tuple[int, str], int]:
@@ -170,16 +201,8 @@ def measure_costs(
     for _ in range(warmup):  # compiles here, when compiling
         for f in steps.values():
             f()
-    times: dict[str, list[float]] = {k: [] for k in steps}
     with _Progress(reps, progress) as advance:
-        for _ in range(reps):
-            for k, f in steps.items():
-                sync()
-                t0 = time.perf_counter()
-                f()
-                sync()
-                times[k].append(time.perf_counter() - t0)
-            advance()
+        times = alternate(steps, reps, sync=sync, advance=advance)
     plain_t, engine_t = times["plain"], times["engine"]
 
     def share(op: str) -> list[float]:  # (t_op - t_engine) / t_plain per round
@@ -193,7 +216,7 @@ def measure_costs(
         family=family,
         setup={"size": size, "batch": batch, "seq_len": seq_len, "layers": n_layers,
                "compile": compile, "dtype": dtype, "device": device, "reps": reps, "seed": seed},
-        step_seconds=statistics.median(plain_t),
+        step_seconds=statistics.median(plain_t) / PER_ROUND,
         engine=median_interval([(e - p) / p for e, p in zip(engine_t, plain_t, strict=True)]),
         engine_launches=launches["engine"] - launches["plain"],
         ops=op_costs,

@@ -219,9 +219,9 @@ def simulate(
 
 def _overhead(plain, model, choice: Choice, B: int, L: int, reps: int, seed: int) -> Estimate:
     """Median over alternated clean steps of t_protected / t_plain - 1, with its interval: the
-    steps of the cost profile (forward, backward, AdamW; the protected one drains), a period
-    of protected steps against as many plain ones."""
-    from attnchecker.adaptive.bench import _stepper
+    steps of the cost profile (forward, backward, AdamW; the protected one drains), timed as it
+    times them (:func:`~attnchecker.adaptive.bench.alternate`), whole periods per round."""
+    from attnchecker.adaptive.bench import _stepper, alternate
 
     g = torch.Generator().manual_seed(seed + 2)
     ids = torch.randint(3, 128, (B, L), generator=g)
@@ -230,17 +230,8 @@ def _overhead(plain, model, choice: Choice, B: int, L: int, reps: int, seed: int
         name: _stepper(m, m, inputs, "fp32", "cpu")
         for name, m in (("plain", plain), ("protected", model))
     }
-    k = max(1, choice.config.period)
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    for _ in range(2):
-        for f in fns.values():
-            f()
-    for _ in range(reps):
-        for n, f in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(k):
-                f()
-            times[n].append(time.perf_counter() - t0)
+    k = max(1, choice.config.period)  # whole periods, of at least three steps, per round
+    times = alternate(fns, reps, k * max(1, math.ceil(3 / k)))
     ratios = [a / b - 1 for a, b in zip(times["protected"], times["plain"], strict=True)]
     if len(ratios) < 3:
         return Estimate(*[statistics.median(ratios)] * 3)
