@@ -205,7 +205,8 @@ def simulate(
                 model.load_state_dict(params)
                 opt.load_state_dict(copy.deepcopy(state))  # it keeps the tensors it is given
                 ring = ring[:1]
-    if TABLE[vuln.family].sdpa:
+    plain.load_state_dict(model.state_dict())  # the same weights: values change the speed
+    if TABLE[vuln.family].sdpa:  # (trained weights run slower on a CPU than fresh ones)
         plain.set_attn_implementation("sdpa")
     overhead = _overhead(plain, model, choice, B, L, timing_reps, seed) if choice.checks else (
         Estimate(0.0, 0.0, 0.0))  # fmt: skip
