@@ -116,7 +116,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from attnchecker.adaptive.simulate import frontier
-    from attnchecker.report.adaptive import _rows, frontier_report
+    from attnchecker.report.adaptive import frontier_report, frontier_rows
 
     vuln, cost, rate = _profiles(args)
     sims = frontier(vuln, cost, rate, args.budgets, steps=args.steps, seed=args.seed,
@@ -125,7 +125,7 @@ def _validate(args: argparse.Namespace) -> int:
             "pooled_layers": args.pool_layers,
             "campaign": str(args.campaign), "cost": cost.setup}  # fmt: skip
     path = frontier_report(sims, args.out or Path(args.campaign) / "frontier", meta)
-    print("\n".join(_rows(sims)))
+    print("\n".join(frontier_rows(sims)))
     print(f"wrote {path}")
     return 1 if any(s.verdict == "ABOVE" for s in sims) else 0
 

@@ -30,7 +30,7 @@ from attnchecker.adaptive.profile import CostProfile, Estimate, OpCost
 from attnchecker.attention.config import ALL_OPS, OPS, ABFTConfig
 from attnchecker.errors import ConfigError
 
-__all__ = ["alternate", "measure_costs", "median_interval"]
+__all__ = ["alternate", "measure_costs", "median_interval", "stepper"]
 
 DTYPES = ("fp32", "bf16")
 PER_ROUND = 3  # timed steps in a row per arm and round
@@ -63,7 +63,7 @@ def _models(family: str, size: str, seq_len: int, layers: int | None, seed: int,
     return base.to(device), plain.to(device)
 
 
-def _stepper(model, run, inputs, dtype: str, device: str):
+def stepper(model, run, inputs, dtype: str, device: str):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     cast = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else None
     handle = getattr(model, "_attnchecker_handle", None)
@@ -192,8 +192,10 @@ def measure_costs(
         arms[op] = copy.deepcopy(base)
         protect_(arms[op], ABFTConfig(ops=(op,)))
     runs = {k: torch.compile(m) if compile else m for k, m in arms.items()}
-    steps = {k: _stepper(arms[k], runs[k], inputs, dtype, device) for k in arms}
-    eager_steps = {k: _stepper(arms[k], arms[k], inputs, dtype, device) for k in arms}
+    steps = {k: stepper(arms[k], runs[k], inputs, dtype, device) for k in arms}
+    eager_steps = (  # launches and sizes are counted in eager
+        {k: stepper(arms[k], arms[k], inputs, dtype, device) for k in arms} if compile else steps
+    )
     launches = {k: count_ops(eager_steps[k]).launching for k in arms}
     macs = _site_macs(handle, engine, eager_steps["engine"])
     step_macs = _step_macs(plain, eager_steps["plain"])

@@ -222,13 +222,13 @@ def _overhead(plain, model, choice: Choice, B: int, L: int, reps: int, seed: int
     """Median over alternated clean steps of t_protected / t_plain - 1, with its interval: the
     steps of the cost profile (forward, backward, AdamW; the protected one drains), timed as it
     times them (:func:`~attnchecker.adaptive.bench.alternate`), whole periods per round."""
-    from attnchecker.adaptive.bench import _stepper, alternate
+    from attnchecker.adaptive.bench import alternate, stepper
 
     g = torch.Generator().manual_seed(seed + 2)
     ids = torch.randint(3, 128, (B, L), generator=g)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     fns = {
-        name: _stepper(m, m, inputs, "fp32", "cpu")
+        name: stepper(m, m, inputs, "fp32", "cpu")
         for name, m in (("plain", plain), ("protected", model))
     }
     k = max(1, choice.config.period)  # whole periods, of at least three steps, per round

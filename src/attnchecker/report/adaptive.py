@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["frontier_report", "rebuild_frontier"]
+__all__ = ["frontier_report", "frontier_rows", "rebuild_frontier"]
 
 
-def _rows(sims) -> list[str]:
+def frontier_rows(sims) -> list[str]:
     lines = [
         "| budget | checks | faults | non-trainable measured | predicted [interval of the count] "
         "| count | overhead measured | predicted | inside |",
@@ -77,7 +77,7 @@ def frontier_report(sims, out: str | Path, meta: dict[str, Any]) -> Path:
           "interval; measured: the count of non-trainable steps (plotted with its exact Poisson "
           "interval), and the overhead (median of alternated clean steps against the plain "
           "model with SDPA).", "",
-          *_rows(sims), "", "![frontier](frontier.png)", ""]  # fmt: skip
+          *frontier_rows(sims), "", "![frontier](frontier.png)", ""]  # fmt: skip
     path = out / "frontier.md"
     path.write_text("\n".join(md))
     return path
