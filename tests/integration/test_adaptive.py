@@ -76,8 +76,7 @@ def test_plan_writes_a_config_that_protect_and_train_accept(flow, tmp_path, caps
     assert json.loads((run / "summary.json").read_text())["steps_done"] == 3
     # a budget below the engine alone, and an unreachable target: one line, exit status 2
     for goal in (["--budget", "0.1%"], ["--target", "1e-9"]):
-        # a budget that fits checks whatever this loaded CPU measured (3 rounds)
-    assert main(["plan", "--campaign", str(flow), "--fault-rate", "1", "--per", "step",
+        assert main(["plan", "--campaign", str(flow), "--fault-rate", "1", "--per", "step",
                      *goal]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "below the cheapest check" in err and "no schedule meets" in err
