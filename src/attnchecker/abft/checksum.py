@@ -85,14 +85,14 @@ def encode(
         rows = (e @ b32.mT) @ a32.mT
         mag = (e @ b_abs.mT) @ a_abs.mT  # (..., 2, M)
         f = magnitude_factor(out_dtype, a.device, inner=K, length=N)
-        row_tol = mag * f + underflow_floor(out_dtype, length=N) * N  # weights <= N
+        row_tol = mag * f + underflow_floor(out_dtype, length=N, inner=K) * N  # weights <= N
     if check in (COLS, BOTH):
         e = weights(M, a.device)
         # column sums of C = (e A) B: (2, M) @ (.., M, K) -> (.., 2, K) @ (.., K, N) -> (.., 2, N)
         cols = (e @ a32) @ b32
         mag = (e @ a_abs) @ b_abs  # (..., 2, N)
         f = magnitude_factor(out_dtype, a.device, inner=K, length=M)
-        col_tol = mag * f + underflow_floor(out_dtype, length=M) * M
+        col_tol = mag * f + underflow_floor(out_dtype, length=M, inner=K) * M
     return Checksums(rows, cols, row_tol, col_tol)
 
 

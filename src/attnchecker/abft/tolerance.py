@@ -33,9 +33,17 @@ adds 2 u_tf32 (u_tf32 = 2^-11) to every product's relative error.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["magnitude_factor", "underflow_floor", "unit_roundoff"]
+__all__ = [
+    "magnitude_factor",
+    "norm_bound",
+    "squares_lost",
+    "underflow_floor",
+    "unit_roundoff",
+]
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -80,7 +88,46 @@ def _tf32(device: torch.device) -> bool:
     )
 
 
-def underflow_floor(out_dtype: torch.dtype, *, length: int) -> float:
-    """Absolute slack for ``length`` elements each losing up to one subnormal spacing."""
+# fp32's smallest normal number: the most an fp32 product or sum that underflows can lose, also
+# where it is flushed to zero (measured: CPU bf16 GEMMs flush; GPU kernels may run FTZ)
+_TINY32 = 2.0**-126
+
+
+def underflow_floor(out_dtype: torch.dtype, *, length: int, inner: int = 0) -> float:
+    """Absolute slack of a checksum of ``length`` elements of a GEMM with reduction length
+    ``inner``: each element rounded to ``out_dtype`` loses up to one of its subnormal spacings,
+    and each of the ~2 ``inner`` fp32 products and sums behind an element, the ``length`` sums
+    of the recomputed checksum and the ``inner`` + ``length`` ones of its reference each lose up
+    to fp32's smallest normal where they underflow (flushed to zero at worst): (length + 1)
+    (2 inner + 1) of them, below 1e-28 at any GEMM size of a transformer, so it never hides a
+    fault that matters (INF, NaN, near-INF, or any error above 1e-20)."""
     fi = torch.finfo(out_dtype)
-    return length * fi.smallest_normal * fi.eps
+    return length * fi.smallest_normal * fi.eps + (length + 1) * (2 * inner + 1) * _TINY32
+
+
+def norm_bound(x: torch.Tensor, dim: int | tuple[int, ...], *, keepdim: bool = False):
+    """An upper bound on ||x||_2 over ``dim``, fp32, that does not collapse where the squares
+    underflow.
+
+    ``torch.linalg.vector_norm`` squares in fp32 (bf16 and fp16 inputs too): an element below
+    ~1e-19 has a square below fp32's normal range, which keeps a few bits or none (1e-23
+    squares to 0). A row of such elements, as a near one-hot softmax gives its gradient, has a
+    norm that collapses by orders of magnitude, and a rounding bound built from it collapses
+    with it (a false alarm on a healthy row). Each square loses at most fp32's smallest normal
+    2^-126 (flushed to zero at worst), so ||x||^2 <= computed^2 + n 2^-126 over n elements: the
+    bound is hypot(computed, sqrt(n 2^-126)), one op on the (small) result, no pass over x; it
+    never drops below ~1e-19 sqrt(n), and is exact to rounding where ||x|| >> that. Elements
+    above ~1.8e19 overflow the squares: the bound is INF and a check built on it passes
+    everything but NaN; such operands are near-INF themselves, for the check upstream (or the
+    reproduced test) to report.
+    """
+    dims = (dim,) if isinstance(dim, int) else dim
+    n = math.prod(x.shape[d] for d in dims)
+    computed = torch.linalg.vector_norm(x, dim=dims, keepdim=keepdim, dtype=torch.float32)
+    return torch.hypot(computed, computed.new_tensor(squares_lost(n)))
+
+
+def squares_lost(n: int) -> float:
+    """sqrt(n 2^-126): the most an fp32 norm of ``n`` elements can lose to squares that
+    underflow, to be added in quadrature (see :func:`norm_bound`)."""
+    return math.sqrt(n * _TINY32)

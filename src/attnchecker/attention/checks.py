@@ -57,7 +57,13 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from attnchecker.abft.tolerance import magnitude_factor, underflow_floor, unit_roundoff
+from attnchecker.abft.tolerance import (
+    magnitude_factor,
+    norm_bound,
+    squares_lost,
+    underflow_floor,
+    unit_roundoff,
+)
 
 __all__ = [
     "Projection",
@@ -170,14 +176,15 @@ def weight_sums(
             # is pow, slower than mul, on CPU)
             w32 = weight.to(f32)
             cols = torch.mul(w32, w32).sum(0).sqrt_()
+            cols = torch.hypot(cols, cols.new_tensor(squares_lost(weight.shape[0])))
         else:
             sums = weight.view(G, -1, weight.shape[-1]).sum(1, dtype=f32).t()
-            cols = torch.linalg.vector_norm(weight, dim=1, dtype=f32)
+            cols = norm_bound(weight, 1)
         bsum = None
         if bias is not None:
             cols = torch.hypot(cols, bias.to(f32))
             bsum = bias.view(G, -1).sum(-1, dtype=f32)
-        norms = torch.linalg.vector_norm(cols.view(G, -1), dim=1).add_(floor)
+        norms = norm_bound(cols.view(G, -1), 1).add_(floor)
         return WeightSums(sums, bsum, norms, cols.add_(floor))
 
 
@@ -196,8 +203,13 @@ def row_factor(x: Tensor, items: list[tuple[Projection, Tensor]], scale: float) 
 
 
 def row_floor(items: list[tuple[Projection, Tensor]]) -> float:
-    """Absolute slack of a row sum: elements that underflow lose a subnormal spacing each."""
-    return max(underflow_floor(y.dtype, length=y.shape[-1] // p.groups) for p, y in items)
+    """Absolute slack of a row sum for what underflows (the elements, the GEMM's K + 1 terms)."""
+    return max(
+        underflow_floor(
+            y.dtype, length=y.shape[-1] // p.groups, inner=p.weight.shape[0 if p.conv1d else 1] + 1
+        )
+        for p, y in items
+    )
 
 
 _SEGMENTS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
@@ -332,7 +344,7 @@ def projection_check_(
     ws = weight_sums(weight, bias, conv1d=projs[0].conv1d, groups=G, floor=floor)
     cat = (lambda ts, dim: ts[0]) if len(ys) == 1 else torch.cat
     with _no_autocast(x.device):
-        xn1 = torch.linalg.vector_norm(x2, dim=1, keepdim=True, dtype=f32).add_(1)  # (T, 1)
+        xn1 = norm_bound(x2, 1, keepdim=True).add_(1)  # (T, 1)
         # the reference GEMM runs in x's dtype (no copy of x), in fp32 for fp16, whose range
         # a row sum of n outputs can overflow
         xf = x2.float() if x.dtype == torch.float16 else x2
@@ -415,11 +427,11 @@ def scores_residual(
     d, Lk = q.shape[-1], k.shape[-2]
     with _no_autocast(s.device):
         ref = (q * k.sum(-2, keepdim=True, dtype=torch.float32)).sum(-1)  # (B, H, L)
-        qn = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32)  # (B, H, L)
-        kn = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).sum(-1, keepdim=True)
+        qn = norm_bound(q, -1)  # (B, H, L)
+        kn = norm_bound(k, -1).sum(-1, keepdim=True)  # (B, H, 1)
         res = s.sum(-1, dtype=torch.float32) - (ref if alpha == 1.0 else ref * alpha)
         tol = _factor(s, q, k, inner=d, length=Lk) * scale * abs(alpha)
-        floor = underflow_floor(s.dtype, length=Lk)
+        floor = underflow_floor(s.dtype, length=Lk, inner=d)
         return res, torch.addcmul(res.abs() - floor, qn, kn, value=-tol)
 
 
@@ -462,7 +474,7 @@ def context_residual(
         both = p.to(f32) @ torch.stack(cols, -1)  # (B, H, L, 2..4): ref, bound, [error], [sum p]
         res = c.sum(-1, dtype=f32) - both[..., 0]
         tol = _factor(c, p, v, inner=Lk, length=d) * scale
-        floor = underflow_floor(c.dtype, length=d)
+        floor = underflow_floor(c.dtype, length=d, inner=Lk)
         excess = torch.sub(res.abs() - floor, both[..., 1], alpha=tol)
         out: tuple[Tensor, ...] = (res, excess if v_sums is None else excess - both[..., 2])
         if with_probs:

@@ -37,7 +37,12 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from attnchecker.abft.tolerance import magnitude_factor, underflow_floor, unit_roundoff
+from attnchecker.abft.tolerance import (
+    magnitude_factor,
+    norm_bound,
+    underflow_floor,
+    unit_roundoff,
+)
 from attnchecker.attention.checks import _record
 from attnchecker.attention.config import GRAD_OPS
 
@@ -73,8 +78,9 @@ def _factor(out: Tensor, x: Tensor, y: Tensor, *, inner: int, length: int) -> fl
 
 
 def _norm(t: Tensor) -> Tensor:
-    """||t||_F of each matrix of t (..., M, K): (...) fp32."""
-    return torch.linalg.vector_norm(t, dim=(-2, -1), dtype=_F32)
+    """||t||_F of each matrix of t (..., M, K): (...) fp32, an upper bound that does not
+    collapse where the squares underflow (:func:`~attnchecker.abft.tolerance.norm_bound`)."""
+    return norm_bound(t, (-2, -1))
 
 
 def _reference(
@@ -106,12 +112,12 @@ def _reference(
         ref = (x.to(dt) @ ysum.to(dt).unsqueeze(-1)).squeeze(-1).to(_F32)  # (..., M)
         yn = _norm(y) if norms is None else norms[1]  # (...)
         if x.stride(-1) == 1:  # rows contiguous: (..., M)
-            xn = torch.linalg.vector_norm(x, dim=-1, dtype=_F32)
+            xn = norm_bound(x, -1)
         else:  # (..., 1)
             xn = (_norm(x) if norms is None else norms[0]).unsqueeze(-1)
         mag = xn * (yn * math.sqrt(N)).unsqueeze(-1)
     tol = (_factor(out, x, y, inner=K, length=N) + rounding) * scale
-    return ref, (mag * tol).add_(underflow_floor(out.dtype, length=N))
+    return ref, (mag * tol).add_(underflow_floor(out.dtype, length=N, inner=K))
 
 
 def _excess(out: Tensor, ref: Tensor, tol: Tensor) -> tuple[Tensor, Tensor]:
