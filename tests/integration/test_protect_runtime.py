@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from attnchecker import protect_
+from attnchecker import ABFTConfig, protect_
+from attnchecker.attention.config import OPS
 from attnchecker.models.families import FAMILIES
 from attnchecker.models.tiny import build
 
@@ -48,6 +49,50 @@ def test_gradient_checkpointing_replays_are_checked_not_counted(family):
     assert handle.counters()["scores"] == {"detected": 1, "corrected": 1, "uncorrectable": 0}
     events = handle.drain()
     assert [(e.op, e.replay) for e in events] == [("scores", False)]
+
+
+def _replay_fault(heads: int):
+    """NaN in ``heads`` heads of layer 0's scores, in the checkpointing replay only."""
+
+    def fault(c):
+        if c.site == "scores" and c.layer == 0 and c.replay:
+            c.tensor[0, :heads] = float("nan")
+
+    return fault
+
+
+@pytest.mark.parametrize("config", ["forward", "default"])
+def test_a_fault_in_a_replay_alone_is_counted(config):
+    """A fault that hits only the checkpointing replay is not a duplicate of the first pass: it
+    is checked and counted; beyond the repair budget it is uncorrectable and sets found_inf
+    (a guarded optimizer skips the step), with cause "fault" (issue 21: it was dropped, the
+    gradients were NaN and found_inf 0)."""
+    base, _ = models("llama")
+    base.gradient_checkpointing_enable()
+    kw = {"ops": OPS} if config == "forward" else {}
+    handle = protect_(base, ABFTConfig(max_heads=1, policy="warn", **kw))
+    handle.attach(_replay_fault(heads=2))
+    base(**batch("llama")).loss.backward()
+    assert float(handle.found_inf()) == 1.0
+    with pytest.warns(RuntimeWarning, match="uncorrectable"):
+        events = handle.drain()
+    first = [e for e in events if e.op == "scores"]
+    assert [(e.layer, e.action, e.cause) for e in first] == [(0, "uncorrectable", "fault")]
+
+
+def test_a_corrected_fault_in_a_replay_alone_gives_the_clean_gradients():
+    base, ref = models("llama")
+    base.gradient_checkpointing_enable()
+    ref.gradient_checkpointing_enable()
+    inputs = batch("llama")
+    want = train_step(ref, inputs)
+    handle = protect_(base)
+    handle.attach(_replay_fault(heads=1))
+    got = train_step(base, inputs)
+    assert torch.allclose(got[0], want[0], rtol=1e-6)
+    assert max_diff(got[1], want[1]) <= 1e-5
+    events = handle.drain()
+    assert [(e.op, e.action) for e in events] == [("scores", "recomputed")]  # a whole head
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -83,6 +83,8 @@ def attend_fused(
 
     reason = _fallback_reason(spec, dropout, training, softcap, upcast_reordered)
     if reason is not None:
+        if not torch.compiler.is_compiling():  # summary() names it (a warning is once a process)
+            state.coverage.fallbacks.add(reason)
         if reason not in _WARNED:
             _WARNED.add(reason)
             warnings.warn(

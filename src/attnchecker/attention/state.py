@@ -35,6 +35,7 @@ __all__ = [
     "RECORD_FIELDS",
     "AttentionState",
     "Clock",
+    "Coverage",
     "SiteCall",
     "SiteHook",
     "in_replay",
@@ -101,6 +102,19 @@ SiteHook = Callable[[SiteCall], "Tensor | None"]
 
 
 @dataclass
+class Coverage:
+    """What really runs in one protected module, for ``summary()``: which engine runs the core
+    ("eager" or "triton") and why when it is not the one asked for, the reasons for which fused
+    calls ran the eager engine instead (recorded in eager), and the ops the config asks for
+    that this module has but cannot check (a Linear with a forward of its own)."""
+
+    engine: str = "eager"
+    note: str = ""
+    fallbacks: set[str] = field(default_factory=set)
+    unwired: list[str] = field(default_factory=list)
+
+
+@dataclass
 class AttentionState:
     """Attached to each protected attention module (a plain attribute, not a buffer, so
     ``state_dict()`` and DDP's buffer broadcast never see it)."""
@@ -123,12 +137,16 @@ class AttentionState:
     pending: list = field(default_factory=list)  # projection checks waiting for their group
     handoff: object | None = None  # what the projection checks leave for the core (passing)
     noted: list = field(default_factory=list)  # this layer's records, until commit()
+    # the records of the last first pass (not a replay) per committed op tuple: what a
+    # checkpointing replay's records are compared with (eager only)
+    first_pass: dict = field(default_factory=dict)
     # the fused backend: its kernels' device counters (kernels.flash.CHECKS x detected,
     # corrected, uncorrected) of the forward, and of the backward in kernel_sink.grad
     # (kernels.ops), and a fault its next calls inject (tests, campaigns)
     kernel: Tensor | None = None
     kernel_sink: Tensor | None = None  # its .grad collects the backward kernels' counters
     kernel_fault: object | None = None
+    coverage: Coverage = field(default_factory=lambda: Coverage())
 
     def __post_init__(self) -> None:
         for site in (*self.ops, *self.grad_ops):
@@ -256,17 +274,24 @@ class AttentionState:
 
     def commit(self) -> None:
         """Add the noted records to the log. A checkpointing replay repeats a forward already
-        counted: its records are dropped."""
+        counted: its records are counted where they differ from the first pass's (a fault that
+        hit the replay alone, or a different one), and dropped where they are the same (what
+        the operands imply, such as an overflow upstream, comes back in every replay)."""
         if not self.noted:
             return
         ops = tuple(o for names, _ in self.noted for o in names)
         recs = torch.cat([r for _, r in self.noted]) if len(self.noted) > 1 else self.noted[0][1]
         self.noted = []
-        if in_replay():
-            return
         if self.log.device != recs.device:  # the model moved after protect_
             self.log = self.log.to(recs.device)
         det = recs[:, :1] > 0  # (n, 1): flagged rows (the column count alone is a range locator)
+        if in_replay():  # eager only (compiled code does not replay Python)
+            first = self.first_pass.get(ops)
+            if first is not None and first.shape == recs.shape:
+                same = ((recs == first) | (recs.isnan() & first.isnan())).all(1, keepdim=True)
+                det = det & ~same
+        elif not torch.compiler.is_compiling():  # (a traced dict write would be a side effect)
+            self.first_pass[ops] = recs
         step = self.clock.count.view(1, 1).expand(recs.shape[0], 1)
         full = torch.cat([recs.to(torch.float64), det, step], 1)  # (n, 7): RECORD_FIELDS
         self.log.index_add_(0, _index(ops, recs.device), torch.where(det, full, 0.0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable
@@ -11,12 +12,14 @@ import torch
 
 from attnchecker.abft.eec import NEAR_INF
 from attnchecker.attention.config import ALL_OPS, ABFTConfig
+from attnchecker.attention.grads import CORE_GRAD_OPS
 from attnchecker.attention.state import RECORD_FIELDS, AttentionState, Clock, SiteHook
 from attnchecker.errors import UncorrectableFaultError
 
 __all__ = ["Event", "ProtectionHandle", "pattern_of"]
 
 SCHEMA_VERSION = 2
+_LOG = logging.getLogger("attnchecker")
 
 
 def pattern_of(n_rows: int, n_cols: int) -> str:
@@ -49,7 +52,9 @@ class Event:
     action: str
     n_rows: int
     n_cols: int
-    replay: bool = False  # checkpointing replays are checked, never counted
+    # kept for schema 2 readers, always False: a checkpointing replay's detections are counted
+    # with their step where they differ from the first pass's (AttentionState.commit)
+    replay: bool = False
     count: int = 1
     # "fault": the GEMM's output disagreed with its operands (a computation fault); "numerics":
     # recomputing from the operands gave the flagged result again, so they imply it (an
@@ -88,6 +93,30 @@ def _checks() -> tuple[str, ...]:
     return CHECKS
 
 
+def _coverage(st: AttentionState, config: ABFTConfig) -> dict[str, object]:
+    """What really runs in one protected module (:class:`Coverage`) and the ops it checks (on
+    a schedule's checked steps; the fused kernels check the core's backward GEMMs)."""
+    cov = st.coverage
+    on = (
+        st.phases[1]
+        if st.phases is not None
+        else (config.ops if st.checked is None else st.checked)
+    )
+    kernels = cov.engine == "triton"
+    checked = [
+        op
+        for op in (*st.ops, *st.grad_ops)
+        if op in on and (op in st.hooks or (kernels and op in CORE_GRAD_OPS))
+    ]
+    return {
+        "engine": cov.engine,
+        "note": cov.note,
+        "fallbacks": sorted(cov.fallbacks),
+        "checked": checked,
+        "unchecked": list(cov.unwired),
+    }
+
+
 class _Detach:
     def __init__(self, fn: Callable[[], None]) -> None:
         self._fn = fn
@@ -107,6 +136,7 @@ class ProtectionHandle:
         self._totals = {op: {"detected": 0, "corrected": 0, "uncorrectable": 0} for op in ALL_OPS}
         self.skip_requested = False
         self._causes = {"fault": 0, "numerics": 0}  # detections by cause since protection
+        self._engines_logged: set[str] | None = None  # fallback reasons logged; None: none yet
 
     @property
     def modules(self) -> list[str]:
@@ -178,8 +208,9 @@ class ProtectionHandle:
         return log_rows, kern_rows, int(flat[at])
 
     def counters(self) -> dict[str, dict[str, int]]:
-        """Totals per op since protection (forward passes only, not checkpointing replays), and
-        per fused-kernel check (:data:`attnchecker.kernels.flash.CHECKS`) under ``fused``."""
+        """Totals per op since protection (checkpointing replays where they found something the
+        first pass did not), and per fused-kernel check (:data:`attnchecker.kernels.flash.CHECKS`)
+        under ``fused``."""
         out = {op: dict(c) for op, c in self._totals.items()}
         logs, kern, _ = self._read()
         for st, log in zip(self._states.values(), logs, strict=True):
@@ -221,6 +252,7 @@ class ProtectionHandle:
             st.flush()  # projections whose group never completed (eager only)
             st.commit()
         self.skip_requested = False
+        self._log_engines()
         logs, kern, step_now = self._read()
         if not logs:
             return []
@@ -275,6 +307,29 @@ class ProtectionHandle:
             self._apply_policy(bad)
         return events
 
+    def _log_engines(self) -> None:
+        """At the first drain, one log line per engine saying which modules it runs and why
+        (when it is not the one asked for); later, a warning for each new fused fallback."""
+        if self._engines_logged is None:
+            self._engines_logged = set()
+            groups: dict[tuple[str, str], list[str]] = {}
+            for name, st in self._states.items():
+                groups.setdefault((st.coverage.engine, st.coverage.note), []).append(name)
+            for (engine, note), names in groups.items():
+                _LOG.info(
+                    "attnchecker: engine %s for %d module(s) (%s)%s",
+                    engine, len(names), ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""),
+                    f": {note}" if note else "",
+                )  # fmt: skip
+        for name, st in self._states.items():
+            for reason in st.coverage.fallbacks - self._engines_logged:
+                self._engines_logged.add(reason)
+                _LOG.warning(
+                    "attnchecker: fused kernels fell back to the eager engine in %s (and maybe "
+                    "others): %s; handle.summary()['per_module'] lists them",
+                    name, reason,
+                )  # fmt: skip
+
     def _apply_policy(self, bad: list[Event]) -> None:
         msg = f"{len(bad)} uncorrectable error(s), first: {bad[0]}"
         if self.config.policy == "raise":
@@ -305,6 +360,7 @@ class ProtectionHandle:
             "host": where.host,
             "device": where.device,
             "detections": dict(self._causes),
+            "per_module": {name: _coverage(st, self.config) for name, st in self._states.items()},
         }
 
     def _remove(self) -> None:

@@ -109,9 +109,11 @@ def _linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
 
 def _protect_linears(
     model: nn.Module, handle: ProtectionHandle, taken: set[int], config: ABFTConfig, clock: Clock
-) -> None:
+) -> list[str]:
     """``scope="all_linear"``: every Linear / Conv1D outside the protected attention modules
-    gets a state of its own (ops ``y``, ``dx``, ``dw``: :data:`LINEAR_OPS`)."""
+    gets a state of its own (ops ``y``, ``dx``, ``dw``: :data:`LINEAR_OPS`); returns the names
+    of those whose backward could not be checked (a forward of their own)."""
+    unpatched = []
     LINEAR_GRAD_OPS = LINEAR_OPS[1:]
     backward = any(op in config.ops for op in GRAD_OPS)
     checked = frozenset(("y", *(LINEAR_GRAD_OPS if backward else ())))
@@ -133,6 +135,11 @@ def _protect_linears(
             handle._undo.append(undo)
         else:
             st.hooks = {"y": st.hooks["y"]}
+            st.checked = frozenset(("y",))
+            if backward:
+                unpatched.append(name)
+                st.coverage.unwired.extend(LINEAR_GRAD_OPS)
+    return unpatched
 
 
 def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHandle:
@@ -185,7 +192,12 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
         for st in states.values():  # step 1 runs every check of the schedule
             st.phases = (config.layer_ops(st.layer, step=2), config.layer_ops(st.layer))
             st.checked = st.phases[1]
+    engine, note = ("triton", "") if fused else ("eager", _eager_note(config, device))
+    for st in states.values():
+        st.coverage.engine, st.coverage.note = engine, note
     handle = ProtectionHandle(config, states, clock)
+    names = {id(m): n for n, m in model.named_modules()}
+    unpatched: list[str] = []  # Linear / Conv1D whose own forward replaced: no backward checks
     for b in blocks:
         setattr(b.core, CORE, (b.spec, states.get(b.name)))
     handle._undo.append(lambda: [delattr(b.core, CORE) for b in blocks])
@@ -200,10 +212,22 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
             if undo is not None:
                 handle._undo.append(undo)
                 wired.update(ops)
+            elif any(op in config.ops for op in ops) or config.schedule is not None:
+                unpatched.append(names.get(id(p.module), "?"))
+                st.coverage.unwired.extend(ops)
         st.hooks = {s: hooks for s, hooks in st.hooks.items() if s in wired}
     if config.scope == "all_linear":
         taken = {id(p.module) for b in chosen for p in b.projections}
-        _protect_linears(model, handle, taken, config, clock)
+        unpatched += _protect_linears(model, handle, taken, config, clock)
+    if unpatched:
+        warnings.warn(
+            f"attnchecker: {len(unpatched)} linear layer(s) have a forward of their own (a "
+            f"subclass, a quantized layer, or a hook that replaced forward, e.g. accelerate's): "
+            f"their backward GEMMs (dx, dw) are not checked: {', '.join(unpatched)}; "
+            f"handle.summary()['per_module'] lists what is checked where",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     handle._undo.append(install(model, found, fused=fused))
 
     def tick(module: nn.Module, *_: object) -> None:
@@ -213,6 +237,22 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
     setattr(model, _HANDLE, handle)
     handle._undo.append(lambda: delattr(model, _HANDLE))
     return handle
+
+
+def _eager_note(config: ABFTConfig, device: torch.device) -> str:
+    """Why the eager engine runs where the config allowed the fused kernels ("" if asked)."""
+    if config.backend != "auto":
+        return ""
+    from attnchecker import kernels
+
+    if device.type != "cuda":
+        return (
+            f"backend='auto' chose eager: the model was on {device} at protect_ (protect it "
+            f"after moving it to CUDA for the fused kernels)"
+        )
+    if not kernels.available():
+        return "backend='auto' chose eager: triton is not available"
+    return "backend='auto' chose eager: the fused kernels do not cover this model or failed"
 
 
 def _fused(config: ABFTConfig, found, device: torch.device) -> bool:
