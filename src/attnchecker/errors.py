@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "AttnCheckerError",
     "ConfigError",
@@ -29,4 +31,9 @@ class UnsupportedModelError(AttnCheckerError):
 
 
 class UncorrectableFaultError(AttnCheckerError):
-    """A detected fault could not be corrected and the policy is to raise."""
+    """A detected fault could not be corrected and the policy is to raise. ``events``: every
+    event of the drain that raised (the handle's logs are already reset: they live on here)."""
+
+    def __init__(self, message: str, events: Sequence[object] = ()) -> None:
+        super().__init__(message)
+        self.events = list(events)

@@ -144,3 +144,115 @@ def test_ranks_skip_together(tmp_path):
     for n, p in r0["params"][1].items():
         assert torch.equal(p, r1["params"][1][n]), n  # ranks identical
         assert torch.equal(p, r0["params"][0][n]), n  # the faulty step was skipped
+
+
+# Under torch.amp.GradScaler: the scaler's overflow flag and protection's combine (either skips),
+# and the scaler's grad_scale reaches a fused optimizer. GradScaler("cpu") runs the code it runs
+# on CUDA (fused optimizers unscale in the kernel; the others are unscaled, checked on the host
+# and not stepped on an overflow), so fp16 autocast on the CPU tests the same composition.
+
+AMP_OPTIMIZERS = {
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+}
+SCALE = 2.0**10  # low enough that no clean fp16 gradient of the tiny model overflows
+
+
+def _finite_uncorrectable(handle):
+    """As :func:`_uncorrectable`, but finite (+3, not NaN): the gradients stay finite, so the
+    scaler sees no overflow and only protection's flag can skip the step."""
+
+    def hook(c):
+        if c.site == "scores" and c.layer == 0 and not c.replay:
+            c.tensor[:, :3, 2, 2] += 3.0
+
+    return handle.attach(hook)
+
+
+def _amp_arms(name):
+    """Two protected copies of one model, each with an optimizer and a GradScaler: the first
+    stepped as ``scaler.step(opt)``, the second as ``scaler.step(guard(opt, handle))``."""
+    base, _ = models("bert")
+    arms = []
+    for wrap in (False, True):
+        model = copy.deepcopy(base)
+        handle = protect_(model, ABFTConfig(policy="warn", max_heads=1))
+        opt = AMP_OPTIMIZERS[name](model.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+        arms.append((model, handle, guard(opt, handle) if wrap else opt, scaler))
+    return arms
+
+
+def _amp_step(model, opt, scaler, *, inf: bool = False) -> None:
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(**batch("bert")).loss
+    scaler.scale(loss).backward()
+    if inf:  # one overflowed gradient
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("name", AMP_OPTIMIZERS)
+def test_guard_under_grad_scaler_matches_a_clean_step(name):
+    (plain, h_plain, opt_plain, sc_plain), (guarded, handle, opt, sc) = _amp_arms(name)
+    start = [p.detach().clone() for p in guarded.parameters()]
+    for _ in range(2):
+        _amp_step(plain, opt_plain, sc_plain)
+        _amp_step(guarded, opt, sc)
+        assert h_plain.drain() == handle.drain() == []
+        assert _same(plain, guarded)
+    assert sc.get_scale() == sc_plain.get_scale() == SCALE  # no overflow: both steps were taken
+    assert not all(torch.equal(p, s) for p, s in zip(guarded.parameters(), start, strict=True))
+    assert float(opt.skipped) == 0.0
+
+
+@pytest.mark.parametrize("name", AMP_OPTIMIZERS)
+def test_guard_under_grad_scaler_skips_an_overflow(name):
+    (plain, _, opt_plain, sc_plain), (guarded, handle, opt, sc) = _amp_arms(name)
+    _amp_step(plain, opt_plain, sc_plain)
+    _amp_step(guarded, opt, sc)
+    before = {n: p.detach().clone() for n, p in guarded.named_parameters()}
+    state = _state(opt.optimizer)
+    _amp_step(plain, opt_plain, sc_plain, inf=True)
+    _amp_step(guarded, opt, sc, inf=True)
+    assert handle.drain() == []
+    for n, p in guarded.named_parameters():
+        assert torch.isfinite(p).all() and torch.equal(p, before[n]), n
+    after = _state(opt.optimizer)
+    assert all(torch.equal(after[i][k], v) for i, s in state.items() for k, v in s.items())
+    assert sc.get_scale() == sc_plain.get_scale() == SCALE / 2  # backed off, as usual
+    assert _same(plain, guarded)
+    assert float(opt.skipped) == 0.0  # the scaler's skip, not protection's
+
+
+@pytest.mark.parametrize("name", AMP_OPTIMIZERS)
+def test_guard_under_grad_scaler_skips_an_uncorrectable_step(name):
+    (_, _, _, _), (guarded, handle, opt, sc) = _amp_arms(name)
+    _amp_step(guarded, opt, sc)
+    before = {n: p.detach().clone() for n, p in guarded.named_parameters()}
+    state = _state(opt.optimizer)
+    detach = _finite_uncorrectable(handle)
+    _amp_step(guarded, opt, sc)
+    detach.remove()
+    with pytest.warns(RuntimeWarning, match="uncorrectable"):
+        handle.drain()
+    assert sc.get_scale() == SCALE  # the scaler saw no overflow: the skip was protection's
+    assert all(torch.equal(p, before[n]) for n, p in guarded.named_parameters())
+    after = _state(opt.optimizer)
+    assert all(torch.equal(after[i][k], v) for i, s in state.items() for k, v in s.items())
+    assert float(opt.skipped) == 1.0
+
+
+def test_guard_under_grad_scaler_of_a_fused_optimizer_never_synchronises():
+    _, (model, _, opt, scaler) = _amp_arms("adamw_fused")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(**batch("bert")).loss
+    scaler.scale(loss).backward()
+    assert count_ops(lambda: scaler.step(opt)).syncs == {}

@@ -104,9 +104,12 @@ def _uncorrectable(policy):
 
 def test_policy_raise():
     handle = _uncorrectable("raise")
-    with pytest.raises(UncorrectableFaultError, match="uncorrectable"):
+    with pytest.raises(UncorrectableFaultError, match="uncorrectable") as err:
         handle.drain()
     assert handle.drain() == []  # drained even when raising
+    # ... and the events survive on the exception, as the counters keep them
+    assert {(e.op, e.action) for e in err.value.events} >= {("scores", "uncorrectable")}
+    assert handle.counters()["scores"]["uncorrectable"] >= 1
 
 
 def test_policy_warn_and_skip_step():

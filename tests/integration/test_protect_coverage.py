@@ -102,3 +102,37 @@ def test_a_fused_fallback_is_in_the_summary(caplog):
     cov = handle.summary()["per_module"]["model.layers.0.self_attn"]
     assert cov["fallbacks"] == ["attention dropout in training"]
     assert any("fell back" in r.getMessage() for r in caplog.records)
+
+
+def test_projections_of_unbatched_tokens_are_checked():
+    """Projections called on (T, K) tokens (no batch dimension) are checked as tokens; they
+    used to be skipped without a word."""
+    model, _ = models("llama")
+    handle = protect_(model)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(10, model.config.hidden_size)
+
+    def fault(c):
+        c.tensor[3, 5] = float("inf")
+
+    detach = handle.attach(fault, sites=["v"], modules=["model.layers.0.self_attn"])
+    with torch.no_grad():
+        want = nn.functional.linear(x, attn.v_proj.weight, attn.v_proj.bias)
+        attn.q_proj(x), attn.k_proj(x)
+        got = attn.v_proj(x)
+    detach.remove()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)  # the row recomputed alone
+    events = handle.drain()
+    assert [(e.op, e.action) for e in events] == [("v", "corrected")]
+
+
+def test_a_record_with_column_flags_alone_keeps_lost():
+    """A check that flags columns only and could not repair them is still reported."""
+    from attnchecker.attention.state import AttentionState, Clock, new_log
+
+    clock = Clock(torch.zeros(1, dtype=torch.float64))
+    st = AttentionState("m", 0, ABFTConfig(), clock, new_log(torch.device("cpu")))
+    st.note(("q",), torch.tensor([[0.0, 1.0, 5.0, 1.0, 0.0]]))
+    st.commit()
+    row = st.log[0].tolist()
+    assert row[:6] == [0.0, 1.0, 5.0, 1.0, 0.0, 1.0]  # n_rows, n_cols, value, lost, -, detected

@@ -103,6 +103,13 @@ def _record(rows: Tensor, cols: Tensor, value: Tensor, lost: Tensor, again: Tens
     return torch.stack([rows, cols, value, lost.to(f32), again.to(f32)], -1).view(-1, 5)
 
 
+def detected(rec: Tensor) -> Tensor:
+    """(n, 1) bool: which of the (n, 5) records of :func:`_record` detected something: flagged
+    rows, flagged columns (a column breaking its range bound), or a lost result (a record with
+    column flags alone must keep its ``lost`` and ``reproduced``)."""
+    return ((rec[:, :2] > 0) | (rec[:, 3:4] > 0)).any(1, keepdim=True)
+
+
 # --------------------------------------------------------------------------------- projections
 
 

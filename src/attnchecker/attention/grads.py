@@ -43,7 +43,7 @@ from attnchecker.abft.tolerance import (
     underflow_floor,
     unit_roundoff,
 )
-from attnchecker.attention.checks import _record
+from attnchecker.attention.checks import _record, detected
 from attnchecker.attention.config import GRAD_OPS
 
 __all__ = [
@@ -191,7 +191,7 @@ def _sink_grad(
     """The records (n, 5) of the checks just run as a gradient of ``sink`` (rows ``index``;
     of a sink of ``shape``, on the device of the clock ``step``)."""
     rec = torch.cat(recs).to(torch.float64)
-    det = (rec[:, :1] > 0).to(torch.float64)  # flagged rows
+    det = detected(rec).to(torch.float64)
     full = torch.cat([rec, det, step.view(1, 1).expand(rec.shape[0], 1)], 1)
     full = torch.where(det > 0, full, 0.0)  # a NaN value of an undetected check must not leak
     grad = torch.zeros(shape, dtype=torch.float64, device=step.device)

@@ -24,12 +24,14 @@ from torch import Tensor
 
 from attnchecker.attention.checks import (
     Projection,
+    detected,
     projection_check_,
     row_factor,
     row_floor,
 )
 from attnchecker.attention.config import GRAD_OPS, OPS, ABFTConfig
 from attnchecker.attention.handoff import Handoff
+from attnchecker.errors import UnsupportedModelError
 
 __all__ = [
     "RECORD_FIELDS",
@@ -220,8 +222,16 @@ class AttentionState:
             self._check_group(x, group)
 
     def _check_group(self, x: Tensor, group: list[tuple[Projection, Tensor, Tensor]]) -> None:
-        if x.dim() != 3 or any(y.dim() != 3 for _, _, y in group):
-            return  # not the (B, L, K) hidden states of an attention call
+        flat = x.dim() != 3 or any(y.dim() != 3 for _, _, y in group)
+        if flat:  # not (B, L, K) hidden states: checked as (1, T, K) tokens, nothing handed off
+            lead = x.shape[:-1]
+            if any(y.shape[:-1] != lead or not y.is_contiguous() for _, _, y in group):
+                raise UnsupportedModelError(
+                    f"{self.name}: a projection of input {tuple(x.shape)} gave outputs "
+                    f"{[tuple(y.shape) for _, _, y in group]} that are not its tokens' rows"
+                )
+            x = x.reshape(1, -1, x.shape[-1])
+            group = [(p, x, y.view(1, -1, y.shape[-1])) for p, _, y in group]
         pairs = [(p, y) for p, _, y in group]
         layouts = {(y.shape[-1] // p.groups, p.conv1d) for p, y in pairs}
         if len(layouts) > 1:  # groups of different widths or layouts: one check per projection
@@ -247,8 +257,10 @@ class AttentionState:
             self.note(checked, rec)
         if "out" in checked:
             self.commit()  # the last check of the layer
-        if passing:
+        if passing and not flat:
             self._leave(x, pairs, ref, bound * factor)
+        elif passing:
+            self.handoff = None  # the core computes V's sums itself
 
     def _leave(
         self, x: Tensor, pairs: list[tuple[Projection, Tensor]], ref: Tensor, tol: Tensor
@@ -284,7 +296,7 @@ class AttentionState:
         self.noted = []
         if self.log.device != recs.device:  # the model moved after protect_
             self.log = self.log.to(recs.device)
-        det = recs[:, :1] > 0  # (n, 1): flagged rows (the column count alone is a range locator)
+        det = detected(recs)  # (n, 1)
         if in_replay():  # eager only (compiled code does not replay Python)
             first = self.first_pass.get(ops)
             if first is not None and first.shape == recs.shape:

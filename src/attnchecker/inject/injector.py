@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.state import SiteCall, in_replay
 from attnchecker.errors import ConfigError
-from attnchecker.inject.kinds import apply_kind
+from attnchecker.inject.kinds import KERNEL_MODES, FaultKind, apply_kind
 from attnchecker.inject.plan import Fault, FaultPlan
 
 __all__ = ["FaultRecord", "Injector"]
@@ -255,19 +255,23 @@ def _describe(index: tuple) -> str:
 
 def _kernel_edit(fault: Fault, generator: torch.Generator) -> tuple[str, float]:
     """(mode, value) of a kernel fault's kind (``attnchecker.kernels.common``)."""
-    from attnchecker.inject.kinds import FaultKind
-
     kind = fault.kind
-    if kind is FaultKind.EXPONENT_FLIP:
-        return "exponent", 0.0
-    if kind is FaultKind.BIT_FLIP:
-        return "bit", 0.0
+    mode = KERNEL_MODES.get(kind)
+    if mode is None:
+        raise ConfigError(
+            f"fault kind {kind!s} cannot be injected at {fault.site}: the kernels express "
+            f"{sorted(str(k) for k in KERNEL_MODES)}"
+        )
+    if mode in ("exponent", "bit"):
+        return mode, 0.0
     if kind is FaultKind.SCALE:
-        return "scale", 2.0 if fault.value is None else fault.value
+        return mode, 2.0 if fault.value is None else fault.value
     if kind is FaultKind.RANDOM:
         top = 1e8 if fault.value is None else fault.value
         u = float(torch.rand((), generator=generator, dtype=torch.float64))
         sign = -1.0 if float(torch.rand((), generator=generator)) < 0.5 else 1.0
-        return "set", sign * top**u
+        return mode, sign * top**u
     fixed = {FaultKind.INF: math.inf, FaultKind.NEG_INF: -math.inf, FaultKind.NAN: math.nan}
-    return "set", fixed.get(kind, 1e10 if fault.value is None else fault.value)  # near_inf
+    if kind in fixed:
+        return mode, fixed[kind]
+    return mode, 1e10 if fault.value is None else fault.value  # NEAR_INF

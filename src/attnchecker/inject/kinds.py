@@ -14,7 +14,14 @@ import enum
 import torch
 from torch import Tensor
 
-__all__ = ["FaultKind", "apply_kind", "exponent_flip", "exponent_flip_bit", "flip_bit"]
+__all__ = [
+    "KERNEL_MODES",
+    "FaultKind",
+    "apply_kind",
+    "exponent_flip",
+    "exponent_flip_bit",
+    "flip_bit",
+]
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 _TOP_EXPONENT_BIT = {torch.float32: 30, torch.bfloat16: 14, torch.float16: 14}
@@ -60,6 +67,21 @@ class FaultKind(enum.StrEnum):
     NEAR_INF = "near_inf"  # set to ``value`` (1e10 by default; saturates to INF in fp16)
     SCALE = "scale"  # multiply by ``value``
     RANDOM = "random"  # a random finite value, log-uniform in magnitude in [1, ``value``]
+
+
+# How each fault kind is expressed inside the fused kernels (``attnchecker.kernels.common``'s
+# modes); a kind without an entry is refused by name, never approximated. RANDOM draws one value
+# per fault: every element of a 1R / 1C line gets it (the eager sites draw one per element).
+KERNEL_MODES = {
+    FaultKind.EXPONENT_FLIP: "exponent",
+    FaultKind.BIT_FLIP: "bit",  # of the fp32 value in the kernel's tile
+    FaultKind.SCALE: "scale",
+    FaultKind.RANDOM: "set",
+    FaultKind.INF: "set",
+    FaultKind.NEG_INF: "set",
+    FaultKind.NAN: "set",
+    FaultKind.NEAR_INF: "set",
+}
 
 
 def _edited(

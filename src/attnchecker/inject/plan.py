@@ -28,7 +28,7 @@ import torch
 
 from attnchecker.attention.config import ALL_OPS, OPS
 from attnchecker.errors import ConfigError
-from attnchecker.inject.kinds import FaultKind
+from attnchecker.inject.kinds import KERNEL_MODES, FaultKind
 
 __all__ = ["Fault", "FaultPattern", "FaultPlan", "PlanBuilder"]
 
@@ -87,6 +87,11 @@ class Fault:
                 raise ConfigError(f"unknown kernel site {name!r}; choose from {list(KERNEL_SITES)}")
             if self.pattern not in (FaultPattern.D0, FaultPattern.R1, FaultPattern.C1):
                 raise ConfigError(f"kernel sites take patterns 0D, 1R, 1C, not {self.pattern}")
+            if self.kind not in KERNEL_MODES:
+                raise ConfigError(
+                    f"kernel sites cannot express fault kind {self.kind!s}; they take "
+                    f"{sorted(str(k) for k in KERNEL_MODES)}"
+                )
         elif self.persistent:
             raise ConfigError("persistent faults are for kernel sites (the eager sites fire once)")
         if self.kind is FaultKind.BIT_FLIP and self.bit is None:

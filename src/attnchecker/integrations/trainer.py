@@ -4,8 +4,9 @@ Protects the model when training begins (or adopts the protection already on it)
 the protection it added when training ends. Under ``policy="skip_step"`` the Trainer's optimizer
 is guarded (:func:`attnchecker.guard`, on the torch optimizer inside accelerate's wrapper): a
 step with an uncorrectable error is skipped on the device, every rank alike, and the events are
-drained after the step. Under ``"raise"`` and ``"warn"`` they are drained just before the step,
-so that ``raise`` stops training before a bad update.
+drained after the step; under fp16 (accelerate's GradScaler) an overflow skips it as well.
+Under ``"raise"`` and ``"warn"`` they are drained just before the step, so that ``raise`` stops
+training before a bad update.
 
 Every optimizer step is diagnosed (:mod:`attnchecker.recovery.diagnosis`: a computation fault,
 your hardware; or numerics, not your hardware) into :attr:`findings`; each log carries the
@@ -30,6 +31,16 @@ def _innermost(optimizer: Any) -> Any:
     while getattr(optimizer, "optimizer", optimizer) is not optimizer:
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def _rebind(obj: Any, name: str, value: Any) -> Any:
+    """Set the instance attribute ``obj.name``; return what puts the previous one back."""
+    if name in vars(obj):
+        old = vars(obj)[name]
+        setattr(obj, name, value)
+        return lambda: setattr(obj, name, old)
+    setattr(obj, name, value)
+    return lambda: delattr(obj, name)
 
 
 class AttnCheckerCallback(TrainerCallback):
@@ -61,30 +72,47 @@ class AttnCheckerCallback(TrainerCallback):
         where = here(next(model.parameters()).device)
         self._where, self._counts = where, RankCounts(where.rank, where.host, where.device)
         if self.handle.config.policy == "skip_step" and optimizer is not None:
-            self._guard(_innermost(optimizer))
+            self._guard(optimizer)
 
-    def _guard(self, opt: Any) -> None:
-        """Route ``opt.step`` through the guard (an instance attribute, removed at the end)."""
+    def _guard(self, optimizer: Any) -> None:
+        """Route the torch optimizer's ``step`` through the guard (instance attributes, put back
+        at the end)."""
         from attnchecker.recovery.guard import guard
 
+        opt = _innermost(optimizer)
         self.guarded = guard(opt, self.handle)  # keeps opt.step as bound now
-        original = opt.step
 
         def step(closure=None):
             return self.guarded.step(closure)
 
-        had = "step" in vars(opt)
-        opt.step = step
-        self._undo = (lambda: setattr(opt, "step", original)) if had else (
-            lambda: delattr(opt, "step")
-        )  # fmt: skip
+        undo = [_rebind(opt, "step", step)]
+        # Under a GradScaler (fp16) accelerate sets opt.step, at every step, to a patch of the
+        # step it saw when it wrapped the optimizer (before any callback ran), then back: the
+        # guard would be bypassed. Point both of its copies at the guarded step.
+        wrapper = optimizer
+        while wrapper is not opt:
+            if hasattr(wrapper, "_optimizer_patched_step_method"):
+                from accelerate.optimizer import patch_optimizer_step
+
+                patched = patch_optimizer_step(wrapper, step)  # records that the step was called
+                undo.append(_rebind(wrapper, "_optimizer_original_step_method", step))
+                undo.append(_rebind(wrapper, "_optimizer_patched_step_method", patched))
+            wrapper = wrapper.optimizer
+
+        def restore() -> None:
+            for fn in reversed(undo):
+                fn()
+
+        self._undo = restore
 
     def _drain(self, state) -> None:
         from attnchecker.recovery.diagnosis import classify, tally
 
         events = self.handle.drain()
         self.events += events
-        finding = classify(events, step=state.global_step + 1, where=self._where)
+        finding = classify(
+            events, step=state.global_step + 1, where=self._where, config=self.handle.config
+        )
         tally(self._counts, events, finding)
         if finding is not None:
             self.findings.append(finding)

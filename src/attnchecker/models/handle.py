@@ -244,7 +244,8 @@ class ProtectionHandle:
 
     def drain(self) -> list[Event]:
         """Events recorded since the last drain (one host sync), with the policy applied:
-        ``raise`` raises :class:`UncorrectableFaultError` on an uncorrectable event, ``warn``
+        ``raise`` raises :class:`UncorrectableFaultError` on an uncorrectable event (carrying
+        every event of this drain as ``.events``), ``warn``
         warns, ``skip_step`` sets :attr:`skip_requested` for the training loop to honour.
         The fused kernels' detections are one event per check that detected (pattern "tile":
         the kernels count tiles and programs, not rows), at the step of the drain."""
@@ -304,7 +305,7 @@ class ProtectionHandle:
             self._causes[e.cause] = self._causes.get(e.cause, 0) + e.count
         bad = [e for e in events if e.action == "uncorrectable"]
         if bad:
-            self._apply_policy(bad)
+            self._apply_policy(bad, events)
         return events
 
     def _log_engines(self) -> None:
@@ -330,10 +331,10 @@ class ProtectionHandle:
                     name, reason,
                 )  # fmt: skip
 
-    def _apply_policy(self, bad: list[Event]) -> None:
+    def _apply_policy(self, bad: list[Event], events: list[Event]) -> None:
         msg = f"{len(bad)} uncorrectable error(s), first: {bad[0]}"
-        if self.config.policy == "raise":
-            raise UncorrectableFaultError(msg)
+        if self.config.policy == "raise":  # the events go with it (the logs are reset)
+            raise UncorrectableFaultError(msg, events)
         if self.config.policy == "warn":
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
         self.skip_requested = self.config.policy == "skip_step"

@@ -18,7 +18,18 @@ process group when ``torch.distributed`` is initialised, so every rank skips tog
   taken. Step counters that live on the CPU (non-fused, non-capturable Adam on CUDA) are
   restored the same way, which costs a device-to-host read: prefer ``fused=True``.
 
-``skipped`` counts the skipped steps on the device.
+Under ``torch.amp.GradScaler`` (``scaler.step(opt)``, with ``opt`` the guard itself or an
+optimizer whose ``step`` routes through it) either flag skips the step:
+
+- a fused optimizer is stepped with ``found_inf = max(scaler's, protection's)``. GradScaler sets
+  ``grad_scale`` and ``found_inf`` on the object it is handed; on the guard both are forwarded
+  to the wrapped optimizer, whose kernels read them from itself (``grad_scale`` unscales the
+  gradients in the kernel), so no host synchronisation is added.
+- any other optimizer: GradScaler unscales, checks for an overflow on the host and calls
+  ``step`` only without one, so the guard sees only the steps it has to mask.
+
+``skipped`` counts, on the device, the steps protection's flag skipped (an overflow the scaler
+skipped on its own is the scaler's to count: its scale backs off).
 """
 
 from __future__ import annotations
@@ -33,8 +44,22 @@ __all__ = ["GuardedOptimizer", "guard"]
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
+def _forwarded(name: str) -> property:
+    """An attribute read, set and deleted on the wrapped optimizer: GradScaler.step sets
+    ``grad_scale`` and ``found_inf`` on the object it is handed and deletes them after the step,
+    while a fused optimizer reads them from itself."""
+    return property(
+        lambda self: getattr(self.optimizer, name),
+        lambda self, value: setattr(self.optimizer, name, value),
+        lambda self: delattr(self.optimizer, name),
+    )
+
+
 class GuardedOptimizer:
     """Wraps an optimizer; every other attribute is the wrapped optimizer's."""
+
+    grad_scale = _forwarded("grad_scale")
+    found_inf = _forwarded("found_inf")
 
     def __init__(self, optimizer: torch.optim.Optimizer, handle: Any, *, group: Any = None):
         self.optimizer = optimizer
@@ -62,11 +87,19 @@ class GuardedOptimizer:
         flag = self.flag() if flag is None else flag
         self.skipped = flag.clone() if self.skipped is None else self.skipped.add_(flag)
         if self.fused:
-            self.optimizer.found_inf = flag
+            opt = self.optimizer
+            theirs = getattr(opt, "found_inf", None)  # GradScaler's, when it drives this step
+            # max, not protection's flag alone: an overflow or an uncorrectable error skips the
+            # step, on the device (no host read)
+            both = flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))
+            opt.found_inf = both
             try:
                 return self._step(closure)
             finally:
-                del self.optimizer.found_inf
+                if theirs is None:
+                    del opt.found_inf
+                else:  # the scaler deletes its own after the step
+                    opt.found_inf = theirs
         return self._masked_step(flag, closure)
 
     def _masked_step(self, flag: Tensor, closure: Any) -> Any:

@@ -103,3 +103,19 @@ def test_builder_carries_settings_over():
 def test_bad_faults_are_refused(kwargs, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         Fault(**kwargs)
+
+
+def test_kernel_sites_express_every_kind_or_refuse_it(monkeypatch):
+    """Each fault kind has its own way into the kernels (no kind silently becomes near-INF);
+    a kind without one is refused by name when the fault is made."""
+    from attnchecker.errors import ConfigError
+    from attnchecker.inject import kinds, plan
+    from attnchecker.inject.kinds import KERNEL_MODES, FaultKind
+
+    assert set(KERNEL_MODES) == set(FaultKind)
+    Fault(step=1, site="kernel:s", kind="random")  # accepted
+    table = {k: v for k, v in KERNEL_MODES.items() if k is not FaultKind.RANDOM}
+    monkeypatch.setattr(kinds, "KERNEL_MODES", table)
+    monkeypatch.setattr(plan, "KERNEL_MODES", table)
+    with pytest.raises(ConfigError, match="cannot express fault kind random"):
+        Fault(step=1, site="kernel:s", kind="random")
