@@ -52,18 +52,23 @@ QUICK = ("q", "context")
 
 
 @pytest.mark.parametrize(
-    ("family", "sites"),
-    [("gpt2", QUICK), pytest.param("gpt2", tuple(FAULTS), marks=SLOW),
-     *(pytest.param(f, tuple(FAULTS), marks=SLOW)
+    ("family", "sites", "fullgraph"),
+    [("gpt2", QUICK, False),  # fused Q|K|V (Conv1D)
+     ("llama", ("v",), True),  # GQA, and the eager engine traced whole (fullgraph=True)
+     ("bert", ("scores",), False),  # an encoder
+     pytest.param("gpt2", tuple(FAULTS), False, marks=SLOW),
+     *(pytest.param(f, tuple(FAULTS), False, marks=SLOW)
        for f in ("llama", "bert", "qwen3", "gpt_neox", "opt", "bart"))],
 )  # fmt: skip
-def test_compiled_protected_model_compiles_once_and_corrects_every_op(family, sites):
+def test_compiled_protected_model_compiles_once_and_corrects_every_op(family, sites, fullgraph):
+    """The default config (forward and backward checks) compiled; the default run covers one
+    fused Q|K|V family, one GQA family under fullgraph=True and one encoder."""
     torch._dynamo.reset()
     counters.clear()
     model = build(family, layers=1)
     model.train()
     handle = protect_(model)
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, fullgraph=fullgraph)
     inputs = batch(family)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     frames = []

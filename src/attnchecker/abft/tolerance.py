@@ -115,19 +115,22 @@ def norm_bound(x: torch.Tensor, dim: int | tuple[int, ...], *, keepdim: bool = F
     norm that collapses by orders of magnitude, and a rounding bound built from it collapses
     with it (a false alarm on a healthy row). Each square loses at most fp32's smallest normal
     2^-126 (flushed to zero at worst), so ||x||^2 <= computed^2 + n 2^-126 over n elements: the
-    bound is hypot(computed, sqrt(n 2^-126)), one op on the (small) result, no pass over x; it
-    never drops below ~1e-19 sqrt(n), and is exact to rounding where ||x|| >> that. Elements
+    bound is computed + sqrt(n 2^-126) (>= their hypot), one op on the (small) result, no pass
+    over x; it never drops below ~1e-19 sqrt(n), and is the computed norm exactly where that is
+    above ~1e-12 sqrt(n). Elements
     above ~1.8e19 overflow the squares: the bound is INF and a check built on it passes
     everything but NaN; such operands are near-INF themselves, for the check upstream (or the
     reproduced test) to report.
     """
     dims = (dim,) if isinstance(dim, int) else dim
-    n = math.prod(x.shape[d] for d in dims)
+    n = 1
+    for d in dims:  # (a loop: torch.compile traces no generator inside autograd.Function)
+        n *= x.shape[d]
     computed = torch.linalg.vector_norm(x, dim=dims, keepdim=keepdim, dtype=torch.float32)
-    return torch.hypot(computed, computed.new_tensor(squares_lost(n)))
+    return computed + squares_lost(n)  # >= hypot(computed, squares_lost(n)); = computed if large
 
 
 def squares_lost(n: int) -> float:
     """sqrt(n 2^-126): the most an fp32 norm of ``n`` elements can lose to squares that
-    underflow, to be added in quadrature (see :func:`norm_bound`)."""
+    underflow (see :func:`norm_bound`)."""
     return math.sqrt(n * _TINY32)

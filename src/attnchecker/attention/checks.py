@@ -183,7 +183,7 @@ def weight_sums(
             # is pow, slower than mul, on CPU)
             w32 = weight.to(f32)
             cols = torch.mul(w32, w32).sum(0).sqrt_()
-            cols = torch.hypot(cols, cols.new_tensor(squares_lost(weight.shape[0])))
+            cols.add_(squares_lost(weight.shape[0]))
         else:
             sums = weight.view(G, -1, weight.shape[-1]).sum(1, dtype=f32).t()
             cols = norm_bound(weight, 1)
