@@ -32,12 +32,21 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
+# every benchmark at its full size (an estimated 25-35 minutes on 2 idle CPU cores; results in
+# benchmarks/results/), or `make bench QUICK=1`: each at its --quick size (2-5 minutes; files
+# named *_quick_* in $BENCH_QUICK_DIR, default <tempdir>/attnchecker-bench, never over a full
+# result). protect_vs_sdpa runs its eager L = 128 rows here; its default adds L = 1024 and
+# torch.compile (about 45-75 minutes more on this CPU).
 bench: $(STAMP)
-	$(BIN)/python benchmarks/abft_overhead.py
-	$(BIN)/python benchmarks/detection_threshold.py
-	$(BIN)/python benchmarks/check_sensitivity.py
-	$(BIN)/python benchmarks/protect_vs_sdpa.py
-	$(BIN)/python benchmarks/recovery_cost.py
+	$(BIN)/python benchmarks/abft_overhead.py $(if $(QUICK),--quick)
+	$(BIN)/python benchmarks/detection_threshold.py $(if $(QUICK),--quick)
+	$(BIN)/python benchmarks/check_sensitivity.py $(if $(QUICK),--quick)
+	$(BIN)/python benchmarks/backward_sensitivity.py $(if $(QUICK),--quick)
+	$(BIN)/python benchmarks/clean_false_alarms.py $(if $(QUICK),--quick)
+	$(BIN)/python benchmarks/flash_kernels.py $(if $(QUICK),--quick)
+	$(BIN)/python benchmarks/protect_vs_sdpa.py $(if $(QUICK),--quick,--lengths 128 --compile eager --reps 10 --tag backward_l128)
+	$(BIN)/python benchmarks/recovery_cost.py $(if $(QUICK),--quick)
+	$(BIN)/python benchmarks/sdc_detectors.py $(if $(QUICK),--quick)
 
 # the HTML reports in headless Chromium (apt-get install chromium), into docs/screenshots/
 screenshots: $(STAMP)

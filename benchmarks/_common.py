@@ -1,12 +1,23 @@
-"""Shared by the benchmark scripts: environment record, result files, timing."""
+"""Shared by the benchmark scripts: the command line (``--quick``), environment record, result
+files, timing.
+
+Every script takes ``--quick``: its smallest size, a smoke run of seconds to a minute on 2 cores
+that goes through every code path of the full run (``make bench QUICK=1`` runs them all). A quick
+run's files are named ``<theme>_quick_<hardware>_<date>`` and go to :data:`QUICK_DIR`, outside
+the repository, so they never overwrite (or get committed as) a full result.
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +25,35 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+QUICK_DIR = Path(
+    os.environ.get("BENCH_QUICK_DIR", Path(tempfile.gettempdir()) / "attnchecker-bench")
+)
+_QUICK = False  # set by parse(): whether this process is a --quick run
+
+
+def parse(ap: argparse.ArgumentParser, quick: dict[str, object]) -> argparse.Namespace:
+    """``ap.parse_args()`` plus ``--quick``: the script's smallest size, ``quick``'s values
+    replacing the defaults of those options (an option given on the command line still wins).
+    """
+    global _QUICK
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smallest size (a smoke run; files go to $BENCH_QUICK_DIR or the temp dir, "
+        "named <theme>_quick_..., never over a full result)",
+    )
+    args = ap.parse_args()
+    if args.quick:
+        ap.set_defaults(**quick)
+        args = ap.parse_args()
+    _QUICK = args.quick
+    return args
+
+
+def command() -> str:
+    """The command line of this run, as ``python benchmarks/<script> ...``."""
+    script = Path(sys.argv[0])
+    return shlex.join(["python", f"benchmarks/{script.name}", *sys.argv[1:]])
 
 
 def environment() -> dict[str, object]:
@@ -25,6 +65,9 @@ def environment() -> dict[str, object]:
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "date": _dt.date.today().isoformat(),
+        # other processes on a shared machine: at a load above the core count, timings with 2
+        # threads slow down many-fold (each op waits for its descheduled sibling thread)
+        "loadavg_1min": os.getloadavg()[0],
     }
 
 
@@ -33,9 +76,16 @@ def hardware_tag() -> str:
 
 
 def write(theme: str, payload: dict[str, object], markdown: str) -> Path:
-    """Write ``<theme>_<hardware>_<date>.json`` and ``.md`` under results/."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"{theme}_{hardware_tag()}_{_dt.date.today().isoformat()}"
+    """Write ``<theme>_<hardware>_<date>.json`` and ``.md`` under results/ (a ``--quick`` run:
+    ``<theme>_quick_<hardware>_<date>`` under :data:`QUICK_DIR`, its report marked as such).
+    The JSON also records the command line and whether the run was quick."""
+    out = QUICK_DIR if _QUICK else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "_quick" if _QUICK else ""
+    stem = out / f"{theme}{tag}_{hardware_tag()}_{_dt.date.today().isoformat()}"
+    payload = {"command": command(), "quick": _QUICK, **payload}
+    if _QUICK:
+        markdown = f"> Quick run (`{command()}`): smoke size, not a result.\n\n{markdown}"
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown)
     print(f"wrote {stem}.json / .md")

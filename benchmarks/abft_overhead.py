@@ -7,7 +7,7 @@ The breakdown times each stage alone: encode (reference checksums and magnitudes
 operands), multiply, recompute (checksums of C) and locate+correct (the fixed-size candidate
 work, including the rebuild of one row and one column from the operands).
 
-    python benchmarks/abft_overhead.py [--reps 50]
+    python benchmarks/abft_overhead.py [--reps 50] [--quick]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from _common import alternate, environment, median_ms, write
+from _common import alternate, environment, median_ms, parse, write
 from attnchecker.abft import correct_, encode, protected_matmul, recompute
 
 
@@ -42,7 +42,7 @@ VARIANTS = {
 }
 
 
-def run(reps: int, variant: str) -> list[dict[str, object]]:
+def run(reps: int, variant: str, warmup: int = 3) -> list[dict[str, object]]:
     check, lines, hint = VARIANTS[variant]
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -61,6 +61,7 @@ def run(reps: int, variant: str) -> list[dict[str, object]]:
                 "verify+correct": lambda: correct_(c, sums, a, b, lines=lines),  # noqa: B023
             },
             reps,
+            warmup,
         )
         ratio = statistics.median(p / q for p, q in zip(t["protected"], t["plain"], strict=True))
         plain = median_ms(t["plain"])
@@ -105,13 +106,14 @@ def _markdown(rows: list[dict[str, object]], env: dict[str, object], reps: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=50)
-    args = ap.parse_args()
+    ap.add_argument("--reps", type=int, default=50, help="alternated repetitions per case")
+    ap.add_argument("--warmup", type=int, default=3)
+    args = parse(ap, quick={"reps": 3, "warmup": 1})
     env = environment()
-    rows = [r for v in VARIANTS for r in run(args.reps, v)]
+    rows = [r for v in VARIANTS for r in run(args.reps, v, args.warmup)]
     write(
         "abft_overhead",
-        {"environment": env, "reps": args.reps, "rows": rows},
+        {"environment": env, "args": vars(args), "reps": args.reps, "rows": rows},
         _markdown(rows, env, args.reps),
     )
 

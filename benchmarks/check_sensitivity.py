@@ -3,9 +3,10 @@
 The checks of ``attnchecker.attention.checks``, called as protected attention calls them: the
 projection row check (``projection_check_``, with the factor and floor of
 ``AttentionState._check_group``), and the scores, probabilities and context row checks, both from
-their own operands (``mode="naive"``) and, for the context, with V's row sums (and their error
-bound) that the V projection check hands over (``mode="passing"``, protect_'s default; the
-scores check always takes its norms from Q and K).
+their own operands (``mode="naive"``, protect_'s default) and, for the context, with V's row
+sums (and their error bound) that the V projection check hands over (``mode="passing"``; the
+scores check always takes its norms from Q and K). Everything else as ``ABFTConfig()`` runs it:
+``tolerance_scale`` 1, ``max_rows`` 4.
 
 1. False alarms: clean random cases around attention shapes (B 2-8, L 16-256 log-uniform,
    d 64, 4-12 heads, hidden = heads x 64) in three layouts (GPT-2's fused Conv1D c_attn with
@@ -21,10 +22,10 @@ scores check always takes its norms from Q and K).
    bias, x ~ N(0, 1), W and b ~ N(0, 0.02^2) as GPT-2's init): every checked row (a token's
    head group of a projection, a query row of a head) gets one element changed by
    delta = r * ||row||_1 (random sign and position, in the output's dtype), r on a
-   quarter-decade grid 1e-8 .. 1e3. Reported: the smallest r from which every faulty row is
-   flagged (and the 50% point, and the first detections).
+   quarter-decade grid 1e-8 .. 1e3 (``--batch``, ``--grid-step``). Reported: the smallest r
+   from which every faulty row is flagged (and the 50% point, and the first detections).
 
-    python benchmarks/check_sensitivity.py [--cases 2000] [--trials 2]
+    python benchmarks/check_sensitivity.py [--cases 2000] [--trials 2] [--quick]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from _common import environment, write
+from _common import environment, parse, write
 from attnchecker.attention.checks import (
     Projection,
     context_residual,
@@ -223,8 +224,10 @@ def false_alarms(dtype: torch.dtype, cases: int, seed: int) -> dict[str, object]
 
 # -------------------------------------------------------------------------------- sensitivity
 
+
 # 1e-8 .. 1e3 (the projections' head-norm bounds, once handed over, needed the top of it)
-GRID = [10.0**e for e in torch.arange(-8, 3.01, 0.25).tolist()]
+def _grid(step: float) -> list[float]:
+    return [10.0**e for e in torch.arange(-8, 3.01, step).tolist()]
 
 
 def _one_per_row(t: Tensor, r: float, l1: Tensor, g: torch.Generator) -> Tensor:
@@ -238,8 +241,11 @@ def _one_per_row(t: Tensor, r: float, l1: Tensor, g: torch.Generator) -> Tensor:
     return rows.view(t.shape)
 
 
-def sensitivity(dtype: torch.dtype, trials: int, seed: int) -> dict[str, object]:
-    B, H, L, d = 8, 12, 128, 64
+def sensitivity(
+    dtype: torch.dtype, trials: int, seed: int, B: int = 8, step: float = 0.25
+) -> dict[str, object]:
+    GRID = _grid(step)
+    H, L, d = 12, 128, 64
     hidden = H * d
     g = torch.Generator().manual_seed(seed)
     hits = {c: [0] * len(GRID) for c in CHECKS}
@@ -323,13 +329,15 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=2000, help="clean random cases per dtype")
     ap.add_argument("--trials", type=int, default=2, help="faulty batches per grid point")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    ap.add_argument("--batch", type=int, default=8, help="B of the sensitivity batches")
+    ap.add_argument("--grid-step", type=float, default=0.25, help="decades between grid points")
+    args = parse(ap, quick={"cases": 10, "trials": 1, "batch": 1, "grid_step": 1.0})
     env = environment()
     t0 = time.perf_counter()
     sens, fa = {}, {}
     for name, dt in DTYPES.items():
         t = time.perf_counter()
-        sens[name] = sensitivity(dt, args.trials, args.seed)
+        sens[name] = sensitivity(dt, args.trials, args.seed, args.batch, args.grid_step)
         fa[name] = false_alarms(dt, args.cases, args.seed + 1)
         print(f"{name}: {time.perf_counter() - t:.0f} s")
         for check in CHECKS:
@@ -343,6 +351,8 @@ def main() -> None:
     cmd = f"python benchmarks/check_sensitivity.py --cases {args.cases} --trials {args.trials}"
     if args.seed:
         cmd += f" --seed {args.seed}"
+    if (args.batch, args.grid_step) != (8, 0.25):
+        cmd += f" --batch {args.batch} --grid-step {args.grid_step:g}"
     lines = [
         "# Checks of protected attention: false alarms and smallest detected error",
         "",
@@ -351,6 +361,8 @@ def main() -> None:
         "",
         "## False alarms on clean cases",
         "",
+        "The checks as `ABFTConfig()` (the default: mode naive, tolerance_scale 1, max_rows 4) "
+        "runs them, and the context check in mode passing. "
         f"{args.cases} random clean cases per dtype (B 2-8, L 16-256, 4-12 heads of 64, GPT-2 / "
         "BERT / Llama layouts, data normal / positive / log-normal / outlier features, "
         "magnitudes 1e-3 .. 1e4). Flagged checks / checks (flagged rows / checked rows).",
@@ -379,7 +391,8 @@ def main() -> None:
         "",
         "## Smallest detected error, one element per checked row",
         "",
-        f"B 8, H 12, L 128, d 64, hidden 768 (fused QKV Linear); {args.trials} batch(es) per "
+        f"B {args.batch}, H 12, L 128, d 64, hidden 768 (fused QKV Linear); grid step "
+        f"{args.grid_step:g} decade; {args.trials} batch(es) per "
         "grid point, every checked row faulty: delta = r * ||row||_1 (the row a check sums: a "
         "token's head group for the projection, a query row of a head for attention). The "
         "smallest r from which 100% of the faulty rows are flagged (50% point in brackets).",

@@ -8,7 +8,10 @@
    data (normal, positive, constant, log-normal, rows of zeros) and output scales 1e-3 .. 1e4,
    in fp32, bf16 and fp16; every matrix checked in both directions counts as one case.
 
-    python benchmarks/detection_threshold.py
+``protected_matmul``'s defaults throughout (the math core, not an ``ABFTConfig``: protect_'s
+checks are measured by ``check_sensitivity.py``).
+
+    python benchmarks/detection_threshold.py [--trials 3] [--repeats 2] [--quick]
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import math
 
 import torch
 
-from _common import environment, write
+from _common import environment, parse, write
 from attnchecker.abft import protected_matmul
 from attnchecker.abft.testing import DATA, random_operands
 
@@ -66,7 +69,10 @@ def sensitivity(dtype: torch.dtype, trials: int) -> dict[str, object]:
     }
 
 
-def false_alarms() -> dict[str, object]:
+SCALES = [1e-3, 1e-1, 1.0, 1e2, 1e4]
+
+
+def false_alarms(repeats: int = 2, scales: list[float] = SCALES) -> dict[str, object]:
     shapes = [
         ((1, 1), (1, 1)),
         ((7, 3), (3, 5)),
@@ -78,13 +84,12 @@ def false_alarms() -> dict[str, object]:
         ((256, 768), (768, 768)),
         ((64, 4096), (4096, 64)),
     ]
-    scales = [1e-3, 1e-1, 1.0, 1e2, 1e4]
     g = torch.Generator().manual_seed(1)
     out = {}
     for name, dtype in DTYPES.items():
         cases = flagged = 0
         for (sa, sb), data, scale in itertools.product(shapes, DATA, scales):
-            for _ in range(2):
+            for _ in range(repeats):
                 a, b = random_operands(sa, sb, dtype=dtype, scale=scale, data=data, generator=g)
                 _, rep = protected_matmul(a, b)
                 cases += rep.detected.numel()
@@ -96,14 +101,18 @@ def false_alarms() -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=3, help="batches of 96 matrices per grid point")
-    args = ap.parse_args()
+    ap.add_argument("--repeats", type=int, default=2, help="clean draws per shape, data, scale")
+    ap.add_argument("--scales", nargs="+", type=float, default=SCALES, help="output scales")
+    args = parse(ap, quick={"trials": 1, "repeats": 1, "scales": [1.0]})
     env = environment()
     sens = {name: sensitivity(dt, args.trials) for name, dt in DTYPES.items()}
-    fa = false_alarms()
+    fa = false_alarms(args.repeats, args.scales)
     lines = [
         "# ABFT math core: detection threshold and false alarms",
         "",
-        f"`python benchmarks/detection_threshold.py --trials {args.trials}`; torch {env['torch']}, {env['date']}.",
+        f"`python benchmarks/detection_threshold.py --trials {args.trials} --repeats "
+        f"{args.repeats} --scales {' '.join(f'{x:g}' for x in args.scales)}`; "
+        f"`protected_matmul`'s defaults; torch {env['torch']}, {env['date']}.",
         "",
         "## Smallest detected finite error, scores Q K^T (8, 12, 128, 64), both directions",
         "",
@@ -134,7 +143,7 @@ def main() -> None:
         )
     write(
         "detection_threshold",
-        {"environment": env, "sensitivity": sens, "false_alarms": fa},
+        {"environment": env, "args": vars(args), "sensitivity": sens, "false_alarms": fa},
         "\n".join(lines) + "\n",
     )
 

@@ -8,7 +8,10 @@ MMAs, which calibrates the tolerances). On CPU the kernels run in Triton's inter
 (``TRITON_INTERPRET=1``): small shapes only, median of repeated runs, to show what the tests
 cost and the checks' share of the interpreter's time (not a GPU estimate).
 
-    python benchmarks/flash_kernels.py [--lengths 1024 4096 16384] [--dims 64 128]
+The checked arm is what ``ABFTConfig(backend="triton")`` runs inside attention (the kernels'
+checks; tolerances their own), called directly here.
+
+    python benchmarks/flash_kernels.py [--lengths 1024 4096 16384] [--dims 64 128] [--quick]
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ if __name__ == "__main__":
 import torch
 from torch.nn import functional as F
 
-from _common import environment, write
+from _common import environment, parse, write
 from attnchecker.kernels.flash import flash_attention, new_counts
 from attnchecker.kernels.ops import new_sink
 
@@ -95,7 +98,7 @@ def main() -> None:
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128] if cuda else [64])
     ap.add_argument("--reps", type=int, default=10 if cuda else 3)
     ap.add_argument("--tag", default="")
-    args = ap.parse_args()
+    args = parse(ap, quick={"lengths": [1024] if cuda else [64], "dims": [64], "reps": 1})
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     timer = _timer(device, args.reps)
@@ -128,7 +131,8 @@ def main() -> None:
         f"# Checked flash kernels ({'CUDA, bf16, do_bench' if cuda else 'Triton interpreter on CPU, fp32, median'})",
         "",
         f"`python benchmarks/flash_kernels.py --lengths {' '.join(map(str, args.lengths))} --dims "
-        f"{' '.join(map(str, args.dims))}`; torch {env['torch']}, {env['date']}.",
+        f"{' '.join(map(str, args.dims))} --reps {args.reps}`; torch {env['torch']}, {env['date']}. "
+        'Checked: the kernels as `ABFTConfig(backend="triton")` runs them.',
         "",
         head,
         "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",

@@ -5,14 +5,19 @@ For each family, length, dtype and execution mode, five copies of one model are 
 alternately in one process (forward, backward, AdamW): ``sdpa`` (transformers' default; GPT-Neo
 has no SDPA path, so eager is its default), ``eager``, and three protected arms: ``forward``
 (the forward's checks only), ``protected`` (the default: forward and backward) and
-``all_linear`` (every linear layer too). Overheads are medians of per-pair time ratios. In eager mode the attention forward of layer 0 (projections, core, output
-projection) is timed the same way on captured inputs, and the aten ops of one training step are
-counted per attention module (a layer; BART's decoder layers have two; all ops and launching ops, :mod:`attnchecker.testing`). Base width (hidden
-768, 12 heads), batch 8 at L = 128 and 8 * 128 / L sequences (at least 1) beyond, causal LM for
+``all_linear`` (every linear layer too). Overheads are medians of per-pair time ratios. In
+eager mode the attention forward of layer 0 (projections, core, output projection) is timed the
+same way on captured inputs, and the aten ops of one training step are counted per attention
+module (a layer; BART's decoder layers have two; all ops and launching ops,
+:mod:`attnchecker.testing`); on CPU, the time of a protected arm's training step spent inside
+the checks' profiler ranges (``attnchecker.*``: the forward's checks, the heads' repair and
+``all_linear``'s linear-layer checks; the backward's checks run inside autograd without a
+range) is read from ``torch.profiler`` over two steps (mean). Base width (hidden 768, 12 heads;
+``--size``), batch 8 at L = 128 and 8 * 128 / L sequences (at least 1) beyond, causal LM for
 decoders and masked LM for BERT.
 
     python benchmarks/protect_vs_sdpa.py [--device cuda] [--families gpt2 bert llama]
-        [--lengths 128 1024] [--dtypes fp32 bf16] [--compile eager compiled] [--reps 6]
+        [--lengths 128 1024] [--dtypes fp32 bf16] [--compile eager compiled] [--reps 6] [--quick]
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import time
 
 import torch
 
-from _common import environment, write
+from _common import environment, parse, write
 from attnchecker import ABFTConfig, protect_
 from attnchecker.attention.config import OPS
 from attnchecker.models.families import TABLE
@@ -53,7 +58,7 @@ def _autocast(device: str, dtype: str):
 
 
 def _models(family: str, L: int, device: str):
-    base = build(family, "base", layers=ARGS.layers, max_len=max(L, 128))
+    base = build(family, ARGS.size, layers=ARGS.layers, max_len=max(L, 128))
     base.config.use_cache = False
     base.train()
     sdpa = copy.deepcopy(base)
@@ -130,6 +135,21 @@ def _attention_forward(models, inputs, family, device, dtype, reps):
     return _alternate(calls, reps * 3, device)
 
 
+def _check_ranges(step, calls: int = 2) -> dict[str, float]:
+    """Mean ms per training step inside the checks' profiler ranges and of the whole profiled
+    step (CPU; both with the profiler's per-op overhead, so their ratio is the share)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        wall = time.perf_counter() - t0
+    ranges = (e for e in prof.key_averages() if e.key.startswith("attnchecker."))
+    ms = sum(e.cpu_time_total for e in ranges) / 1e3 / calls
+    return {"checks_ms": ms, "step_ms": 1e3 * wall / calls, "share": ms / (1e3 * wall / calls)}
+
+
 def measure(family: str, L: int, dtype: str, mode: str, device: str, reps: int) -> dict:
     models = _models(family, L, device)
     inputs = _inputs(L, device)
@@ -156,6 +176,8 @@ def measure(family: str, L: int, dtype: str, mode: str, device: str, reps: int) 
             attn_vs_sdpa=_ratio(fwd, "protected", "sdpa"),
             attn_vs_eager=_ratio(fwd, "protected", "eager"),
         )
+        if device == "cpu":
+            row["check_ranges"] = {k: _check_ranges(steps[k]) for k in ARMS}
         if min(ARGS.lengths) == L:
             ops = {k: count_ops(s) for k, s in steps.items()}
             n = len(discover(models["eager"]).blocks)  # attention modules (BART: 3 per layer)
@@ -183,7 +205,7 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
         "# protect_ vs the plain model as users run it (SDPA), eager and compiled",
         "",
         "Protected arms: `forward` (the forward's seven checks, `ops=OPS`), `protected` (the "
-        "default: forward and backward), `all_linear` (`scope=\"all_linear\"`: every linear "
+        'default: forward and backward), `all_linear` (`scope="all_linear"`: every linear '
         "layer, forward and backward). Launching ops are per training step beyond SDPA.",
         "",
         "| family | L | dtype | mode | sdpa ms | forward | protected | all_linear | "
@@ -192,7 +214,8 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
         *(
             f"| {r['family']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['step_sdpa_ms']:.1f} | "
             + " | ".join(_pct(r.get(f"{k}_vs_sdpa")) for k in ARMS)
-            + " | " + " / ".join(str(v) for v in r.get("launching_vs_sdpa_per_step", {}).values())
+            + " | "
+            + " / ".join(str(v) for v in r.get("launching_vs_sdpa_per_step", {}).values())
             + " |"
             for r in rows
         ),
@@ -200,15 +223,19 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
         "## the default arm in detail",
         "",
         f"`{cmd}`; torch {env['torch']}, {env['threads']} threads, {env['processor']}, "
-        f"{env['date']}. Base width (hidden 768, 12 heads), {ARGS.layers} layers, batch 8 at "
+        f"{env['date']}. {WIDTH[ARGS.size]}, {ARGS.layers} layers, batch 8 at "
         "L = 128 (8 * 128 / L sequences beyond), train mode, AdamW. Five copies (sdpa, eager and the three protected arms) stepped "
         "alternately in one process; overhead = median of per-pair time ratios - 1; nothing "
         "subtracted. Ops: aten ops of one eager training step per attention module beyond the "
-        "SDPA model (all / launching, i.e. without views).",
+        "SDPA model (all / launching, i.e. without views). Check ranges: ms of one protected "
+        "training step inside the checks' profiler ranges (`attnchecker.*`: the forward's checks "
+        "and repair; the backward's checks have no range) / ms of that profiled step, means of "
+        "two profiled steps (both carry the profiler's per-op overhead).",
         "",
         "| family | L | dtype | mode | sdpa ms | eager ms | protected ms | vs sdpa | vs eager | "
-        "eager vs sdpa | attn fwd vs sdpa | attn fwd vs eager | extra ops/layer (all / launching) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "eager vs sdpa | attn fwd vs sdpa | attn fwd vs eager | extra ops/layer (all / launching) "
+        "| check ranges / step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ops = r.get("ops_per_layer")
@@ -217,16 +244,20 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
             if ops
             else ""
         )
+        cr = r.get("check_ranges", {}).get("protected")
+        ranges = f"{cr['checks_ms']:.1f} / {cr['step_ms']:.0f}" if cr else ""
         lines.append(
             f"| {r['family']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['step_sdpa_ms']:.1f} | "
             f"{r['step_eager_ms']:.1f} | {r['step_protected_ms']:.1f} | {_pct(r['step_vs_sdpa'])} | "
             f"{_pct(r['step_vs_eager'])} | {_pct(r['eager_vs_sdpa'])} | {_pct(r.get('attn_vs_sdpa'))} | "
-            f"{_pct(r.get('attn_vs_eager'))} | {ops_s} |"
+            f"{_pct(r.get('attn_vs_eager'))} | {ops_s} | {ranges} |"
         )
     return "\n".join(lines) + "\n"
 
 
-ARGS = argparse.Namespace(layers=2, lengths=[128])
+WIDTH = {"tiny": "Tiny width (hidden 32, 4 heads)", "small": "Small width (hidden 256, 4 heads)",
+         "base": "Base width (hidden 768, 12 heads)"}  # fmt: skip
+ARGS = argparse.Namespace(layers=2, lengths=[128], size="base")
 
 
 def main() -> None:
@@ -246,9 +277,15 @@ def main() -> None:
         help="compiled arms only up to this L (default: 128 on CPU, all on CUDA)",
     )
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--size", default="base", choices=["tiny", "small", "base"],
+                    help="model width (attnchecker.models.tiny: hidden 32 / 256 / 768)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--tag", default="", help="suffix of the result files (a focused rerun)")
-    ARGS = ap.parse_args()
+    ARGS = parse(
+        ap,
+        quick={"families": ["gpt2"], "lengths": [128], "dtypes": ["fp32", "bf16"],
+               "compile": ["eager"], "layers": 1, "size": "tiny", "reps": 1},
+    )  # fmt: skip
     limit = ARGS.compile_max_len or (128 if ARGS.device == "cpu" else max(ARGS.lengths))
     env = environment()
     rows = []
@@ -276,7 +313,9 @@ def _write(rows: list[dict], env: dict) -> None:
     cmd = "python benchmarks/protect_vs_sdpa.py " + " ".join(
         [f"--device {ARGS.device}", "--families", *ARGS.families, "--lengths",
          *map(str, ARGS.lengths), "--dtypes", *ARGS.dtypes, "--compile", *ARGS.compile,
-         f"--reps {ARGS.reps}"] + ([f"--tag {ARGS.tag}"] if ARGS.tag else [])
+         f"--layers {ARGS.layers}", f"--size {ARGS.size}", f"--reps {ARGS.reps}"]
+        + ([f"--compile-max-len {ARGS.compile_max_len}"] if ARGS.compile_max_len else [])
+        + ([f"--tag {ARGS.tag}"] if ARGS.tag else [])
     )  # fmt: skip
     write("protect_vs_sdpa" + (f"_{ARGS.tag}" if ARGS.tag else ""), {"environment": env, "args": vars(ARGS), "rows": rows},
           _markdown(rows, env, cmd))  # fmt: skip

@@ -7,7 +7,7 @@ Derived: save + load in training steps, and the time lost per fault with checkpo
 k = 100 and 500 steps (load + on average k / 2 replayed steps + the steps' share of saving),
 against protection's cost (its per-step overhead; a fault costs nothing more).
 
-    python benchmarks/recovery_cost.py [--families bert gpt2 llama] [--reps 6]
+    python benchmarks/recovery_cost.py [--families bert gpt2 llama] [--reps 6] [--quick]
 """
 
 from __future__ import annotations
@@ -20,16 +20,22 @@ import time
 
 import torch
 
-from _common import alternate, environment, median_ms, write
+from _common import alternate, environment, median_ms, parse, write
 from attnchecker import ABFTConfig, protect_
 from attnchecker.attention.config import OPS
 from attnchecker.models.families import FAMILIES, TABLE
 from attnchecker.models.tiny import build
 from attnchecker.recovery import CheckpointManager
 
+WIDTH = {
+    "tiny": "hidden 32, 4 heads",
+    "small": "hidden 256, 4 heads",
+    "base": "hidden 768, 12 heads",
+}
 
-def measure(family: str, reps: int) -> dict[str, object]:
-    plain = build(family, "base", layers=2, max_len=128)
+
+def measure(family: str, reps: int, size: str = "base", n_saves: int = 3) -> dict[str, object]:
+    plain = build(family, size, layers=2, max_len=128)
     plain.config.use_cache = False
     plain.train()
     forward = copy.deepcopy(plain)
@@ -67,7 +73,7 @@ def measure(family: str, reps: int) -> dict[str, object]:
     saves, loads = [], []
     with tempfile.TemporaryDirectory() as d:
         mgr = CheckpointManager(d, every=1, keep=1)
-        for i in range(3):
+        for i in range(n_saves):
             t0 = time.perf_counter()
             mgr.save(i + 1, plain, opts["plain"])
             saves.append(time.perf_counter() - t0)
@@ -97,12 +103,15 @@ def measure(family: str, reps: int) -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", nargs="+", default=["bert", "gpt2", "llama"], choices=FAMILIES)
-    ap.add_argument("--reps", type=int, default=6)
-    args = ap.parse_args()
+    ap.add_argument("--reps", type=int, default=6, help="alternated step triples")
+    ap.add_argument("--saves", type=int, default=3, help="timed checkpoint saves and loads")
+    ap.add_argument("--size", default="base", choices=["tiny", "small", "base"],
+                    help="model width (attnchecker.models.tiny: hidden 32 / 256 / 768)")  # fmt: skip
+    args = parse(ap, quick={"families": ["gpt2"], "reps": 1, "saves": 1, "size": "tiny"})
     env = environment()
     rows = []
     for fam in args.families:
-        r = measure(fam, args.reps)
+        r = measure(fam, args.reps, args.size, args.saves)
         rows.append(r)
         print(
             f"{fam:8s} step {r['step_ms']:.0f} ms (protected {100 * r['protection_overhead']:+.1f}%), save {r['save_s']:.2f} s, "
@@ -112,8 +121,9 @@ def main() -> None:
     lines = [
         "# Recovery cost: checkpoint/restore against protection",
         "",
-        f"`python benchmarks/recovery_cost.py --reps {args.reps}`; torch {env['torch']}, {env['threads']} threads, {env['date']}. "
-        "Base width (hidden 768, 12 heads), 2 layers, batch 8, L = 128, fp32, AdamW. Checkpoint = model + AdamW state "
+        f"`python benchmarks/recovery_cost.py --families {' '.join(args.families)} --reps {args.reps} --saves {args.saves} "
+        f"--size {args.size}`; torch {env['torch']}, {env['threads']} threads, {env['date']}. "
+        f"{args.size.capitalize()} width ({WIDTH[args.size]}), 2 layers, batch 8, L = 128, fp32, AdamW. Checkpoint = model + AdamW state "
         "(safetensors + SHA-256), local disk. Lost per fault = load + k/2 replayed steps (a fault lands on average half an "
         "interval after the last checkpoint); saving also costs save/k of every step. Protection repairs the fault inside the "
         "step: its cost is the per-step overhead, paid whether or not a fault happens. Step time and overheads against "
@@ -124,7 +134,7 @@ def main() -> None:
         "the lost-steps columns); with the backward checks (the default) it is repaired in the step, no step lost, for "
         "the last column's overhead (`tests/integration/test_protect_backward.py`: every family, every backward GEMM).",
         "",
-        "| family | params (M) | step ms | save s | load s | save+load in steps | lost steps/fault k=100 | k=500 | saving overhead k=100 | k=500 | forward-only protection | protection (fwd + bwd) |",
+        "| family | params (M) | step ms | save s | load s | save+load in steps | lost steps/fault k=100 | k=500 | saving overhead k=100 | k=500 | forward-only protection `ABFTConfig(ops=OPS)` | protection (fwd + bwd) `ABFTConfig()` |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -134,7 +144,8 @@ def main() -> None:
             f"{100 * r['save_overhead_k100']:.2f}% | {100 * r['save_overhead_k500']:.2f}% | "
             f"{100 * r['forward_only_overhead']:+.1f}% | {100 * r['protection_overhead']:+.1f}% |"
         )
-    write("recovery_cost", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
+    payload = {"environment": env, "args": vars(args), "rows": rows}
+    write("recovery_cost", payload, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
