@@ -3,7 +3,8 @@
 ``train(TrainConfig(...), out, faults=plan)`` trains a model from ``models.tiny`` presets on the
 offline corpus, optionally protected and/or with the checkpoint/restore baseline, and writes a
 run directory: ``meta.json``, ``metrics.jsonl`` (one line per step), ``events.jsonl`` (fired
-faults, protection events, rollbacks), ``model.safetensors`` and ``summary.json``.
+faults, protection events, rollbacks), ``model.safetensors`` and ``summary.json``;
+``train_steps`` is the same loop a step at a time (a generator), for runs that take turns.
 
 The loop reads the loss and gradient norm once per step (its single host sync, at the step
 boundary), drains protection events there, and then decides: a non-trainable step (NaN/INF loss
@@ -33,9 +34,10 @@ import json
 import math
 import os
 import time
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,10 @@ from attnchecker.attention.config import ABFTConfig
 from attnchecker.errors import ConfigError
 from attnchecker.recovery.diagnosis import RankCounts, classify, gather, here, outliers, tally
 
-__all__ = ["TrainConfig", "train"]
+if TYPE_CHECKING:
+    from attnchecker.models.handle import Event
+
+__all__ = ["TrainConfig", "tally_events", "train", "train_steps"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,10 +94,38 @@ def _write(f, row: dict[str, Any]) -> None:
     f.flush()
 
 
+def tally_events(events: Iterable[Event]) -> dict[str, int]:
+    """Detections, corrections and uncorrectable errors in one drain's ``events``. An event is
+    one op's findings since the last drain, ``count`` detections of it, so the totals sum
+    ``count``, not events. An uncorrectable event counts all its detections as uncorrectable:
+    an Event does not say how many of them were repaired ("recomputed" counts as corrected)."""
+    out = {"detected": 0, "corrected": 0, "uncorrectable": 0}
+    for e in events:
+        out["detected"] += e.count
+        out["uncorrectable" if e.action == "uncorrectable" else "corrected"] += e.count
+    return out
+
+
 def train(
     cfg: TrainConfig, out: str | Path, *, faults=None, progress: bool = True
 ) -> dict[str, Any]:
     """Train as ``cfg`` says into the run directory ``out``; returns the summary."""
+    run = train_steps(cfg, out, faults=faults, progress=progress)
+    while True:
+        try:
+            next(run)
+        except StopIteration as done:
+            return done.value
+
+
+def train_steps(
+    cfg: TrainConfig, out: str | Path, *, faults=None, progress: bool = True
+) -> Generator[dict[str, Any], None, dict[str, Any]]:
+    """:func:`train` a step at a time: yields each step's metrics row once written, returns
+    the summary. Runs advanced in turn in one process (the demo times its arms alternately, so
+    that load hits every arm alike) stay independent: each keeps its own global RNG stream
+    (dropout, and what a rollback restores) across its pauses, and its ``wall_time_s`` leaves
+    the pauses out."""
     import transformers
 
     from attnchecker.inject.injector import Injector
@@ -164,7 +197,7 @@ def train(
     }
     counts = {"detected": 0, "corrected": 0, "uncorrectable": 0}
     torch.manual_seed(cfg.seed)
-    t_start = time.perf_counter()
+    t_start, paused = time.perf_counter(), 0.0
     with contextlib.ExitStack() as stack:
         inj = (
             stack.enter_context(Injector(model, faults, step_fn=lambda: step + 1))
@@ -203,15 +236,18 @@ def train(
                 _write(events_f, {"type": "fault", **r.to_dict()})
             fired_seen = len(inj.records) if inj else 0
             events = handle.drain() if handle else []
-            finding = classify(events, step=step + 1, loss=loss_v, history=recent, where=where)
+            finding = classify(
+                events, step=step + 1, loss=loss_v, history=recent, where=where,
+                config=None if handle is None else handle.config,
+            )  # fmt: skip
             tally(mine, events, finding)
             if finding is not None:
                 _write(events_f, finding.to_dict())
             if math.isfinite(loss_v):
                 recent = [*recent[-19:], loss_v]
+            for key, n in tally_events(events).items():
+                counts[key] += n
             for e in events:
-                counts["detected"] += 1
-                counts["corrected" if e.action != "uncorrectable" else "uncorrectable"] += 1
                 _write(events_f, {"type": "protection", **e.to_dict()})
             if skip_v:  # the guarded optimizer skips the update (on the device)
                 guarded.step(flag=flag)
@@ -248,10 +284,18 @@ def train(
             step += 1
             last_loss = loss_v
             dt = time.perf_counter() - t0
+            # finished_at (unix seconds): how runs advanced in turn interleaved, from files alone
             row = {"step": step, "loss": loss_v, "grad_norm": grad_v, "step_time_s": dt,
-                   "faults_injected": fired_seen, "status": status or "ok"}  # fmt: skip
+                   "faults_injected": fired_seen, "status": status or "ok",
+                   "finished_at": time.time()}  # fmt: skip
             _write(metrics, row)
             bar(step, loss_v, row["step_time_s"], fired_seen, counts["corrected"])
+            # runs advanced while this one pauses draw from the global CPU generator (the loop
+            # trains on the CPU): keep this run's stream, or its dropout would depend on theirs
+            paused_at, rng = time.perf_counter(), torch.get_rng_state()
+            yield row
+            torch.set_rng_state(rng)
+            paused += time.perf_counter() - paused_at
             if ckpt is not None and ckpt.due(step):
                 t1 = time.perf_counter()
                 ckpt.save(step, model, opt, sched)
@@ -259,7 +303,7 @@ def train(
                 totals["saves"] += 1
             if non_trainable and cfg.stop_when_non_trainable:
                 break
-    wall = time.perf_counter() - t_start
+    wall = time.perf_counter() - t_start - paused
     save_weights(model, out / "model.safetensors")
     ranks = gather(mine)  # every rank's counts (a collective under a process group)
     if owns_group:
