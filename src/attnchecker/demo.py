@@ -299,19 +299,65 @@ def demo_plan(steps: int):
     )  # fmt: skip
 
 
+class _Turns:
+    """One arm's training (:func:`~attnchecker.train.loop.train_steps`), a step per call; once
+    it has finished a call does nothing, so that the other arms go on taking turns."""
+
+    def __init__(self, run) -> None:
+        self._run = run
+        self.summary: dict[str, object] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.summary is not None
+
+    def __call__(self) -> None:
+        if self.summary is None:
+            try:
+                next(self._run)
+            except StopIteration as stop:
+                self.summary = stop.value
+
+
+def _training(runs: dict[str, _Turns]) -> set[str]:
+    return {arm for arm, run in runs.items() if not run.done}
+
+
+def _overheads(times: dict[str, list[float]], live: list[set[str]]) -> dict[str, tuple]:
+    """Each arm's overhead over the reference, from the rounds that both ran through (``live``:
+    the arms still training after each round): the median over those rounds of
+    t_arm / t_reference - 1 with the order-statistic interval of a median (the range below 6
+    rounds), and the number of rounds; ``(None, n)`` below 2 rounds (no interval)."""
+    from attnchecker.adaptive.bench import median_interval
+
+    out = {}
+    for arm, ts in times.items():
+        both = zip(ts, times["reference"], live, strict=True)
+        ratios = [t / ref - 1 for t, ref, on in both if {arm, "reference"} <= on]
+        out[arm] = (median_interval(ratios) if len(ratios) >= 2 else None, len(ratios))
+    return out
+
+
 def run_training_demo(
     out: str = "runs/demo", *, family: str = "gpt2", size: str = "small", steps: int = 60,
     checkpoint_every: int = 10, console: Console | None = None,
 ) -> dict[str, dict[str, object]]:  # fmt: skip
-    """Train the same model on Shakespeare four ways under the same faults; print and report."""
+    """Train the same model on Shakespeare four ways under the same faults; print and report.
+
+    The arms take turns in this process (:func:`~attnchecker.adaptive.bench.alternate`, as
+    ``attnchecker bench`` times its arms): an untimed step then ``PER_ROUND`` timed ones each,
+    round after round, so that a burst of load lands on every arm alike instead of on whichever
+    arm ran during it; an arm's overhead is the median over rounds of its time against the
+    reference's in the same round, with its interval."""
     import json
     from pathlib import Path
 
     from attnchecker import ABFTConfig
-    from attnchecker.report.training import ARMS, COLUMNS, arm_row, demo_report
-    from attnchecker.train.loop import TrainConfig, train
+    from attnchecker.adaptive.bench import PER_ROUND, alternate
+    from attnchecker.report.training import ARMS, COLUMNS, arm_row, demo_report, overhead_note
+    from attnchecker.train.loop import TrainConfig, train_steps
 
-    console = console or Console(width=max(Console().width, 132))
+    console = console or Console(width=max(Console().width, 140))
     plan = demo_plan(steps)
     base = {"family": family, "size": size, "steps": steps, "checkpoint_every": checkpoint_every}
     arms = {
@@ -327,22 +373,41 @@ def run_training_demo(
         f"column (step {plan.faults[1].step}), near-INF across a Q row "
         f"(step {plan.faults[2].step})."
     )
-    summary: dict[str, dict[str, object]] = {}
-    for arm, (cfg, faults) in arms.items():
-        console.print(f"  {arm} ...")
-        summary[arm] = train(cfg, Path(out) / arm, faults=faults, progress=False)
+    runs = {
+        arm: _Turns(train_steps(cfg, Path(out) / arm, faults=faults, progress=False))
+        for arm, (cfg, faults) in arms.items()
+    }
+    rounds = steps // (1 + PER_ROUND)
+    console.print(f"  {', '.join(runs)}: {1 + PER_ROUND} steps each in turn, {rounds} rounds ...")
+    live: list[set[str]] = []  # after each round, the arms still training
+    times = alternate(runs, rounds, warm=1, advance=lambda: live.append(_training(runs)))
+    for r in runs.values():  # the steps left, untimed: replays after rollbacks, a partial round
+        while not r.done:
+            r()
+    summary: dict[str, dict[str, object]] = {arm: r.summary for arm, r in runs.items()}
     step_s = {arm: _median_step(Path(out) / arm) for arm in ARMS}
+    overheads = _overheads(times, live)
     for arm in ARMS:
         s = summary[arm]
         s["median_step_s"] = step_s[arm]
-        # per-step medians (robust to a burst of load); none for an arm that stopped
-        s["overhead"] = None if s["non_trainable"] else step_s[arm] / step_s["reference"] - 1
+        est, n = overheads[arm]
+        if arm == "reference" or s["non_trainable"]:
+            est = None  # none for an arm that stopped: its rounds are not the same work
+        s["overhead"] = None if est is None else est.point
+        s["overhead_interval"] = None if est is None else [est.low, est.high]
+        s["overhead_rounds"] = n
         s["recovery_cost_steps"] = (s["save_s"] + s["load_s"]) / step_s["reference"] + s[
             "replayed_steps"
         ]
     summary_doc = {
         "description": f"{family} ({size}), {steps} steps, the same seeded faults in three arms",
         "faults": json.loads(plan.to_json())["faults"],
+        "timing": {
+            "arms_in_turn": list(runs),
+            "untimed_per_turn": 1,
+            "timed_per_turn": PER_ROUND,
+            "rounds": rounds,
+        },
         **summary,
     }
     Path(out, "summary.json").write_text(json.dumps(summary_doc, indent=2))
@@ -354,8 +419,7 @@ def run_training_demo(
         table.add_row(*arm_row(arm, summary))
     console.print(table)
     console.print(
-        "Overhead = median step time against the reference's (arms run one after another; "
-        "none for an arm that stopped). Recovery cost = checkpoint save + load time in training "
+        f"{overhead_note(summary_doc)} Recovery cost = checkpoint save + load time in training "
         f"steps, plus the steps replayed after each rollback. Report: {report}"
     )
     return summary

@@ -95,7 +95,8 @@ def test_op_counts_attention_and_all_linear():
         counts[name] = count_ops(lambda m=model, x=inputs: m(**x).loss.backward()).launching
     extra_attn = counts["attention"] - counts["plain"]
     extra_all = counts["all_linear"] - counts["attention"]
-    # measured 1,010 (issue 21: +63 over 947: bounds that do not underflow, column-only records,
-    # the folded copies that keep the backward bitwise autograd's)
-    assert extra_attn <= 1040, counts
+    # measured 1,100 (issue 21: +153 over 947: bounds that do not underflow, column-only records,
+    # the folded copies that keep the backward bitwise autograd's, the reproduced test on INF /
+    # NaN)
+    assert extra_attn <= 1130, counts
     assert extra_all <= 4 * 215, counts  # measured 820 for four more: gate, up, down, LM head

@@ -7,9 +7,11 @@ Before the engine was rebuilt the extra ops per layer were +727 (bert), +551 (gp
 ceilings below are today's counts plus a little room, so that a change that adds launches has
 to say so here. Issue 12 added about 15 per layer to the forward (whether a recomputed row or head
 fails again: the operands imply it, numerics) and counts the backward's checks separately.
-Issue 21 added about 6 per layer to the forward (norm bounds that do not underflow, records whose
-column flags alone count) and 20-35 to the backward (the same, and the folded copies of Q, K, P
-and V that make the backward's GEMMs bitwise those of autograd's bmm backward).
+Issue 21 added about 40 per layer to the forward (norm bounds that do not underflow, records whose
+column flags alone count, and the reproduced test that compares the INF / NaN a recomputation
+gives rather than every bit of it: on an AVX-512 CPU a per-head GEMM rounds the finite entries
+differently, and an overflow was diagnosed as a hardware fault) and about 60 to the backward
+(the same, and the folded copies that make the backward's GEMMs bitwise autograd's).
 """
 
 from __future__ import annotations
@@ -30,39 +32,39 @@ from .helpers import batch
 LAYERS = 2
 FORWARD = ABFTConfig(ops=OPS)  # the forward's checks (the backward's are counted below)
 CEILING = {  # extra ops per layer per training step: (all ops, launching ops)
-    "bert": (380, 255),
-    "roberta": (380, 255),
-    "gpt2": (335, 225),
-    "gpt_neo": (375, 250),
-    "llama": (405, 265),
-    "mistral": (410, 265),
-    "qwen2": (415, 270),
-    "qwen3": (530, 350),  # q_norm / k_norm: Q, K and V checked one by one
-    "olmo2": (530, 350),
-    "gemma2": (390, 265),
-    "phi3": (355, 230),
-    "distilbert": (380, 255),
-    "gpt_neox": (360, 235),  # interleaved Q|K|V: the per-site counts are reordered
-    "opt": (485, 315),  # q_proj(x) * scaling: Q checked alone, K and V together
-    "bart": (445, 290),  # decoder cross-attention: Q and K|V of different inputs
+    "bert": (415, 285),
+    "roberta": (415, 285),
+    "gpt2": (365, 255),
+    "gpt_neo": (410, 280),
+    "llama": (440, 295),
+    "mistral": (445, 295),
+    "qwen2": (445, 300),
+    "qwen3": (565, 380),  # q_norm / k_norm: Q, K and V checked one by one
+    "olmo2": (565, 380),
+    "gemma2": (425, 295),
+    "phi3": (390, 260),
+    "distilbert": (415, 285),
+    "gpt_neox": (395, 265),  # interleaved Q|K|V: the per-site counts are reordered
+    "opt": (515, 345),  # q_proj(x) * scaling: Q checked alone, K and V together
+    "bart": (475, 320),  # decoder cross-attention: Q and K|V of different inputs
 }
 
 BACKWARD_CEILING = {  # launching ops per layer the backward's checks add
-    "bert": 760,
-    "roberta": 760,
-    "distilbert": 760,
-    "gpt2": 490,
-    "gpt_neo": 760,
-    "gpt_neox": 485,
-    "opt": 760,
-    "bart": 760,
-    "llama": 760,
-    "mistral": 760,
-    "qwen2": 760,
-    "qwen3": 760,
-    "olmo2": 760,
-    "phi3": 485,
-    "gemma2": 760,
+    "bert": 820,
+    "roberta": 820,
+    "distilbert": 820,
+    "gpt2": 550,
+    "gpt_neo": 820,
+    "gpt_neox": 545,
+    "opt": 820,
+    "bart": 820,
+    "llama": 820,
+    "mistral": 820,
+    "qwen2": 820,
+    "qwen3": 820,
+    "olmo2": 820,
+    "phi3": 545,
+    "gemma2": 820,
 }
 
 
@@ -104,8 +106,9 @@ def test_extra_ops_per_layer_stay_within_budget(family):
     assert launching <= ceiling_launching, (family, total, launching, eager)
     first = {"bert": 727, "roberta": 727, "gpt2": 551, "gpt_neo": 739, "llama": 805}
     # the first engine's counts: the rebuilt one was under 0.55x, under 0.6x since issue 12's
-    # test of whether a repair reproduced the fault (numerics) added about 15 per layer
-    assert family not in first or total < 0.6 * first[family]
+    # test of whether a repair reproduced the fault (numerics) added about 15 per layer, under
+    # 0.7x since issue 21's (see the docstring)
+    assert family not in first or total < 0.7 * first[family]
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])  # separate and fused Q|K|V

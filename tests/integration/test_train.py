@@ -150,6 +150,59 @@ def test_guarded_step_skips_an_uncorrectable_step(tmp_path, data):
     assert not summary["non_trainable"] and summary["steps_done"] == 8
 
 
+def test_an_event_of_several_detections_counts_each_detection(tmp_path, data, monkeypatch):
+    """An Event is one op's findings between two drains, ``count`` detections of it (as the
+    fused kernels report several tiles): the summary counts detections, not events."""
+    import dataclasses
+
+    from attnchecker.models.handle import ProtectionHandle
+
+    drain = ProtectionHandle.drain
+
+    def several(self):
+        return [dataclasses.replace(e, count=3) for e in drain(self)]
+
+    monkeypatch.setattr(ProtectionHandle, "drain", several)
+    plan = FaultPlan.builder().at(2).site("scores", layer=0).kind("inf").add().build()
+    s = train(_cfg(data, protect=True), tmp_path / "run", faults=plan, progress=False)
+    keys = ("faults_injected", "faults_detected", "faults_corrected", "uncorrectable")
+    assert [s[k] for k in keys] == [1, 3, 3, 0]
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert [e["count"] for e in events if e["type"] == "protection"] == [3]
+
+
+def test_runs_advanced_in_turn_train_as_they_would_alone(tmp_path, data):
+    """``train_steps``: two runs stepped alternately in one process (as the demo times its
+    arms) keep their own RNG streams (dropout, a rollback's restore): the losses are those of
+    each run alone."""
+    from attnchecker.train.loop import train_steps
+
+    plan = FaultPlan.builder().at(3).site("scores", layer=0).kind("inf").add().build()
+    cfgs = {"ref": _cfg(data), "ckpt": _cfg(data, recovery="checkpoint", checkpoint_every=2)}
+    alone = {k: train(c, tmp_path / f"alone_{k}", faults=plan if k == "ckpt" else None,
+                      progress=False) for k, c in cfgs.items()}  # fmt: skip
+    runs = {k: train_steps(c, tmp_path / k, faults=plan if k == "ckpt" else None, progress=False)
+            for k, c in cfgs.items()}  # fmt: skip
+    together: dict[str, object] = {}
+    while len(together) < len(runs):
+        for k, run in runs.items():
+            if k not in together:
+                try:
+                    next(run)
+                except StopIteration as stop:
+                    together[k] = stop.value
+    for k in cfgs:
+        losses = [
+            [
+                json.loads(x)["loss"]
+                for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+            ]
+            for d in (k, f"alone_{k}")
+        ]
+        assert losses[0] == losses[1] and together[k]["final_loss"] == alone[k]["final_loss"]
+    assert together["ckpt"]["rollbacks"] == 1
+
+
 def test_training_demo_end_to_end(tmp_path):
     from attnchecker.demo import run_diagnosis_demo, run_training_demo
 
@@ -171,11 +224,24 @@ def test_training_demo_end_to_end(tmp_path):
             "wall_time_s",
         } <= set(doc[arm])
     assert (tmp_path / "report.html").exists() and (tmp_path / "loss.png").exists()
-    # robust figures: per-step medians, none for the arm that stopped
+    # overheads from alternated rounds, each with its interval, none for the arm that stopped
     assert doc["unprotected"]["overhead"] is None and doc["protected"]["overhead"] is not None
+    low, high = doc["protected"]["overhead_interval"]
+    assert low <= doc["protected"]["overhead"] <= high and doc["protected"]["overhead_rounds"] == 2
+    # issue 21: the arms take turns (1 untimed + 3 timed steps each, 2 rounds), so a burst of
+    # load lands on all of them: reference 1-4, protected 1-4, reference 5-8, protected 5-8
+    done = sorted(
+        (r["finished_at"], arm)
+        for arm in ("reference", "protected")
+        for r in map(json.loads, (tmp_path / arm / "metrics.jsonl").read_text().splitlines())
+    )
+    turns = [arm for i, (_, arm) in enumerate(done) if i == 0 or done[i - 1][1] != arm]
+    assert turns == ["reference", "protected", "reference", "protected"]
+    assert doc["timing"]["rounds"] == 2
     page = (tmp_path / "report.html").read_text()  # the story in words, the plan as a table
     assert "unprotected: died at step" in page and "checkpoint_restore: rolled back" in page
     assert "protected: 3 of 3 detections corrected" in page
+    assert "the arms took turns" in page and "interval" in page
     assert "<th>site</th>" in page and "transformer.h.0.attn" in page
     assert "Diagnosis: your hardware, or not" in page and "not your hardware: numerics" in page
 

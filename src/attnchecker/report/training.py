@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARMS", "COLUMNS", "arm_row", "demo_report", "read_metrics"]
+__all__ = ["ARMS", "COLUMNS", "arm_row", "demo_report", "overhead_note", "read_metrics"]
 
 ARMS = ("reference", "unprotected", "checkpoint_restore", "protected")
 COLUMNS = (
@@ -116,8 +116,7 @@ def demo_report(out: str | Path) -> Path:
 <p>{html.escape(summary.get("description", ""))}</p>
 <h2>What happened</h2><ul>{story}</ul>
 <table><tr>{"".join(f"<th>{h}</th>" for h in COLUMNS)}</tr>{rows_html}</table>
-<p>Overhead: the arm's median step time against the reference's (the arms run one after
-another; an arm that stopped has none).</p>
+<p>{html.escape(overhead_note(summary))}</p>
 <h2>Loss</h2><img src="loss.png" alt="loss curves">
 <h2>The fault plan</h2>{plan}
 <h2>What protection found (the protected arm)</h2>{events}
@@ -212,18 +211,52 @@ def arm_row(arm: str, summary: dict[str, Any]) -> list[str]:
     recovery = ""
     if s["saves"]:
         recovery = f"{s['recovery_cost_steps']:.1f} steps, {s['rollbacks']} rollbacks"
-    overhead = s.get("overhead")
-    if arm == "reference":
-        shown = ""
-    elif overhead is None:
-        shown = "stopped"
-    else:
-        shown = f"{100 * overhead:+.0f}%"
     return [
         arm, str(s["faults_injected"]), str(s["faults_detected"]), str(s["faults_corrected"]),
         f"{s['final_loss']:.4f}", "yes" if s["non_trainable"] else "no", f"{s['wall_time_s']:.1f}",
-        shown, recovery,
+        _overhead_cell(arm, s), recovery,
     ]  # fmt: skip
+
+
+# every arm runs the reference's steps and more (fault hooks, checkpoint saves, checks)
+_PROBLEM = "measurement problem"
+
+
+def _overhead_cell(arm: str, s: dict[str, Any]) -> str:
+    """An overhead only with its interval, and none that contradicts the work done."""
+    if arm == "reference":
+        return ""
+    if s["non_trainable"]:
+        return "stopped"
+    point, interval = s.get("overhead"), s.get("overhead_interval")
+    if point is None or interval is None:  # too few rounds, or a summary from before intervals
+        return "n/a"
+    low, high = interval
+    if high < 0:  # more work than the reference measured as less, in (almost) every round
+        return _PROBLEM
+    return f"{100 * point:+.0f}% [{100 * low:+.0f}, {100 * high:+.0f}]"
+
+
+def overhead_note(summary: dict[str, Any]) -> str:
+    """How the overhead column was measured, and what a measurement problem means."""
+    timing = summary.get("timing")
+    if timing is None:
+        return ("Overhead: none shown (the arms of this run ran one after another, so load "
+                "during one arm would show up as its overhead; rerun the demo).")  # fmt: skip
+    note = (
+        f"Overhead: the arms took turns ({timing['untimed_per_turn']} untimed + "
+        f"{timing['timed_per_turn']} timed steps each, {timing['rounds']} rounds), so load hits "
+        "every arm alike; the median over rounds of the arm's time in its turn (checks and "
+        "checkpoint saves included) against the reference's in the same round [95% interval "
+        "of that median; the range below 6 rounds]; none for an arm that stopped."
+    )
+    if any(_overhead_cell(a, summary[a]) == _PROBLEM for a in ARMS if a in summary):
+        note += (
+            f" A {_PROBLEM}: an arm that does the reference's work and more measured faster than "
+            "it in nearly every round: the machine's load changed from turn to turn, so its "
+            "figure says nothing of its cost; rerun on a quieter machine."
+        )
+    return note
 
 
 def run_report(run: str | Path) -> Path:
