@@ -46,6 +46,13 @@ def _operand(shape, dtype, g: torch.Generator, *, log_scale: float, frac: float)
     return x.to(dtype)
 
 
+def _case(dtype: str, log_scale: float, seed: int) -> tuple[float, torch.dtype, torch.Generator]:
+    """log10 of the tiny rows' scale (``log_scale`` in [0, 1] across the dtype's range), the
+    dtype and a seeded generator."""
+    lo, hi = LOG_SCALE[dtype]
+    return lo + (hi - lo) * log_scale, DTYPES[dtype], torch.Generator().manual_seed(seed)
+
+
 def test_norm_bound_does_not_collapse():
     """fp32's norm of 1e-23 entries is 0; the bound is the true norm up to a few subnormal
     spacings, and exact to rounding where nothing underflows."""
@@ -70,9 +77,7 @@ def test_norm_bound_does_not_collapse():
 def test_core_gradients_of_tiny_rows_are_never_flagged(dtype, log_scale, frac, b_transposed, seed):
     """dQ / dK (scores q k^T) and dP / dV (context p v): the incoming gradient (dS, dO) has
     tiny rows."""
-    lo, hi = LOG_SCALE[dtype]
-    ls = lo + (hi - lo) * log_scale
-    dt, g = DTYPES[dtype], torch.Generator().manual_seed(seed)
+    ls, dt, g = _case(dtype, log_scale, seed)
     B, H, L, d = 2, 2, 24, 16
     if b_transposed:  # scores: a = q (B, H, L, d), b = k^T
         a = torch.randn(B, H, L, d, generator=g).to(dt).requires_grad_()
@@ -103,9 +108,7 @@ def test_core_gradients_of_tiny_rows_are_never_flagged(dtype, log_scale, frac, b
 )
 def test_linear_gradients_of_tiny_rows_are_never_flagged(dtype, log_scale, frac, conv1d, seed):
     """dX and dW of a linear layer (all_linear's checks) when dY has tiny token rows."""
-    lo, hi = LOG_SCALE[dtype]
-    ls = lo + (hi - lo) * log_scale
-    dt, g = DTYPES[dtype], torch.Generator().manual_seed(seed)
+    ls, dt, g = _case(dtype, log_scale, seed)
     T, K, N = 40, 32, 48
     x = torch.randn(T, K, generator=g).to(dt).requires_grad_()
     w = torch.randn(*((K, N) if conv1d else (N, K)), generator=g).to(dt).requires_grad_()
@@ -125,9 +128,7 @@ def test_linear_gradients_of_tiny_rows_are_never_flagged(dtype, log_scale, frac,
 def test_forward_checks_of_tiny_rows_are_never_flagged(dtype, log_scale, frac, seed):
     """Scores with tiny query rows, the context of tiny value rows, a projection of tiny
     token rows."""
-    lo, hi = LOG_SCALE[dtype]
-    ls = lo + (hi - lo) * log_scale
-    dt, g = DTYPES[dtype], torch.Generator().manual_seed(seed)
+    ls, dt, g = _case(dtype, log_scale, seed)
     B, H, L, d = 2, 2, 24, 16
     q = _operand((B, H, L, d), dt, g, log_scale=ls, frac=frac)
     k = _operand((B, H, L, d), dt, g, log_scale=ls, frac=frac)
