@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from attnchecker import ABFTConfig, ConfigError, UnsupportedModelError, protect_
-from attnchecker.attention.config import OPS
-from attnchecker.kernels import available
+from attnchecker.attention.config import ALL_OPS, OPS
+from attnchecker.kernels import CHECKS, available, checks_of
 from attnchecker.kernels.flash import SITES, KernelFault
 from attnchecker.models.families import TABLE
 from attnchecker.models.tiny import build
@@ -140,6 +140,21 @@ def test_backend_choices():
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_the_config_ops_switch_the_kernel_checks():
+    """The kernels' checks are ops of the config: forward only (``ops=OPS``) runs none of the
+    backward kernel checks, so a fault in the kernels' dK goes unseen (as configured); adding
+    ``dk`` switches on the dK accumulator check (and the S^T tile check behind it) alone."""
+    base, inputs, _ = _llama_one_layer()
+    fault = KernelFault("dk", 0, 1, 2, 3, math.nan)
+    for ops, want in ((OPS, []), ((*OPS, "dk"), [("dk", "corrected")])):
+        (_, h) = _step(base, TRITON.replace(ops=ops), inputs, fault)
+        assert [(e.op, e.action) for e in h.drain()] == want, ops
+    assert checks_of(OPS) == {"s", "pv", "softmax"}
+    assert checks_of(("dk",)) == {"st", "dk"}
+    assert checks_of(ALL_OPS) == set(CHECKS)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
 def test_fused_model_compiles_with_fullgraph_once_and_corrects():
     """torch.compile(fullgraph=True) of a protected model on the fused backend: the kernels are
     custom ops, so there is no graph break; clean steps do not recompile; a fault in the
@@ -151,7 +166,7 @@ def test_fused_model_compiles_with_fullgraph_once_and_corrects():
     model = copy.deepcopy(base)
     # the projections' backward checks compile in test_protect_compile (here they would double
     # the compile time): the kernels' own backward checks are what this test is about
-    handle = protect_(model, TRITON.replace(ops=OPS))
+    handle = protect_(model, TRITON.replace(ops=(*OPS, "dk")))
     backend = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     losses, frames = [], []

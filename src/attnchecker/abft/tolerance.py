@@ -38,9 +38,11 @@ import math
 import torch
 
 __all__ = [
+    "kernel_factor",
     "magnitude_factor",
     "norm_bound",
     "squares_lost",
+    "tf32_enabled",
     "underflow_floor",
     "unit_roundoff",
 ]
@@ -72,7 +74,7 @@ def magnitude_factor(
     factor = unit_roundoff(out_dtype) + 2 * (inner + length) * _accumulation_roundoff(
         out_dtype, device
     )
-    if out_dtype == torch.float32 and device.type == "cuda" and _tf32(device):
+    if out_dtype == torch.float32 and device.type == "cuda" and tf32_enabled():
         factor += 2 * _U_TF32  # both operands rounded to TF32's 10 mantissa bits first
     return factor
 
@@ -80,7 +82,21 @@ def magnitude_factor(
 _U_TF32 = 2.0**-11
 
 
-def _tf32(device: torch.device) -> bool:
+def kernel_factor(operand: torch.dtype, *, inner: int, length: int, tf32: bool) -> float:
+    """The factor f such that |c - r| <= f * m for a checksum inside the fused attention
+    kernels (``attnchecker.kernels``), in the module docstring's model: the checked values are
+    fp32 accumulators (no rounding to an output dtype), products of fp16 / bf16 operands are
+    exact in fp32, and a matrix unit may truncate instead of rounding to nearest as it
+    accumulates (twice the unit roundoff: 2 (inner + length) 2 u_32); fp32 operands on TF32
+    MMAs (``tf32``) add 2 u_tf32. ``inner``: the reduction length behind each checked value,
+    ``length``: the values summed by the checksum."""
+    factor = 4 * (inner + length) * unit_roundoff(torch.float32)
+    if operand == torch.float32 and tf32:
+        factor += 2 * _U_TF32
+    return factor
+
+
+def tf32_enabled() -> bool:
     """Whether fp32 GEMMs on CUDA may run on TF32 tensor cores (``allow_tf32`` or a float32
     matmul precision other than "highest")."""
     return (

@@ -3,12 +3,16 @@
 The attention interface calls :func:`attend_fused` with transformers' flash-attention mask
 convention (the 2D key padding mask, or None) and the module's causality and sliding window.
 Q, K and V have been checked by the projection hooks as in the eager engine; the kernels check
-S, the softmax and P V in the forward and the backward GEMMs in the backward, and add their
-detections to the state's device counters (no host synchronisation).
+S, the softmax and P V in the forward and the backward GEMMs in the backward (each check
+switched on by the config ops of ``attnchecker.kernels.KERNEL_CHECKS``, at the config's
+``tolerance_scale``), and add their detections to the state's device counters (no host
+synchronisation). ``max_heads`` does not limit them: every failing tile is recomputed in the
+kernel, at most one re-run of a program's loop.
 
 A call the kernels do not cover runs the eager engine instead (:func:`attend`, with the eager
 additive mask built from the same inputs), with a warning once per reason: attention dropout
-in training (the kernels have no in-kernel dropout), logit soft-capping, and the eager-only
+in training (the kernels have no in-kernel dropout), logit soft-capping, fp32 on a GPU without
+TF32 at head sizes above ``kernels.flash.FP32_MAX_HEAD`` (register spills), and the eager-only
 options of GPT-2 (``reorder_and_upcast_attn``) and GPT-Neo (fp32 q and k, no scaling).
 """
 
@@ -19,6 +23,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from attnchecker.attention.config import ALL_OPS
 from attnchecker.attention.core import CoreSpec, _out, attend
 from attnchecker.attention.state import AttentionState
 
@@ -79,9 +84,13 @@ def attend_fused(
 ) -> tuple[Tensor, None]:
     """Checked attention of q (B, H, L, d), k and v (B, Hkv, Lk, d) by the fused kernels:
     (output in the family's layout, None: no probabilities are materialised)."""
-    from attnchecker.kernels.flash import flash_attention
+    from attnchecker.kernels import checks_of
+    from attnchecker.kernels.flash import FP32_MAX_HEAD, flash_attention, operand_kind
 
     reason = _fallback_reason(spec, dropout, training, softcap, upcast_reordered)
+    wide = query.is_cuda and query.shape[-1] > FP32_MAX_HEAD
+    if reason is None and wide and operand_kind(query) == "fp32":
+        reason = f"fp32 without TF32 at head size > {FP32_MAX_HEAD} (the kernels spill)"
     if reason is not None:
         if not torch.compiler.is_compiling():  # summary() names it (a warning is once a process)
             state.coverage.fallbacks.add(reason)
@@ -109,7 +118,8 @@ def attend_fused(
         query, key, value, causal=causal, window=window,
         key_mask=None if key_mask is None else key_mask.bool(), scale=scaling,
         counts=state.kernel, sink=state.kernel_sink, fault=fault,
-        check=any(state.checks(op) for op in ("scores", "probs", "context")),
+        check=checks_of(op for op in ALL_OPS if state.checks(op)),
+        tolerance_scale=state.config.tolerance_scale,
     )  # fmt: skip
     if not state.checks("out"):
         state.commit()

@@ -10,7 +10,34 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["KERNEL_SITES", "available", "interpreting", "self_test"]
+__all__ = ["CHECKS", "KERNEL_CHECKS", "KERNEL_SITES", "available", "checks_of", "interpreting",
+           "self_test"]  # fmt: skip
+
+KERNEL_CHECKS: dict[str, tuple[str, ...]] = {
+    "s": ("scores",),  # forward: the S tile (column checksums)
+    "pv": ("context",),  # forward: the deferred P V accumulator check
+    "softmax": ("probs",),  # forward: 1 <= l_i <= valid keys
+    "st": ("dk", "dv"),  # dK/dV program: the recomputed S^T, behind P^T (dV) and dS^T (dK)
+    "dpt": ("dp",),  # dK/dV program: the dP^T tile
+    "dv": ("dv",),  # dK/dV program: the deferred dV accumulator check
+    "dk": ("dk",),  # dK/dV program: the deferred dK accumulator check
+    "p_sum": ("dq",),  # dQ program: sum_j P_ij = 1 of the recomputed P, behind dS (dQ)
+    "ds_sum": ("dp",),  # dQ program: sum_j dS_ij = 0, behind dP and the Delta pre-pass
+    "dq": ("dq",),  # dQ program: the deferred dQ accumulator check
+}
+"""Each check inside the fused kernels and the ops of :class:`~attnchecker.ABFTConfig` that
+switch it on (any of them): the kernels' checks are ops of the config's vocabulary, so
+``ops=OPS`` (forward only) runs no backward kernel check. The order is the counters' rows."""
+
+CHECKS = tuple(KERNEL_CHECKS)
+"""Rows of the kernels' counters (columns: detected, corrected, uncorrected)."""
+
+
+def checks_of(ops) -> frozenset[str]:
+    """The kernel checks that a set of config ops switches on."""
+    ops = set(ops)
+    return frozenset(c for c, need in KERNEL_CHECKS.items() if ops.intersection(need))
+
 
 KERNEL_SITES = ("s", "pv", "st", "dpt", "dv", "dk", "sq", "dp", "dq")
 """The GEMMs of the fused kernels a fault can hit (``kernels.flash.SITES``; named here, where

@@ -1,9 +1,16 @@
-"""Triton helpers the checked kernels share: the fault a launch injects (tests, campaigns).
+"""Triton helpers the checked kernels share: tiles, counters and the fault a launch injects.
+
+Module globals a kernel reads must be ``tl.constexpr`` (the compiler rejects plain Python
+values; the interpreter does not): host code reads the plain tables (:data:`SITE_CODES`,
+``attnchecker.kernels.CHECKS``), the kernels their constexpr copies.
 
 A fault is a float32 vector (site, batch * head, row, col, value, persistent, mode, bit):
 row or col -1 hits every row / column (patterns 1C / 1R); mode 0 sets ``value``, 1 multiplies
 by it, 2 flips ``bit`` of the fp32 value, 3 flips the reference exponent bit (bit 30 where
-|x| < 2, else 29: the published study's fault, see ``attnchecker.inject.kinds``).
+|x| < 2, else 29: the published study's fault, see ``attnchecker.inject.kinds``). A fault is
+applied to the product a GEMM delivered, never to its operands: a recomputation multiplies
+operands re-read from memory, so a transient fault of the first product is not in it by
+construction (a persistent one is applied to every product of its site).
 """
 
 from __future__ import annotations
@@ -11,9 +18,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from attnchecker.kernels import CHECKS
+
 FAULT_FIELDS = ("site", "bh", "row", "col", "value", "persistent", "mode", "bit")
 
 MODES = {"set": 0, "scale": 1, "bit": 2, "exponent": 3}
+
+SITE_CODES = {"s": 1, "pv": 2, "st": 3, "dpt": 4, "dv": 5, "dk": 6, "sq": 7, "dp": 8, "dq": 9}
+"""The code of each GEMM a fault can hit (0: none), as the FAULT vector carries it."""
+
+TAU_ABS = tl.constexpr(1e-30)
+"""Absolute floor of every kernel tolerance: subnormal P and flush-to-zero (a measured
+false-alarm trap, ``../shared/spec/fused-attention.md`` section 1)."""
+
+
+def row(check: str) -> tl.constexpr:
+    """The counters' row of a kernel check, as a kernel constant."""
+    return tl.constexpr(CHECKS.index(check))
+
+
+def site(name: str) -> tl.constexpr:
+    return tl.constexpr(SITE_CODES[name])
 
 
 @triton.jit
@@ -46,3 +71,40 @@ def corrupt(x, hit, val, mode, bit):
     flipped = (x.to(tl.int32, bitcast=True) ^ (1 << b)).to(tl.float32, bitcast=True)
     new = tl.where(mode == 0, val, tl.where(mode == 1, x * val, flipped))
     return tl.where(hit, new, x)
+
+
+@triton.jit
+def inject(x, fault, code, bh, rows, cols, recompute, on):
+    """The product x (len(rows), len(cols)) of GEMM ``code`` with ``fault`` applied where it
+    hits (its (batch, head) ``bh``, row and column) and ``on`` holds; in a ``recompute`` (> 0)
+    only when persistent."""
+    f_site, f_bh, f_row, f_col, f_val, f_keep, f_mode, f_bit = fault
+    hit = (f_site == code) & (f_bh == bh) & on & ((recompute == 0) | (f_keep != 0))
+    hit = hit & at(rows, f_row)[:, None] & at(cols, f_col)[None, :]
+    return corrupt(x, hit, f_val, f_mode, f_bit)
+
+
+@triton.jit
+def tile(base, rows, row_stride, cols, col_stride, mask, UPCAST: tl.constexpr, FRESH: tl.constexpr):
+    """A (len(rows), len(cols)) tile at ``base`` (a pointer already offset, in 64 bits, to the
+    tile's first row: the in-tile offsets stay small). ``FRESH``: a volatile load, which the
+    compiler may neither merge with an earlier load nor hoist, so a GEMM of it is a real
+    recomputation (two GEMMs of one loaded value are one after common-subexpression
+    elimination). ``UPCAST``: to fp32 (the interpreter cannot compute in bf16)."""
+    x = tl.load(base + rows[:, None] * row_stride + cols[None, :] * col_stride, mask=mask,
+                other=0.0, volatile=FRESH)  # fmt: skip
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def count(COUNTS, check, column):
+    """Add 1 to the counter (``check``, column: 0 detected, 1 corrected, 2 uncorrected)."""
+    tl.atomic_add(COUNTS + check * 3 + column, 1)
+
+
+@triton.jit
+def fails(residual, bound):
+    """Where |residual| <= bound does not hold (a NaN residual fails)."""
+    return ~(tl.abs(residual) <= bound)

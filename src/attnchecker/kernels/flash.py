@@ -1,43 +1,59 @@
-"""Launching the checked flash attention kernels: shapes, tolerances, counters, faults.
+"""Launching the checked flash attention kernels: shapes, launch settings, tolerances,
+counters, faults.
 
     out, lse, counts = flash_forward(q, k, v, causal=True)
 
 q (B, H, L, d), k and v (B, Hkv, Lk, d) with H a multiple of Hkv (GQA / MQA); ``key_mask``
 (B, Lk) bool marks the keys each sequence may attend (padding); ``window`` keeps the last
 ``window`` keys of each query (sliding-window attention). No L x L tensor is ever allocated.
+``check``: True (every check of :data:`CHECKS`), False (none) or the names of the checks to
+run (``attnchecker.kernels.checks_of`` maps config ops to them); ``tolerance_scale``
+multiplies every tolerance.
+
+Launch settings (blocks, warps, pipeline stages) come from :data:`LAUNCH`, per kernel, head
+size, operand width and GPU architecture, chosen from the ptxas reports of
+``python -m attnchecker.kernels.aot`` (no register spills, shared memory within the target's
+limit; ``benchmarks/results/kernel_ptxas_*.md``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 import triton
 from torch import Tensor
 
-from attnchecker.kernels import KERNEL_SITES, interpreting
+from attnchecker.abft.tolerance import kernel_factor, tf32_enabled
+from attnchecker.kernels import CHECKS, KERNEL_SITES, interpreting
 from attnchecker.kernels import flash_bwd as bwd
-from attnchecker.kernels.common import FAULT_FIELDS, MODES
-from attnchecker.kernels.flash_fwd import SITE_PV, SITE_S, _fwd
+from attnchecker.kernels.common import FAULT_FIELDS, MODES, SITE_CODES
+from attnchecker.kernels.flash_fwd import _fwd
 
 __all__ = [
-    "CHECKS", "SITES", "KernelFault", "flash_attention", "flash_backward", "flash_forward",
-    "new_counts", "tolerance",
+    "CHECKS", "FP32_MAX_HEAD", "LAUNCH", "SITES", "KernelFault", "Launch", "flash_attention",
+    "flash_backward", "flash_forward", "launch_settings", "new_counts", "operand_kind",
 ]  # fmt: skip
 
-CHECKS = ("s", "pv", "softmax", "st", "dpt", "dv", "dk", "p_sum", "ds_sum", "dq")
-"""Rows of the counters (columns: detected, corrected, uncorrected). Forward: the S tile
-check, the deferred PV check, the softmax range check; backward dK/dV program: the S^T and dP^T
-tile checks, the deferred dV and dK checks; dQ program: the invariants sum_j P = 1 and
-sum_j dS = 0, the deferred dQ check."""
-
-SITES = {"s": SITE_S, "pv": SITE_PV, "st": bwd.SITE_ST, "dpt": bwd.SITE_DPT, "dv": bwd.SITE_DV,
-         "dk": bwd.SITE_DK, "sq": bwd.SITE_SQ, "dp": bwd.SITE_DP, "dq": bwd.SITE_DQ}  # fmt: skip
+SITES = SITE_CODES
 """The GEMMs a fault can hit: the forward's S and PV; in the dK/dV program S^T (recomputed),
 dP^T and the dV, dK accumulators; in the dQ program S (recomputed), dP and the dQ accumulator."""
-_SITES = SITES
 FORWARD_SITES = ("s", "pv")
 assert tuple(SITES) == KERNEL_SITES
+
+KERNEL_FLAGS = {
+    "fwd": {"CHECK_S": "s", "CHECK_PV": "pv", "CHECK_SM": "softmax"},
+    "dkdv": {"CHECK_ST": "st", "CHECK_DPT": "dpt", "CHECK_DV": "dv", "CHECK_DK": "dk"},
+    "dq": {"CHECK_P": "p_sum", "CHECK_DS": "ds_sum", "CHECK_DQ": "dq"},
+}
+"""Each kernel's constexpr switch of each of its checks (:data:`CHECKS`)."""
+
+TAU_P_LOGITS = 1e-3
+"""The part of the dQ program's probability invariant (|sum_j P_ij - 1|) that is not rounding
+of the sum: the backward recomputes each logit, which may round differently from the forward's
+(another tile shape or order); 1e-3 allows a base-2 logit difference of 1e-3 in every key of a
+row."""
 
 
 @dataclass(frozen=True)
@@ -60,20 +76,14 @@ class KernelFault:
 
     def encode(self, heads: int, device: torch.device) -> Tensor:
         """The (len(FAULT_FIELDS),) float32 vector the kernels read."""
-        if self.site not in _SITES:
-            raise ValueError(f"kernel fault site must be one of {sorted(_SITES)}: {self.site!r}")
+        if self.site not in SITES:
+            raise ValueError(f"kernel fault site must be one of {sorted(SITES)}: {self.site!r}")
         if self.mode not in MODES:
             raise ValueError(f"kernel fault mode must be one of {sorted(MODES)}: {self.mode!r}")
         bh = self.batch * heads + self.head
-        vals = [_SITES[self.site], bh, self.row, self.col, self.value, float(self.persistent),
+        vals = [SITES[self.site], bh, self.row, self.col, self.value, float(self.persistent),
                 MODES[self.mode], self.bit]  # fmt: skip
         return torch.tensor(vals, dtype=torch.float32, device=device)
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """tau of the checks (derived in ``flash_fwd``'s docstring): 1e-4 for fp16 / bf16 operands
-    (exact products, fp32 accumulation), 4e-3 for fp32 operands (TF32 MMAs on a GPU)."""
-    return 4e-3 if dtype == torch.float32 else 1e-4
 
 
 def new_counts(device: torch.device) -> Tensor:
@@ -81,8 +91,106 @@ def new_counts(device: torch.device) -> Tensor:
     return torch.zeros(len(CHECKS), 3, dtype=torch.int32, device=device)
 
 
-def _block(n: int, cap: int) -> int:
-    return max(16, min(cap, triton.next_power_of_2(n)))
+@dataclass(frozen=True)
+class Launch:
+    """How one kernel is launched: its tile (``block_m`` query rows by ``block_n`` keys, caps:
+    short sequences take the next power of two, at least 16), warps and pipeline stages."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _table(arch: int, kind: str, rows: dict) -> dict:
+    return {(kernel, arch, block_d, kind): Launch(*go) for (kernel, block_d), go in rows.items()}
+
+
+_HALF = {  # fp16 / bf16 operands on sm_90: (block_m, block_n, warps, stages)
+    ("fwd", 64): (64, 32, 4, 2), ("fwd", 128): (64, 32, 8, 2),
+    ("dkdv", 64): (32, 32, 8, 1), ("dkdv", 128): (32, 32, 8, 1),
+    ("dq", 64): (64, 32, 4, 2), ("dq", 128): (64, 32, 8, 1),
+}  # fmt: skip
+_HALF_80 = {  # fp16 / bf16 on sm_80 (mma.sync keeps more of the tiles in registers)
+    ("fwd", 64): (32, 32, 8, 1), ("fwd", 128): (32, 32, 8, 1),
+    ("dkdv", 64): (32, 32, 8, 1), ("dkdv", 128): (32, 32, 8, 1),
+    ("dq", 64): (32, 32, 8, 1), ("dq", 128): (32, 32, 8, 1),
+}  # fmt: skip
+_TF32 = {  # fp32 operands on TF32 MMAs
+    ("fwd", 64): (32, 32, 8, 1), ("fwd", 128): (32, 32, 8, 1),
+    ("dkdv", 64): (16, 32, 8, 1), ("dkdv", 128): (16, 32, 8, 1),
+    ("dq", 64): (32, 32, 8, 1), ("dq", 128): (32, 32, 8, 1),
+}  # fmt: skip
+_FP32 = {  # fp32 operands, full-precision FMA products: d <= 64 only (FP32_MAX_HEAD)
+    ("fwd", 64): (32, 16, 4, 1), ("dkdv", 64): (16, 16, 4, 1), ("dq", 64): (32, 16, 4, 1),
+}  # fmt: skip
+
+LAUNCH: dict[tuple[str, int, int, str], Launch] = {
+    **_table(90, "half", _HALF),
+    **_table(80, "half", _HALF_80),
+    **{k: v for arch in (80, 90) for k, v in _table(arch, "tf32", _TF32).items()},
+    **{k: v for arch in (80, 90) for k, v in _table(arch, "fp32", _FP32).items()},
+}
+"""(kernel, GPU architecture (80: A100, 90: H100 / H200), BLOCK_D, operand kind: "half"
+(fp16 / bf16), "tf32" or "fp32") -> its :class:`Launch`, from the ptxas reports
+(``python -m attnchecker.kernels.aot``, ``benchmarks/results/kernel_ptxas_*.md``; the dK/dV
+program owns ``block_n`` keys and streams ``block_m`` queries). Measured choices: 32-key tiles
+(the checks keep a few fp32 tiles of the S shape live), 8 warps at d = 128, smaller tiles for
+fp32."""
+
+FP32_MAX_HEAD = 64
+"""fp32 operands without TF32 multiply on the FMA units, whose operands sit in registers: at
+d = 128 every tile setting spills kilobytes (sm_80 falls back to 32 registers and a 5 KB stack
+frame), so the fused backend runs such calls on the eager engine (``attention.fused``)."""
+
+
+def operand_kind(q: Tensor) -> str:
+    """ "half", "tf32" or "fp32": how the kernels multiply ``q``'s dtype here."""
+    if q.dtype != torch.float32:
+        return "half"
+    return "tf32" if _tf32(q) else "fp32"
+
+
+def launch_settings(kernel: str, arch: int | None, block_d: int, kind: str) -> Launch:
+    """The launch of ``kernel`` ("fwd", "dkdv", "dq") on ``arch`` (major * 10 + minor; None:
+    the interpreter, :class:`Launch` ()'s defaults) for a padded head size ``block_d`` and an
+    operand ``kind`` (:func:`operand_kind`): the table's newest architecture not above
+    ``arch``, its smallest head size not below ``block_d`` (else its largest)."""
+    if arch is None:
+        return Launch()
+    rows = [key for key in LAUNCH if key[0] == kernel and key[3] == kind and key[1] <= arch]
+    if not rows:
+        return Launch()
+    newest = max(key[1] for key in rows)
+    sizes = sorted(key[2] for key in rows if key[1] == newest)
+    size = next((b for b in sizes if b >= block_d), sizes[-1])
+    return LAUNCH[kernel, newest, size, kind]
+
+
+def device_arch(device: torch.device) -> int | None:
+    """The compute capability (major * 10 + minor) of a CUDA ``device``; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _names(check: bool | Collection[str]) -> frozenset[str]:
+    if check is True or check is False:
+        return frozenset(CHECKS if check else ())
+    unknown = sorted(set(check) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"unknown kernel checks {unknown}; choose from {list(CHECKS)}")
+    return frozenset(check)
+
+
+def _mask(check: bool | Collection[str]) -> int:
+    """The checks as the custom ops' bit mask (bit i: ``CHECKS[i]``)."""
+    return sum(1 << i for i, c in enumerate(CHECKS) if c in _names(check))
+
+
+def _unmask(mask: int) -> frozenset[str]:
+    return frozenset(c for i, c in enumerate(CHECKS) if mask >> i & 1)
 
 
 def flash_forward(
@@ -94,7 +202,8 @@ def flash_forward(
     key_mask: Tensor | None = None,
     window: int = 0,
     scale: float | None = None,
-    check: bool = True,
+    check: bool | Collection[str] = True,
+    tolerance_scale: float = 1.0,
     fault: KernelFault | Tensor | None = None,
     counts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -104,16 +213,19 @@ def flash_forward(
     if isinstance(fault, KernelFault) and fault.site in SITES and fault.site not in FORWARD_SITES:
         raise ValueError(f"{fault.site!r} is a backward site: give it to flash_attention")
     B, H, L, d = q.shape
-    Hkv = k.shape[1]
+    Lk = k.shape[2]
     scale = d**-0.5 if scale is None else scale
     out = torch.empty_like(q)
     lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     counts = new_counts(q.device) if counts is None else counts
-    mask, code, flags = _launch(q, k, v, key_mask, fault, causal, window, check)
-    _fwd[(triton.cdiv(L, flags["BLOCK_M"]), B * H)](
+    mask, code, flags = _launch(q, k, v, key_mask, fault, causal, window)
+    go = _settings("fwd", q, L, Lk, check)
+    tau = _tau(q, inner=d, length=go["BLOCK_M"], scale=tolerance_scale)
+    tau_acc = _tau(q, inner=Lk + Lk // go["BLOCK_N"] + 1, length=d, scale=tolerance_scale)
+    _fwd[(triton.cdiv(L, go["BLOCK_M"]), B * H)](
         q, k, v, out, lse, mask, counts, code,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), mask.stride(0),
-        H, L, k.shape[2], d, H // Hkv, scale * LOG2E, window, tolerance(q.dtype), **flags,
+        H, L, Lk, d, H // k.shape[1], scale * LOG2E, window, tau, tau_acc, **flags, **go,
     )  # fmt: skip
     return out, lse, counts
 
@@ -121,15 +233,48 @@ def flash_forward(
 LOG2E = 1.4426950408889634  # the kernels work in base 2
 
 
-def _launch(q, k, v, key_mask, fault, causal: bool, window: int, check: bool):
-    """(int8 key mask, encoded fault, the kernels' constexpr flags) of one launch; the shapes
-    are validated here."""
-    B, H, L, d = q.shape
+def _tf32(q: Tensor) -> bool:
+    """Whether the kernels' fp32 GEMMs run on TF32 (as torch's fp32 matmuls would here)."""
+    return q.dtype == torch.float32 and not interpreting() and tf32_enabled()
+
+
+def _tau(q: Tensor, *, inner: int, length: int, scale: float) -> float:
+    return scale * kernel_factor(q.dtype, inner=inner, length=length, tf32=_tf32(q))
+
+
+def _settings(kernel: str, q: Tensor, L: int, Lk: int, check) -> dict:
+    """The constexpr blocks, check switches and launch options of one kernel."""
+    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
+    go = launch_settings(kernel, device_arch(q.device), block_d, operand_kind(q))
+    names = _names(check)
+    rows, keys = (Lk, L) if kernel == "dkdv" else (L, Lk)  # the dK/dV program owns keys
+    first, second = (go.block_n, go.block_m) if kernel == "dkdv" else (go.block_m, go.block_n)
+    owned, streamed = _block(rows, first), _block(keys, second)
+    blocks = (
+        {"BLOCK_N": owned, "BLOCK_M": streamed}
+        if kernel == "dkdv"
+        else {"BLOCK_M": owned, "BLOCK_N": streamed}
+    )
+    flags = {flag: name in names for flag, name in KERNEL_FLAGS[kernel].items()}
+    return dict(**flags, **blocks, BLOCK_D=block_d, num_warps=go.num_warps,
+                num_stages=go.num_stages)  # fmt: skip
+
+
+def _block(n: int, cap: int) -> int:
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def _launch(q, k, v, key_mask, fault, causal: bool, window: int):
+    """(int8 key mask, encoded fault, the constexpr flags every kernel takes) of one launch;
+    the shapes are validated here."""
+    B, H, _L, d = q.shape
     Bk, Hkv, Lk, dk = k.shape
     if (Bk, dk) != (B, d) or v.shape != k.shape or H % Hkv:
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if key_mask is not None and tuple(key_mask.shape) != (B, Lk):
         raise ValueError(f"key_mask must be (B, Lk) = {(B, Lk)}, got {tuple(key_mask.shape)}")
+    if B * H > 65535:  # the (batch, head) programs are the grid's second axis
+        raise ValueError(f"batch * heads = {B * H} is over the 65,535 the kernels launch")
     device = q.device
     mask = (
         key_mask.to(torch.int8).contiguous()
@@ -144,9 +289,8 @@ def _launch(q, k, v, key_mask, fault, causal: bool, window: int, check: bool):
         code = torch.zeros(len(FAULT_FIELDS), dtype=torch.float32, device=device)
     flags = dict(
         CAUSAL=causal, WINDOW=window > 0, HAS_MASK=key_mask is not None,
-        UPCAST=interpreting() and q.dtype == torch.bfloat16, CHECK=check,
-        INJECT=fault is not None, BLOCK_M=_block(L, 64), BLOCK_N=_block(Lk, 64),
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        UPCAST=interpreting() and q.dtype == torch.bfloat16, INJECT=fault is not None,
+        DOT="ieee" if operand_kind(q) == "fp32" else "tf32",
     )  # fmt: skip
     return mask, code, flags
 
@@ -163,7 +307,8 @@ def flash_backward(
     key_mask: Tensor | None = None,
     window: int = 0,
     scale: float | None = None,
-    check: bool = True,
+    check: bool | Collection[str] = True,
+    tolerance_scale: float = 1.0,
     fault: KernelFault | Tensor | None = None,
     counts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -182,17 +327,23 @@ def flash_backward(
     dq = torch.empty_like(q)
     dk = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device)
     dv = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-    mask, code, flags = _launch(q, k, v, key_mask, fault, causal, window, check)
+    mask, code, flags = _launch(q, k, v, key_mask, fault, causal, window)
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad.stride(), mask.stride(0))
-    qk_scale, tau = scale * LOG2E, tolerance(q.dtype)
-    bwd._bwd_dkdv[(triton.cdiv(Lk, flags["BLOCK_N"]), B * Hkv)](
+    qk_scale, group, tol = scale * LOG2E, H // Hkv, tolerance_scale
+    go = _settings("dkdv", q, L, Lk, check)
+    tau = _tau(q, inner=d, length=go["BLOCK_N"], scale=tol)
+    tau_acc = _tau(q, inner=group * L, length=d, scale=tol)
+    bwd._bwd_dkdv[(triton.cdiv(Lk, go["BLOCK_N"]), B * Hkv)](
         q, k, v, grad, lse, delta, dk, dv, mask, counts, code, *strides,
-        H, Hkv, L, Lk, d, H // Hkv, qk_scale, scale, window, tau, **flags,
+        H, Hkv, L, Lk, d, group, qk_scale, scale, window, tau, tau_acc, **flags, **go,
     )  # fmt: skip
-    tau_out = 2 * torch.finfo(out.dtype).eps
-    bwd._bwd_dq[(triton.cdiv(L, flags["BLOCK_M"]), B * H)](
+    go = _settings("dq", q, L, Lk, check)
+    tau_acc = _tau(q, inner=Lk, length=d, scale=tol)
+    tau_p = tol * (TAU_P_LOGITS + kernel_factor(q.dtype, inner=Lk, length=Lk, tf32=_tf32(q)))
+    tau_out = tol * 2 * torch.finfo(out.dtype).eps
+    bwd._bwd_dq[(triton.cdiv(L, go["BLOCK_M"]), B * H)](
         q, k, v, grad, lse, delta, delta_abs, dq, mask, counts, code, *strides,
-        H, L, Lk, d, H // Hkv, qk_scale, scale, window, tau, tau_out, **flags,
+        H, L, Lk, d, group, qk_scale, scale, window, tau_acc, tau_p, tau_out, **flags, **go,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -209,13 +360,15 @@ def flash_attention(
     counts: Tensor | None = None,
     sink: Tensor | None = None,
     fault: KernelFault | None = None,
-    check: bool = True,
+    check: bool | Collection[str] = True,
+    tolerance_scale: float = 1.0,
 ) -> Tensor:
     """Differentiable checked flash attention (the custom ops of :mod:`attnchecker.kernels.ops`,
     so torch.compile traces one op): the forward's detections are added to ``counts``
     (:func:`new_counts`), the backward's accumulate in ``sink.grad`` (``ops.new_sink``). A
     ``fault`` at a backward site is injected in the backward, at a forward site in the
-    forward. ``check=False`` runs the kernels without their checks (an unprotected arm)."""
+    forward. ``check=False`` runs the kernels without their checks (an unprotected arm), a set
+    of :data:`CHECKS` names runs those."""
     from attnchecker.kernels.ops import flash_fwd_op, new_sink
 
     code_f = code_b = None
@@ -225,8 +378,9 @@ def flash_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     sink = new_sink(q.device) if sink is None else sink
     out, _, found = flash_fwd_op(
-        q, k, v, key_mask, sink, code_f, code_b, causal, window, scale, check
-    )
+        q, k, v, key_mask, sink, code_f, code_b, causal, window, scale, _mask(check),
+        float(tolerance_scale),
+    )  # fmt: skip
     if counts is not None:
         counts.add_(found)
     return out

@@ -4,9 +4,12 @@ from S and the forward's log-sum-exp (``../shared/spec/fused-attention.md`` sect
 dK/dV program: owns a block of BLOCK_N keys of one K/V head and walks every query block of the
 query heads that share it (GQA), with
 
-- **S^T** = K_n Q_m^T: row sums against k_j . q-bar_m, bound |k_j| . |q|-bar_m (P^T, hence dV
-  and dK, come from it); recomputed at once on failure;
-- **dP^T** = V_n dO_m^T: row sums against v_j . dO-bar_m, bound |v_j| . |dO|-bar_m; recomputed;
+- **S^T** = K_n Q_m^T: column sums against k-bar . q_i (k-bar = sum of the program's keys,
+  computed once), bound |k|-bar . |q_i| (P^T, hence dV and dK, come from it); recomputed at
+  once on failure from K and Q re-read from memory (volatile loads, never merged with the
+  first GEMM);
+- **dP^T** = V_n dO_m^T: column sums against v-bar . dO_i, bound |v|-bar . |dO_i|; recomputed
+  from V and dO re-read;
 - **dV** += P~^T dO, deferred: c_j += sum_i P~_ji (dO_i . 1), exact bound sum_i P~_ji |dO_i| . 1;
 - **dK** += dS~^T Q, deferred: c_j += sum_i dS~_ji (q_i . 1), bound sum_i |dS~_ji| (|q_i| . 1).
 
@@ -21,9 +24,10 @@ two invariants guard its S and dP without per-tile checksums:
 - **dQ** += dS~ K, deferred: c_i += sum_j dS~_ij (k_j . 1), bound sum_j |dS~_ij| (|k_j| . 1).
 
 A deferred failure re-runs the program's loop once (every input is read-only); a tile check
-recomputes the tile. Counters as the forward's. Tolerances as the forward's (``flash_fwd``),
-and 1e-3 for the probability invariant (the forward normalised fp32 P over the same keys; the
-transposed recompute may round S differently by a few ulps of |q||k|).
+recomputes the tile. Counters, 64-bit offsets and tolerances as the forward's (``flash_fwd``:
+``tau`` for tiles, ``tau_acc`` for the deferred checks and the dS invariant); ``tau_p`` for
+the probability invariant (the forward normalised fp32 P over the same keys; the recompute
+may round S differently by a few ulps of |q||k|, and exp2 is approximate on a GPU).
 """
 
 from __future__ import annotations
@@ -31,12 +35,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnchecker.kernels.common import at, corrupt, load_fault
+from attnchecker.kernels.common import (
+    TAU_ABS,
+    count,
+    fails,
+    inject,
+    load_fault,
+    row,
+    site,
+    tile,
+)  # fmt: skip
 
-ST_CHECK, DPT_CHECK, DV_CHECK, DK_CHECK, P_SUM, DS_SUM, DQ_CHECK = 3, 4, 5, 6, 7, 8, 9  # rows
-SITE_ST, SITE_DPT, SITE_DV, SITE_DK, SITE_SQ, SITE_DP, SITE_DQ = 3, 4, 5, 6, 7, 8, 9
-TAU_ABS = 1e-30
-TAU_P = 1e-3
+_ST, _DPT, _DV, _DK = row("st"), row("dpt"), row("dv"), row("dk")
+_P_SUM, _DS_SUM, _DQ = row("p_sum"), row("ds_sum"), row("dq")
+SITE_ST, SITE_DPT, SITE_DV, SITE_DK = site("st"), site("dpt"), site("dv"), site("dk")
+SITE_SQ, SITE_DP, SITE_DQ = site("sq"), site("dp"), site("dq")
 
 
 @triton.jit
@@ -55,40 +68,55 @@ def _allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
 
 
 @triton.jit
+def _tile_check(x, a_bar, a_mag, b_tile, ok, tau):
+    """Columns of the tile x = A B^T (A's rows summed into a_bar, |A|'s into a_mag) whose sum
+    is off its reference a_bar . b_i beyond tau a_mag . |b_i| (+ TAU_ABS), among ``ok``."""
+    b32 = b_tile.to(tl.float32)
+    ref = tl.sum(b32 * a_bar[None, :], 1)
+    bound = tau * tl.sum(tl.abs(b32) * a_mag[None, :], 1) + TAU_ABS
+    return tl.sum((fails(tl.sum(x, 0) - ref, bound) & ok).to(tl.int32), 0)
+
+
+@triton.jit
 def _bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV, KMASK, COUNTS, FAULT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdb, sdh, sdm, sdd, smb,
-    H, HKV, L, LK, D, GROUP, qk_scale, scale, window, tau,
+    H, HKV, L, LK, D, GROUP, qk_scale, scale, window, tau, tau_acc,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
-    CHECK: tl.constexpr, INJECT: tl.constexpr,
+    CHECK_ST: tl.constexpr, CHECK_DPT: tl.constexpr, CHECK_DV: tl.constexpr,
+    CHECK_DK: tl.constexpr, INJECT: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
-    b = bhk // HKV
-    hk = bhk % HKV
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = (bhk // HKV).to(tl.int64)
+    hk = (bhk % HKV).to(tl.int64)
+    col0 = pid_n * BLOCK_N
+    rows = tl.arange(0, BLOCK_M)  # in-tile offsets
+    cols = tl.arange(0, BLOCK_N)
+    offs_n = col0 + cols
     offs_d = tl.arange(0, BLOCK_D)
     key_ok = offs_n < LK
     d_ok = offs_d < D
     kv_mask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                mask=kv_mask, other=0.0)  # fmt: skip
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd,
-                mask=kv_mask, other=0.0)  # fmt: skip
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    k_abs = tl.abs(k).to(tl.float32)
-    v_abs = tl.abs(v).to(tl.float32)
+    k_at = K + b * skb + hk * skh + tl.cast(col0, tl.int64) * skn
+    v_at = V + b * svb + hk * svh + tl.cast(col0, tl.int64) * svn
+    k = tile(k_at, cols, skn, offs_d, skd, kv_mask, UPCAST, False)
+    v = tile(v_at, cols, svn, offs_d, svd, kv_mask, UPCAST, False)
+    k32 = k.to(tl.float32)
+    v32 = v.to(tl.float32)
+    k_bar = tl.sum(k32, 0)  # (BLOCK_D,): the tile checks' references need only these
+    k_mag = tl.sum(tl.abs(k32), 0)
+    v_bar = tl.sum(v32, 0)
+    v_mag = tl.sum(tl.abs(v32), 0)
     shift = LK - L
     lo = 0
     if CAUSAL:  # query rows before the first key of this block see none of it
-        lo = tl.maximum(0, pid_n * BLOCK_N - shift) // BLOCK_M * BLOCK_M
+        lo = tl.maximum(0, col0 - shift) // BLOCK_M * BLOCK_M
 
-    f_site, f_bh, f_row, f_col, f_val, f_keep, f_mode, f_bit = load_fault(FAULT, INJECT)
-
+    fault = load_fault(FAULT, INJECT)
+    CHECK_DEFERRED: tl.constexpr = CHECK_DV or CHECK_DK
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     c_dk = tl.zeros([BLOCK_N], tl.float32)
@@ -106,122 +134,99 @@ def _bwd_dkdv(
         t_dk = tl.zeros([BLOCK_N], tl.float32)
         c_dv = tl.zeros([BLOCK_N], tl.float32)
         t_dv = tl.zeros([BLOCK_N], tl.float32)
-        fresh = (attempt == 0) | (f_keep != 0)
         for g in range(GROUP):
             h = hk * GROUP + g
             bh = b * H + h
-            here = f_bh == bh
             for start in range(lo, L, BLOCK_M):
-                offs_m = start + tl.arange(0, BLOCK_M)
+                offs_m = start + rows
                 row_ok = offs_m < L
                 qm = row_ok[:, None] & d_ok[None, :]
-                q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                            mask=qm, other=0.0)  # fmt: skip
-                do = tl.load(
-                    DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd,
-                    mask=qm, other=0.0)  # fmt: skip
-                if UPCAST:
-                    q = q.to(tl.float32)
-                    do = do.to(tl.float32)
+                q_at = Q + b * sqb + h * sqh + tl.cast(start, tl.int64) * sqm
+                do_at = DO + b * sdb + h * sdh + tl.cast(start, tl.int64) * sdm
+                q = tile(q_at, rows, sqm, offs_d, sqd, qm, UPCAST, False)
+                do = tile(do_at, rows, sdm, offs_d, sdd, qm, UPCAST, False)
                 lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=0.0)
                 delta = tl.load(DELTA + bh * L + offs_m, mask=row_ok, other=0.0)
                 # S^T (BLOCK_N, BLOCK_M)
-                st = tl.dot(k, tl.trans(q))
+                st = tl.dot(k, tl.trans(q), input_precision=DOT)
                 if INJECT:
-                    hit = ((f_site == SITE_ST) & here & fresh & at(offs_n, f_col)[:, None]
-                           & at(offs_m, f_row)[None, :])  # fmt: skip
-                    st = corrupt(st, hit, f_val, f_mode, f_bit)
-                if CHECK:
-                    q_bar = tl.sum(q.to(tl.float32), 0)
-                    q_abs = tl.sum(tl.abs(q).to(tl.float32), 0)
-                    ref = tl.sum(k.to(tl.float32) * q_bar[None, :], 1)
-                    bound = tl.sum(k_abs * q_abs[None, :], 1)
-                    bad = ~(tl.abs(tl.sum(st, 1) - ref) <= tau * bound + TAU_ABS) & key_ok
-                    if tl.sum(bad.to(tl.int32), 0) > 0:
-                        tl.atomic_add(COUNTS + ST_CHECK * 3, 1)
-                        st = tl.dot(k, tl.trans(q))
-                        if INJECT:
-                            again = (
-                                (f_site == SITE_ST) & here & (f_keep != 0)
-                                & at(offs_n, f_col)[:, None] & at(offs_m, f_row)[None, :]
-                            )  # fmt: skip
-                            st = corrupt(st, again, f_val, f_mode, f_bit)
-                        bad = ~(tl.abs(tl.sum(st, 1) - ref) <= tau * bound + TAU_ABS) & key_ok
-                        still = (tl.sum(bad.to(tl.int32), 0) > 0).to(tl.int32)
-                        tl.atomic_add(COUNTS + ST_CHECK * 3 + 1 + still, 1)
+                    st = inject(st, fault, SITE_ST, bh, offs_n, offs_m, attempt, True)
+                if CHECK_ST and _tile_check(st, k_bar, k_mag, q, row_ok, tau) > 0:
+                    count(COUNTS, _ST, 0)  # recompute from fresh loads, check again
+                    k2 = tile(k_at, cols, skn, offs_d, skd, kv_mask, UPCAST, True)
+                    q2 = tile(q_at, rows, sqm, offs_d, sqd, qm, UPCAST, True)
+                    st = tl.dot(k2, tl.trans(q2), input_precision=DOT)
+                    if INJECT:
+                        st = inject(st, fault, SITE_ST, bh, offs_n, offs_m, 1, True)
+                    still = _tile_check(st, k_bar, k_mag, q, row_ok, tau) > 0
+                    count(COUNTS, _ST, 1 + still.to(tl.int32))
                 ok = tl.trans(_allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
                                        CAUSAL, WINDOW, HAS_MASK))  # fmt: skip
                 pt = tl.where(ok, tl.exp2(st * qk_scale - lse[None, :]), 0.0)
                 pt_lo = pt.to(do.dtype)
-                dv = tl.dot(pt_lo, do, dv)
+                dv = tl.dot(pt_lo, do, dv, input_precision=DOT)
                 if INJECT:
-                    hit = ((f_site == SITE_DV) & here & fresh & (start == lo)
-                           & at(offs_n, f_row)[:, None] & at(offs_d, f_col)[None, :])  # fmt: skip
-                    dv = corrupt(dv, hit, f_val, f_mode, f_bit)
+                    dv = inject(dv, fault, SITE_DV, bh, offs_n, offs_d, attempt, start == lo)
                 # dP^T (BLOCK_N, BLOCK_M)
-                dpt = tl.dot(v, tl.trans(do))
+                dpt = tl.dot(v, tl.trans(do), input_precision=DOT)
                 if INJECT:
-                    hit = ((f_site == SITE_DPT) & here & fresh & at(offs_n, f_col)[:, None]
-                           & at(offs_m, f_row)[None, :])  # fmt: skip
-                    dpt = corrupt(dpt, hit, f_val, f_mode, f_bit)
-                if CHECK:
-                    do_bar = tl.sum(do.to(tl.float32), 0)
-                    do_abs = tl.sum(tl.abs(do).to(tl.float32), 0)
-                    ref = tl.sum(v.to(tl.float32) * do_bar[None, :], 1)
-                    bound = tl.sum(v_abs * do_abs[None, :], 1)
-                    bad = ~(tl.abs(tl.sum(dpt, 1) - ref) <= tau * bound + TAU_ABS) & key_ok
-                    if tl.sum(bad.to(tl.int32), 0) > 0:
-                        tl.atomic_add(COUNTS + DPT_CHECK * 3, 1)
-                        dpt = tl.dot(v, tl.trans(do))
+                    dpt = inject(dpt, fault, SITE_DPT, bh, offs_n, offs_m, attempt, True)
+                if CHECK_DPT:  # noqa: SIM102
+                    if _tile_check(dpt, v_bar, v_mag, do, row_ok, tau) > 0:
+                        count(COUNTS, _DPT, 0)
+                        v2 = tile(v_at, cols, svn, offs_d, svd, kv_mask, UPCAST, True)
+                        do2 = tile(do_at, rows, sdm, offs_d, sdd, qm, UPCAST, True)
+                        dpt = tl.dot(v2, tl.trans(do2), input_precision=DOT)
                         if INJECT:
-                            again = (
-                                (f_site == SITE_DPT) & here & (f_keep != 0)
-                                & at(offs_n, f_col)[:, None] & at(offs_m, f_row)[None, :]
-                            )  # fmt: skip
-                            dpt = corrupt(dpt, again, f_val, f_mode, f_bit)
-                        bad = ~(tl.abs(tl.sum(dpt, 1) - ref) <= tau * bound + TAU_ABS) & key_ok
-                        still = (tl.sum(bad.to(tl.int32), 0) > 0).to(tl.int32)
-                        tl.atomic_add(COUNTS + DPT_CHECK * 3 + 1 + still, 1)
+                            dpt = inject(dpt, fault, SITE_DPT, bh, offs_n, offs_m, 1, True)
+                        still = _tile_check(dpt, v_bar, v_mag, do, row_ok, tau) > 0
+                        count(COUNTS, _DPT, 1 + still.to(tl.int32))
                 dst = pt * (dpt - delta[None, :])
                 dst_lo = dst.to(q.dtype)
-                dk = tl.dot(dst_lo, q, dk)
+                dk = tl.dot(dst_lo, q, dk, input_precision=DOT)
                 if INJECT:
-                    hit = ((f_site == SITE_DK) & here & fresh & (start == lo)
-                           & at(offs_n, f_row)[:, None] & at(offs_d, f_col)[None, :])  # fmt: skip
-                    dk = corrupt(dk, hit, f_val, f_mode, f_bit)
-                if CHECK:
+                    dk = inject(dk, fault, SITE_DK, bh, offs_n, offs_d, attempt, start == lo)
+                if CHECK_DEFERRED:
                     p32 = pt_lo.to(tl.float32)
-                    c_dv += tl.sum(p32 * tl.sum(do.to(tl.float32), 1)[None, :], 1)
-                    t_dv += tl.sum(p32 * tl.sum(tl.abs(do).to(tl.float32), 1)[None, :], 1)
+                    do32 = do.to(tl.float32)
+                    c_dv += tl.sum(p32 * tl.sum(do32, 1)[None, :], 1)
+                    t_dv += tl.sum(p32 * tl.sum(tl.abs(do32), 1)[None, :], 1)
                     ds32 = dst_lo.to(tl.float32)
-                    c_dk += tl.sum(ds32 * tl.sum(q.to(tl.float32), 1)[None, :], 1)
-                    t_dk += tl.sum(tl.abs(ds32) * tl.sum(tl.abs(q).to(tl.float32), 1)[None, :], 1)
+                    q32 = q.to(tl.float32)
+                    c_dk += tl.sum(ds32 * tl.sum(q32, 1)[None, :], 1)
+                    t_dk += tl.sum(tl.abs(ds32) * tl.sum(tl.abs(q32), 1)[None, :], 1)
         todo = 0
-        if CHECK:
-            n_dv = tl.sum((~(tl.abs(tl.sum(dv, 1) - c_dv) <= tau * t_dv + TAU_ABS)
-                           & key_ok).to(tl.int32), 0)  # fmt: skip
-            n_dk = tl.sum((~(tl.abs(tl.sum(dk, 1) - c_dk) <= tau * t_dk + TAU_ABS)
-                           & key_ok).to(tl.int32), 0)  # fmt: skip
+        if CHECK_DEFERRED:
+            n_dv = 0
+            n_dk = 0
+            if CHECK_DV:
+                n_dv = tl.sum((fails(tl.sum(dv, 1) - c_dv, tau_acc * t_dv + TAU_ABS) & key_ok)
+                              .to(tl.int32), 0)  # fmt: skip
+            if CHECK_DK:
+                n_dk = tl.sum((fails(tl.sum(dk, 1) - c_dk, tau_acc * t_dk + TAU_ABS) & key_ok)
+                              .to(tl.int32), 0)  # fmt: skip
             if attempt == 0:
                 first_dv = n_dv
                 first_dk = n_dk
                 if n_dv > 0:
-                    tl.atomic_add(COUNTS + DV_CHECK * 3, 1)
+                    count(COUNTS, _DV, 0)
                 if n_dk > 0:
-                    tl.atomic_add(COUNTS + DK_CHECK * 3, 1)
+                    count(COUNTS, _DK, 0)
                 if n_dv + n_dk > 0:
                     todo = 1
             else:
                 if first_dv > 0:
-                    tl.atomic_add(COUNTS + DV_CHECK * 3 + 1 + (n_dv > 0).to(tl.int32), 1)
+                    count(COUNTS, _DV, 1 + (n_dv > 0).to(tl.int32))
                 if first_dk > 0:
-                    tl.atomic_add(COUNTS + DK_CHECK * 3 + 1 + (n_dk > 0).to(tl.int32), 1)
+                    count(COUNTS, _DK, 1 + (n_dk > 0).to(tl.int32))
         attempt += 1
 
-    out = b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    out = b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    dk_at = DK + b * skb + hk * skh + tl.cast(col0, tl.int64) * skn
+    tl.store(dk_at + cols[:, None] * skn + offs_d[None, :] * skd,
+             (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)  # fmt: skip
+    dv_at = DV + b * svb + hk * svh + tl.cast(col0, tl.int64) * svn
+    tl.store(dv_at + cols[:, None] * svn + offs_d[None, :] * svd, dv.to(DV.dtype.element_ty),
+             mask=kv_mask)  # fmt: skip
 
 
 @triton.jit
@@ -229,42 +234,45 @@ def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, DELTA_ABS, DQ, KMASK, COUNTS, FAULT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdb, sdh, sdm, sdd, smb,
-    H, L, LK, D, GROUP, qk_scale, scale, window, tau, tau_out,
+    H, L, LK, D, GROUP, qk_scale, scale, window, tau_acc, tau_p, tau_out,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
-    CHECK: tl.constexpr, INJECT: tl.constexpr,
+    CHECK_P: tl.constexpr, CHECK_DS: tl.constexpr, CHECK_DQ: tl.constexpr,
+    INJECT: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
     hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = pid_m * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    offs_m = row0 + rows
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < L
     d_ok = offs_d < D
     qm = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=qm, other=0.0)  # fmt: skip
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd,
-                 mask=qm, other=0.0)  # fmt: skip
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bh * L + offs_m, mask=row_ok, other=0.0)
-    delta_abs = tl.load(DELTA_ABS + bh * L + offs_m, mask=row_ok, other=0.0)
+    q = tile(Q + b * sqb + h * sqh + tl.cast(row0, tl.int64) * sqm, rows, sqm, offs_d, sqd, qm,
+             UPCAST, False)  # fmt: skip
+    do = tile(DO + b * sdb + h * sdh + tl.cast(row0, tl.int64) * sdm, rows, sdm, offs_d, sdd, qm,
+              UPCAST, False)  # fmt: skip
+    at_rows = bh.to(tl.int64) * L + offs_m
+    lse = tl.load(LSE + at_rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + at_rows, mask=row_ok, other=0.0)
+    delta_abs = tl.load(DELTA_ABS + at_rows, mask=row_ok, other=0.0)
     shift = LK - L
     hi = LK
     if CAUSAL:
-        hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M + shift)
+        hi = tl.minimum(LK, row0 + BLOCK_M + shift)
     lo = 0
     if WINDOW:
-        lo = tl.maximum(0, (pid_m * BLOCK_M + shift - window + 1) // BLOCK_N * BLOCK_N)
+        lo = tl.maximum(0, (row0 + shift - window + 1) // BLOCK_N * BLOCK_N)
+    k_at = K + b * skb + hk * skh
+    v_at = V + b * svb + hk * svh
 
-    f_site, f_bh, f_row, f_col, f_val, f_keep, f_mode, f_bit = load_fault(FAULT, INJECT)
-    here = f_bh == bh
-
+    fault = load_fault(FAULT, INJECT)
+    CHECK_ANY: tl.constexpr = CHECK_P or CHECK_DS or CHECK_DQ
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     p_sum = tl.zeros([BLOCK_M], tl.float32)
     ds_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -283,77 +291,73 @@ def _bwd_dq(
         c_dq = tl.zeros([BLOCK_M], tl.float32)
         t_dq = tl.zeros([BLOCK_M], tl.float32)
         n_valid = tl.zeros([BLOCK_M], tl.float32)
-        fresh = (attempt == 0) | (f_keep != 0)
         for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+            offs_n = start + cols
             kv_mask = (offs_n < LK)[:, None] & d_ok[None, :]
-            k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                        mask=kv_mask, other=0.0)  # fmt: skip
-            v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd,
-                        mask=kv_mask, other=0.0)  # fmt: skip
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k))
+            k = tile(k_at + tl.cast(start, tl.int64) * skn, cols, skn, offs_d, skd, kv_mask, UPCAST,
+                     False)  # fmt: skip
+            v = tile(v_at + tl.cast(start, tl.int64) * svn, cols, svn, offs_d, svd, kv_mask, UPCAST,
+                     False)  # fmt: skip
+            s = tl.dot(q, tl.trans(k), input_precision=DOT)
             if INJECT:
-                hit = ((f_site == SITE_SQ) & here & fresh & at(offs_m, f_row)[:, None]
-                       & at(offs_n, f_col)[None, :])  # fmt: skip
-                s = corrupt(s, hit, f_val, f_mode, f_bit)
+                s = inject(s, fault, SITE_SQ, bh, offs_m, offs_n, attempt, True)
             ok = _allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
                           CAUSAL, WINDOW, HAS_MASK)  # fmt: skip
             p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT)
             if INJECT:
-                hit = ((f_site == SITE_DP) & here & fresh & at(offs_m, f_row)[:, None]
-                       & at(offs_n, f_col)[None, :])  # fmt: skip
-                dp = corrupt(dp, hit, f_val, f_mode, f_bit)
+                dp = inject(dp, fault, SITE_DP, bh, offs_m, offs_n, attempt, True)
             ds = p * (dp - delta[:, None])
             ds_lo = ds.to(k.dtype)
-            dq = tl.dot(ds_lo, k, dq)
+            dq = tl.dot(ds_lo, k, dq, input_precision=DOT)
             if INJECT:
-                hit = ((f_site == SITE_DQ) & here & fresh & (start == lo)
-                       & at(offs_m, f_row)[:, None] & at(offs_d, f_col)[None, :])  # fmt: skip
-                dq = corrupt(dq, hit, f_val, f_mode, f_bit)
-            if CHECK:
+                dq = inject(dq, fault, SITE_DQ, bh, offs_m, offs_d, attempt, start == lo)
+            if CHECK_ANY:
                 p_sum += tl.sum(p, 1)
                 ds_sum += tl.sum(ds, 1)
                 ds_mag += tl.sum(tl.abs(p * dp), 1)
                 n_valid += tl.sum(ok.to(tl.float32), 1)
                 ds32 = ds_lo.to(tl.float32)
-                c_dq += tl.sum(ds32 * tl.sum(k.to(tl.float32), 1)[None, :], 1)
-                t_dq += tl.sum(tl.abs(ds32) * tl.sum(tl.abs(k).to(tl.float32), 1)[None, :], 1)
+                k32 = k.to(tl.float32)
+                c_dq += tl.sum(ds32 * tl.sum(k32, 1)[None, :], 1)
+                t_dq += tl.sum(tl.abs(ds32) * tl.sum(tl.abs(k32), 1)[None, :], 1)
         todo = 0
-        if CHECK:
+        if CHECK_ANY:
             any_key = n_valid > 0
-            bad_p = any_key & ~(tl.abs(p_sum - 1.0) <= TAU_P)
-            # Delta comes from O as stored (rounded to its dtype): tau_out sum_d |dO O| of it
-            tol_ds = tau * (ds_mag + tl.abs(delta)) + tau_out * delta_abs + TAU_ABS
-            bad_ds = any_key & ~(tl.abs(ds_sum) <= tol_ds)
-            bad_dq = row_ok & ~(tl.abs(tl.sum(dq, 1) - c_dq) <= tau * t_dq + TAU_ABS)
-            n_p = tl.sum(bad_p.to(tl.int32), 0)
-            n_ds = tl.sum(bad_ds.to(tl.int32), 0)
-            n_dq = tl.sum(bad_dq.to(tl.int32), 0)
+            n_p = 0
+            n_ds = 0
+            n_dq = 0
+            if CHECK_P:
+                n_p = tl.sum((any_key & fails(p_sum - 1.0, tau_p)).to(tl.int32), 0)
+            if CHECK_DS:
+                # Delta comes from O as stored (rounded to its dtype): tau_out sum_d |dO O| of it
+                tol_ds = tau_acc * (ds_mag + tl.abs(delta)) + tau_out * delta_abs + TAU_ABS
+                n_ds = tl.sum((any_key & fails(ds_sum, tol_ds)).to(tl.int32), 0)
+            if CHECK_DQ:
+                n_dq = tl.sum((row_ok & fails(tl.sum(dq, 1) - c_dq, tau_acc * t_dq + TAU_ABS))
+                              .to(tl.int32), 0)  # fmt: skip
             code = (
                 (n_p > 0).to(tl.int32) + 2 * (n_ds > 0).to(tl.int32) + 4 * (n_dq > 0).to(tl.int32)
             )
             if attempt == 0:
                 first = code
                 if n_p > 0:
-                    tl.atomic_add(COUNTS + P_SUM * 3, 1)
+                    count(COUNTS, _P_SUM, 0)
                 if n_ds > 0:
-                    tl.atomic_add(COUNTS + DS_SUM * 3, 1)
+                    count(COUNTS, _DS_SUM, 0)
                 if n_dq > 0:
-                    tl.atomic_add(COUNTS + DQ_CHECK * 3, 1)
+                    count(COUNTS, _DQ, 0)
                 if code > 0:
                     todo = 1
             else:
                 if first % 2 == 1:
-                    tl.atomic_add(COUNTS + P_SUM * 3 + 1 + (n_p > 0).to(tl.int32), 1)
+                    count(COUNTS, _P_SUM, 1 + (n_p > 0).to(tl.int32))
                 if (first // 2) % 2 == 1:
-                    tl.atomic_add(COUNTS + DS_SUM * 3 + 1 + (n_ds > 0).to(tl.int32), 1)
+                    count(COUNTS, _DS_SUM, 1 + (n_ds > 0).to(tl.int32))
                 if first // 4 == 1:
-                    tl.atomic_add(COUNTS + DQ_CHECK * 3 + 1 + (n_dq > 0).to(tl.int32), 1)
+                    count(COUNTS, _DQ, 1 + (n_dq > 0).to(tl.int32))
         attempt += 1
 
-    tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+    dq_at = DQ + b * sqb + h * sqh + tl.cast(row0, tl.int64) * sqm
+    tl.store(dq_at + rows[:, None] * sqm + offs_d[None, :] * sqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=qm)  # fmt: skip

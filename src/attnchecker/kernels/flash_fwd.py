@@ -4,9 +4,12 @@ One program owns a block of BLOCK_M query rows of one (batch, head) and streams 
 tiles of BLOCK_N keys (online softmax in base 2, as FlashAttention-2), with three checks
 (``../shared/spec/fused-attention.md`` section 3.2):
 
-- **S tile** S = Q K_n^T: row sums against q_i . k-bar_n (k-bar_n = sum of the tile's keys),
-  bound |q_i| . |k|-bar_n; the only check that sees a finite near-INF logit. A failing tile is
-  recomputed at once and checked again; failing twice it is reported uncorrected.
+- **S tile** S = Q K_n^T: column sums against q-bar . k_j (q-bar = sum of the program's query
+  rows, computed once), bound |q|-bar . |k_j|; the only check that sees a finite near-INF
+  logit. Columns, not rows: the references need two (BLOCK_D,) vectors of Q, not a |Q| tile
+  kept live across the loop (registers). A failing tile is recomputed at once from Q and K
+  re-read from memory (volatile loads: the compiler cannot merge the second GEMM with the
+  first) and checked again; failing twice it is reported uncorrected.
 - **PV accumulator**, deferred: c_i <- alpha_i c_i + sum_j p~_ij v-bar_j and t_i <- alpha_i t_i +
   sum_j p~_ij |v|-bar_j carried through the online rescaling (p~ = p as it enters the MMA, so
   t is an exact bound since p >= 0); after the loop sum_d acc_id must equal c_i within tau t_i.
@@ -18,18 +21,20 @@ A deferred failure re-runs the program's whole loop once (the inputs are read-on
 is idempotent); a second failure is reported uncorrected. Counters (detected, corrected,
 uncorrected per check) are atomically added on the device: no host synchronisation.
 
-Tolerances, relative to the absolute-value bound beta with an absolute floor TAU_ABS:
-fp16 / bf16 operands have exact products in fp32, so a row sum of K terms carries about
-(K + BLOCK) 2^-24 beta of accumulation error: tau = 1e-4 leaves a 10x margin at K = 128. fp32
-operands may run through TF32 MMAs on a GPU (10-bit mantissas against a full fp32
-prediction): about 2^-11 beta, tau = 4e-3. The floor 1e-30 covers subnormal P (a measured
-false-alarm trap) and flush-to-zero. INF, NaN and near-INF (>= 1e10) faults are 6+ orders of
-magnitude past either.
+Tolerances, relative to the absolute-value bound beta with the absolute floor TAU_ABS:
+``tau`` for the tile check (reduction d, BLOCK_M rows summed), ``tau_acc`` for the deferred
+check and the softmax range (reduction over the keys); both derived by the launcher from one
+model (:func:`attnchecker.abft.tolerance.kernel_factor`: fp32 accumulation, TF32 operands
+where fp32 runs on TF32 MMAs) times the config's ``tolerance_scale``. INF, NaN and near-INF
+(>= 1e10) faults are 6+ orders of magnitude past them.
 
-Fault injection (tests, campaigns): FAULT holds (site, batch * head, row, col, value,
-persistent); site 1 replaces S[row, col] of the tile holding key col, site 2 the PV
-accumulator element (row, col = feature) after the first tile's MMA. A transient fault hits the
-first computation only; a persistent one every recomputation too.
+Offsets: the batch, head and tile-start terms are 64-bit (a Q / K / V tensor may hold more
+than 2^31 elements); only in-tile offsets are 32-bit.
+
+Fault injection (tests, campaigns; ``common.inject``): site ``s`` replaces S[row, col] of the
+tile holding key col, site ``pv`` the PV accumulator element (row, col = feature) after the
+first tile's MMA. A transient fault hits the first computation only; a persistent one every
+recomputation too.
 """
 
 from __future__ import annotations
@@ -37,55 +42,66 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnchecker.kernels.common import at, corrupt, load_fault
+from attnchecker.kernels.common import (
+    TAU_ABS,
+    count,
+    fails,
+    inject,
+    load_fault,
+    row,
+    site,
+    tile,
+)  # fmt: skip
 
-S_CHECK, PV_CHECK, SOFTMAX_CHECK = 0, 1, 2  # rows of the counters
-SITE_S, SITE_PV = 1, 2  # fault sites
-TAU_ABS = 1e-30
+_S, _PV, _SM = row("s"), row("pv"), row("softmax")
+SITE_S, SITE_PV = site("s"), site("pv")
 
 
 @triton.jit
 def _fwd(
     Q, K, V, Out, LSE, KMASK, COUNTS, FAULT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, smb,
-    H, L, LK, D, GROUP, qk_scale, window, tau,
+    H, L, LK, D, GROUP, qk_scale, window, tau, tau_acc,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
-    CHECK: tl.constexpr, INJECT: tl.constexpr,
+    CHECK_S: tl.constexpr, CHECK_PV: tl.constexpr, CHECK_SM: tl.constexpr,
+    INJECT: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
     hk = h // GROUP  # the K/V head of this query head (GQA / MQA)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = pid_m * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)  # in-tile offsets
+    cols = tl.arange(0, BLOCK_N)
+    offs_m = row0 + rows
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < L
     d_ok = offs_d < D
-    q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    )  # fmt: skip
-    if UPCAST:  # the interpreter cannot compute in bf16: fp32 operands
-        q = q.to(tl.float32)
-    q_abs = tl.abs(q).to(tl.float32)
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q_at = Q + b * sqb + h * sqh + tl.cast(row0, tl.int64) * sqm
+    k_at = K + b * skb + hk * skh
+    v_at = V + b * svb + hk * svh
+    q = tile(q_at, rows, sqm, offs_d, sqd, q_mask, UPCAST, False)
+    q32 = q.to(tl.float32)
+    q_bar = tl.sum(q32, 0)  # (BLOCK_D,): the S check's references need only these
+    q_mag = tl.sum(tl.abs(q32), 0)
     shift = LK - L  # query i sits at key position i + shift (a KV cache makes LK > L)
     hi = LK
     if CAUSAL:
-        hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M + shift)
+        hi = tl.minimum(LK, row0 + BLOCK_M + shift)
     lo = 0
     if WINDOW:
-        lo = tl.maximum(0, (pid_m * BLOCK_M + shift - window + 1) // BLOCK_N * BLOCK_N)
+        lo = tl.maximum(0, (row0 + shift - window + 1) // BLOCK_N * BLOCK_N)
 
-    f_site, f_bh, f_row, f_col, f_val, f_keep, f_mode, f_bit = load_fault(FAULT, INJECT)
-    here = f_bh == bh
-
+    fault = load_fault(FAULT, INJECT)
+    CHECK_DEFERRED: tl.constexpr = CHECK_PV or CHECK_SM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     c_i = tl.zeros([BLOCK_M], tl.float32)
     t_i = tl.zeros([BLOCK_M], tl.float32)
-    n_valid = tl.zeros([BLOCK_M], tl.float32)
     first_pv = tl.full([], 0, tl.int32)  # rows that failed each deferred check at attempt 0
     first_sm = tl.full([], 0, tl.int32)
     attempt = 0
@@ -96,49 +112,30 @@ def _fwd(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         c_i = tl.zeros([BLOCK_M], tl.float32)
         t_i = tl.zeros([BLOCK_M], tl.float32)
-        n_valid = tl.zeros([BLOCK_M], tl.float32)
         for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+            offs_n = start + cols
             key_ok = offs_n < LK
-            kv_ok = key_ok[:, None] & d_ok[None, :]
-            k = tl.load(
-                K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                mask=kv_ok, other=0.0,
-            )  # fmt: skip
-            v = tl.load(
-                V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd,
-                mask=kv_ok, other=0.0,
-            )  # fmt: skip
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
+            kv_mask = key_ok[:, None] & d_ok[None, :]
+            k_tile = k_at + tl.cast(start, tl.int64) * skn
+            k = tile(k_tile, cols, skn, offs_d, skd, kv_mask, UPCAST, False)
+            v = tile(v_at + tl.cast(start, tl.int64) * svn, cols, svn, offs_d, svd, kv_mask, UPCAST,
+                     False)  # fmt: skip
+            s = tl.dot(q, tl.trans(k), input_precision=DOT)  # (BLOCK_M, BLOCK_N) fp32
             if INJECT:
-                hit = (
-                    (f_site == SITE_S) & here
-                    & at(offs_m, f_row)[:, None] & at(offs_n, f_col)[None, :]
-                    & ((attempt == 0) | (f_keep != 0))
-                )  # fmt: skip
-                s = corrupt(s, hit, f_val, f_mode, f_bit)
-            if CHECK:
-                k_bar = tl.sum(k.to(tl.float32), 0)  # (BLOCK_D,)
-                k_abs = tl.sum(tl.abs(k).to(tl.float32), 0)
-                ref = tl.sum(q.to(tl.float32) * k_bar[None, :], 1)
-                bound = tl.sum(q_abs * k_abs[None, :], 1)
-                bad = ~(tl.abs(tl.sum(s, 1) - ref) <= tau * bound + TAU_ABS) & row_ok
-                n_bad = tl.sum(bad.to(tl.int32), 0)
-                if n_bad > 0:  # recompute the tile and check it again
-                    tl.atomic_add(COUNTS + S_CHECK * 3, 1)
-                    s = tl.dot(q, tl.trans(k))
+                s = inject(s, fault, SITE_S, bh, offs_m, offs_n, attempt, True)
+            if CHECK_S:
+                k32 = k.to(tl.float32)
+                ref = tl.sum(k32 * q_bar[None, :], 1)  # (BLOCK_N,)
+                bound = tau * tl.sum(tl.abs(k32) * q_mag[None, :], 1) + TAU_ABS
+                if tl.sum((fails(tl.sum(s, 0) - ref, bound) & key_ok).to(tl.int32), 0) > 0:
+                    count(COUNTS, _S, 0)  # recompute the tile from fresh loads, check again
+                    q2 = tile(q_at, rows, sqm, offs_d, sqd, q_mask, UPCAST, True)
+                    k2 = tile(k_tile, cols, skn, offs_d, skd, kv_mask, UPCAST, True)
+                    s = tl.dot(q2, tl.trans(k2), input_precision=DOT)
                     if INJECT:
-                        again = (
-                            (f_site == SITE_S) & here & (f_keep != 0)
-                            & at(offs_m, f_row)[:, None] & at(offs_n, f_col)[None, :]
-                        )  # fmt: skip
-                        s = corrupt(s, again, f_val, f_mode, f_bit)
-                    bad = ~(tl.abs(tl.sum(s, 1) - ref) <= tau * bound + TAU_ABS) & row_ok
-                    still = tl.sum(bad.to(tl.int32), 0) > 0
-                    tl.atomic_add(COUNTS + S_CHECK * 3 + 1 + still.to(tl.int32), 1)
+                        s = inject(s, fault, SITE_S, bh, offs_m, offs_n, 1, True)
+                    still = tl.sum((fails(tl.sum(s, 0) - ref, bound) & key_ok).to(tl.int32), 0)
+                    count(COUNTS, _S, 1 + (still > 0).to(tl.int32))
             valid = row_ok[:, None] & key_ok[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + shift)
@@ -154,50 +151,45 @@ def _fwd(
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             p_lo = p.to(v.dtype)  # what enters the MMA
-            acc = tl.dot(p_lo, v, acc * alpha[:, None])
+            acc = tl.dot(p_lo, v, acc * alpha[:, None], input_precision=DOT)
             if INJECT:
-                hit = (
-                    (f_site == SITE_PV) & here & (start == lo)
-                    & at(offs_m, f_row)[:, None] & at(offs_d, f_col)[None, :]
-                    & ((attempt == 0) | (f_keep != 0))
-                )  # fmt: skip
-                acc = corrupt(acc, hit, f_val, f_mode, f_bit)
-            if CHECK:
+                acc = inject(acc, fault, SITE_PV, bh, offs_m, offs_d, attempt, start == lo)
+            if CHECK_PV:
                 p32 = p_lo.to(tl.float32)
-                v_bar = tl.sum(v.to(tl.float32), 1)  # (BLOCK_N,)
-                v_abs = tl.sum(tl.abs(v).to(tl.float32), 1)
-                c_i = c_i * alpha + tl.sum(p32 * v_bar[None, :], 1)
-                t_i = t_i * alpha + tl.sum(p32 * v_abs[None, :], 1)
-                n_valid += tl.sum(valid.to(tl.float32), 1)
+                v32 = v.to(tl.float32)
+                c_i = c_i * alpha + tl.sum(p32 * tl.sum(v32, 1)[None, :], 1)
+                t_i = t_i * alpha + tl.sum(p32 * tl.sum(tl.abs(v32), 1)[None, :], 1)
             m_i = m_new
         todo = 0
-        if CHECK:
-            pv_bad = ~(tl.abs(tl.sum(acc, 1) - c_i) <= tau * t_i + TAU_ABS) & row_ok
-            any_key = n_valid > 0
-            sm_bad = any_key & ~((l_i >= 1.0 - tau) & (l_i <= n_valid * (1.0 + tau)))
-            n_pv = tl.sum(pv_bad.to(tl.int32), 0)
-            n_sm = tl.sum(sm_bad.to(tl.int32), 0)
+        if CHECK_DEFERRED:
+            n_pv = 0
+            n_sm = 0
+            if CHECK_PV:
+                n_pv = tl.sum((fails(tl.sum(acc, 1) - c_i, tau_acc * t_i + TAU_ABS) & row_ok)
+                              .to(tl.int32), 0)  # fmt: skip
+            if CHECK_SM:  # rows with a key (m_i finite or NaN): 1 <= l_i <= keys swept
+                in_range = (l_i >= 1.0 - tau_acc) & (l_i <= (hi - lo) * (1.0 + tau_acc))
+                n_sm = tl.sum((~(m_i == float("-inf")) & ~in_range & row_ok).to(tl.int32), 0)
             if attempt == 0:
                 first_pv = n_pv
                 first_sm = n_sm
                 if n_pv > 0:
-                    tl.atomic_add(COUNTS + PV_CHECK * 3, 1)
+                    count(COUNTS, _PV, 0)
                 if n_sm > 0:
-                    tl.atomic_add(COUNTS + SOFTMAX_CHECK * 3, 1)
+                    count(COUNTS, _SM, 0)
                 if n_pv + n_sm > 0:
                     todo = 1  # re-run the loop once
             else:  # the re-run: corrected, or still failing (uncorrected)
                 if first_pv > 0:
-                    tl.atomic_add(COUNTS + PV_CHECK * 3 + 1 + (n_pv > 0).to(tl.int32), 1)
+                    count(COUNTS, _PV, 1 + (n_pv > 0).to(tl.int32))
                 if first_sm > 0:
-                    tl.atomic_add(COUNTS + SOFTMAX_CHECK * 3 + 1 + (n_sm > 0).to(tl.int32), 1)
+                    count(COUNTS, _SM, 1 + (n_sm > 0).to(tl.int32))
         attempt += 1
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(
-        Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
-        out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
-    )  # fmt: skip
+    o_at = Out + b * sob + h * soh + tl.cast(row0, tl.int64) * som
+    tl.store(o_at + rows[:, None] * som + offs_d[None, :] * sod, out.to(Out.dtype.element_ty),
+             mask=q_mask)  # fmt: skip
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), 0.0)  # base 2; rows with no key: 0
-    tl.store(LSE + bh * L + offs_m, lse, mask=row_ok)
+    tl.store(LSE + bh.to(tl.int64) * L + offs_m, lse, mask=row_ok)

@@ -4,7 +4,8 @@ implementation for shapes) and autograd its registered backward.
 
 Both ops are functional (an op with an autograd formula may not mutate its inputs): the forward
 ``attnchecker::flash_fwd(q, k, v, key_mask, sink, fault_fwd, fault_bwd, causal, window, scale,
-check) -> (out, lse, counts)`` returns the counters of its checks, which the caller adds to its own;
+checks, tolerance_scale) -> (out, lse, counts)`` (``checks``: the bit mask of
+``kernels.CHECKS`` to run) returns the counters of its checks, which the caller adds to its own;
 the backward's counters are returned as the *gradient of* ``sink``, a small float leaf tensor
 that requires grad and is otherwise unused, so autograd itself accumulates them into
 ``sink.grad`` over every layer and step (no mutation, nothing to sync). Faults are encoded
@@ -18,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnchecker.kernels.flash import CHECKS, flash_backward, flash_forward, new_counts
+from attnchecker.kernels import CHECKS
+from attnchecker.kernels.flash import _unmask, flash_backward, flash_forward, new_counts
 
 __all__ = ["flash_bwd_op", "flash_fwd_op", "new_sink"]
 
@@ -41,17 +43,18 @@ def flash_fwd_op(
     causal: bool,
     window: int,
     scale: float,
-    check: bool,
+    checks: int,
+    tolerance_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     out, lse, counts = flash_forward(
         q, k, v, causal=causal, key_mask=key_mask, window=window, scale=scale, fault=fault_fwd,
-        check=check,
+        check=_unmask(checks), tolerance_scale=tolerance_scale,
     )  # fmt: skip
     return out, lse, counts
 
 
 @flash_fwd_op.register_fake
-def _(q, k, v, key_mask, sink, fault_fwd, fault_bwd, causal, window, scale, check):
+def _(q, k, v, key_mask, sink, fault_fwd, fault_bwd, causal, window, scale, checks, tol):
     B, H, L, _ = q.shape
     counts = q.new_empty(len(CHECKS), 3, dtype=torch.int32)
     return torch.empty_like(q), q.new_empty(B, H, L, dtype=torch.float32), counts
@@ -70,36 +73,37 @@ def flash_bwd_op(
     causal: bool,
     window: int,
     scale: float,
-    check: bool,
+    checks: int,
+    tolerance_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     counts = new_counts(q.device)
     dq, dk, dv = flash_backward(
         q, k, v, out, lse, grad, causal=causal, key_mask=key_mask, window=window, scale=scale,
-        counts=counts, fault=fault, check=check,
+        counts=counts, fault=fault, check=_unmask(checks), tolerance_scale=tolerance_scale,
     )  # fmt: skip
     return dq, dk, dv, counts.to(torch.float32)
 
 
 @flash_bwd_op.register_fake
-def _(q, k, v, out, lse, grad, key_mask, fault, causal, window, scale, check):
+def _(q, k, v, out, lse, grad, key_mask, fault, causal, window, scale, checks, tol):
     counts = q.new_empty(len(CHECKS), 3, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), counts
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, key_mask, _, _, fault_bwd, causal, window, scale, check = inputs
+    q, k, v, key_mask, _, _, fault_bwd, causal, window, scale, checks, tol = inputs
     out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.extra = (key_mask, fault_bwd, causal, window, scale, check)
+    ctx.extra = (key_mask, fault_bwd, causal, window, scale, checks, tol)
 
 
 def _backward(ctx, grad_out, grad_lse, grad_counts):
     q, k, v, out, lse = ctx.saved_tensors
-    key_mask, fault, causal, window, scale, check = ctx.extra
+    key_mask, fault, causal, window, scale, checks, tol = ctx.extra
     dq, dk, dv, counts = flash_bwd_op(
-        q, k, v, out, lse, grad_out, key_mask, fault, causal, window, scale, check
+        q, k, v, out, lse, grad_out, key_mask, fault, causal, window, scale, checks, tol
     )
-    return dq, dk, dv, None, counts, None, None, None, None, None, None
+    return dq, dk, dv, None, counts, None, None, None, None, None, None, None
 
 
 flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -184,3 +184,28 @@ def test_bad_shapes_are_refused():
         flash_forward(q, k, v, fault=KernelFault("dq", 0, 0, 0, 0, 1.0))
     with pytest.raises(ValueError, match="site must be one of"):
         flash_forward(q, k, v, fault=KernelFault("qk", 0, 0, 0, 0, 1.0))
+    with pytest.raises(ValueError, match="unknown kernel checks"):
+        flash_forward(q, k, v, check={"scores"})  # a config op, not a kernel check
+
+
+def test_each_check_is_switched_on_its_own():
+    """A fault in S is seen by the S check alone: with only the PV and softmax checks on (their
+    references come from the corrupted S), nothing is detected; with the S check, it is."""
+    q, k, v = _operands(1, 2, 2, 70, 70, 64, "fp32", seed=5)
+    fault = KernelFault("s", 0, 1, row=40, col=7, value=100.0)
+    _, _, counts = flash_forward(q, k, v, causal=True, fault=fault, check={"pv", "softmax"})
+    assert counts.sum() == 0, counts.tolist()
+    _, _, counts = flash_forward(q, k, v, causal=True, fault=fault, check={"s"})
+    assert counts[CHECKS.index("s")].tolist() == [1, 1, 0], counts.tolist()
+
+
+def test_tolerance_scale_reaches_the_kernels():
+    """S[40, 7] = 100 (logits of ~8) is ~4% of its column's bound: far past the derived tau
+    (~3e-5), inside it at tolerance_scale 1e4."""
+    q, k, v = _operands(1, 2, 2, 70, 70, 64, "fp32", seed=5)
+    fault = KernelFault("s", 0, 1, row=40, col=7, value=100.0)
+    _, _, counts = flash_forward(q, k, v, causal=True, fault=fault, check={"s"})
+    assert counts[CHECKS.index("s"), 0] == 1
+    _, _, counts = flash_forward(q, k, v, causal=True, fault=fault, check={"s"},
+                                 tolerance_scale=1e4)  # fmt: skip
+    assert counts.sum() == 0, counts.tolist()

@@ -1,0 +1,323 @@
+"""The fused kernels compiled ahead of time for CUDA GPUs, on a machine without one.
+
+The interpreter runs code the compiler rejects or rewrites, so the kernels are also compiled
+for real targets here: each :class:`Case` is launched through :mod:`attnchecker.kernels.flash`
+on CPU tensors with the kernels' ``run`` replaced by a recorder (the launcher's own arguments,
+constexprs and launch settings for that architecture), then specialised as Triton's launcher
+does and compiled with ``triton.compile`` for ``GPUTarget("cuda", arch, 32)`` with the ptxas
+that ships in the triton wheel (no GPU, no driver). A :class:`Report` per kernel holds ptxas'
+registers, spills and stack frame, the shared memory against the target's limit, the number
+of ``tt.dot`` before and after the TTIR passes (a merged recompute shows as fewer) and the
+kernel arguments whose pointer offsets are computed in 32 bits. ::
+
+    python -m attnchecker.kernels.aot --cases full --table benchmarks/results/kernel_ptxas.md
+
+Needs ``TRITON_INTERPRET`` unset (the kernels must be decorated for compiling): the tests run
+it in a subprocess. One compile takes 1-10 s on a CPU core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import itertools
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
+
+__all__ = ["SHARED_LIMIT", "Case", "Report", "cases", "compile_case", "main"]
+
+KERNELS = ("fwd", "dkdv", "dq")
+SHARED_LIMIT = {80: 166_912, 90: 232_448}
+"""Shared memory one block may use (bytes): A100 163 KiB, H100 / H200 227 KiB."""
+DTYPES = ("fp16", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One launch configuration of the kernels (every value the compiled code depends on)."""
+
+    dtype: str = "bf16"
+    d: int = 64
+    arch: int = 90
+    causal: bool = True
+    check: bool = True
+    inject: bool = False
+    mask: bool = False
+    window: bool = False
+    gqa: bool = False
+    tf32: bool = False  # fp32 operands on TF32 MMAs (torch's allow_tf32)
+
+    @property
+    def name(self) -> str:
+        flags = [f for f in ("causal", "check", "inject", "mask", "window", "gqa", "tf32")
+                 if getattr(self, f)]  # fmt: skip
+        return f"sm_{self.arch} {self.dtype} d{self.d} " + ("+".join(flags) or "plain")
+
+
+@dataclass
+class Report:
+    """ptxas and IR figures of one kernel of one case (None where compiling failed)."""
+
+    case: Case
+    kernel: str
+    launch: dict = field(default_factory=dict)  # BLOCK_M, BLOCK_N, BLOCK_D, warps, stages
+    registers: int | None = None
+    spill_stores: int | None = None  # bytes per thread
+    spill_loads: int | None = None
+    stack: int | None = None  # bytes of stack frame per thread
+    shared: int | None = None  # bytes per block
+    dots_source: int | None = None  # tt.dot in the frontend IR
+    dots_ttir: int | None = None  # ... after the TTIR passes (CSE)
+    narrow_offsets: list[str] = field(default_factory=list)  # pointer args offset in i32
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def shared_ok(self) -> bool:
+        return self.shared is not None and self.shared <= SHARED_LIMIT[self.case.arch]
+
+    def row(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["case"] = dataclasses.asdict(self.case)
+        return out
+
+    @classmethod
+    def from_row(cls, row: dict) -> Report:
+        return cls(**{**row, "case": Case(**row["case"])})
+
+
+def cases(which: str = "test") -> list[Case]:
+    """``"test"``: what ``make test`` compiles: the production setting (checks on, causal with a
+    padding mask, no injection) of fp16 / bf16 at d 64 and 128, fp32 at d 64 and fp32 on TF32
+    at d 128, on sm_90 and sm_80 (sm_80 fp16 at d 128 and bf16 at d 64 left to the full set:
+    they compile as their neighbours do), and every other launch option (no causal mask,
+    sliding window, GQA, injection, checks off, an odd head size) at least once per
+    architecture. ``"full"``: the cross product of architecture, dtype (fp32 with and without
+    TF32) and head size 64 / 80 / 128, each checked, checked with injection and unchecked,
+    plus the same options. fp32 without TF32 at d > 64 is compiled for the table but not
+    launched by the fused backend (``flash.FP32_MAX_HEAD``)."""
+    if which not in ("test", "full"):
+        raise ValueError(f"cases must be 'test' or 'full', got {which!r}")
+    chosen: list[Case] = []
+    heads = (64, 128) if which == "test" else (64, 80, 128)
+    kinds = [("fp16", False), ("bf16", False), ("fp32", False), ("fp32", True)]
+    for arch, (dtype, tf32), d in itertools.product((90, 80), kinds, heads):
+        if which == "test":
+            if dtype == "fp32" and tf32 != (d > 64):
+                continue
+            if arch == 80 and (dtype, d) in (("fp16", 128), ("bf16", 64)):
+                continue
+        chosen.append(Case(dtype, d, arch, mask=True, tf32=tf32))
+        if which == "full":
+            chosen.append(Case(dtype, d, arch, mask=True, tf32=tf32, inject=True))
+            chosen.append(Case(dtype, d, arch, check=False, tf32=tf32))
+    for arch in (90, 80):  # each remaining option at least once per architecture
+        chosen += [
+            Case("bf16", 80, arch, causal=False, gqa=True, window=True),
+            Case("fp16", 64, arch, check=False, inject=True),
+            Case("bf16", 128, arch, inject=True, mask=True, gqa=True),
+        ]
+    return chosen
+
+
+def launched(case: Case) -> bool:
+    """Whether the fused backend launches the kernels for ``case`` (not fp32 without TF32
+    above ``flash.FP32_MAX_HEAD``)."""
+    from attnchecker.kernels.flash import FP32_MAX_HEAD
+
+    return not (case.dtype == "fp32" and not case.tf32 and case.d > FP32_MAX_HEAD)
+
+
+def _tensors(case: Case):
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
+    B, H, L = 2, 4, 512  # long enough for every block cap
+    Hkv = 2 if case.gqa else H
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, L, case.d, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, L, case.d, generator=g).to(dtype) for _ in range(2))
+    mask = torch.ones(B, L, dtype=torch.bool) if case.mask else None
+    return q, k, v, mask
+
+
+def _capture(case: Case) -> dict[str, tuple]:
+    """{kernel: (JITFunction, args, kwargs)} as flash.py launches them for ``case``."""
+    import torch
+
+    from attnchecker.kernels import flash
+    from attnchecker.kernels import flash_bwd as bwd
+    from attnchecker.kernels import flash_fwd as fwd
+
+    fns = {"fwd": fwd._fwd, "dkdv": bwd._bwd_dkdv, "dq": bwd._bwd_dq}
+    seen: dict[str, tuple] = {}
+
+    def recorder(name, fn):
+        def run(*args, grid, warmup, **kwargs):
+            seen[name] = (fn, args, kwargs)
+
+        return run
+
+    q, k, v, mask = _tensors(case)
+    fault = torch.zeros(8) if case.inject else None  # encoded: any site sets INJECT
+    kw = dict(causal=case.causal, key_mask=mask, window=128 if case.window else 0,
+              check=case.check, fault=fault)  # fmt: skip
+    matmul = torch.backends.cuda.matmul
+    tf32 = matmul.allow_tf32
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(flash, "device_arch", return_value=case.arch))
+        for name, fn in fns.items():
+            stack.enter_context(mock.patch.object(fn, "run", recorder(name, fn)))
+        try:
+            matmul.allow_tf32 = case.tf32
+            _out, lse, _ = flash.flash_forward(q, k, v, **kw)
+            flash.flash_backward(q, k, v, q.clone(), lse, q.clone(), **kw)
+        finally:
+            matmul.allow_tf32 = tf32
+    return seen
+
+
+_PTXAS = {
+    "registers": r"Used (\d+) registers",
+    "stack": r"(\d+) bytes stack frame",
+    "spill_stores": r"(\d+) bytes spill stores",
+    "spill_loads": r"(\d+) bytes spill loads",
+}
+
+
+def _narrow(ttir: str, fn) -> list[str]:
+    """Tensor arguments of ``fn`` that some ``tt.addptr`` offsets by an i32 scalar (an offset
+    that wraps past 2^31 elements); the counters and the fault vector, a few fixed elements
+    addressed by constants, are not tensors of the problem's size."""
+    pointers = [p.name for p in fn.params if not p.is_constexpr and p.name[0].isupper()
+                and p.name not in ("COUNTS", "FAULT")]  # fmt: skip
+    found = set()
+    for name in pointers:
+        if re.search(rf"tt\.addptr %{name}, %[\w.]+ : !tt\.ptr<[^>]+>, i32\b", ttir):
+            found.add(name)
+    return sorted(found)
+
+
+def compile_case(case: Case) -> list[Report]:
+    """Compile the three kernels of ``case``; a failure is a report's ``error``."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    knobs.nvidia.dump_ptxas_log = True
+    target = GPUTarget("cuda", case.arch, 32)
+    backend = make_backend(target)
+    try:
+        seen = _capture(case)
+    except Exception as exc:  # a launcher that rejects the case
+        return [Report(case, k, error=f"launch: {type(exc).__name__}: {exc}") for k in KERNELS]
+    reports = []
+    for kernel in KERNELS:
+        fn, args, kwargs = seen[kernel]
+        launch = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps",
+                                         "num_stages")}  # fmt: skip
+        rep = Report(case, kernel, launch=launch)
+        start = time.perf_counter()
+        log = io.StringIO()
+        try:
+            binder = create_function_from_signature(fn.signature, fn.params, backend)
+            bound, spec, opts = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec,
+                                                                  opts)  # fmt: skip
+            with contextlib.redirect_stdout(log):
+                ck = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)  # fmt: skip
+        except Exception as exc:
+            rep.error = f"{type(exc).__name__}: {_first_line(exc)}"
+        else:
+            text = log.getvalue()
+            for key, pattern in _PTXAS.items():
+                m = re.search(pattern, text)
+                setattr(rep, key, int(m.group(1)) if m else None)
+            rep.shared = int(ck.metadata.shared)
+            rep.dots_source = ck.asm["source"].count("tt.dot ") if "source" in ck.asm else None
+            rep.dots_ttir = ck.asm["ttir"].count("tt.dot ")
+            rep.narrow_offsets = _narrow(ck.asm["ttir"], fn)
+        rep.seconds = round(time.perf_counter() - start, 2)
+        reports.append(rep)
+    return reports
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    named = [line for line in text.splitlines() if "Error" in line]
+    return (named[-1] if named else text.splitlines()[0] if text else "")[:300]
+
+
+def compile_all(chosen: list[Case], jobs: int = 2) -> list[Report]:
+    """Every case in ``jobs`` processes, each with a fresh Triton cache (so ptxas runs and
+    reports); the order of ``chosen`` is kept."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile with TRITON_INTERPRET unset (the kernels are interpreted)")
+    with tempfile.TemporaryDirectory(prefix="attnchecker-aot-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        if jobs <= 1:
+            return [r for case in chosen for r in compile_case(case)]
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            return [r for reports in pool.map(compile_case, chosen) for r in reports]
+
+
+def table(reports: list[Report]) -> str:
+    """A markdown table of the reports, one row per kernel and case."""
+    head = ("| case | kernel | blocks M x N | warps | stages | registers | spill st/ld B | "
+            "stack B | shared KiB (limit) | tt.dot src -> ttir | i32 offsets | s |")  # fmt: skip
+    lines = [head, "|" + "---|" * 12]
+    for r in reports:
+        if r.error:
+            lines.append(f"| {r.case.name} | {r.kernel} | error: {r.error} |" + " |" * 10)
+            continue
+        lim = SHARED_LIMIT[r.case.arch] / 1024
+        lines.append(
+            f"| {r.case.name} | {r.kernel} | {r.launch['BLOCK_M']} x {r.launch['BLOCK_N']} | "
+            f"{r.launch['num_warps']} | {r.launch['num_stages']} | {r.registers} | "
+            f"{r.spill_stores} / {r.spill_loads} | {r.stack} | "
+            f"{r.shared / 1024:.1f} ({lim:.0f}) | {r.dots_source} -> {r.dots_ttir} | "
+            f"{', '.join(r.narrow_offsets) or '-'} | {r.seconds:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m attnchecker.kernels.aot", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--cases", default="test", choices=("test", "full"))
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json", type=Path, help="write the reports as JSON rows")
+    p.add_argument("--table", type=Path, help="write a markdown table")
+    args = p.parse_args(argv)
+    chosen = cases(args.cases)
+    print(f"compiling {len(chosen)} cases x {len(KERNELS)} kernels in {args.jobs} processes",
+          file=sys.stderr)  # fmt: skip
+    start = time.perf_counter()
+    reports = compile_all(chosen, args.jobs)
+    took = time.perf_counter() - start
+    if args.json:
+        args.json.write_text(json.dumps([r.row() for r in reports], indent=1))
+    text = table(reports)
+    if args.table:
+        args.table.write_text(text)
+    print(text)
+    print(f"{len(reports)} kernels in {took:.0f} s", file=sys.stderr)
+    return 1 if any(r.error for r in reports) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
