@@ -236,9 +236,13 @@ def compile_case(case: Case) -> list[Report]:
             bound, spec, opts = binder(*args, **kwargs)
             options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec,
                                                                   opts)  # fmt: skip
-            with contextlib.redirect_stdout(log):
-                ck = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                    options=options.__dict__)  # fmt: skip
+            # a fresh cache each time: a cached kernel (two cases that specialise alike, d 80
+            # and d 128 share BLOCK_D) would not run ptxas, so it would not report
+            with tempfile.TemporaryDirectory(prefix="attnchecker-aot-") as cache:
+                os.environ["TRITON_CACHE_DIR"] = cache
+                with contextlib.redirect_stdout(log):
+                    ck = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                        target=target, options=options.__dict__)  # fmt: skip
         except Exception as exc:
             rep.error = f"{type(exc).__name__}: {_first_line(exc)}"
         else:
@@ -262,16 +266,14 @@ def _first_line(exc: Exception) -> str:
 
 
 def compile_all(chosen: list[Case], jobs: int = 2) -> list[Report]:
-    """Every case in ``jobs`` processes, each with a fresh Triton cache (so ptxas runs and
-    reports); the order of ``chosen`` is kept."""
+    """Every case in ``jobs`` processes, each compile with a fresh Triton cache (so ptxas runs
+    and reports); the order of ``chosen`` is kept."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile with TRITON_INTERPRET unset (the kernels are interpreted)")
-    with tempfile.TemporaryDirectory(prefix="attnchecker-aot-") as cache:
-        os.environ["TRITON_CACHE_DIR"] = cache
-        if jobs <= 1:
-            return [r for case in chosen for r in compile_case(case)]
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            return [r for reports in pool.map(compile_case, chosen) for r in reports]
+    if jobs <= 1:
+        return [r for case in chosen for r in compile_case(case)]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return [r for reports in pool.map(compile_case, chosen) for r in reports]
 
 
 def table(reports: list[Report]) -> str:

@@ -55,7 +55,7 @@ PAIRS = [(c, k) for c in CASES for k in KERNELS]
 def test_every_configuration_compiles(reports, case, kernel):
     rep = reports[case, kernel]
     assert rep.error is None, rep.error
-    assert rep.registers is not None and rep.stack is not None  # ptxas reported
+    assert None not in (rep.registers, rep.spill_stores, rep.stack)  # ptxas reported
 
 
 def _spill_limit(case: Case, kernel: str) -> int | None:
