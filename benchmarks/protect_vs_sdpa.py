@@ -36,7 +36,7 @@ from attnchecker.attention.config import OPS
 from attnchecker.models.families import TABLE
 from attnchecker.models.registry import discover
 from attnchecker.models.tiny import build
-from attnchecker.testing import count_ops
+from attnchecker.testing import count_ops, inductor_kernels
 
 ATTENTION = ("self_attn", "attn", "attention")  # how transformers' layers name their attention
 ARMS = {  # the protected arms: the forward's checks, + the backward's (default), + every linear
@@ -156,8 +156,11 @@ def measure(family: str, L: int, dtype: str, mode: str, device: str, reps: int) 
     t0 = time.perf_counter()
     runs = {k: (torch.compile(m) if mode == "compiled" else m) for k, m in models.items()}
     steps = {k: _stepper(models[k], runs[k], inputs, device, dtype) for k in models}
-    for f in steps.values():  # compile (or warm up) each arm once, outside the timing
-        f()
+    kernels = {}
+    for k, f in steps.items():  # compile (or warm up) each arm once, outside the timing
+        with inductor_kernels() as calls:  # compiled: the kernels of one step (its first)
+            f()
+        kernels[k] = calls.total
     setup_s = time.perf_counter() - t0
     times = _alternate(steps, reps, device)
     row = {
@@ -169,6 +172,8 @@ def measure(family: str, L: int, dtype: str, mode: str, device: str, reps: int) 
         "step_vs_eager": _ratio(times, "protected", "eager"),
         "eager_vs_sdpa": _ratio(times, "eager", "sdpa"),
     }  # fmt: skip
+    if mode == "compiled":
+        row["kernels_per_step"] = kernels
     if mode == "eager":
         fwd = _attention_forward(models, inputs, family, device, dtype, reps)
         row.update(
@@ -206,16 +211,22 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
         "",
         "Protected arms: `forward` (the forward's seven checks, `ops=OPS`), `protected` (the "
         'default: forward and backward), `all_linear` (`scope="all_linear"`: every linear '
-        "layer, forward and backward). Launching ops are per training step beyond SDPA.",
+        "layer, forward and backward). Launching ops are per training step beyond SDPA (eager); "
+        "kernels per step are what inductor's output code calls in one compiled training step "
+        "(its fused kernels, GEMMs and aten fallbacks; `attnchecker.testing.inductor_kernels`) "
+        "for sdpa / forward / protected / all_linear.",
         "",
         "| family | L | dtype | mode | sdpa ms | forward | protected | all_linear | "
-        "launching ops forward / protected / all_linear |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "launching ops forward / protected / all_linear | kernels per step (compiled) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['family']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['step_sdpa_ms']:.1f} | "
             + " | ".join(_pct(r.get(f"{k}_vs_sdpa")) for k in ARMS)
             + " | "
             + " / ".join(str(v) for v in r.get("launching_vs_sdpa_per_step", {}).values())
+            + " | "
+            + " / ".join(str(r.get("kernels_per_step", {}).get(k, "")) for k in ("sdpa", *ARMS))
+            * ("kernels_per_step" in r)
             + " |"
             for r in rows
         ),

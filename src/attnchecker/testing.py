@@ -1,6 +1,7 @@
 """Helpers for tests and benchmarks (like ``torch.testing``), not part of the protection:
-counting the aten ops a piece of work dispatches, and clean protected training runs that count
-false alarms (:func:`clean_run`).
+counting the aten ops a piece of work dispatches, the kernels a compiled program calls
+(:func:`inductor_kernels`), and clean protected training runs that count false alarms
+(:func:`clean_run`).
 
 On a GPU every dispatched op that computes something is a kernel launch of a few microseconds,
 so for small per-layer work the count, not the FLOPs, sets the cost. Views and other metadata
@@ -10,13 +11,19 @@ mode sees and the launching part.
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from unittest import mock
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SYNCING_OPS", "VIEW_OPS", "CleanRun", "OpCounter", "clean_run", "count_ops"]
+__all__ = [
+    "SYNCING_OPS", "VIEW_OPS", "CleanRun", "KernelCalls", "OpCounter", "clean_run", "count_ops",
+    "inductor_kernels",
+]  # fmt: skip
 
 VIEW_OPS = frozenset(
     {
@@ -73,6 +80,59 @@ def count_ops(fn: Callable[[], object]) -> OpCounter:
     with OpCounter() as counter:
         fn()
     return counter
+
+
+class KernelCalls(Counter):
+    """Kernel calls in the output code of the graphs inductor produced, by kind: ``generated``
+    (its own fused kernels: C++ on CPU, Triton on CUDA), ``extern`` (library calls: GEMMs,
+    ``extern_kernels.*``) and ``fallback`` (aten ops it does not lower, ``torch.ops.*``)."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.values())
+
+
+_CALL = re.compile(
+    r"^\s+(?:[\w, ]+=\s*)?"  # an optional assignment, then the callee:
+    r"((?:cpp_fused|triton_)\w*(?:\.run)?|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(",
+    re.M,
+)
+
+
+def kernel_calls(code: str) -> KernelCalls:
+    """The kernel calls of one graph's output code (the body of its ``call``: each runs once
+    per execution of the graph)."""
+    start = code.find("def call(")
+    body = code[start:] if start >= 0 else code
+    end = body.find("\ndef ", 1)
+    body = body if end < 0 else body[:end]
+    calls = KernelCalls()
+    for name in _CALL.findall(body):
+        kind = (
+            "extern"
+            if name.startswith("extern")
+            else "fallback"
+            if name.startswith("torch")
+            else "generated"
+        )
+        calls[kind] += 1
+    return calls
+
+
+@contextlib.contextmanager
+def inductor_kernels() -> Iterator[KernelCalls]:
+    """Count the kernel calls of every graph inductor compiles, or loads from its cache, while
+    active (a count, not a time). Run one step of a compiled model inside it, its first (which
+    compiles its forward and backward graphs): the count is the kernels one step launches, as
+    long as each graph runs once per step. Unlike ``torch._inductor.utils.run_and_get_code``
+    it does not reset dynamo (models compiled before stay compiled)."""
+    from torch._inductor.graph import GraphLowering
+
+    calls = KernelCalls()
+    with mock.patch.object(
+        GraphLowering, "save_output_code", lambda code: calls.update(kernel_calls(code))
+    ):
+        yield calls
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 
 from attnchecker import protect_
 from attnchecker.models.tiny import build
+from attnchecker.testing import inductor_kernels
 
 from .helpers import SITES, batch, fire_once, max_diff, update_excess
 
@@ -46,6 +47,13 @@ def _compiled_step(model, compiled, inputs):
 
 
 SLOW = [pytest.mark.slow, pytest.mark.timeout(900)]
+# Kernels one compiled training step calls (inductor's output code: its fused kernels, GEMMs and
+# aten fallbacks; ``attnchecker.testing.inductor_kernels``), one layer, the default config: a
+# count, so a change that adds kernels must say so here. Measured 2026-12-02 in this test: gpt2
+# 126, llama 187, bert 183; the plain SDPA model of the same batch 38 / 49 / 51 (3.3x, 3.8x,
+# 3.6x; ``benchmarks/protect_vs_sdpa.py --compile compiled`` reports them per arm); issue 23's
+# target is 1.5x.
+KERNELS_CEILING = {"gpt2": 130, "llama": 192, "bert": 188}
 # each faulty site is a recompilation (its hook is traced into the graph): two in the default
 # run, a projection and the core's repair, every site in the slow ones
 QUICK = ("q", "context")
@@ -72,7 +80,16 @@ def test_compiled_protected_model_compiles_once_and_corrects_every_op(family, si
     inputs = batch(family)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     frames = []
-    for _ in range(4):  # clean training: one compilation, then none
+    with inductor_kernels() as kernels:  # the first step compiles: its kernels are counted
+        compiled(**inputs).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    assert handle.drain() == []
+    frames.append(counters["frames"]["total"])
+    print(f"{family}: {kernels.total} kernels per step {dict(kernels)}")
+    if family in KERNELS_CEILING:
+        assert kernels.total <= KERNELS_CEILING[family], dict(kernels)
+    for _ in range(3):  # clean training: no further compilation
         compiled(**inputs).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -100,3 +117,23 @@ def test_compiled_protected_model_compiles_once_and_corrects_every_op(family, si
             [(site, "corrected")],
             [(site, "recomputed")],
         ), events
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect (found 2026-12-02): under torch.compile with bf16 autocast the backward "
+    "checks' GEMMs get an fp32 weight beside a bf16 gradient (inductor's backward: "
+    "'expected m1 and m2 to have the same dtype'); eager is fine",
+)
+def test_compiled_training_under_bf16_autocast_with_backward_checks():
+    """A clean compiled step of the default config under bf16 autocast, what users run on GPUs:
+    it must not crash (today it does; this test flips to passing when fixed)."""
+    torch._dynamo.reset()
+    model = build("gpt2", layers=1)
+    model.train()
+    handle = protect_(model)
+    compiled = torch.compile(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(**batch("gpt2")).loss
+    loss.backward()
+    assert handle.drain() == []
