@@ -38,6 +38,7 @@ import math
 import torch
 
 __all__ = [
+    "gemm_factor",
     "kernel_factor",
     "magnitude_factor",
     "norm_bound",
@@ -80,6 +81,17 @@ def magnitude_factor(
 
 
 _U_TF32 = 2.0**-11
+
+
+def gemm_factor(out: torch.Tensor, *operands: torch.Tensor, inner: int, length: int) -> float:
+    """:func:`magnitude_factor` of a checked vector of ``out`` = a GEMM of ``operands``; an
+    operand wider than the output (autocast) was rounded to the output's dtype before the GEMM,
+    which adds one rounding of that operand to every product. The tolerance of every eager
+    check (forward, backward, linear layers)."""
+    rounded = sum(op.dtype != out.dtype for op in operands)
+    return magnitude_factor(
+        out.dtype, out.device, inner=inner, length=length
+    ) + rounded * unit_roundoff(out.dtype)
 
 
 def kernel_factor(operand: torch.dtype, *, inner: int, length: int, tf32: bool) -> float:

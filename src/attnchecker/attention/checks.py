@@ -17,7 +17,7 @@ projection (a copy of W_q | W_k | W_v per step, so the weight-side sums are one 
   sum_{o in g} b_o, one thin GEMM (T, K) x (K, sum G) for all of them. Bound on the rounding
   error, by Cauchy-Schwarz on the augmented vectors [x_t, 1] and [W_o, b_o]:
   sum_{o in g} (sum_k |x_tk W_ok| + |b_o|) <= sqrt(n) (||x_t|| + 1) ||[W_g | b_g]||_F, times the
-  factor of :func:`~attnchecker.abft.tolerance.magnitude_factor`. Up to ``max_rows`` worst rows
+  factor of :func:`~attnchecker.abft.tolerance.gemm_factor`. Up to ``max_rows`` worst rows
   are recomputed (one element, a token row, 2D blocks spanning up to ``max_rows`` tokens).
 - columns: a range check that needs no reference, |sum_t y_to| <= sum_t (||x_t|| + 1)
   ||[W_o | b_o]|| per output o (Cauchy-Schwarz again; a 1/64 relative slack covers the rounding
@@ -58,7 +58,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from attnchecker.abft.tolerance import (
-    magnitude_factor,
+    gemm_factor,
     norm_bound,
     squares_lost,
     underflow_floor,
@@ -83,15 +83,6 @@ _U32 = unit_roundoff(torch.float32)
 
 def _no_autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, enabled=False)
-
-
-def _factor(out: Tensor, *operands: Tensor, inner: int, length: int) -> float:
-    """Tolerance factor; operands wider than the output (autocast) were rounded to its dtype
-    before the GEMM, which adds one rounding of each operand to every product."""
-    rounded = sum(op.dtype != out.dtype for op in operands)
-    return magnitude_factor(
-        out.dtype, out.device, inner=inner, length=length
-    ) + rounded * unit_roundoff(out.dtype)
 
 
 def _record(rows: Tensor, cols: Tensor, value: Tensor, lost: Tensor, again: Tensor) -> Tensor:
@@ -202,7 +193,7 @@ def row_factor(x: Tensor, items: list[tuple[Projection, Tensor]], scale: float) 
     is the extra term), plus two roundings to x's dtype (the reference is computed in it)."""
     K = x.shape[-1]
     return scale * max(
-        _factor(y, x, p.weight, inner=K + 1, length=y.shape[-1] // p.groups)
+        gemm_factor(y, x, p.weight, inner=K + 1, length=y.shape[-1] // p.groups)
         * math.sqrt(y.shape[-1] // p.groups)
         + 2 * unit_roundoff(x.dtype)
         for p, y in items
@@ -437,7 +428,7 @@ def scores_residual(
         qn = norm_bound(q, -1)  # (B, H, L)
         kn = norm_bound(k, -1).sum(-1, keepdim=True)  # (B, H, 1)
         res = s.sum(-1, dtype=torch.float32) - (ref if alpha == 1.0 else ref * alpha)
-        tol = _factor(s, q, k, inner=d, length=Lk) * scale * abs(alpha)
+        tol = gemm_factor(s, q, k, inner=d, length=Lk) * scale * abs(alpha)
         floor = underflow_floor(s.dtype, length=Lk, inner=d)
         return res, torch.addcmul(res.abs() - floor, qn, kn, value=-tol)
 
@@ -480,7 +471,7 @@ def context_residual(
             cols.append(torch.ones_like(cols[1]))
         both = p.to(f32) @ torch.stack(cols, -1)  # (B, H, L, 2..4): ref, bound, [error], [sum p]
         res = c.sum(-1, dtype=f32) - both[..., 0]
-        tol = _factor(c, p, v, inner=Lk, length=d) * scale
+        tol = gemm_factor(c, p, v, inner=Lk, length=d) * scale
         floor = underflow_floor(c.dtype, length=d, inner=Lk)
         excess = torch.sub(res.abs() - floor, both[..., 1], alpha=tol)
         out: tuple[Tensor, ...] = (res, excess if v_sums is None else excess - both[..., 2])

@@ -19,7 +19,7 @@ model, bitwise on CPU), then check each gradient and recompute what fails:
 The check of a product out = x @ y (rows i, inner k, n columns) compares the recomputed row sum
 with x_i . (y 1), and flags it when they differ by more than the rounding bound
 f * sum_k |x_ik| sum_n |y_kn| <= f ||x_i|| ||(sum_n |y_kn|)_k|| (Cauchy-Schwarz; exact when x >= 0,
-as the probabilities are), f from :func:`~attnchecker.abft.tolerance.magnitude_factor`.
+as the probabilities are), f from :func:`~attnchecker.abft.tolerance.gemm_factor`.
 
 The records leave the backward as the *gradient of* a small leaf tensor that requires grad (one
 per protected module, (n ops, 7) float64 records of
@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from attnchecker.abft.tolerance import (
-    magnitude_factor,
+    gemm_factor,
     norm_bound,
     underflow_floor,
     unit_roundoff,
@@ -68,13 +68,6 @@ GradSite = Callable[[str, Tensor], None]
 def new_records_sink(n_ops: int, device: torch.device) -> Tensor:
     """The leaf whose ``.grad`` collects a module's backward records (n_ops, 7) float64."""
     return torch.zeros(n_ops, 7, dtype=torch.float64, device=device, requires_grad=True)
-
-
-def _factor(out: Tensor, x: Tensor, y: Tensor, *, inner: int, length: int) -> float:
-    rounded = (x.dtype != out.dtype) + (y.dtype != out.dtype)
-    return magnitude_factor(
-        out.dtype, out.device, inner=inner, length=length
-    ) + rounded * unit_roundoff(out.dtype)
 
 
 def _norm(t: Tensor) -> Tensor:
@@ -116,7 +109,7 @@ def _reference(
         else:  # (..., 1)
             xn = (_norm(x) if norms is None else norms[0]).unsqueeze(-1)
         mag = xn * (yn * math.sqrt(N)).unsqueeze(-1)
-    tol = (_factor(out, x, y, inner=K, length=N) + rounding) * scale
+    tol = (gemm_factor(out, x, y, inner=K, length=N) + rounding) * scale
     return ref, (mag * tol).add_(underflow_floor(out.dtype, length=N, inner=K))
 
 
