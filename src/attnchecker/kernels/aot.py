@@ -76,7 +76,7 @@ class Report:
     spill_loads: int | None = None
     stack: int | None = None  # bytes of stack frame per thread
     shared: int | None = None  # bytes per block
-    dots_source: int | None = None  # tt.dot in the frontend IR
+    dots_source: int | None = None  # tt.dot the frontend IR executes (helpers per call)
     dots_ttir: int | None = None  # ... after the TTIR passes (CSE)
     narrow_offsets: list[str] = field(default_factory=list)  # pointer args offset in i32
     seconds: float = 0.0
@@ -208,6 +208,33 @@ def _narrow(ttir: str, fn) -> list[str]:
     return sorted(found)
 
 
+_FUNC = re.compile(r'tt\.func (public|private) @("[^"]+"|[\w.]+)\(')
+_CALLS = re.compile(r'tt\.call @("[^"]+"|[\w.]+)\(')
+
+
+def _dots(source: str) -> int:
+    """The ``tt.dot`` a kernel's frontend IR executes: its own plus those of every jit function
+    it calls, once per call (a helper holding one GEMM, called twice, is two; the TTIR has them
+    inlined)."""
+    bodies, entry, name = {}, None, None
+    for line in source.splitlines():
+        m = _FUNC.search(line)
+        if m:
+            name = m.group(2)
+            bodies[name] = []
+            entry = entry or (name if m.group(1) == "public" else None)
+        elif name is not None:
+            bodies[name].append(line)
+
+    def count(fn: str, seen: tuple[str, ...] = ()) -> int:
+        if fn in seen:  # recursion is impossible in Triton; a parse error must not loop
+            raise ValueError(f"cyclic calls through {fn} in the frontend IR")
+        text = "\n".join(bodies.get(fn, ()))
+        return text.count("tt.dot ") + sum(count(c, (*seen, fn)) for c in _CALLS.findall(text))
+
+    return count(entry) if entry else source.count("tt.dot ")
+
+
 def compile_case(case: Case) -> list[Report]:
     """Compile the three kernels of ``case``; a failure is a report's ``error``."""
     import triton
@@ -251,7 +278,7 @@ def compile_case(case: Case) -> list[Report]:
                 m = re.search(pattern, text)
                 setattr(rep, key, int(m.group(1)) if m else None)
             rep.shared = int(ck.metadata.shared)
-            rep.dots_source = ck.asm["source"].count("tt.dot ") if "source" in ck.asm else None
+            rep.dots_source = _dots(ck.asm["source"]) if "source" in ck.asm else None
             rep.dots_ttir = ck.asm["ttir"].count("tt.dot ")
             rep.narrow_offsets = _narrow(ck.asm["ttir"], fn)
         rep.seconds = round(time.perf_counter() - start, 2)

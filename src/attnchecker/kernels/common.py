@@ -99,6 +99,42 @@ def tile(base, rows, row_stride, cols, col_stride, mask, UPCAST: tl.constexpr, F
 
 
 @triton.jit
+def allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
+             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):  # fmt: skip
+    """(len(offs_m), len(offs_n)) bool: query rows that may attend keys."""
+    ok = (offs_m[:, None] < L) & (offs_n[None, :] < LK)
+    if CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None] + shift)
+    if WINDOW:
+        ok = ok & (offs_n[None, :] > offs_m[:, None] + shift - window)
+    if HAS_MASK:
+        keep = tl.load(KMASK + b * smb + offs_n, mask=offs_n < LK, other=0)
+        ok = ok & (keep[None, :] != 0)
+    return ok
+
+
+@triton.jit
+def tile_check(x, a_bar, a_mag, b_tile, ok, tau):
+    """Columns of the tile x = A B^T (A's rows summed into a_bar, |A|'s into a_mag) whose sum
+    is off its reference a_bar . b_i beyond tau a_mag . |b_i| (+ TAU_ABS), among ``ok``."""
+    b32 = b_tile.to(tl.float32)
+    ref = tl.sum(b32 * a_bar[None, :], 1)
+    bound = tau * tl.sum(tl.abs(b32) * a_mag[None, :], 1) + TAU_ABS
+    return tl.sum((fails(tl.sum(x, 0) - ref, bound) & ok).to(tl.int32), 0)
+
+
+@triton.jit
+def fresh_product(a_at, a_rows, a_stride, a_mask, b_at, b_rows, b_stride, b_mask, cols, a_col,
+                  b_col, UPCAST: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """A B^T of the tiles A at ``a_at`` and B at ``b_at`` (as :func:`tile` reads them) re-read
+    from memory: the recomputation of a product that failed its check, which the compiler
+    cannot merge with the first."""
+    a = tile(a_at, a_rows, a_stride, cols, a_col, a_mask, UPCAST, True)
+    b = tile(b_at, b_rows, b_stride, cols, b_col, b_mask, UPCAST, True)
+    return tl.dot(a, tl.trans(b), input_precision=DOT)
+
+
+@triton.jit
 def count(COUNTS, check, column):
     """Add 1 to the counter (``check``, column: 0 detected, 1 corrected, 2 uncorrected)."""
     tl.atomic_add(COUNTS + check * 3 + column, 1)

@@ -247,17 +247,10 @@ def _settings(kernel: str, q: Tensor, L: int, Lk: int, check) -> dict:
     block_d = max(16, triton.next_power_of_2(q.shape[-1]))
     go = launch_settings(kernel, device_arch(q.device), block_d, operand_kind(q))
     names = _names(check)
-    rows, keys = (Lk, L) if kernel == "dkdv" else (L, Lk)  # the dK/dV program owns keys
-    first, second = (go.block_n, go.block_m) if kernel == "dkdv" else (go.block_m, go.block_n)
-    owned, streamed = _block(rows, first), _block(keys, second)
-    blocks = (
-        {"BLOCK_N": owned, "BLOCK_M": streamed}
-        if kernel == "dkdv"
-        else {"BLOCK_M": owned, "BLOCK_N": streamed}
-    )
     flags = {flag: name in names for flag, name in KERNEL_FLAGS[kernel].items()}
-    return dict(**flags, **blocks, BLOCK_D=block_d, num_warps=go.num_warps,
-                num_stages=go.num_stages)  # fmt: skip
+    # BLOCK_M tiles the queries and BLOCK_N the keys in every kernel (owned or streamed)
+    return dict(**flags, BLOCK_M=_block(L, go.block_m), BLOCK_N=_block(Lk, go.block_n),
+                BLOCK_D=block_d, num_warps=go.num_warps, num_stages=go.num_stages)  # fmt: skip
 
 
 def _block(n: int, cap: int) -> int:

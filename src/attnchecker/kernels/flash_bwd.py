@@ -37,44 +37,22 @@ import triton.language as tl
 
 from attnchecker.kernels.common import (
     TAU_ABS,
+    allowed,
     count,
     fails,
+    fresh_product,
     inject,
     load_fault,
     row,
     site,
     tile,
+    tile_check,
 )  # fmt: skip
 
 _ST, _DPT, _DV, _DK = row("st"), row("dpt"), row("dv"), row("dk")
 _P_SUM, _DS_SUM, _DQ = row("p_sum"), row("ds_sum"), row("dq")
 SITE_ST, SITE_DPT, SITE_DV, SITE_DK = site("st"), site("dpt"), site("dv"), site("dk")
 SITE_SQ, SITE_DP, SITE_DQ = site("sq"), site("dp"), site("dq")
-
-
-@triton.jit
-def _allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
-             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):  # fmt: skip
-    """(len(offs_m), len(offs_n)) bool: query rows that may attend keys."""
-    ok = (offs_m[:, None] < L) & (offs_n[None, :] < LK)
-    if CAUSAL:
-        ok = ok & (offs_n[None, :] <= offs_m[:, None] + shift)
-    if WINDOW:
-        ok = ok & (offs_n[None, :] > offs_m[:, None] + shift - window)
-    if HAS_MASK:
-        keep = tl.load(KMASK + b * smb + offs_n, mask=offs_n < LK, other=0)
-        ok = ok & (keep[None, :] != 0)
-    return ok
-
-
-@triton.jit
-def _tile_check(x, a_bar, a_mag, b_tile, ok, tau):
-    """Columns of the tile x = A B^T (A's rows summed into a_bar, |A|'s into a_mag) whose sum
-    is off its reference a_bar . b_i beyond tau a_mag . |b_i| (+ TAU_ABS), among ``ok``."""
-    b32 = b_tile.to(tl.float32)
-    ref = tl.sum(b32 * a_bar[None, :], 1)
-    bound = tau * tl.sum(tl.abs(b32) * a_mag[None, :], 1) + TAU_ABS
-    return tl.sum((fails(tl.sum(x, 0) - ref, bound) & ok).to(tl.int32), 0)
 
 
 @triton.jit
@@ -151,16 +129,15 @@ def _bwd_dkdv(
                 st = tl.dot(k, tl.trans(q), input_precision=DOT)
                 if INJECT:
                     st = inject(st, fault, SITE_ST, bh, offs_n, offs_m, attempt, True)
-                if CHECK_ST and _tile_check(st, k_bar, k_mag, q, row_ok, tau) > 0:
+                if CHECK_ST and tile_check(st, k_bar, k_mag, q, row_ok, tau) > 0:
                     count(COUNTS, _ST, 0)  # recompute from fresh loads, check again
-                    k2 = tile(k_at, cols, skn, offs_d, skd, kv_mask, UPCAST, True)
-                    q2 = tile(q_at, rows, sqm, offs_d, sqd, qm, UPCAST, True)
-                    st = tl.dot(k2, tl.trans(q2), input_precision=DOT)
+                    st = fresh_product(k_at, cols, skn, kv_mask, q_at, rows, sqm, qm, offs_d,
+                                       skd, sqd, UPCAST, DOT)  # fmt: skip
                     if INJECT:
                         st = inject(st, fault, SITE_ST, bh, offs_n, offs_m, 1, True)
-                    still = _tile_check(st, k_bar, k_mag, q, row_ok, tau) > 0
+                    still = tile_check(st, k_bar, k_mag, q, row_ok, tau) > 0
                     count(COUNTS, _ST, 1 + still.to(tl.int32))
-                ok = tl.trans(_allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
+                ok = tl.trans(allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
                                        CAUSAL, WINDOW, HAS_MASK))  # fmt: skip
                 pt = tl.where(ok, tl.exp2(st * qk_scale - lse[None, :]), 0.0)
                 pt_lo = pt.to(do.dtype)
@@ -171,16 +148,14 @@ def _bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(do), input_precision=DOT)
                 if INJECT:
                     dpt = inject(dpt, fault, SITE_DPT, bh, offs_n, offs_m, attempt, True)
-                if CHECK_DPT:  # noqa: SIM102
-                    if _tile_check(dpt, v_bar, v_mag, do, row_ok, tau) > 0:
-                        count(COUNTS, _DPT, 0)
-                        v2 = tile(v_at, cols, svn, offs_d, svd, kv_mask, UPCAST, True)
-                        do2 = tile(do_at, rows, sdm, offs_d, sdd, qm, UPCAST, True)
-                        dpt = tl.dot(v2, tl.trans(do2), input_precision=DOT)
-                        if INJECT:
-                            dpt = inject(dpt, fault, SITE_DPT, bh, offs_n, offs_m, 1, True)
-                        still = _tile_check(dpt, v_bar, v_mag, do, row_ok, tau) > 0
-                        count(COUNTS, _DPT, 1 + still.to(tl.int32))
+                if CHECK_DPT and tile_check(dpt, v_bar, v_mag, do, row_ok, tau) > 0:
+                    count(COUNTS, _DPT, 0)
+                    dpt = fresh_product(v_at, cols, svn, kv_mask, do_at, rows, sdm, qm, offs_d,
+                                        svd, sdd, UPCAST, DOT)  # fmt: skip
+                    if INJECT:
+                        dpt = inject(dpt, fault, SITE_DPT, bh, offs_n, offs_m, 1, True)
+                    still = tile_check(dpt, v_bar, v_mag, do, row_ok, tau) > 0
+                    count(COUNTS, _DPT, 1 + still.to(tl.int32))
                 dst = pt * (dpt - delta[None, :])
                 dst_lo = dst.to(q.dtype)
                 dk = tl.dot(dst_lo, q, dk, input_precision=DOT)
@@ -301,7 +276,7 @@ def _bwd_dq(
             s = tl.dot(q, tl.trans(k), input_precision=DOT)
             if INJECT:
                 s = inject(s, fault, SITE_SQ, bh, offs_m, offs_n, attempt, True)
-            ok = _allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
+            ok = allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
                           CAUSAL, WINDOW, HAS_MASK)  # fmt: skip
             p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT)

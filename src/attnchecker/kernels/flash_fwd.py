@@ -44,13 +44,16 @@ import triton.language as tl
 
 from attnchecker.kernels.common import (
     TAU_ABS,
+    allowed,
     count,
     fails,
+    fresh_product,
     inject,
     load_fault,
     row,
     site,
     tile,
+    tile_check,
 )  # fmt: skip
 
 _S, _PV, _SM = row("s"), row("pv"), row("softmax")
@@ -123,27 +126,16 @@ def _fwd(
             s = tl.dot(q, tl.trans(k), input_precision=DOT)  # (BLOCK_M, BLOCK_N) fp32
             if INJECT:
                 s = inject(s, fault, SITE_S, bh, offs_m, offs_n, attempt, True)
-            if CHECK_S:
-                k32 = k.to(tl.float32)
-                ref = tl.sum(k32 * q_bar[None, :], 1)  # (BLOCK_N,)
-                bound = tau * tl.sum(tl.abs(k32) * q_mag[None, :], 1) + TAU_ABS
-                if tl.sum((fails(tl.sum(s, 0) - ref, bound) & key_ok).to(tl.int32), 0) > 0:
-                    count(COUNTS, _S, 0)  # recompute the tile from fresh loads, check again
-                    q2 = tile(q_at, rows, sqm, offs_d, sqd, q_mask, UPCAST, True)
-                    k2 = tile(k_tile, cols, skn, offs_d, skd, kv_mask, UPCAST, True)
-                    s = tl.dot(q2, tl.trans(k2), input_precision=DOT)
-                    if INJECT:
-                        s = inject(s, fault, SITE_S, bh, offs_m, offs_n, 1, True)
-                    still = tl.sum((fails(tl.sum(s, 0) - ref, bound) & key_ok).to(tl.int32), 0)
-                    count(COUNTS, _S, 1 + (still > 0).to(tl.int32))
-            valid = row_ok[:, None] & key_ok[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None] + shift)
-            if WINDOW:
-                valid = valid & (offs_n[None, :] > offs_m[:, None] + shift - window)
-            if HAS_MASK:
-                keep = tl.load(KMASK + b * smb + offs_n, mask=key_ok, other=0)
-                valid = valid & (keep[None, :] != 0)
+            if CHECK_S and tile_check(s, q_bar, q_mag, k, key_ok, tau) > 0:
+                count(COUNTS, _S, 0)  # recompute the tile from fresh loads, check again
+                s = fresh_product(q_at, rows, sqm, q_mask, k_tile, cols, skn, kv_mask, offs_d, sqd,
+                                  skd, UPCAST, DOT)  # fmt: skip
+                if INJECT:
+                    s = inject(s, fault, SITE_S, bh, offs_m, offs_n, 1, True)
+                still = tile_check(s, q_bar, q_mag, k, key_ok, tau) > 0
+                count(COUNTS, _S, 1 + still.to(tl.int32))
+            valid = allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb, CAUSAL, WINDOW,
+                            HAS_MASK)  # fmt: skip
             z = tl.where(valid, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(z, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
