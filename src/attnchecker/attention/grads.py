@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from attnchecker.abft.gemm import col_norms, gemm_check_, row_norms
 from attnchecker.abft.tolerance import (
     gemm_factor,
     norm_bound,
@@ -134,7 +135,6 @@ def product_residual(
         return _excess(out, *_reference(out, x, y, scale=scale, nonneg=nonneg, norms=norms))
 
 
-@torch.no_grad()
 def product_check_(
     out: Tensor,
     x: Tensor,
@@ -142,29 +142,16 @@ def product_check_(
     *,
     max_rows: int,
     scale: float,
-    norms: tuple[Tensor, Tensor] | None = None,
+    x_rows: Tensor | None = None,
+    y_cols: Tensor | None = None,
 ) -> Tensor:
-    """Check and repair in place out (M, N) = x (M, K) @ y (K, N), by rows and columns; returns
-    the (1, 5) float32 record of :func:`~attnchecker.attention.checks._record`. ``norms``:
-    (||x||_F, ||y||_F) when the caller has them (a linear's dX and dW checks share ||dY||)."""
-    R = min(max_rows, x.shape[0])
-    with torch.autocast(out.device.type, enabled=False):
-        xn, yn = (_norm(x), _norm(y)) if norms is None else norms
-        ref, tol = _reference(out, x, y, scale=scale, norms=(xn, yn))  # (M,)
-        res_r, exc_r = _excess(out, ref, tol)
-        # columns: 1^T out = (1^T x) y, the transposed problem (the same two norms)
-        exc_c = _excess(out.t(), *_reference(out.t(), y.t(), x.t(), scale=scale, norms=(yn, xn)))[1]
-        top, idx = exc_r.topk(R)  # NaN ranks first
-        take = ~(top <= 0)[:, None]  # (R, 1)
-        out.index_copy_(0, idx, torch.where(take, x.index_select(0, idx) @ y, out[idx]))
-        worst, col = exc_c.max(0, keepdim=True)  # (1,)
-        new = x @ y.index_select(1, col)  # (M, 1)
-        out.index_copy_(1, col, torch.where(~(worst <= 0), new, out.index_select(1, col)))
-        value = res_r.gather(0, exc_r.argmax().view(1)).view(())
-        still = ~(_excess(out, ref, tol)[1] <= 0)  # every row again, after the repair
-        again = (still.index_select(0, idx) & take.view(-1)).any()
-        rows, cols = (~(exc_r <= 0)).sum(dtype=_F32), (~(exc_c <= 0)).sum(dtype=_F32)
-        return _record(rows, cols, value, still.any(), again)
+    """Check and repair in place out (M, N) = x (M, K) @ y (K, N), by rows and columns
+    (:func:`~attnchecker.abft.gemm.gemm_check_`); returns the (1, 5) float32 record of
+    :func:`~attnchecker.attention.checks._record`. ``x_rows`` / ``y_cols``: the row norms of x
+    and the column norms of y when the caller has them (a linear's dX and dW checks share dY's)."""
+    return _record(*gemm_check_(
+        out, x, y, max_rows=max_rows, scale=scale, x_rows=x_rows, y_cols=y_cols
+    ))  # fmt: skip
 
 
 def _heads_check_(
@@ -292,14 +279,16 @@ class _Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # (T, K)
         dx = dw = db = None
         index, recs = [], []
-        dyn = _norm(dy2) if check_x or check_w else None  # shared by both checks
+        # dY's row and column norms, shared by both checks (each one pass over dY)
+        dy_rows = row_norms(dy2) if check_x else None  # (T,)
+        dy_cols = col_norms(dy2) if check_w else None  # (N,)
         if ctx.needs_input_grad[0]:
             w = weight.t() if conv1d else weight  # (N, K)
             dx2 = dy2.mm(w)  # (T, K)
             _site(hook, op_x[1], dx2)
             if check_x:
                 recs.append(product_check_(
-                    dx2, dy2, w, max_rows=max_rows, scale=scale, norms=(dyn, _norm(w))
+                    dx2, dy2, w, max_rows=max_rows, scale=scale, x_rows=dy_rows
                 ))  # fmt: skip
                 index.append(op_x[0])
             dx = dx2.view(x.shape)
@@ -309,11 +298,8 @@ class _Linear(torch.autograd.Function):
             dw = a.mm(b)
             _site(hook, op_w[1], dw)
             if check_w:
-                xn = _norm(x2)
-                recs.append(product_check_(
-                    dw, a, b, max_rows=max_rows, scale=scale,
-                    norms=(xn, dyn) if conv1d else (dyn, xn),
-                ))  # fmt: skip
+                shared = {"y_cols": dy_cols} if conv1d else {"x_rows": dy_cols}
+                recs.append(product_check_(dw, a, b, max_rows=max_rows, scale=scale, **shared))
                 index.append(op_w[0])
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
