@@ -4,6 +4,8 @@
 - :mod:`.tolerance`: dtype-aware rounding-error bounds for comparing them.
 - :mod:`.eec`: verification, location and correction (EEC) with a tensor-only report.
 - :mod:`.matmul`: :func:`protected_matmul`, the four steps end to end, autograd-safe.
+- :mod:`.gemm`: :func:`~.gemm.gemm_check_`, the check and repair of one GEMM by rows and columns
+  in few passes, which the backward's linear-layer checks run.
 """
 
 from attnchecker.abft.checksum import Checksums, encode, recompute

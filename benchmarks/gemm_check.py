@@ -1,0 +1,90 @@
+"""The cost of one checked GEMM: the backward's check of a linear layer's dX = dY W and
+dW = dY^T X (``attention.grads.product_check_``, rows and columns, repair included) against the
+GEMM it checks, eager and as a ``torch.compile``d region (inductor: C++ on a CPU), with its
+aten op count.
+
+The shapes are the fused Q|K|V projection of a base-width layer (T = 8 x 128 tokens, K 768,
+N 2,304) in GPT-2's Conv1D layout (dX multiplies the transposed weight) and in nn.Linear's (dW
+multiplies dY^T); arms alternated call by call in one process, medians.
+
+    python benchmarks/gemm_check.py [--reps 30] [--dtypes fp32 bf16] [--no-compile] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from _common import alternate, environment, median_ms, parse, write
+from attnchecker.attention.grads import product_check_
+from attnchecker.testing import count_ops
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _cases(T: int, K: int, N: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    dy = torch.randn(T, N, generator=g).to(dtype)
+    x = torch.randn(T, K, generator=g).to(dtype)
+    w = (torch.randn(K, N, generator=g) / K**0.5).to(dtype)  # Conv1D's (K, N)
+    return {  # name: (x, y) of out = x @ y
+        "dX = dY W^T (Conv1D)": (dy, w.t()),
+        "dW = dY^T X (Linear)": (dy.t(), x),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled arm")
+    args = parse(ap, quick={"reps": 3, "tokens": 128, "dtypes": ["fp32"]})
+    K, N = (768, 2304) if not args.quick else (96, 288)
+    compiled = None if args.no_compile else torch.compile(product_check_, dynamic=False)
+    rows = []
+    for dname in args.dtypes:
+        for case, (x, y) in _cases(args.tokens, K, N, DTYPES[dname]).items():
+            out = x @ y
+
+            def check(out=out, x=x, y=y, fn=product_check_):
+                fn(out, x, y, max_rows=8, scale=1.0)
+
+            arms = {"gemm": lambda x=x, y=y: x @ y, "eager": check}
+            row = {"case": case, "dtype": dname, "ops": count_ops(check).launching}
+            if compiled is not None:
+                t0 = time.perf_counter()
+                check(fn=compiled)
+                row["compile_s"] = time.perf_counter() - t0
+                arms["compiled"] = lambda c=check: c(fn=compiled)
+            times = alternate(arms, args.reps)
+            row |= {f"{k}_ms": median_ms(v) for k, v in times.items()}
+            rows.append(row)
+            print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+    lines = [
+        "# One checked GEMM: the check against the GEMM it checks",
+        "",
+        f"`{' '.join(['python benchmarks/gemm_check.py', f'--reps {args.reps}'])}`; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads. T {args.tokens}, "
+        f"K {K}, N {N}; medians of alternated calls; the check includes its fixed-size repair.",
+        "",
+        "| GEMM | dtype | GEMM ms | check eager ms (share) | check compiled ms (share) "
+        "| launching ops (eager) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        comp = (
+            f"{r['compiled_ms']:.2f} ({r['compiled_ms'] / r['gemm_ms']:.0%})"
+            if "compiled_ms" in r else "-"
+        )  # fmt: skip
+        lines.append(
+            f"| {r['case']} | {r['dtype']} | {r['gemm_ms']:.2f} | {r['eager_ms']:.2f} "
+            f"({r['eager_ms'] / r['gemm_ms']:.0%}) | {comp} | {r['ops']} |"
+        )
+    write("gemm_check", {"env": environment(), "rows": rows}, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
