@@ -49,16 +49,17 @@ CEILING = {  # extra ops per layer per training step: (all ops, launching ops)
     "bart": (475, 320),  # decoder cross-attention: Q and K|V of different inputs
 }
 
-BACKWARD_CEILING = {  # launching ops per layer the backward's checks add
-    "bert": 820,
+BACKWARD_CEILING = {  # launching ops per layer the backward's checks add (measured with issue 23's
+    # one-GEMM check of dX / dW: bert 807, gpt2 531, llama 805; the others are not parametrized)
+    "bert": 815,
     "roberta": 820,
     "distilbert": 820,
-    "gpt2": 550,
+    "gpt2": 540,
     "gpt_neo": 820,
     "gpt_neox": 545,
     "opt": 820,
     "bart": 820,
-    "llama": 820,
+    "llama": 815,
     "mistral": 820,
     "qwen2": 820,
     "qwen3": 820,
