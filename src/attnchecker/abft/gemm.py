@@ -22,7 +22,13 @@ import math
 import torch
 from torch import Tensor
 
-from attnchecker.abft.tolerance import gemm_factor, squares_lost, underflow_floor, unit_roundoff
+from attnchecker.abft.tolerance import (
+    gemm_factor,
+    norm_bound,
+    squares_lost,
+    underflow_floor,
+    unit_roundoff,
+)
 
 __all__ = ["col_norms", "gemm_check_", "row_norms"]
 
@@ -30,15 +36,14 @@ _F32 = torch.float32
 
 
 def row_norms(x: Tensor) -> Tensor:
-    """(M,) fp32 upper bounds on the row norms of x (M, K), one pass in x's own layout (see
-    :func:`~attnchecker.abft.tolerance.norm_bound` for the underflow term)."""
+    """(M,) fp32 upper bounds on the row norms of x (M, K), one pass in x's own layout
+    (:func:`~attnchecker.abft.tolerance.norm_bound`, with its underflow term)."""
     if x.stride(-1) == 1:
-        n = torch.linalg.vector_norm(x, dim=1, dtype=_F32)
-    else:  # x = a.t() of a contiguous a: a column reduction of a (an op on the view x would
-        # write its result in x's strides, 9x slower)
-        af = x.t().to(_F32)
-        n = torch.mul(af, af).sum(0).sqrt_()
-    return n.add_(squares_lost(x.shape[1]))
+        return norm_bound(x, 1)
+    # x = a.t() of a contiguous a: a column reduction of a (an op on the view x would write its
+    # result in x's strides, 9x slower)
+    af = x.t().to(_F32)
+    return torch.mul(af, af).sum(0).sqrt_().add_(squares_lost(x.shape[1]))
 
 
 def col_norms(x: Tensor) -> Tensor:
@@ -46,26 +51,21 @@ def col_norms(x: Tensor) -> Tensor:
     return row_norms(x.t())
 
 
-def _gemv_operand(x: Tensor) -> Tensor:
-    """x, or an fp32 copy of it in its own layout where x is a transposed half-precision view
-    on a CPU: there a vector-matrix product in bf16 is 20x slower than a matrix-vector one,
-    and ``.to()`` of the transposed view itself is a strided copy (10 ms for (2304, 1024))."""
-    if x.device.type == "cpu" and x.stride(-1) != 1 and x.dtype != _F32:
-        return x.t().to(_F32).t()
-    return x
+def _fp32(x: Tensor) -> Tensor:
+    """An fp32 copy of x in its own layout (``.to()`` of a transposed view is a strided copy,
+    10 ms for (2304, 1024) on a CPU). Used on a CPU for half-precision operands: there a
+    vector-matrix product in bf16 is 20x slower than a matrix-vector one, and a GEMM with a few
+    rows 20-50x slower than in fp32 (40 ms for (8, 1024) x (1024, 2304)); both accumulate in
+    fp32 alike, and repaired values are rounded to the output's dtype."""
+    return x.t().to(_F32).t() if x.stride(-1) != 1 else x.to(_F32)
 
 
-def _rows_operand(y: Tensor) -> Tensor:
-    """The right operand of the recomputed rows: on a CPU fp32 for half-precision operands,
-    whose GEMMs with a few rows run 20-50x slower there (40 ms for (8, 1024) x (1024, 2304) in
-    bf16; both accumulate in fp32, the repaired rows are rounded to the output's dtype)."""
-    if y.device.type != "cpu" or y.dtype == _F32:
-        return y
-    return y.t().to(_F32).t() if y.stride(-1) != 1 else y.to(_F32)
+def _cpu_half(x: Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype != _F32
 
 
 def _matvec(x: Tensor, v: Tensor) -> Tensor:
-    """x (M, K) @ v (K,): in fp32 when x is :func:`_gemv_operand`'s fp32 copy, else in v's
+    """x (M, K) @ v (K,): in fp32 when x is :func:`_fp32`'s copy, else in v's
     dtype; one pass over x."""
     if x.dtype == _F32:
         return x @ v.to(_F32)
@@ -109,8 +109,10 @@ def gemm_check_(
         f_r = (gemm_factor(out, x, y, inner=K, length=N) + rounding) * scale
         f_c = (gemm_factor(out, x, y, inner=K, length=M) + rounding) * scale
         # columns first: their worst one is recomputed in the pass over x of the row references
-        xm = _gemv_operand(x)  # read by two matrix-vector products
-        ref_c = _matvec(_gemv_operand(y.t()), x.sum(0, dtype=_F32).to(dt)).to(_F32)  # (N,)
+        # the operands of matrix-vector products: transposed half-precision ones in fp32 on a CPU
+        xm = _fp32(x) if _cpu_half(x) and x.stride(-1) != 1 else x  # read by two of them
+        ym = _fp32(y.t()) if _cpu_half(y) and y.stride(0) != 1 else y.t()
+        ref_c = _matvec(ym, x.sum(0, dtype=_F32).to(dt)).to(_F32)  # (N,)
         res_c = out.sum(0, dtype=_F32) - ref_c
         floor_c = underflow_floor(out.dtype, length=M, inner=K)
         exc_c = torch.addcmul(res_c.abs_().sub_(floor_c), yn, x_fro, value=-math.sqrt(M) * f_c)
@@ -126,7 +128,7 @@ def gemm_check_(
         exc_r = rows_excess(res_r)
         top, idx = exc_r.topk(R)  # NaN ranks first
         take = ~(top <= 0)[:, None]  # (R, 1)
-        yr = _rows_operand(y)
+        yr = _fp32(y) if _cpu_half(y) else y
         fresh = (x.index_select(0, idx).to(yr.dtype) @ yr).to(out.dtype)  # (R, N)
         out.index_copy_(0, idx, torch.where(take, fresh, out.index_select(0, idx)))
         new_col = new_col.to(out.dtype).view(M, 1)

@@ -135,23 +135,10 @@ def product_residual(
         return _excess(out, *_reference(out, x, y, scale=scale, nonneg=nonneg, norms=norms))
 
 
-def product_check_(
-    out: Tensor,
-    x: Tensor,
-    y: Tensor,
-    *,
-    max_rows: int,
-    scale: float,
-    x_rows: Tensor | None = None,
-    y_cols: Tensor | None = None,
-) -> Tensor:
-    """Check and repair in place out (M, N) = x (M, K) @ y (K, N), by rows and columns
-    (:func:`~attnchecker.abft.gemm.gemm_check_`); returns the (1, 5) float32 record of
-    :func:`~attnchecker.attention.checks._record`. ``x_rows`` / ``y_cols``: the row norms of x
-    and the column norms of y when the caller has them (a linear's dX and dW checks share dY's)."""
-    return _record(*gemm_check_(
-        out, x, y, max_rows=max_rows, scale=scale, x_rows=x_rows, y_cols=y_cols
-    ))  # fmt: skip
+def product_check_(out: Tensor, x: Tensor, y: Tensor, **kw) -> Tensor:
+    """:func:`~attnchecker.abft.gemm.gemm_check_` of out = x @ y (same arguments) as the (1, 5)
+    float32 record of :func:`~attnchecker.attention.checks._record`."""
+    return _record(*gemm_check_(out, x, y, **kw))
 
 
 def _heads_check_(
