@@ -21,9 +21,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/attnchecker demo
 
+# two workers (pytest-xdist; each test owns its processes, ports and temp dirs), stealing work
+# so the long compile tests do not queue behind each other
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ""
@@ -43,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/check_sensitivity.py $(if $(QUICK),--quick)
 	$(BIN)/python benchmarks/backward_sensitivity.py $(if $(QUICK),--quick)
 	$(BIN)/python benchmarks/gemm_check.py $(if $(QUICK),--quick)
+	$(BIN)/python benchmarks/check_impl.py $(if $(QUICK),--quick)
 	$(BIN)/python benchmarks/clean_false_alarms.py $(if $(QUICK),--quick)
 	$(BIN)/python benchmarks/flash_kernels.py $(if $(QUICK),--quick)
 	$(BIN)/python benchmarks/kernel_false_alarms.py $(if $(QUICK),--quick)

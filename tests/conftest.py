@@ -2,6 +2,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the checks' default ("auto") compiles each check region on first use, seconds per dtype and
+# layout: the suite runs their eager ops, and tests/integration/test_check_regions.py runs the
+# compiled regions against them (same records, same repairs, no false alarm)
+os.environ.setdefault("ATTNCHECKER_CHECK_IMPL", "eager")
 
 import torch
 

@@ -22,6 +22,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnchecker.abft import regions
 from attnchecker.abft.tolerance import (
     gemm_factor,
     norm_bound,
@@ -35,10 +36,11 @@ __all__ = ["col_norms", "gemm_check_", "row_norms"]
 _F32 = torch.float32
 
 
-def row_norms(x: Tensor) -> Tensor:
+def row_norms(x: Tensor, rows_contiguous: bool | None = None) -> Tensor:
     """(M,) fp32 upper bounds on the row norms of x (M, K), one pass in x's own layout
-    (:func:`~attnchecker.abft.tolerance.norm_bound`, with its underflow term)."""
-    if x.stride(-1) == 1:
+    (:func:`~attnchecker.abft.tolerance.norm_bound`, with its underflow term).
+    ``rows_contiguous``: x.stride(-1) == 1, when the caller knows it (see :func:`gemm_check_`)."""
+    if x.stride(-1) == 1 if rows_contiguous is None else rows_contiguous:
         return norm_bound(x, 1)
     # x = a.t() of a contiguous a: a column reduction of a (an op on the view x would write its
     # result in x's strides, 9x slower)
@@ -51,13 +53,13 @@ def col_norms(x: Tensor) -> Tensor:
     return row_norms(x.t())
 
 
-def _fp32(x: Tensor) -> Tensor:
+def _fp32(x: Tensor, rows_contiguous: bool) -> Tensor:
     """An fp32 copy of x in its own layout (``.to()`` of a transposed view is a strided copy,
     10 ms for (2304, 1024) on a CPU). Used on a CPU for half-precision operands: there a
     vector-matrix product in bf16 is 20x slower than a matrix-vector one, and a GEMM with a few
     rows 20-50x slower than in fp32 (40 ms for (8, 1024) x (1024, 2304)); both accumulate in
     fp32 alike, and repaired values are rounded to the output's dtype."""
-    return x.t().to(_F32).t() if x.stride(-1) != 1 else x.to(_F32)
+    return x.to(_F32) if rows_contiguous else x.t().to(_F32).t()
 
 
 def _cpu_half(x: Tensor) -> bool:
@@ -72,15 +74,14 @@ def _matvec(x: Tensor, v: Tensor) -> Tensor:
     return x.to(v.dtype) @ v
 
 
-def _column(y: Tensor, col: Tensor) -> Tensor:
+def _column(y: Tensor, col: Tensor, cols_contiguous: bool) -> Tensor:
     """Column ``col`` (1,) of y (K, N) as a (K,) vector: ``index_select`` along dim 1 of a
     transposed y copies all of y first (9 ms for a (2304, 768) weight on a CPU)."""
-    if y.stride(0) == 1:
+    if cols_contiguous:
         return y.t().index_select(0, col).view(-1)
     return y.index_select(1, col).view(-1)
 
 
-@torch.no_grad()
 def gemm_check_(
     out: Tensor,
     x: Tensor,
@@ -90,52 +91,89 @@ def gemm_check_(
     scale: float,
     x_rows: Tensor | None = None,
     y_cols: Tensor | None = None,
+    impl: str = "eager",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Check and repair in place out (M, N) = x (M, K) @ y (K, N) (see the module docstring).
 
     ``x_rows`` (M,), ``y_cols`` (N,): :func:`row_norms` of x and :func:`col_norms` of y when the
-    caller has them. Returns 0-dim float32 / bool tensors: flagged rows, flagged columns, the
-    residual of the worst row, lost (a row fails after the repair), and reproduced (a recomputed
-    row fails again: the operands imply it)."""
+    caller has them. ``impl``: ``"eager"`` or ``"compiled"``
+    (:func:`~attnchecker.abft.regions.run`; the same ops either way). Returns 0-dim float32 /
+    bool tensors: flagged rows, flagged columns, the residual of the worst row, lost (a row fails
+    after the repair), and reproduced (a recomputed row fails again: the operands imply it)."""
     M, K = x.shape
     N = y.shape[1]
-    R = min(max_rows, M)
-    dt = x.dtype if x.dtype == y.dtype and x.dtype != torch.float16 else _F32
+    dt = _reference_dtype(x, y)
     rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0  # the references are computed in dt
-    with torch.autocast(out.device.type, enabled=False):
-        xn = row_norms(x) if x_rows is None else x_rows  # (M,)
-        yn = col_norms(y) if y_cols is None else y_cols  # (N,)
-        x_fro, y_fro = torch.linalg.vector_norm(xn), torch.linalg.vector_norm(yn)
-        f_r = (gemm_factor(out, x, y, inner=K, length=N) + rounding) * scale
-        f_c = (gemm_factor(out, x, y, inner=K, length=M) + rounding) * scale
-        # columns first: their worst one is recomputed in the pass over x of the row references
-        # the operands of matrix-vector products: transposed half-precision ones in fp32 on a CPU
-        xm = _fp32(x) if _cpu_half(x) and x.stride(-1) != 1 else x  # read by two of them
-        ym = _fp32(y.t()) if _cpu_half(y) and y.stride(0) != 1 else y.t()
-        ref_c = _matvec(ym, x.sum(0, dtype=_F32).to(dt)).to(_F32)  # (N,)
-        res_c = out.sum(0, dtype=_F32) - ref_c
-        floor_c = underflow_floor(out.dtype, length=M, inner=K)
-        exc_c = torch.addcmul(res_c.abs_().sub_(floor_c), yn, x_fro, value=-math.sqrt(M) * f_c)
-        worst, col = exc_c.max(0, keepdim=True)  # (1,) each; NaN ranks first
-        new_col = _matvec(xm, _column(y, col).to(x.dtype))  # (M,)
-        ref_r = _matvec(xm, y.sum(1, dtype=_F32).to(dt)).to(_F32)  # (M,)
-        floor_r, c_r = underflow_floor(out.dtype, length=N, inner=K), -math.sqrt(N) * f_r
+    f_r = (gemm_factor(out, x, y, inner=K, length=N) + rounding) * scale
+    f_c = (gemm_factor(out, x, y, inner=K, length=M) + rounding) * scale
+    # the constants that depend on sizes are arguments: a compiled region stays size-generic
+    limits = (
+        underflow_floor(out.dtype, length=N, inner=K), -math.sqrt(N) * f_r,
+        underflow_floor(out.dtype, length=M, inner=K), -math.sqrt(M) * f_c,
+    )  # fmt: skip
+    # the layouts too, read here: under torch.compile a layout query on a gradient inside
+    # autocast(enabled=False) in a backward leaves autocast off for the rest of the traced
+    # forward (torch 2.13), which made a compiled bf16 model multiply mixed dtypes
+    layout = (x.stride(-1) == 1, y.stride(0) == 1)
+    args = (out, x, y, x_rows, y_cols, *layout, min(max_rows, M), *limits)
+    with torch.no_grad(), torch.autocast(out.device.type, enabled=False):
+        return regions.run(_gemm_region, impl, *args)
 
-        def rows_excess(res: Tensor) -> Tensor:  # (M,): > 0 or NaN where a row is flagged
-            return torch.addcmul(res.abs().sub_(floor_r), xn, y_fro, value=c_r)
 
-        res_r = out.sum(1, dtype=_F32) - ref_r
-        exc_r = rows_excess(res_r)
-        top, idx = exc_r.topk(R)  # NaN ranks first
-        take = ~(top <= 0)[:, None]  # (R, 1)
-        yr = _fp32(y) if _cpu_half(y) else y
-        fresh = (x.index_select(0, idx).to(yr.dtype) @ yr).to(out.dtype)  # (R, N)
-        out.index_copy_(0, idx, torch.where(take, fresh, out.index_select(0, idx)))
-        new_col = new_col.to(out.dtype).view(M, 1)
-        out.index_copy_(1, col, torch.where(~(worst <= 0), new_col, out.index_select(1, col)))
-        value = res_r.index_select(0, idx[:1]).view(())  # of the worst row (topk's first)
-        still = ~(rows_excess(out.sum(1, dtype=_F32) - ref_r) <= 0)  # every row, after repair
-        again = (still.index_select(0, idx) & take.view(R)).any()
-        rows = (~(exc_r <= 0)).sum(dtype=_F32)
-        cols = (~(exc_c <= 0)).sum(dtype=_F32)
-        return rows, cols, value, still.any(), again
+def _reference_dtype(x: Tensor, y: Tensor) -> torch.dtype:
+    """The dtype the references are computed in: the operands' (fp32 for fp16, whose range a
+    row sum can overflow, and for mixed operands)."""
+    return x.dtype if x.dtype == y.dtype and x.dtype != torch.float16 else _F32
+
+
+def _gemm_region(
+    out: Tensor,
+    x: Tensor,
+    y: Tensor,
+    x_rows: Tensor | None,
+    y_cols: Tensor | None,
+    x_rm: bool,
+    y_cm: bool,
+    R: int,
+    floor_r: float,
+    c_r: float,
+    floor_c: float,
+    c_c: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`gemm_check_`'s tensor work: a row fails where |residual| - floor_r exceeds
+    -c_r ||x_m|| ||y||_F, a column where |residual| - floor_c exceeds -c_c ||y_:n|| ||x||_F;
+    ``x_rm``: x's rows are contiguous, ``y_cm``: y's columns are."""
+    M = x.shape[0]
+    dt = _reference_dtype(x, y)
+    xn = row_norms(x, x_rm) if x_rows is None else x_rows  # (M,)
+    yn = row_norms(y.t(), y_cm) if y_cols is None else y_cols  # (N,)
+    x_fro, y_fro = torch.linalg.vector_norm(xn), torch.linalg.vector_norm(yn)
+    # columns first: their worst one is recomputed in the pass over x of the row references
+    # the operands of matrix-vector products: transposed half-precision ones in fp32 on a CPU
+    xm = _fp32(x, x_rm) if _cpu_half(x) and not x_rm else x  # read by two of them
+    ym = _fp32(y.t(), y_cm) if _cpu_half(y) and not y_cm else y.t()
+    ref_c = _matvec(ym, x.sum(0, dtype=_F32).to(dt)).to(_F32)  # (N,)
+    res_c = out.sum(0, dtype=_F32) - ref_c
+    exc_c = torch.addcmul(res_c.abs_().sub_(floor_c), yn, x_fro, value=c_c)
+    worst, col = exc_c.max(0, keepdim=True)  # (1,) each; NaN ranks first
+    new_col = _matvec(xm, _column(y, col, y_cm).to(x.dtype))  # (M,)
+    ref_r = _matvec(xm, y.sum(1, dtype=_F32).to(dt)).to(_F32)  # (M,)
+
+    def rows_excess(res: Tensor) -> Tensor:  # (M,): > 0 or NaN where a row is flagged
+        return torch.addcmul(res.abs().sub_(floor_r), xn, y_fro, value=c_r)
+
+    res_r = out.sum(1, dtype=_F32) - ref_r
+    exc_r = rows_excess(res_r)
+    top, idx = exc_r.topk(R)  # NaN ranks first
+    take = ~(top <= 0)[:, None]  # (R, 1)
+    yr = _fp32(y, not y_cm) if _cpu_half(y) else y
+    fresh = (x.index_select(0, idx).to(yr.dtype) @ yr).to(out.dtype)  # (R, N)
+    out.index_copy_(0, idx, torch.where(take, fresh, out.index_select(0, idx)))
+    new_col = new_col.to(out.dtype).view(M, 1)
+    out.index_copy_(1, col, torch.where(~(worst <= 0), new_col, out.index_select(1, col)))
+    value = res_r.index_select(0, idx[:1]).view(())  # of the worst row (topk's first)
+    still = ~(rows_excess(out.sum(1, dtype=_F32) - ref_r) <= 0)  # every row, after repair
+    again = (still.index_select(0, idx) & take.view(R)).any()
+    rows = (~(exc_r <= 0)).sum(dtype=_F32)
+    cols = (~(exc_c <= 0)).sum(dtype=_F32)
+    return rows, cols, value, still.any(), again

@@ -34,6 +34,7 @@ SCOPES = ("attention", "all_linear")
 POLICIES = ("raise", "skip_step", "warn")
 MODES = ("naive", "passing")
 BACKENDS = ("eager", "triton", "auto")
+CHECK_IMPLS = ("auto", "compiled", "eager")  # attnchecker.abft.regions.IMPLS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +75,12 @@ class ABFTConfig:
       training, soft-capping); ``"auto"`` is triton on CUDA where the family dispatches through
       transformers' attention interface, eager otherwise. The projections are checked by the
       same hooks in every backend.
+    - ``check_impl``: how the backward's linear-layer checks (dX, dW) run from eager code:
+      ``"compiled"``, each check one ``torch.compile``d region (a few fused kernels; compiled
+      once per dtype and layout, seconds each, on first use); ``"eager"``, its aten ops;
+      ``"auto"``, compiled where inductor can build for the device, unless the environment
+      variable ``ATTNCHECKER_CHECK_IMPL`` says otherwise (:mod:`attnchecker.abft.regions`).
+      Same checks, same results; inside a model the user compiles they are traced inline.
     """
 
     ops: tuple[str, ...] = ALL_OPS
@@ -85,6 +92,7 @@ class ABFTConfig:
     max_heads: int = 2
     tolerance_scale: float = 1.0
     backend: str = "eager"
+    check_impl: str = "auto"
     schedule: tuple[tuple[int, str, int], ...] | None = None
 
     @property
@@ -117,6 +125,10 @@ class ABFTConfig:
             raise ConfigError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.check_impl not in CHECK_IMPLS:
+            raise ConfigError(
+                f"check_impl must be one of {list(CHECK_IMPLS)}, got {self.check_impl!r}"
+            )
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
         for name in ("max_rows", "max_heads"):

@@ -85,6 +85,7 @@ def _reference(
     scale: float,
     nonneg: bool = False,
     norms: tuple[Tensor, Tensor] | None = None,
+    rows_contiguous: bool,
 ) -> tuple[Tensor, Tensor]:
     """(reference, tolerance) (..., M) of the row sums of out = x @ y, x (..., M, K),
     y (..., K, N), in few passes over the large operands: the reference is one GEMV in the
@@ -105,7 +106,7 @@ def _reference(
     else:
         ref = (x.to(dt) @ ysum.to(dt).unsqueeze(-1)).squeeze(-1).to(_F32)  # (..., M)
         yn = _norm(y) if norms is None else norms[1]  # (...)
-        if x.stride(-1) == 1:  # rows contiguous: (..., M)
+        if rows_contiguous:  # x.stride(-1) == 1: (..., M)
             xn = norm_bound(x, -1)
         else:  # (..., 1)
             xn = (_norm(x) if norms is None else norms[0]).unsqueeze(-1)
@@ -131,8 +132,10 @@ def product_residual(
     """(residual, excess) (..., M) of the rows of out = x @ y, x (..., M, K), y (..., K, N):
     excess > 0 (or NaN) where a row is flagged. ``nonneg``: x >= 0 (probabilities), so one thin
     GEMM gives the reference and an exact magnitude."""
+    # x's layout is read outside autocast(enabled=False): see gemm_check_
+    kw = {"scale": scale, "nonneg": nonneg, "norms": norms, "rows_contiguous": x.stride(-1) == 1}
     with torch.autocast(out.device.type, enabled=False):
-        return _excess(out, *_reference(out, x, y, scale=scale, nonneg=nonneg, norms=norms))
+        return _excess(out, *_reference(out, x, y, **kw))
 
 
 def product_check_(out: Tensor, x: Tensor, y: Tensor, **kw) -> Tensor:
@@ -248,10 +251,10 @@ def checked_matmul(
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, sink, step, ops, check, conv1d, max_rows, scale, hook):
+    def forward(ctx, x, weight, bias, sink, step, ops, check, conv1d, max_rows, scale, hook, impl):
         ctx.save_for_backward(x, weight, step.clone() if any(check) else None)
         ctx.sink = sink.shape
-        ctx.args = (ops, check, conv1d, max_rows, scale, hook, bias is not None)
+        ctx.args = (ops, check, conv1d, max_rows, scale, hook, bias is not None, impl)
         if conv1d:  # transformers' Conv1D
             out = x.view(-1, x.shape[-1])
             out = out @ weight if bias is None else torch.addmm(bias, out, weight)
@@ -261,7 +264,8 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, step = ctx.saved_tensors
-        (op_x, op_w), (check_x, check_w), conv1d, max_rows, scale, hook, has_bias = ctx.args
+        (op_x, op_w), (check_x, check_w), conv1d, max_rows, scale, hook, has_bias, impl = ctx.args
+        kw = {"max_rows": max_rows, "scale": scale, "impl": impl}
         dy2 = dy.reshape(-1, dy.shape[-1])  # (T, N)
         x2 = x.reshape(-1, x.shape[-1])  # (T, K)
         dx = dw = db = None
@@ -274,9 +278,7 @@ class _Linear(torch.autograd.Function):
             dx2 = dy2.mm(w)  # (T, K)
             _site(hook, op_x[1], dx2)
             if check_x:
-                recs.append(product_check_(
-                    dx2, dy2, w, max_rows=max_rows, scale=scale, x_rows=dy_rows
-                ))  # fmt: skip
+                recs.append(product_check_(dx2, dy2, w, x_rows=dy_rows, **kw))
                 index.append(op_x[0])
             dx = dx2.view(x.shape)
         if ctx.needs_input_grad[1]:
@@ -286,12 +288,12 @@ class _Linear(torch.autograd.Function):
             _site(hook, op_w[1], dw)
             if check_w:
                 shared = {"y_cols": dy_cols} if conv1d else {"x_rows": dy_cols}
-                recs.append(product_check_(dw, a, b, max_rows=max_rows, scale=scale, **shared))
+                recs.append(product_check_(dw, a, b, **shared, **kw))
                 index.append(op_w[0])
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         grad_sink = _sink_grad(ctx.sink, tuple(index), recs, step) if recs else None
-        return dx, dw, db, grad_sink, None, None, None, None, None, None, None
+        return dx, dw, db, grad_sink, None, None, None, None, None, None, None, None
 
 
 def checked_linear(
@@ -307,12 +309,15 @@ def checked_linear(
     max_rows: int,
     scale: float,
     hook: GradSite | None = None,
+    impl: str = "eager",
 ) -> Tensor:
     """The module's y = x W^T + b (``conv1d``: x W + b) whose backward checks and repairs dX and
     dW as ``check`` selects; ``ops`` = ((row of ``sink``, site name) of dX, of dW). Under autocast
-    the operands are cast as autocast casts them for the module's own op."""
+    the operands are cast as autocast casts them for the module's own op. ``impl``: how the
+    checks run (:func:`~attnchecker.abft.regions.run`: ``"eager"`` or ``"compiled"``)."""
     x, weight, bias = autocast_operands(x, weight, bias)
-    return _Linear.apply(x, weight, bias, sink, step, ops, check, conv1d, max_rows, scale, hook)
+    args = (ops, check, conv1d, max_rows, scale, hook, impl)
+    return _Linear.apply(x, weight, bias, sink, step, *args)
 
 
 def autocast_operands(*ts: Tensor | None) -> tuple[Tensor | None, ...]:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from attnchecker.abft import regions
 from attnchecker.abft.eec import NEAR_INF
 from attnchecker.attention.config import ALL_OPS, ABFTConfig
 from attnchecker.attention.grads import CORE_GRAD_OPS
@@ -355,6 +356,10 @@ class ProtectionHandle:
             "schedule": None if self.config.schedule is None else list(self.config.schedule),
             "scope": self.config.scope,
             "mode": self.config.mode,
+            # how the checks run from eager code on this device (abft.regions), and per check
+            # region what ran in this process (compiled, eager, or a failed compile's fallback)
+            "check_impl": regions.resolve(self.config.check_impl, self._clock.count.device),
+            "check_regions": regions.describe(),
             "steps": self.step,
             "counters": self.counters(),
             "rank": where.rank,

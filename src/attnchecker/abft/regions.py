@@ -1,0 +1,112 @@
+"""Check regions: a check run as one compiled region or as its eager ops, chosen per device.
+
+A check is a function of tensors (and of constants computed outside it: tolerances, sizes), so
+it compiles to a few fused kernels (``torch.compile``: inductor's C++ on a CPU, Triton on CUDA)
+without touching the model's own arithmetic. Three implementations, :data:`IMPLS`:
+
+- ``"eager"``: the check's aten ops (no compiler needed; tens of launches per checked GEMM);
+- ``"compiled"``: one ``torch.compile``d region per check function, compiled once per operand
+  shape, dtype and layout (2-7 s each on a 2-core CPU; a transformer has a few: one per distinct
+  linear-layer shape and check), run from eager code; inside a model the user compiles, the
+  region is traced inline with the rest;
+- ``"auto"``: compiled where inductor can build for the device (a C++ compiler on a CPU, Triton
+  on CUDA), else eager.
+
+A region that fails to compile (no compiler at run time, an inductor error) falls back to its
+eager ops with one warning naming the cause; :func:`describe` says what ran, for ``summary()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+__all__ = ["IMPLS", "describe", "resolve", "run"]
+
+IMPLS = ("auto", "compiled", "eager")
+
+F = TypeVar("F", bound=Callable[..., object])
+
+_VARIANTS = 64  # compiled variants per region before it falls back to its eager ops
+_FAILED: dict[str, str] = {}  # region name -> why it runs eager
+_RAN: dict[str, set[str]] = {}  # region name -> the implementations that ran
+
+
+@functools.cache
+def _can_compile(device_type: str) -> bool:
+    if device_type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    if device_type == "cpu":
+        return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+    return False
+
+
+def resolve(impl: str, device: torch.device) -> str:
+    """``"compiled"`` or ``"eager"``: what ``impl`` means on ``device``; ``"auto"`` defers to
+    ``$ATTNCHECKER_CHECK_IMPL`` when it is set (e.g. ``eager`` where compiling is not worth
+    its seconds: short jobs, test suites)."""
+    if impl == "auto":
+        impl = os.environ.get("ATTNCHECKER_CHECK_IMPL", "auto")
+        if impl not in IMPLS:
+            raise ValueError(f"ATTNCHECKER_CHECK_IMPL must be one of {list(IMPLS)}, got {impl!r}")
+    if impl == "auto":
+        return "compiled" if _can_compile(device.type) else "eager"
+    return impl
+
+
+@functools.cache
+def _compiled(fn: Callable[..., object]) -> Callable[..., object]:
+    # static sizes: a region's tolerances are Python floats of the sizes (a float argument is
+    # a guarded constant), so a new size is a new variant either way; a model has a few
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def run(fn: Callable[..., object], impl: str, *args: object) -> object:
+    """``fn(*args)`` as ``impl`` (resolved) runs it: compiled, unless compiling already (then
+    inline in the caller's graph) or the region failed to compile before."""
+    if torch.compiler.is_compiling():  # traced inline: no bookkeeping in the graph
+        return fn(*args)
+    if _get_current_dispatch_mode() is not None:  # dynamo does not run under a dispatch mode
+        return fn(*args)  # (an op counter, a profiler's): the same ops, uncompiled
+    name = fn.__qualname__
+    if impl == "eager" or name in _FAILED:
+        _RAN.setdefault(name, set()).add("eager")
+        return fn(*args)
+    try:
+        # each dtype, layout and dynamic variant of a region is a cache entry of its code
+        # object: a model with many layer shapes needs more than dynamo's default 8
+        with torch._dynamo.config.patch(recompile_limit=_VARIANTS):
+            out = _compiled(fn)(*args)
+    except Exception as e:  # compilation failed: the region's eager ops give the same result
+        _FAILED[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        warnings.warn(
+            f"attnchecker: the check region {name} did not compile ({_FAILED[name]}); "
+            "it runs as eager ops",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return fn(*args)
+    _RAN.setdefault(name, set()).add("compiled")
+    return out
+
+
+def describe() -> dict[str, str]:
+    """Per check region that ran from eager code in this process: how (``compiled``,
+    ``eager``, or ``eager (compile failed: ...)``); inside a compiled model a region is traced
+    inline with the model, whatever ``impl`` says."""
+    return {
+        name: "eager (compile failed: " + _FAILED[name] + ")" if name in _FAILED
+        else ", ".join(sorted(how))
+        for name, how in _RAN.items()
+    }  # fmt: skip
