@@ -1,6 +1,7 @@
-"""The default config's training step with its backward linear-layer checks as compiled regions
-(``check_impl="compiled"``, what ``"auto"`` picks where inductor builds) against the same checks
-as eager ops (``"eager"``) and against the plain model with transformers' SDPA attention.
+"""The default config's training step with its projections' checks (forward, and the backward's
+dX and dW) as compiled regions (``check_impl="compiled"``, what ``"auto"`` picks where inductor
+builds) against the same checks as eager ops (``"eager"``) and against the plain model with
+transformers' SDPA attention.
 
 Base width (hidden 768, 12 heads), 2 layers, B 8, L 128, causal LM, AdamW; the three copies of
 one model are stepped alternately in one process (after warm-up steps that compile the regions),
@@ -74,7 +75,7 @@ def measure(family: str, dtype: str, args: argparse.Namespace) -> dict:
 
 def _markdown(rows: list[dict], env: dict, args: argparse.Namespace, cmd: str) -> str:
     out = [
-        "# Backward checks as compiled regions vs eager ops, per training step",
+        "# Projection checks as compiled regions vs eager ops, per training step",
         "",
         f"`{cmd}`; {args.size} width, {args.layers} layers, B {args.batch}, L {args.length}, "
         f"default config (forward and backward checks), {args.reps} alternated reps, medians. "

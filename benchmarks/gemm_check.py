@@ -1,7 +1,7 @@
 """The cost of one checked GEMM: the backward's check of a linear layer's dX = dY W and
 dW = dY^T X (``attention.grads.product_check_``, rows and columns, repair included) against the
-GEMM it checks, eager and as a ``torch.compile``d region (inductor: C++ on a CPU), with its
-aten op count.
+GEMM it checks, eager and as the ``torch.compile``d region that ``check_impl="compiled"`` runs
+(inductor: C++ on a CPU), with its aten op count (eager) and the kernels its region calls.
 
 The shapes are the fused Q|K|V projection of a base-width layer (T = 8 x 128 tokens, K 768,
 N 2,304) in GPT-2's Conv1D layout (dX multiplies the transposed weight) and in nn.Linear's (dW
@@ -19,7 +19,7 @@ import torch
 
 from _common import alternate, environment, median_ms, parse, write
 from attnchecker.attention.grads import product_check_
-from attnchecker.testing import count_ops
+from attnchecker.testing import count_ops, inductor_kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -43,22 +43,23 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled arm")
     args = parse(ap, quick={"reps": 3, "tokens": 128, "dtypes": ["fp32"]})
     K, N = (768, 2304) if not args.quick else (96, 288)
-    compiled = None if args.no_compile else torch.compile(product_check_, dynamic=False)
     rows = []
     for dname in args.dtypes:
         for case, (x, y) in _cases(args.tokens, K, N, DTYPES[dname]).items():
             out = x @ y
 
-            def check(out=out, x=x, y=y, fn=product_check_):
-                fn(out, x, y, max_rows=8, scale=1.0)
+            def check(out=out, x=x, y=y, impl="eager"):
+                product_check_(out, x, y, max_rows=8, scale=1.0, impl=impl)
 
             arms = {"gemm": lambda x=x, y=y: x @ y, "eager": check}
             row = {"case": case, "dtype": dname, "ops": count_ops(check).launching}
-            if compiled is not None:
+            if not args.no_compile:  # the region as check_impl="compiled" runs it
                 t0 = time.perf_counter()
-                check(fn=compiled)
+                with inductor_kernels() as kernels:
+                    check(impl="compiled")
                 row["compile_s"] = time.perf_counter() - t0
-                arms["compiled"] = lambda c=check: c(fn=compiled)
+                row["kernels"] = kernels.total
+                arms["compiled"] = lambda c=check: c(impl="compiled")
             times = alternate(arms, args.reps)
             row |= {f"{k}_ms": median_ms(v) for k, v in times.items()}
             rows.append(row)
@@ -71,8 +72,8 @@ def main() -> None:
         f"K {K}, N {N}; medians of alternated calls; the check includes its fixed-size repair.",
         "",
         "| GEMM | dtype | GEMM ms | check eager ms (share) | check compiled ms (share) "
-        "| launching ops (eager) |",
-        "|---|---|---|---|---|---|",
+        "| launching ops (eager) | kernels (compiled) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         comp = (
@@ -81,7 +82,7 @@ def main() -> None:
         )  # fmt: skip
         lines.append(
             f"| {r['case']} | {r['dtype']} | {r['gemm_ms']:.2f} | {r['eager_ms']:.2f} "
-            f"({r['eager_ms'] / r['gemm_ms']:.0%}) | {comp} | {r['ops']} |"
+            f"({r['eager_ms'] / r['gemm_ms']:.0%}) | {comp} | {r['ops']} | {r.get('kernels', '-')} |"
         )
     write("gemm_check", {"env": environment(), "rows": rows}, "\n".join(lines) + "\n")
 

@@ -34,14 +34,15 @@ from .helpers import (
 EXTREME = ("nan", "inf", "-inf", "1e10")
 
 
-def _matrix(family, cases, *, config=None, layer=0):
-    """Run each (site, kind, pattern) once on one protected model; return the failures."""
+def _matrix(family, cases, *, config=None, layer=0, among=GRAD_OPS):
+    """Run each (site, kind, pattern) once on one protected model (sites ``among`` those the
+    family has); return the failures."""
     base, ref = models(family)
     inputs = batch(family)
     want = train_step(ref, inputs)
     handle = protect_(base, config or ABFTConfig())
     snapshot = copy.deepcopy(base.state_dict())
-    sites = set(handle.state(handle.modules[0]).hooks) & set(GRAD_OPS)
+    sites = set(handle.state(handle.modules[0]).hooks) & set(among)
     failures, ran = [], 0
     for site, kind, pattern in cases:
         if site not in sites:

@@ -96,8 +96,8 @@ def gemm_check_(
     """Check and repair in place out (M, N) = x (M, K) @ y (K, N) (see the module docstring).
 
     ``x_rows`` (M,), ``y_cols`` (N,): :func:`row_norms` of x and :func:`col_norms` of y when the
-    caller has them. ``impl``: ``"eager"`` or ``"compiled"``
-    (:func:`~attnchecker.abft.regions.run`; the same ops either way). Returns 0-dim float32 /
+    caller has them. ``impl``: ``"eager"``, ``"compiled"`` or ``"auto"``
+    (:func:`~attnchecker.abft.regions.resolve`; the same ops either way). Returns 0-dim float32 /
     bool tensors: flagged rows, flagged columns, the residual of the worst row, lost (a row fails
     after the repair), and reproduced (a recomputed row fails again: the operands imply it)."""
     M, K = x.shape
@@ -116,6 +116,8 @@ def gemm_check_(
     # forward (torch 2.13), which made a compiled bf16 model multiply mixed dtypes
     layout = (x.stride(-1) == 1, y.stride(0) == 1)
     args = (out, x, y, x_rows, y_cols, *layout, min(max_rows, M), *limits)
+    if not torch.compiler.is_compiling():  # (traced inline otherwise)
+        impl = regions.resolve(impl, out.device, out.dtype)
     with torch.no_grad(), torch.autocast(out.device.type, enabled=False):
         return regions.run(_gemm_region, impl, *args)
 

@@ -9,8 +9,14 @@ without touching the model's own arithmetic. Three implementations, :data:`IMPLS
   shape, dtype and layout (2-7 s each on a 2-core CPU; a transformer has a few: one per distinct
   linear-layer shape and check), run from eager code; inside a model the user compiles, the
   region is traced inline with the rest;
-- ``"auto"``: compiled where inductor can build for the device (a C++ compiler on a CPU, Triton
-  on CUDA), else eager.
+- ``"auto"``: compiled where it measured faster (:data:`AUTO`: on a CPU for bf16 / fp16
+  checks, not fp32 ones; on CUDA) and inductor can build for the device (a C++ compiler on a
+  CPU, Triton on CUDA), else eager.
+
+The regions: :func:`attnchecker.abft.gemm.gemm_check_` (the backward's dX and dW of every
+checked projection and linear layer) and :func:`attnchecker.attention.checks.projection_check_`
+(the forward's projections, and every linear layer's with ``scope="all_linear"``). The heads'
+checks (scores, probabilities, context and their gradients) still run as eager ops.
 
 A region that fails to compile (no compiler at run time, an inductor error) falls back to its
 eager ops with one warning naming the cause; :func:`describe` says what ran, for ``summary()``.
@@ -52,17 +58,33 @@ def _can_compile(device_type: str) -> bool:
     return False
 
 
-def resolve(impl: str, device: torch.device) -> str:
-    """``"compiled"`` or ``"eager"``: what ``impl`` means on ``device``; ``"auto"`` defers to
-    ``$ATTNCHECKER_CHECK_IMPL`` when it is set (e.g. ``eager`` where compiling is not worth
-    its seconds: short jobs, test suites)."""
+def resolve(impl: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``"compiled"`` or ``"eager"``: what ``impl`` means for a check on ``device`` whose GEMM
+    output is ``dtype``; ``"auto"`` defers to ``$ATTNCHECKER_CHECK_IMPL`` when it is set (e.g.
+    ``eager`` where compiling is not worth its seconds: short jobs, test suites), else picks by
+    measurement (:data:`AUTO`)."""
     if impl == "auto":
         impl = os.environ.get("ATTNCHECKER_CHECK_IMPL", "auto")
         if impl not in IMPLS:
             raise ValueError(f"ATTNCHECKER_CHECK_IMPL must be one of {list(IMPLS)}, got {impl!r}")
     if impl == "auto":
-        return "compiled" if _can_compile(device.type) else "eager"
+        half = dtype in (torch.bfloat16, torch.float16)
+        wins = AUTO.get((device.type, "half" if half else "fp32"), False)
+        return "compiled" if wins and _can_compile(device.type) else "eager"
     return impl
+
+
+# Where "auto" compiles, by (device type, half precision or fp32). CPU: measured per training
+# step in benchmarks/check_impl.py (2 cores, base width; results/check_impl_cpu2_2026-12-02.md):
+# bf16 gains 4-8 points of step overhead in two runs, fp32 gains nothing or loses up to 4 (its
+# eager ops are already fast; a region's call and guards are not free). CUDA: not measured yet
+# (no GPU lent); compiled, because there each of a check's ~60 eager ops is a kernel launch.
+AUTO = {
+    ("cpu", "half"): True,
+    ("cpu", "fp32"): False,
+    ("cuda", "half"): True,
+    ("cuda", "fp32"): True,
+}
 
 
 @functools.cache
@@ -72,22 +94,22 @@ def _compiled(fn: Callable[..., object]) -> Callable[..., object]:
     return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
-def run(fn: Callable[..., object], impl: str, *args: object) -> object:
-    """``fn(*args)`` as ``impl`` (resolved) runs it: compiled, unless compiling already (then
-    inline in the caller's graph) or the region failed to compile before."""
+def run(fn: Callable[..., object], impl: str, *args: object, **kwargs: object) -> object:
+    """``fn(*args, **kwargs)`` as ``impl`` (resolved) runs it: compiled, unless compiling
+    already (then inline in the caller's graph) or the region failed to compile before."""
     if torch.compiler.is_compiling():  # traced inline: no bookkeeping in the graph
-        return fn(*args)
+        return fn(*args, **kwargs)
     if _get_current_dispatch_mode() is not None:  # dynamo does not run under a dispatch mode
-        return fn(*args)  # (an op counter, a profiler's): the same ops, uncompiled
+        return fn(*args, **kwargs)  # (an op counter, a profiler's): the same ops, uncompiled
     name = fn.__qualname__
     if impl == "eager" or name in _FAILED:
         _RAN.setdefault(name, set()).add("eager")
-        return fn(*args)
+        return fn(*args, **kwargs)
     try:
         # each dtype, layout and dynamic variant of a region is a cache entry of its code
         # object: a model with many layer shapes needs more than dynamo's default 8
         with torch._dynamo.config.patch(recompile_limit=_VARIANTS):
-            out = _compiled(fn)(*args)
+            out = _compiled(fn)(*args, **kwargs)
     except Exception as e:  # compilation failed: the region's eager ops give the same result
         _FAILED[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         warnings.warn(
@@ -96,7 +118,7 @@ def run(fn: Callable[..., object], impl: str, *args: object) -> object:
             RuntimeWarning,
             stacklevel=2,
         )
-        return fn(*args)
+        return fn(*args, **kwargs)
     _RAN.setdefault(name, set()).add("compiled")
     return out
 

@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from attnchecker.abft import regions
 from attnchecker.abft.tolerance import (
     gemm_factor,
     norm_bound,
@@ -311,7 +312,6 @@ def _count(flags: Tensor, sizes: tuple[int, ...]) -> Tensor:
     return flags.to(torch.float32) @ _segments(sizes, flags.device)
 
 
-@torch.no_grad()
 def projection_check_(
     x: Tensor,
     items: Sequence[tuple[Projection, Tensor]],
@@ -320,6 +320,7 @@ def projection_check_(
     factor: float,
     floor: float,
     bounds: bool = False,
+    impl: str = "eager",
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Check and repair in place the outputs y (B, L, N_i) = x (B, L, K) W_i^T + b_i of the
     projections of one input (head groups of one width); see the module docstring.
@@ -328,7 +329,27 @@ def projection_check_(
     added to the weight norms. Returns the records (one per site, in order), the row references
     (T, sum G) and, with ``bounds``, the magnitude bounds (T, sum G) = (||x_t|| + 1)
     ||[W_g | b_g]||_F: what the attention core may take from here (``mode="passing"``).
+    ``impl``: ``"eager"``, ``"compiled"`` or ``"auto"`` (:func:`~attnchecker.abft.regions.resolve`).
     """
+    kw = {"max_rows": max_rows, "factor": factor, "floor": floor, "bounds": bounds}
+    # the outputs as .data: written in place behind autograd's back (a compiled region would
+    # otherwise write its input, an output of a custom Function, through autograd)
+    items = [(p, y.data) for p, y in items]
+    if not torch.compiler.is_compiling():  # (traced inline otherwise)
+        impl = regions.resolve(impl, x.device, items[0][1].dtype)
+    with torch.no_grad():
+        return regions.run(_projection_region, impl, x, items, **kw)
+
+
+def _projection_region(
+    x: Tensor,
+    items: list[tuple[Projection, Tensor]],
+    *,
+    max_rows: int,
+    factor: float,
+    floor: float,
+    bounds: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     B, L, K = x.shape
     T, R = B * L, min(max_rows, B * L)
     projs = [p for p, _ in items]

@@ -314,7 +314,7 @@ def checked_linear(
     """The module's y = x W^T + b (``conv1d``: x W + b) whose backward checks and repairs dX and
     dW as ``check`` selects; ``ops`` = ((row of ``sink``, site name) of dX, of dW). Under autocast
     the operands are cast as autocast casts them for the module's own op. ``impl``: how the
-    checks run (:func:`~attnchecker.abft.regions.run`: ``"eager"`` or ``"compiled"``)."""
+    checks run (``ABFTConfig.check_impl``, :func:`~attnchecker.abft.regions.resolve`)."""
     x, weight, bias = autocast_operands(x, weight, bias)
     args = (ops, check, conv1d, max_rows, scale, hook, impl)
     return _Linear.apply(x, weight, bias, sink, step, *args)

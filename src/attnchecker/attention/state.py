@@ -249,6 +249,7 @@ class AttentionState:
                 factor=factor,
                 floor=row_floor(pairs) / factor,
                 bounds=passing,
+                impl=self.config.check_impl,
             )
         checked = tuple(s for s in sites if self.checks(s))
         if checked != sites:

@@ -356,9 +356,9 @@ class ProtectionHandle:
             "schedule": None if self.config.schedule is None else list(self.config.schedule),
             "scope": self.config.scope,
             "mode": self.config.mode,
-            # how the checks run from eager code on this device (abft.regions), and per check
-            # region what ran in this process (compiled, eager, or a failed compile's fallback)
-            "check_impl": regions.resolve(self.config.check_impl, self._clock.count.device),
+            # how the checks run from eager code (abft.regions: the config's choice, and per
+            # check region what ran in this process: compiled, eager, a failed compile's eager)
+            "check_impl": self.config.check_impl,
             "check_regions": regions.describe(),
             "steps": self.step,
             "counters": self.counters(),

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from attnchecker.abft import regions
 from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
 from attnchecker.attention.config import GRAD_OPS, LINEAR_OPS, ABFTConfig
 from attnchecker.attention.grads import CORE_GRAD_OPS, checked_linear, new_records_sink
@@ -79,7 +78,7 @@ def _patch_backward(
         return checked_linear(
             x, module.weight, module.bias, state.grads, state.clock.count, ops=ops, check=check,
             conv1d=conv1d, max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,
-            impl=regions.resolve(config.check_impl, x.device),
+            impl=config.check_impl,
         )  # fmt: skip
 
     module.forward = forward
@@ -102,6 +101,7 @@ def _linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
             rec = projection_check_(
                 x3, item, max_rows=state.config.max_rows, factor=factor,
                 floor=row_floor(item) / factor,
+                impl=state.config.check_impl,
             )[0]  # fmt: skip
         state.note(("y",), rec)
         state.commit()
