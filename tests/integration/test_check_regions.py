@@ -1,4 +1,4 @@
-"""The projections' checks (forward, and the backward's dX and dW) as compiled regions
+"""The projections' checks and every backward GEMM's as compiled regions
 (``check_impl="compiled"``, what the default ``"auto"`` runs where inductor builds; the rest of
 the suite runs their eager ops, see ``tests/conftest.py``): the same records and repairs as the
 eager ops, a clean step bitwise the eager-checked one, and a region that cannot compile falls
@@ -26,8 +26,9 @@ from attnchecker.testing import inductor_kernels
 from .helpers import PATTERNS, batch, models, train_step
 from .test_protect_backward import EXTREME, _matrix
 
-# the GEMMs whose checks run as regions: the projections' forward and their dX and dW
-REGION_OPS = ("q", "k", "v", "out", *(op for op in GRAD_OPS if op.startswith(("dx.", "dw."))))
+# the GEMMs whose checks run as regions: the projections' forward, every backward GEMM (the
+# projections' dX and dW, the core's dQ, dK, dP, dV)
+REGION_OPS = ("q", "k", "v", "out", *GRAD_OPS)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -46,7 +47,7 @@ def test_compiled_regions_check_and_repair_as_the_eager_ops(family):
     summary = h_compiled.summary()
     assert summary["check_impl"] == "compiled"  # the config's
     # what ran in this process: the compiled region (and the eager-checked copy's eager ops)
-    for region in ("_gemm_region", "_projection_region"):
+    for region in ("_gemm_region", "_projection_region", "_heads_grad_region"):
         assert "compiled" in summary["check_regions"][region].split(", ")
 
     # every projection's forward and backward site x every pattern, the extreme kinds taking
@@ -55,7 +56,7 @@ def test_compiled_regions_check_and_repair_as_the_eager_ops(family):
     cases = [(s, next(kinds), p) for s in REGION_OPS for p in PATTERNS]
     config = ABFTConfig(check_impl="compiled")
     failures, ran, _ = _matrix(family, cases, config=config, among=REGION_OPS)
-    assert ran >= 6 * len(PATTERNS)
+    assert ran >= 10 * len(PATTERNS)
     assert failures == []
 
 

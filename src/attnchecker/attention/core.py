@@ -139,7 +139,7 @@ def attend(
             query, key.transpose(-1, -2), state.grads, state.clock.count,
             ops=("dq", "dk"), check=(state.checks("dq"), state.checks("dk")), b_transposed=True,
             max_heads=state.config.max_heads, scale=state.config.tolerance_scale,
-            hook=state.grad_hook(),
+            hook=state.grad_hook(), impl=state.config.check_impl,
         )  # fmt: skip
     else:
         scores = scores_of()  # (B, H, L, Lk)
@@ -180,7 +180,7 @@ def attend(
             cast, value, state.grads, state.clock.count,
             ops=("dp", "dv"), check=(on("dp"), on("dv")), nonneg_a=True,
             max_heads=state.config.max_heads, scale=state.config.tolerance_scale,
-            hook=state.grad_hook(),
+            hook=state.grad_hook(), impl=state.config.check_impl,
         )  # fmt: skip
     else:
         context = torch.matmul(mixed, value)  # (B, H, L, d)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from attnchecker.abft import regions
 from attnchecker.abft.gemm import col_norms, gemm_check_, row_norms
 from attnchecker.abft.tolerance import (
     gemm_factor,
@@ -144,15 +145,53 @@ def product_check_(out: Tensor, x: Tensor, y: Tensor, **kw) -> Tensor:
     return _record(*gemm_check_(out, x, y, **kw))
 
 
-def _heads_check_(
+def heads_grad_check_(
     grad: Tensor,
-    rows: tuple[Tensor, Tensor],
-    recompute: Callable[[Tensor, Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    *,
+    scale: float,
     max_heads: int,
+    nonneg: bool = False,
+    norms: tuple[Tensor, Tensor] | None = None,
+    back: bool = False,
+    impl: str = "eager",
+) -> Tensor:
+    """Check the rows of out = x @ y (B, H, M, K) x (B, H, K, N) per (batch, head), where out is
+    ``grad`` (``back``: grad is out^T, its own layout), and repair in place the ``max_heads``
+    matrices with the most flagged rows by recomputing them from x and y (as
+    :func:`~attnchecker.attention.checks.heads_repair_`); returns its (1, 5) record. ``impl``:
+    how it runs (:func:`~attnchecker.abft.regions.resolve`)."""
+    if not torch.compiler.is_compiling():  # (traced inline otherwise)
+        impl = regions.resolve(impl, grad.device, grad.dtype)
+    # x's layout is read outside autocast(enabled=False): see abft.gemm.gemm_check_
+    args = (grad, x, y, norms, x.stride(-1) == 1, scale, max_heads, nonneg, back)
+    with torch.no_grad():
+        return regions.run(_heads_grad_region, impl, *args)
+
+
+def _heads_grad_region(
+    grad: Tensor,
+    x: Tensor,
+    y: Tensor,
+    norms: tuple[Tensor, Tensor] | None,
+    rows_contiguous: bool,
+    scale: float,
+    max_heads: int,
+    nonneg: bool,
+    back: bool,
 ) -> Tensor:
     from attnchecker.attention.checks import heads_repair_
 
-    return heads_repair_([grad], [rows], lambda b, h: [recompute(b, h)], max_heads=max_heads)
+    out = grad.mT if back else grad
+    kw = {"scale": scale, "nonneg": nonneg, "norms": norms, "rows_contiguous": rows_contiguous}
+    with torch.autocast(out.device.type, enabled=False):
+        rows = _excess(out, *_reference(out, x, y, **kw))
+
+    def recompute(b: Tensor, h: Tensor) -> list[Tensor]:  # grad's matrices (b, h), its layout
+        return [y[b, h].mT @ x[b, h].mT if back else x[b, h] @ y[b, h]]
+
+    return heads_repair_([grad], [rows], recompute, max_heads=max_heads)
 
 
 def _sink_grad(
@@ -185,16 +224,21 @@ def _folded(t: Tensor) -> Tensor:
 
 class _Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, sink, step, ops, check, nonneg_a, b_transposed, max_heads, scale, hook):
+    def forward(
+        ctx, a, b, sink, step, ops, check, nonneg_a, b_transposed, max_heads, scale, hook, impl
+    ):
         ctx.save_for_backward(a, b, step.clone() if any(check) else None)
         ctx.sink = sink.shape
-        ctx.args = (ops, check, nonneg_a, b_transposed, max_heads, scale, hook)
+        ctx.args = (ops, check, nonneg_a, b_transposed, max_heads, scale, hook, impl)
         return torch.matmul(a, b)
 
     @staticmethod
     def backward(ctx, dc):
         a, b, step = ctx.saved_tensors
-        (op_a, op_b), (check_a, check_b), nonneg_a, b_transposed, max_heads, scale, hook = ctx.args
+        args = ctx.args
+        (op_a, op_b), (check_a, check_b), nonneg_a, b_transposed, max_heads, scale, hook, impl = (
+            args
+        )
         da = db = None
         index, recs = [], []
         # ||dc|| per head, shared by both checks when dc is the large operand (dS)
@@ -203,10 +247,10 @@ class _Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             da = dc3.bmm(_folded(b).transpose(1, 2)).view(a.shape)  # (B, H, M, K)
             _site(hook, GRAD_OPS[op_a], da)
-        if ctx.needs_input_grad[0] and check_a:
+        kw = {"scale": scale, "max_heads": max_heads, "impl": impl}
+        if ctx.needs_input_grad[0] and check_a:  # dQ = dS K, dP = dO V^T
             norms = None if dcn is None else (dcn, _norm(b))
-            rows = product_residual(da, dc, b.mT, scale=scale, norms=norms)
-            recs.append(_heads_check_(da, rows, lambda i, h: dc[i, h] @ b[i, h].mT, max_heads))
+            recs.append(heads_grad_check_(da, dc, b.mT, norms=norms, **kw))
             index.append(op_a)
         if ctx.needs_input_grad[1]:
             db = _folded(a).transpose(1, 2).bmm(dc3).view(b.shape)  # (B, H, K, N)
@@ -214,13 +258,12 @@ class _Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[1] and check_b:
             if b_transposed:  # b = key^T: check the rows of dK = dc^T a
                 norms = None if dcn is None else (dcn, _norm(a))
-                rows = product_residual(db.mT, dc.mT, a, scale=scale, norms=norms)
+                recs.append(heads_grad_check_(db, dc.mT, a, norms=norms, back=True, **kw))
             else:  # dV = p^T dO, p >= 0
-                rows = product_residual(db, a.mT, dc, scale=scale, nonneg=nonneg_a)
-            recs.append(_heads_check_(db, rows, lambda i, h: a[i, h].mT @ dc[i, h], max_heads))
+                recs.append(heads_grad_check_(db, a.mT, dc, nonneg=nonneg_a, **kw))
             index.append(op_b)
         grad_sink = _sink_grad(ctx.sink, tuple(index), recs, step) if recs else None
-        return da, db, grad_sink, None, None, None, None, None, None, None, None
+        return da, db, grad_sink, None, None, None, None, None, None, None, None, None
 
 
 def checked_matmul(
@@ -236,17 +279,18 @@ def checked_matmul(
     nonneg_a: bool = False,
     b_transposed: bool = False,
     hook: GradSite | None = None,
+    impl: str = "eager",
 ) -> Tensor:
     """``torch.matmul(a, b)`` of (B, H, M, K) x (B, H, K, N) whose backward checks and repairs
     the gradients (named by ``ops``: a's, b's) that ``check`` selects, records into
-    ``sink.grad`` at the clock ``step``; ``hook`` runs at both sites, checked or not."""
+    ``sink.grad`` at the clock ``step``; ``hook`` runs at both sites, checked or not; ``impl``:
+    how the checks run (``ABFTConfig.check_impl``)."""
     if not any(check) and hook is None:
         return torch.matmul(a, b)
     idx = (GRAD_OPS.index(ops[0]), GRAD_OPS.index(ops[1]))
     a, b = autocast_operands(a, b)
-    return _Matmul.apply(
-        a, b, sink, step, idx, check, nonneg_a, b_transposed, max_heads, scale, hook
-    )
+    args = (check, nonneg_a, b_transposed, max_heads, scale, hook, impl)
+    return _Matmul.apply(a, b, sink, step, idx, *args)
 
 
 class _Linear(torch.autograd.Function):
