@@ -14,9 +14,10 @@ without touching the model's own arithmetic. Three implementations, :data:`IMPLS
   CPU, Triton on CUDA), else eager.
 
 The regions: :func:`attnchecker.abft.gemm.gemm_check_` (the backward's dX and dW of every
-checked projection and linear layer) and :func:`attnchecker.attention.checks.projection_check_`
-(the forward's projections, and every linear layer's with ``scope="all_linear"``). The heads'
-checks (scores, probabilities, context and their gradients) still run as eager ops.
+checked projection and linear layer), :func:`attnchecker.attention.checks.projection_check_`
+(the forward's projections, and every linear layer's with ``scope="all_linear"``) and
+:func:`attnchecker.attention.grads.heads_grad_check_` (the core's dQ, dK, dP, dV). The forward
+core's checks (scores, probabilities, context) still run as eager ops.
 
 A region that fails to compile (no compiler at run time, an inductor error) falls back to its
 eager ops with one warning naming the cause; :func:`describe` says what ran, for ``summary()``.
@@ -76,9 +77,10 @@ def resolve(impl: str, device: torch.device, dtype: torch.dtype | None = None) -
 
 # Where "auto" compiles, by (device type, half precision or fp32). CPU: measured per training
 # step in benchmarks/check_impl.py (2 cores, base width; results/check_impl_cpu2_2026-12-02.md):
-# bf16 gains 4-8 points of step overhead in two runs, fp32 gains nothing or loses up to 4 (its
-# eager ops are already fast; a region's call and guards are not free). CUDA: not measured yet
-# (no GPU lent); compiled, because there each of a check's ~60 eager ops is a kernel launch.
+# bf16 gains 4-9 points of step overhead in each of three runs, fp32 between -3.9 and +4.0
+# points (its eager ops are already fast; a region's call and guards are not free): within the
+# noise, so no compile latency for it. CUDA: not measured yet (no GPU lent); compiled, because
+# there each of a check's ~60 eager ops is a kernel launch.
 AUTO = {
     ("cpu", "half"): True,
     ("cpu", "fp32"): False,

@@ -75,8 +75,9 @@ class ABFTConfig:
       training, soft-capping); ``"auto"`` is triton on CUDA where the family dispatches through
       transformers' attention interface, eager otherwise. The projections are checked by the
       same hooks in every backend.
-    - ``check_impl``: how the projections' checks (forward, and the backward's dX and dW; with
-      ``scope="all_linear"`` every linear layer's) run from eager code:
+    - ``check_impl``: how the projections' checks (forward and backward; with
+      ``scope="all_linear"`` every linear layer's) and the core's backward checks run from
+      eager code:
       ``"compiled"``, each check one ``torch.compile``d region (a few fused kernels; compiled
       once per dtype and layout, seconds each, on first use); ``"eager"``, its aten ops;
       ``"auto"``, compiled where inductor can build for the device, unless the environment
