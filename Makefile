@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -m ""
+	$(BIN)/python -m pytest -q -m "" -n 2 --dist worksteal
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
