@@ -135,12 +135,20 @@ def test_fault_beyond_repair_is_uncorrectable_and_flags_the_step():
     assert float(handle.found_inf()) == 0.0
 
 
-def test_backward_fault_under_bf16_autocast_is_corrected():
-    """Under autocast the checks see the bf16 operands the GEMMs multiplied."""
+@pytest.mark.parametrize("impl", ["eager", "compiled"])
+def test_backward_fault_under_bf16_autocast_is_corrected(impl):
+    """Under autocast the checks see the bf16 operands the GEMMs multiplied; ``compiled``: as
+    the default (``check_impl="auto"``) runs bf16 checks on a CPU, as compiled regions (the
+    forward's q check too)."""
     base, ref = models("llama")
     inputs = batch("llama")
-    handle = protect_(base)
-    for site in ("dv", "dx.q"):
+    handle = protect_(base, ABFTConfig(check_impl=impl))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # clean: no alarm
+        train_step(base, inputs)
+    assert handle.drain() == []
+    base.load_state_dict(ref.state_dict())
+    base.zero_grad(set_to_none=True)
+    for site in ("dv", "dx.q", "q"):
         hook = fire_once(site, "1R", "inf")
         detach = handle.attach(hook, sites=[site])
         with torch.autocast("cpu", dtype=torch.bfloat16):
