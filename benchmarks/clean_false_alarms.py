@@ -205,6 +205,7 @@ def main() -> None:
     ap.add_argument("--outlier-scales", nargs="+", type=float, default=[10.0, 60.0, 200.0])
     ap.add_argument("--outlier-lrs", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2])
     ap.add_argument("--outlier-seeds", type=int, default=3, help="init seeds 0 .. n-1")
+    ap.add_argument("--tag", default="", help="suffix of the result files (a focused rerun)")
     args = parse(
         ap,
         quick={
@@ -243,7 +244,8 @@ def main() -> None:
         "configs": {k: c.to_dict() for k, c in CONFIGS.items()},
         "runs": [dataclasses.asdict(r) for r in runs],
     }
-    write("clean_false_alarms", payload, _markdown(runs, args, seconds))
+    theme = "clean_false_alarms" + (f"_{args.tag}" if args.tag else "")
+    write(theme, payload, _markdown(runs, args, seconds))
 
 
 if __name__ == "__main__":
