@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from _common import alternate, environment, median_ms, parse, write
+from _common import alternate, command, environment, median_ms, parse, write
 from attnchecker import ABFTConfig, protect_
 from attnchecker.abft import regions
 from attnchecker.models.tiny import build
@@ -117,8 +117,6 @@ def main() -> None:
                 {k: f"{100 * v:+.1f}%" for k, v in r["overhead"].items()},
                 flush=True,
             )
-    from _common import command
-
     path = write("check_impl", {"env": env, "rows": rows}, _markdown(rows, env, args, command()))
     print(path)
 

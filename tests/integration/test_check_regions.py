@@ -68,11 +68,11 @@ def _needs_a_host_value(x: torch.Tensor) -> torch.Tensor:
 def test_a_region_that_does_not_compile_runs_its_eager_ops_with_one_warning():
     x = torch.ones(4)
     with pytest.warns(RuntimeWarning, match="did not compile"):
-        got = regions.run(_needs_a_host_value, "compiled", x)
+        got = regions.run(_needs_a_host_value, "compiled", x, on=x)
     assert torch.equal(got, x * 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: later calls run eager silently
-        assert torch.equal(regions.run(_needs_a_host_value, "compiled", x), x * 2)
+        assert torch.equal(regions.run(_needs_a_host_value, "compiled", x, on=x), x * 2)
     assert regions.describe()["_needs_a_host_value"].startswith("eager (compile failed:")
 
 

@@ -40,7 +40,9 @@ def row_norms(x: Tensor, rows_contiguous: bool | None = None) -> Tensor:
     """(M,) fp32 upper bounds on the row norms of x (M, K), one pass in x's own layout
     (:func:`~attnchecker.abft.tolerance.norm_bound`, with its underflow term).
     ``rows_contiguous``: x.stride(-1) == 1, when the caller knows it (see :func:`gemm_check_`)."""
-    if x.stride(-1) == 1 if rows_contiguous is None else rows_contiguous:
+    if rows_contiguous is None:
+        rows_contiguous = x.stride(-1) == 1
+    if rows_contiguous:
         return norm_bound(x, 1)
     # x = a.t() of a contiguous a: a column reduction of a (an op on the view x would write its
     # result in x's strides, 9x slower)
@@ -116,10 +118,8 @@ def gemm_check_(
     # forward (torch 2.13), which made a compiled bf16 model multiply mixed dtypes
     layout = (x.stride(-1) == 1, y.stride(0) == 1)
     args = (out, x, y, x_rows, y_cols, *layout, min(max_rows, M), *limits)
-    if not torch.compiler.is_compiling():  # (traced inline otherwise)
-        impl = regions.resolve(impl, out.device, out.dtype)
-    with torch.no_grad(), torch.autocast(out.device.type, enabled=False):
-        return regions.run(_gemm_region, impl, *args)
+    with torch.autocast(out.device.type, enabled=False):
+        return regions.run(_gemm_region, impl, *args, on=out)
 
 
 def _reference_dtype(x: Tensor, y: Tensor) -> torch.dtype:

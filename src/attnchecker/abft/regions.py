@@ -30,7 +30,6 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -38,8 +37,6 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 __all__ = ["IMPLS", "describe", "resolve", "run"]
 
 IMPLS = ("auto", "compiled", "eager")
-
-F = TypeVar("F", bound=Callable[..., object])
 
 _VARIANTS = 64  # compiled variants per region before it falls back to its eager ops
 _FAILED: dict[str, str] = {}  # region name -> why it runs eager
@@ -96,11 +93,19 @@ def _compiled(fn: Callable[..., object]) -> Callable[..., object]:
     return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
-def run(fn: Callable[..., object], impl: str, *args: object, **kwargs: object) -> object:
-    """``fn(*args, **kwargs)`` as ``impl`` (resolved) runs it: compiled, unless compiling
-    already (then inline in the caller's graph) or the region failed to compile before."""
-    if torch.compiler.is_compiling():  # traced inline: no bookkeeping in the graph
-        return fn(*args, **kwargs)
+def run(
+    fn: Callable[..., object], impl: str, *args: object, on: torch.Tensor, **kwargs: object
+) -> object:
+    """``fn(*args, **kwargs)`` without autograd, as ``impl`` runs it (:func:`resolve`d for the
+    checked tensor ``on``, its device and dtype): compiled, unless compiling already (then
+    inline in the caller's graph) or the region failed to compile before."""
+    with torch.no_grad():
+        if torch.compiler.is_compiling():  # traced inline: no bookkeeping in the graph
+            return fn(*args, **kwargs)
+        return _run(fn, resolve(impl, on.device, on.dtype), *args, **kwargs)
+
+
+def _run(fn: Callable[..., object], impl: str, *args: object, **kwargs: object) -> object:
     if _get_current_dispatch_mode() is not None:  # dynamo does not run under a dispatch mode
         return fn(*args, **kwargs)  # (an op counter, a profiler's): the same ops, uncompiled
     name = fn.__qualname__
@@ -118,7 +123,7 @@ def run(fn: Callable[..., object], impl: str, *args: object, **kwargs: object) -
             f"attnchecker: the check region {name} did not compile ({_FAILED[name]}); "
             "it runs as eager ops",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         return fn(*args, **kwargs)
     _RAN.setdefault(name, set()).add("compiled")

@@ -335,10 +335,7 @@ def projection_check_(
     # the outputs as .data: written in place behind autograd's back (a compiled region would
     # otherwise write its input, an output of a custom Function, through autograd)
     items = [(p, y.data) for p, y in items]
-    if not torch.compiler.is_compiling():  # (traced inline otherwise)
-        impl = regions.resolve(impl, x.device, items[0][1].dtype)
-    with torch.no_grad():
-        return regions.run(_projection_region, impl, x, items, **kw)
+    return regions.run(_projection_region, impl, x, items, on=items[0][1], **kw)
 
 
 def _projection_region(

@@ -162,12 +162,8 @@ def heads_grad_check_(
     matrices with the most flagged rows by recomputing them from x and y (as
     :func:`~attnchecker.attention.checks.heads_repair_`); returns its (1, 5) record. ``impl``:
     how it runs (:func:`~attnchecker.abft.regions.resolve`)."""
-    if not torch.compiler.is_compiling():  # (traced inline otherwise)
-        impl = regions.resolve(impl, grad.device, grad.dtype)
-    # x's layout is read outside autocast(enabled=False): see abft.gemm.gemm_check_
-    args = (grad, x, y, norms, x.stride(-1) == 1, scale, max_heads, nonneg, back)
-    with torch.no_grad():
-        return regions.run(_heads_grad_region, impl, *args)
+    args = (grad, x, y, norms, scale, max_heads, nonneg, back)
+    return regions.run(_heads_grad_region, impl, *args, on=grad)
 
 
 def _heads_grad_region(
@@ -175,7 +171,6 @@ def _heads_grad_region(
     x: Tensor,
     y: Tensor,
     norms: tuple[Tensor, Tensor] | None,
-    rows_contiguous: bool,
     scale: float,
     max_heads: int,
     nonneg: bool,
@@ -184,9 +179,7 @@ def _heads_grad_region(
     from attnchecker.attention.checks import heads_repair_
 
     out = grad.mT if back else grad
-    kw = {"scale": scale, "nonneg": nonneg, "norms": norms, "rows_contiguous": rows_contiguous}
-    with torch.autocast(out.device.type, enabled=False):
-        rows = _excess(out, *_reference(out, x, y, **kw))
+    rows = product_residual(out, x, y, scale=scale, nonneg=nonneg, norms=norms)
 
     def recompute(b: Tensor, h: Tensor) -> list[Tensor]:  # grad's matrices (b, h), its layout
         return [y[b, h].mT @ x[b, h].mT if back else x[b, h] @ y[b, h]]
