@@ -12,12 +12,14 @@ mode sees and the launching part.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from unittest import mock
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -50,15 +52,40 @@ SYNCING_OPS = frozenset(
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every op dispatched while active, by ``aten.<name>`` (overloads merged)."""
+    """Counts every op dispatched while active, by ``aten.<name>`` (overloads merged), and apart
+    the ops of check regions (:mod:`attnchecker.abft.regions`; under a dispatch mode a region
+    runs its eager ops, each call tagged by :meth:`region`): what a compiled region replaces
+    by its few kernels."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.region_calls: Counter[str] = Counter()  # calls of each check region
+        self.region_ops: Counter[str] = Counter()  # ops dispatched inside check regions
+        self._region: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
+        op = str(func.overloadpacket)
+        self.ops[op] += 1
+        if self._region is not None:
+            self.region_ops[op] += 1
         return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def region(self, name: str) -> Iterator[None]:
+        """Tag the ops dispatched inside as one call of the check region ``name``."""
+        self.region_calls[name] += 1
+        outer, self._region = self._region, name
+        try:
+            yield
+        finally:
+            self._region = outer
+
+    @property
+    def launching_outside_regions(self) -> int:
+        """Launching ops outside check regions (a compiled region is its kernels instead)."""
+        inside = sum(n for op, n in self.region_ops.items() if op not in VIEW_OPS)
+        return self.launching - inside
 
     @property
     def total(self) -> int:
@@ -133,6 +160,58 @@ def inductor_kernels() -> Iterator[KernelCalls]:
         GraphLowering, "save_output_code", lambda code: calls.update(kernel_calls(code))
     ):
         yield calls
+
+
+def _variant(obj: object) -> object:
+    """A hashable key of what a compiled region specialises on: tensors' metadata, constants,
+    functions' code and closures (a region compiles one variant per key, or fewer)."""
+    if isinstance(obj, torch.Tensor):
+        return (tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device.type)
+    if isinstance(obj, list | tuple):
+        return tuple(_variant(o) for o in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _variant(v)) for k, v in sorted(obj.items()))
+    if dataclasses.is_dataclass(obj):
+        return tuple(_variant(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if callable(obj) and hasattr(obj, "__code__"):
+        cells = tuple(_variant(c.cell_contents) for c in obj.__closure__ or ())
+        return (obj.__code__, cells)
+    return obj if isinstance(obj, int | float | bool | str | type(None)) else type(obj)
+
+
+@contextlib.contextmanager
+def region_kernels() -> Iterator[KernelCalls]:
+    """Count the kernels the compiled check regions (:mod:`attnchecker.abft.regions`) launch
+    while active, call by call: each call counts the kernels of its variant's output code,
+    read when that variant compiles (dynamo is reset on entry, so each compiles here; run
+    the work with ``check_impl="compiled"``). A region traced inside a user's compiled model
+    is part of that model's graph (:func:`inductor_kernels`)."""
+    from attnchecker.abft import regions
+
+    torch._dynamo.reset()
+    regions._compiled.cache_clear()
+    real = regions._compiled
+    total, seen = KernelCalls(), {}
+
+    def compiled(fn):
+        inner = real(fn)
+
+        def call(*args, **kwargs):
+            key = (fn.__qualname__, _variant(args), _variant(kwargs))
+            if key in seen:
+                out = inner(*args, **kwargs)
+            else:
+                with inductor_kernels() as calls:
+                    out = inner(*args, **kwargs)
+                seen[key] = KernelCalls(calls)
+            total.update(seen[key])
+            return out
+
+        return call
+
+    with mock.patch.object(regions, "_compiled", compiled):
+        yield total
+    regions._compiled.cache_clear()
 
 
 @dataclass(frozen=True)

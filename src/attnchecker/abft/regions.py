@@ -15,9 +15,12 @@ without touching the model's own arithmetic. Three implementations, :data:`IMPLS
 
 The regions: :func:`attnchecker.abft.gemm.gemm_check_` (the backward's dX and dW of every
 checked projection and linear layer), :func:`attnchecker.attention.checks.projection_check_`
-(the forward's projections, and every linear layer's with ``scope="all_linear"``) and
-:func:`attnchecker.attention.grads.heads_grad_check_` (the core's dQ, dK, dP, dV). The forward
-core's checks (scores, probabilities, context) still run as eager ops.
+(the forward's projections, and every linear layer's with ``scope="all_linear"``),
+``attnchecker.attention.core._core_region`` (the forward core's scores, probabilities and
+context checks and their one repair) and :func:`attnchecker.attention.grads.heads_grad_check_`
+(the core's dQ, dK, dP, dV). What stays outside them is bookkeeping: the records, the stacking
+of Q|K|V's weights, autocast's casts (``attnchecker.testing.OpCounter`` counts them apart,
+``attnchecker.testing.region_kernels`` the regions' kernels).
 
 A region that fails to compile (no compiler at run time, an inductor error) falls back to its
 eager ops with one warning naming the cause; :func:`describe` says what ran, for ``summary()``.
@@ -25,6 +28,7 @@ eager ops with one warning naming the cause; :func:`describe` says what ran, for
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -106,9 +110,14 @@ def run(
 
 
 def _run(fn: Callable[..., object], impl: str, *args: object, **kwargs: object) -> object:
-    if _get_current_dispatch_mode() is not None:  # dynamo does not run under a dispatch mode
-        return fn(*args, **kwargs)  # (an op counter, a profiler's): the same ops, uncompiled
     name = fn.__qualname__
+    mode = _get_current_dispatch_mode()
+    if mode is not None:  # dynamo does not run under a dispatch mode (an op counter, a
+        # profiler's): the same ops, uncompiled, tagged as the region's where the mode asks
+        # (attnchecker.testing.OpCounter.region)
+        tag = getattr(mode, "region", None)
+        with tag(name) if callable(tag) else contextlib.nullcontext():
+            return fn(*args, **kwargs)
     if impl == "eager" or name in _FAILED:
         _RAN.setdefault(name, set()).add("eager")
         return fn(*args, **kwargs)

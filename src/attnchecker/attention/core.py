@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from attnchecker.abft import regions
 from attnchecker.attention.checks import (
     context_residual,
     heads_repair_,
@@ -100,7 +101,9 @@ def attend(
     alpha = scaling if upcast_reordered else 1.0
 
     def scores_of(b: Tensor | None = None, h: Tensor | None = None) -> Tensor:
-        q, k = (query, key) if b is None else (query[b, h], key[b, h])
+        # the repair's recomputation (b, h given) reads the operands' data: a check region
+        # takes no autograd tensor (aliases of one, e.g. x and x.data, do not compile)
+        q, k = (query, key) if b is None else (query.data[b, h], key.data[b, h])
         if upcast_reordered:
             with torch.autocast(q.device.type, enabled=False):
                 q3, k3 = q.reshape(-1, L, d).float(), k.reshape(-1, Lk, d).float()
@@ -150,24 +153,14 @@ def attend(
         return _out(spec, context), probs
 
     config, on = state.config, state.checks
-    scale = config.tolerance_scale
-    heads = config.max_heads
     # One repair for the layer's head checks: the worst heads' scores -> probs -> dropout ->
     # context recomputed together after the context (dropout's draw kept for it).
     dropping = training and dropout > 0
-    found: list[tuple[str, tuple[Tensor, Tensor]]] = []  # (op, (residual, excess)), chain order
     state.site("scores", scores)
-    if on("scores"):
-        with _ranged("scores"):
-            found.append(("scores", scores_residual(scores, query, key, alpha=alpha, scale=scale)))
     saved, probs = probs_of(scores)  # [(B, H, L, Lk)...], (B, H, L, Lk)
     state.site("probs", probs)
     converts = probs is not saved[-1]
     targets = [*saved, probs] if converts else [*saved]  # what the repair writes
-    ride = on("probs") and not dropping  # the probabilities' sums ride on the context GEMM
-    if on("probs") and not ride:
-        with _ranged("probs"):
-            found.append(("probs", probs_residual(probs, scale=scale)))
     mixed, redo = probs, None
     if dropping:
         mixed, redo = _dropout(probs, dropout)
@@ -188,16 +181,9 @@ def attend(
     targets.append(context)
     if v_sums is not None and n_rep > 1:
         v_sums = tuple(t.repeat_interleave(n_rep, dim=1) for t in v_sums)
-    with _ranged("context"):
-        if on("context"):
-            res = context_residual(
-                context, mixed, value, scale=scale, v_sums=v_sums, with_probs=ride
-            )
-            if ride:
-                found.append(("probs", res[2:]))
-            found.append(("context", res[:2]))
-        elif ride:
-            found.append(("probs", probs_residual(probs, scale=scale)))
+    # the probabilities' sums ride on the context's reference GEMM (no dropout between them)
+    probs_how = None if not on("probs") else "alone" if dropping else "ride"
+    ops = tuple(op for op in ("scores", "probs", "context") if on(op))
 
     def chain(b: Tensor, h: Tensor) -> list[Tensor]:
         new_scores = scores_of(b, h)
@@ -208,17 +194,59 @@ def attend(
             news.append(new_probs)
         if checked and cast is not mixed:
             news.append(new_probs)
-        return [*news, torch.matmul(new_probs, value[b, h]), new_scores]
+        return [*news, torch.matmul(new_probs, value.data[b, h]), new_scores]
 
-    if found:
-        with _ranged("heads_repair"):
-            rec = heads_repair_(
-                targets, [r for _, r in found], chain, max_heads=heads, probe=scores
-            )
-        state.note(tuple(op for op, _ in found), rec)
+    if ops:
+        with _ranged("core"):
+            rec = regions.run(
+                _core_region, config.check_impl,
+                *(t.data for t in (scores, query, key, probs, mixed, value, context)), v_sums,
+                [t.data for t in targets], chain, on=context,
+                alpha=alpha, scale=config.tolerance_scale, max_heads=config.max_heads,
+                check_scores=on("scores"), probs_how=probs_how, check_context=on("context"),
+            )  # fmt: skip
+        state.note(ops, rec)
     if not on("out"):
         state.commit()  # otherwise the output projection's check writes the layer's records
     return _out(spec, context), mixed
+
+
+def _core_region(
+    scores: Tensor,
+    query: Tensor,
+    key: Tensor,
+    probs: Tensor,
+    mixed: Tensor,
+    value: Tensor,
+    context: Tensor,
+    v_sums: tuple[Tensor, Tensor] | None,
+    targets: list[Tensor],
+    chain: Callable[[Tensor, Tensor], list[Tensor]],
+    *,
+    alpha: float,
+    scale: float,
+    max_heads: int,
+    check_scores: bool,
+    probs_how: str | None,
+    check_context: bool,
+) -> Tensor:
+    """The core's checks and their one repair (a check region): the (residual, excess) of the
+    scores, the probabilities (``probs_how``: ``"alone"``, or ``"ride"`` on the context's
+    reference GEMM when ``mixed``, what multiplies V, is ``probs`` itself: no dropout) and the context, in chain
+    order, then :func:`heads_repair_` of ``targets`` (B, H, L, M_i) by ``chain``. Returns the
+    records, one per check."""
+    found: list[tuple[Tensor, Tensor]] = []
+    if check_scores:
+        found.append(scores_residual(scores, query, key, alpha=alpha, scale=scale))
+    ride = probs_how == "ride"
+    if probs_how == "alone" or (ride and not check_context):
+        found.append(probs_residual(probs, scale=scale))
+    if check_context:
+        res = context_residual(context, mixed, value, scale=scale, v_sums=v_sums, with_probs=ride)
+        if ride:
+            found.append(res[2:])
+        found.append(res[:2])
+    return heads_repair_(targets, found, chain, max_heads=max_heads, probe=scores)
 
 
 def _dropout(x: Tensor, p: float) -> tuple[Tensor, Callable[[Tensor, Tensor, Tensor], Tensor]]:
