@@ -232,9 +232,9 @@ def _core_region(
 ) -> Tensor:
     """The core's checks and their one repair (a check region): the (residual, excess) of the
     scores, the probabilities (``probs_how``: ``"alone"``, or ``"ride"`` on the context's
-    reference GEMM when ``mixed``, what multiplies V, is ``probs`` itself: no dropout) and the context, in chain
-    order, then :func:`heads_repair_` of ``targets`` (B, H, L, M_i) by ``chain``. Returns the
-    records, one per check."""
+    reference GEMM when ``mixed``, what multiplies V, is ``probs`` itself: no dropout) and the
+    context, in chain order, then :func:`heads_repair_` of ``targets`` (B, H, L, M_i) by
+    ``chain``. Returns the records, one per check."""
     found: list[tuple[Tensor, Tensor]] = []
     if check_scores:
         found.append(scores_residual(scores, query, key, alpha=alpha, scale=scale))
