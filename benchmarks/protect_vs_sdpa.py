@@ -36,7 +36,7 @@ from attnchecker.attention.config import OPS
 from attnchecker.models.families import TABLE
 from attnchecker.models.registry import discover
 from attnchecker.models.tiny import build
-from attnchecker.testing import count_ops, inductor_kernels
+from attnchecker.testing import count_ops, inductor_kernels, region_kernels
 
 ATTENTION = ("self_attn", "attn", "attention")  # how transformers' layers name their attention
 ARMS = {  # the protected arms: the forward's checks, + the backward's (default), + every linear
@@ -195,6 +195,15 @@ def measure(family: str, L: int, dtype: str, mode: str, device: str, reps: int) 
             row["launching_vs_sdpa_per_step"] = {
                 k: ops[k].launching - ops["sdpa"].launching for k in ARMS
             }
+            # as the step runs: the ops outside compiled check regions plus those regions'
+            # kernels (equal to the above where every region resolves to eager ops)
+            row["as_run_vs_sdpa_per_step"] = {}
+            for k in ARMS:
+                with region_kernels() as kernels:
+                    steps[k]()
+                row["as_run_vs_sdpa_per_step"][k] = (
+                    ops[k].launching_outside_regions + kernels.total - ops["sdpa"].launching
+                )
     del models, runs, steps
     if mode == "compiled":
         torch._dynamo.reset()
@@ -211,19 +220,23 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
         "",
         "Protected arms: `forward` (the forward's seven checks, `ops=OPS`), `protected` (the "
         'default: forward and backward), `all_linear` (`scope="all_linear"`: every linear '
-        "layer, forward and backward). Launching ops are per training step beyond SDPA (eager); "
+        "layer, forward and backward). Launching ops are per training step beyond SDPA (eager), "
+        "all the checks' aten ops, and as run: with the check regions that `check_impl` "
+        "compiles (bf16 on a CPU) counted as their kernels (`attnchecker.testing.region_kernels`); "
         "kernels per step are what inductor's output code calls in one compiled training step "
         "(its fused kernels, GEMMs and aten fallbacks; `attnchecker.testing.inductor_kernels`) "
         "for sdpa / forward / protected / all_linear.",
         "",
         "| family | L | dtype | mode | sdpa ms | forward | protected | all_linear | "
-        "launching ops forward / protected / all_linear | kernels per step (compiled) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "launching ops forward / protected / all_linear | as run | kernels per step (compiled) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['family']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['step_sdpa_ms']:.1f} | "
             + " | ".join(_pct(r.get(f"{k}_vs_sdpa")) for k in ARMS)
             + " | "
             + " / ".join(str(v) for v in r.get("launching_vs_sdpa_per_step", {}).values())
+            + " | "
+            + " / ".join(str(v) for v in r.get("as_run_vs_sdpa_per_step", {}).values())
             + " | "
             + " / ".join(str(r.get("kernels_per_step", {}).get(k, "")) for k in ("sdpa", *ARMS))
             * ("kernels_per_step" in r)

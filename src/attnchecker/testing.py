@@ -72,10 +72,12 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     @contextlib.contextmanager
-    def region(self, name: str) -> Iterator[None]:
-        """Tag the ops dispatched inside as one call of the check region ``name``."""
+    def region(self, name: str, impl: str = "compiled") -> Iterator[None]:
+        """Tag the ops dispatched inside as one call of the check region ``name``, which runs
+        as ``impl`` outside the counter (``"eager"``: its ops count as ops outside regions)."""
         self.region_calls[name] += 1
-        outer, self._region = self._region, name
+        outer = self._region
+        self._region = name if impl == "compiled" else outer
         try:
             yield
         finally:

@@ -116,7 +116,8 @@ def _run(fn: Callable[..., object], impl: str, *args: object, **kwargs: object) 
         # profiler's): the same ops, uncompiled, tagged as the region's where the mode asks
         # (attnchecker.testing.OpCounter.region)
         tag = getattr(mode, "region", None)
-        with tag(name) if callable(tag) else contextlib.nullcontext():
+        how = "eager" if impl == "eager" or name in _FAILED else "compiled"
+        with tag(name, how) if callable(tag) else contextlib.nullcontext():
             return fn(*args, **kwargs)
     if impl == "eager" or name in _FAILED:
         _RAN.setdefault(name, set()).add("eager")
