@@ -132,6 +132,15 @@ def fire_once(site: str, pattern: str, kind: str, *, layer: int | None = 0, modu
     return hook
 
 
+def fault_list(sites=SITES, kinds=KINDS, patterns=PATTERNS, rotate=None) -> list[tuple]:
+    """The (site, kind, pattern) faults of :func:`fault_matrix`."""
+    kinds = list(kinds)
+    if rotate is None:
+        return [(s, k, p) for s in sites for k in kinds for p in patterns]
+    pairs = [(s, p) for s in sites for p in patterns]
+    return [(s, kinds[(i + rotate) % len(kinds)], p) for i, (s, p) in enumerate(pairs)]
+
+
 def fault_matrix(
     base,
     inputs,
@@ -145,37 +154,38 @@ def fault_matrix(
     module=None,
     rtol=1e-6,
     atol=1e-5,
+    rotate=None,
 ):
     """Run ``step(model, inputs) -> (loss, grads, params)`` on a protected copy of ``base`` once
     per fault and compare with the fault-free step; return the failures (empty when every fault
-    was corrected, reported as such, and left the loss, every gradient and the update equal)."""
+    was corrected, reported as such, and left the loss, every gradient and the update equal).
+
+    The faults: every (site, kind, pattern), or with ``rotate`` (an int) every (site, pattern)
+    once, the kinds taking turns from the ``rotate``-th on: calls with ``rotate`` 0, 1, ...
+    len(kinds) - 1 together run every triple."""
     from attnchecker import ABFTConfig, protect_
 
     want = step(copy.deepcopy(base), inputs)
     failures = []
-    for site in sites:
-        for kind in kinds:
-            for pattern in patterns:
-                model = copy.deepcopy(base)
-                handle = protect_(model, config or ABFTConfig())
-                hook = fire_once(site, pattern, kind, layer=layer, module=module)
-                handle.attach(hook)
-                got = step(model, inputs)
-                events = handle.drain()
-                ok = (
-                    bool(hook.fired)
-                    and torch.allclose(got[0], want[0], rtol=rtol, atol=0)
-                    and max_diff(got[1], want[1]) <= atol
-                    and update_excess(got, want) <= atol
-                    and any(
-                        e.op == site and e.action in ("corrected", "recomputed") for e in events
-                    )
-                    and not any(e.action == "uncorrectable" for e in events)
-                )
-                if not ok:
-                    diffs = (max_diff(got[1], want[1]), update_excess(got, want))
-                    failures.append((site, kind, pattern, float(got[0]), diffs,
-                                     [(e.op, e.action) for e in events]))  # fmt: skip
+    for site, kind, pattern in fault_list(sites, kinds, patterns, rotate):
+        model = copy.deepcopy(base)
+        handle = protect_(model, config or ABFTConfig())
+        hook = fire_once(site, pattern, kind, layer=layer, module=module)
+        handle.attach(hook)
+        got = step(model, inputs)
+        events = handle.drain()
+        ok = (
+            bool(hook.fired)
+            and torch.allclose(got[0], want[0], rtol=rtol, atol=0)
+            and max_diff(got[1], want[1]) <= atol
+            and update_excess(got, want) <= atol
+            and any(e.op == site and e.action in ("corrected", "recomputed") for e in events)
+            and not any(e.action == "uncorrectable" for e in events)
+        )
+        if not ok:
+            diffs = (max_diff(got[1], want[1]), update_excess(got, want))
+            failures.append((site, kind, pattern, float(got[0]), diffs,
+                             [(e.op, e.action) for e in events]))  # fmt: skip
     return failures
 
 

@@ -19,7 +19,17 @@ from attnchecker import ABFTConfig, protect_
 from attnchecker.attention.config import OPS
 from attnchecker.models.families import FAMILIES
 
-from .helpers import KINDS, PATTERNS, SITES, batch, fault_matrix, fire_once, models, train_step
+from .helpers import (
+    KINDS,
+    PATTERNS,
+    SITES,
+    batch,
+    fault_list,
+    fault_matrix,
+    fire_once,
+    models,
+    train_step,
+)
 
 
 def _faulty_step(base, inputs, site, kind, pattern, layer=0, mode="naive"):
@@ -32,28 +42,38 @@ def _faulty_step(base, inputs, site, kind, pattern, layer=0, mode="naive"):
     return result, handle.drain()
 
 
-# The forward matrix of a family whose wiring another family of the default run shares
-# (roberta: bert's; mistral, qwen3, olmo2: llama's, with GQA / q-k norms / sliding window) runs
-# in the slow set, as does passing mode on BERT (llama's covers it); their backward matrices,
-# clean runs and generic tests stay in the default run. Keeps `make test` under 15 minutes.
-_SHARED_WIRING = {"roberta", "mistral", "qwen3", "olmo2"}
+# The default run: per family every (site, pattern) once, the kinds taking turns from the
+# family's index on (helpers.fault_matrix's ``rotate``), so the families together run every
+# (site, kind, pattern) triple and each kind meets every family; the whole cross product per
+# family (168 faulty steps) in the slow set, with passing mode on BERT (llama's covers it).
+SLOW = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.mark.parametrize(
-    ("family", "mode"),
-    [pytest.param(f, "naive", marks=[pytest.mark.slow] if f in _SHARED_WIRING else [])
-     for f in FAMILIES]
-    + [pytest.param("bert", "passing", marks=pytest.mark.slow), ("llama", "passing")],
+    ("family", "mode", "full"),
+    [(f, "naive", False) for f in FAMILIES]
+    + [("llama", "passing", False)]
+    + [pytest.param(f, "naive", True, marks=SLOW) for f in FAMILIES]
+    + [pytest.param(f, "passing", True, marks=SLOW) for f in ("bert", "llama")],
 )  # fmt: skip
-def test_every_fault_is_corrected(family, mode):
+def test_every_fault_is_corrected(family, mode, full):
     # the forward's faults with the forward's checks (the backward's checks have their own
     # matrix in test_protect_backward; forward faults under the default config: DDP, Trainer,
     # compile, usage tests)
     base, _ = models(family)
-    failures = fault_matrix(base, batch(family), train_step, config=ABFTConfig(mode=mode, ops=OPS))
-    assert not failures, (
-        f"{len(failures)} of {len(SITES) * len(KINDS) * len(PATTERNS)}: {failures[:5]}"
-    )
+    rotate = None if full else list(FAMILIES).index(family)
+    config = ABFTConfig(mode=mode, ops=OPS)
+    failures = fault_matrix(base, batch(family), train_step, config=config, rotate=rotate)
+    n = len(SITES) * len(PATTERNS) * (len(KINDS) if full else 1)
+    assert not failures, f"{len(failures)} of {n}: {failures[:5]}"
+
+
+def test_the_default_run_covers_every_fault_triple():
+    """What the rotation promises: over the families of the default run, every (site, kind,
+    pattern) triple runs at least once."""
+    ran = {f for r in range(len(FAMILIES)) for f in fault_list(rotate=r)}
+    assert ran == set(fault_list())
+    assert all(len(fault_list(rotate=r)) == len(SITES) * len(PATTERNS) for r in range(3))
 
 
 @pytest.mark.parametrize(

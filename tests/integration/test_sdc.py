@@ -128,7 +128,10 @@ def test_record_and_compare_from_files(text, tmp_path, capsys):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize(  # the levels share the two-rank transport: one runs by default (30 s
+    "level",  # each on 2 cores), the others in the slow set; each level in one process above
+    [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)],
+)
 def test_two_ranks_match_one_process(text, tmp_path, level):
     args = ["sdc", "lockstep", "--level", str(level), "--steps", "3", "--data", *text]
     assert cli.main([*args, "--out", str(tmp_path / "one")]) == 0

@@ -13,13 +13,17 @@ without touching the model's own arithmetic. Three implementations, :data:`IMPLS
   checks, not fp32 ones; on CUDA) and inductor can build for the device (a C++ compiler on a
   CPU, Triton on CUDA), else eager.
 
-The regions: :func:`attnchecker.abft.gemm.gemm_check_` (the backward's dX and dW of every
-checked projection and linear layer), :func:`attnchecker.attention.checks.projection_check_`
-(the forward's projections, and every linear layer's with ``scope="all_linear"``),
-``attnchecker.attention.core._core_region`` (the forward core's scores, probabilities and
-context checks and their one repair) and :func:`attnchecker.attention.grads.heads_grad_check_`
-(the core's dQ, dK, dP, dV). What stays outside them is bookkeeping: the records, the stacking
-of Q|K|V's weights, autocast's casts (``attnchecker.testing.OpCounter`` counts them apart,
+The regions: :func:`attnchecker.abft.gemm.gemm_check_` (one GEMM's check and repair),
+:func:`attnchecker.attention.checks.projection_check_` (the forward's projections, and every
+linear layer's with ``scope="all_linear"``), ``attnchecker.attention.core._core_region`` (the
+forward core's scores, probabilities and context checks and their one repair),
+``attnchecker.attention.grads._linear_grad_region`` (a checked linear layer's backward: its dX
+and dW checks, the norms they share and their records), ``_matmul_grad_region`` (the core's
+dQ, dK, dP, dV as :func:`attnchecker.attention.grads.heads_grad_check_`, and their records) and
+``attnchecker.attention.state._records_region`` (a layer's forward records into log rows). A
+region called inside another is traced inline with it (one compiled program). What stays
+outside them is the model's own GEMMs, one ``index_add_`` of records per layer, the stacking of
+Q|K|V's weights and autocast's casts (``attnchecker.testing.OpCounter`` counts them apart,
 ``attnchecker.testing.region_kernels`` the regions' kernels).
 
 A region that fails to compile (no compiler at run time, an inductor error) falls back to its

@@ -200,6 +200,65 @@ def _sink_grad(
     return grad.index_copy_(0, torch.tensor(index, device=step.device), full)
 
 
+def _linear_grad_region(
+    dx: Tensor | None,
+    dw: Tensor | None,
+    dy: Tensor,
+    w: Tensor,
+    a: Tensor,
+    b: Tensor,
+    step: Tensor,
+    conv1d: bool,
+    index: tuple[int, ...],
+    shape: torch.Size,
+    max_rows: int,
+    scale: float,
+) -> Tensor:
+    """One check region for a linear layer's backward: the checks of dX (T, K) = dY (T, N) W
+    (N, K) and of dW = a @ b (dY^T X; Conv1D's X^T dY), those given, sharing dY's row and
+    column norms, and their records as the sink's gradient (``shape``, rows ``index``)."""
+    kw = {"max_rows": max_rows, "scale": scale}
+    recs = []
+    if dx is not None:
+        recs.append(product_check_(dx, dy, w, x_rows=row_norms(dy), **kw))
+    if dw is not None:
+        cols = col_norms(dy)  # (N,): dY^T's rows (dW = dY^T X) or dY's columns (X^T dY)
+        shared = {"y_cols": cols} if conv1d else {"x_rows": cols}
+        recs.append(product_check_(dw, a, b, **shared, **kw))
+    return _sink_grad(shape, index, recs, step)
+
+
+def _matmul_grad_region(
+    da: Tensor | None,
+    db: Tensor | None,
+    dc: Tensor,
+    a: Tensor,
+    b: Tensor,
+    step: Tensor,
+    nonneg_a: bool,
+    b_transposed: bool,
+    index: tuple[int, ...],
+    shape: torch.Size,
+    max_heads: int,
+    scale: float,
+) -> Tensor:
+    """One check region for the core's c = a @ b backward: the checks of da = dc b^T and
+    db = a^T dc (B, H, ., .), those given, and their records as the sink's gradient."""
+    kw = {"scale": scale, "max_heads": max_heads}
+    # ||dc|| per head, shared by both checks when dc is the large operand (dS)
+    dcn = _norm(dc) if b_transposed and da is not None and db is not None else None
+    recs = []
+    if da is not None:  # dQ = dS K, dP = dO V^T
+        norms = None if dcn is None else (dcn, _norm(b))
+        recs.append(heads_grad_check_(da, dc, b.mT, norms=norms, **kw))
+    if db is not None and b_transposed:  # b = key^T: check the rows of dK = dc^T a
+        norms = None if dcn is None else (dcn, _norm(a))
+        recs.append(heads_grad_check_(db, dc.mT, a, norms=norms, back=True, **kw))
+    elif db is not None:  # dV = p^T dO, p >= 0
+        recs.append(heads_grad_check_(db, a.mT, dc, nonneg=nonneg_a, **kw))
+    return _sink_grad(shape, index, recs, step)
+
+
 def _site(hook: GradSite | None, op: str, t: Tensor) -> None:
     if hook is not None and not torch.compiler.is_compiling():
         with torch.no_grad():
@@ -233,29 +292,20 @@ class _Matmul(torch.autograd.Function):
             args
         )
         da = db = None
-        index, recs = [], []
-        # ||dc|| per head, shared by both checks when dc is the large operand (dS)
-        dcn = _norm(dc) if b_transposed and check_a and check_b else None
         dc3 = _folded(dc)
         if ctx.needs_input_grad[0]:
             da = dc3.bmm(_folded(b).transpose(1, 2)).view(a.shape)  # (B, H, M, K)
             _site(hook, GRAD_OPS[op_a], da)
-        kw = {"scale": scale, "max_heads": max_heads, "impl": impl}
-        if ctx.needs_input_grad[0] and check_a:  # dQ = dS K, dP = dO V^T
-            norms = None if dcn is None else (dcn, _norm(b))
-            recs.append(heads_grad_check_(da, dc, b.mT, norms=norms, **kw))
-            index.append(op_a)
         if ctx.needs_input_grad[1]:
             db = _folded(a).transpose(1, 2).bmm(dc3).view(b.shape)  # (B, H, K, N)
             _site(hook, GRAD_OPS[op_b], db)
-        if ctx.needs_input_grad[1] and check_b:
-            if b_transposed:  # b = key^T: check the rows of dK = dc^T a
-                norms = None if dcn is None else (dcn, _norm(a))
-                recs.append(heads_grad_check_(db, dc.mT, a, norms=norms, back=True, **kw))
-            else:  # dV = p^T dO, p >= 0
-                recs.append(heads_grad_check_(db, a.mT, dc, nonneg=nonneg_a, **kw))
-            index.append(op_b)
-        grad_sink = _sink_grad(ctx.sink, tuple(index), recs, step) if recs else None
+        check_a, check_b = check_a and da is not None, check_b and db is not None
+        grad_sink = None
+        if check_a or check_b:
+            index = tuple(op for op, on in ((op_a, check_a), (op_b, check_b)) if on)
+            args = (da if check_a else None, db if check_b else None, dc, a, b, step)
+            args += (nonneg_a, b_transposed, index, ctx.sink, max_heads, scale)
+            grad_sink = regions.run(_matmul_grad_region, impl, *args, on=dc)
         return da, db, grad_sink, None, None, None, None, None, None, None, None, None
 
 
@@ -302,34 +352,29 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, step = ctx.saved_tensors
         (op_x, op_w), (check_x, check_w), conv1d, max_rows, scale, hook, has_bias, impl = ctx.args
-        kw = {"max_rows": max_rows, "scale": scale, "impl": impl}
         dy2 = dy.reshape(-1, dy.shape[-1])  # (T, N)
         x2 = x.reshape(-1, x.shape[-1])  # (T, K)
-        dx = dw = db = None
-        index, recs = [], []
-        # dY's row and column norms, shared by both checks (each one pass over dY)
-        dy_rows = row_norms(dy2) if check_x else None  # (T,)
-        dy_cols = col_norms(dy2) if check_w else None  # (N,)
+        dx = dx2 = dw = db = None
+        w = weight.t() if conv1d else weight  # (N, K)
+        # dW (N, K) = dY^T X; Conv1D's (K, N) = X^T dY
+        a, b = (x2.t(), dy2) if conv1d else (dy2.t(), x2)
         if ctx.needs_input_grad[0]:
-            w = weight.t() if conv1d else weight  # (N, K)
             dx2 = dy2.mm(w)  # (T, K)
             _site(hook, op_x[1], dx2)
-            if check_x:
-                recs.append(product_check_(dx2, dy2, w, x_rows=dy_rows, **kw))
-                index.append(op_x[0])
             dx = dx2.view(x.shape)
         if ctx.needs_input_grad[1]:
-            # dW (N, K) = dY^T X; Conv1D's (K, N) = X^T dY
-            a, b = (x2.t(), dy2) if conv1d else (dy2.t(), x2)
             dw = a.mm(b)
             _site(hook, op_w[1], dw)
-            if check_w:
-                shared = {"y_cols": dy_cols} if conv1d else {"x_rows": dy_cols}
-                recs.append(product_check_(dw, a, b, **shared, **kw))
-                index.append(op_w[0])
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        grad_sink = _sink_grad(ctx.sink, tuple(index), recs, step) if recs else None
+        check_x, check_w = check_x and dx2 is not None, check_w and dw is not None
+        grad_sink = None
+        if check_x or check_w:
+            index = tuple(op[0] for op, on in ((op_x, check_x), (op_w, check_w)) if on)
+            args = (dx2 if check_x else None, dw if check_w else None, dy2, w, a, b, step)
+            args += (conv1d, index, ctx.sink, max_rows, scale)
+            # layouts are read here, before any autocast(enabled=False) (see gemm_check_)
+            grad_sink = regions.run(_linear_grad_region, impl, *args, on=dy2)
         return dx, dw, db, grad_sink, None, None, None, None, None, None, None, None
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from attnchecker.abft import regions
 from attnchecker.attention.checks import (
     Projection,
     detected,
@@ -293,21 +294,38 @@ class AttentionState:
         if not self.noted:
             return
         ops = tuple(o for names, _ in self.noted for o in names)
-        recs = torch.cat([r for _, r in self.noted]) if len(self.noted) > 1 else self.noted[0][1]
+        noted = [r for _, r in self.noted]
         self.noted = []
-        if self.log.device != recs.device:  # the model moved after protect_
-            self.log = self.log.to(recs.device)
-        det = detected(recs)  # (n, 1)
+        if self.log.device != noted[0].device:  # the model moved after protect_
+            self.log = self.log.to(noted[0].device)
+        first = None
         if in_replay():  # eager only (compiled code does not replay Python)
             first = self.first_pass.get(ops)
-            if first is not None and first.shape == recs.shape:
-                same = ((recs == first) | (recs.isnan() & first.isnan())).all(1, keepdim=True)
-                det = det & ~same
-        elif not torch.compiler.is_compiling():  # (a traced dict write would be a side effect)
-            self.first_pass[ops] = recs
-        step = self.clock.count.view(1, 1).expand(recs.shape[0], 1)
-        full = torch.cat([recs.to(torch.float64), det, step], 1)  # (n, 7): RECORD_FIELDS
-        self.log.index_add_(0, _index(ops, recs.device), torch.where(det, full, 0.0))
+            if first is not None and first.shape[0] != sum(r.shape[0] for r in noted):
+                first = None
+        step = self.clock.count
+        recs, rows = regions.run(
+            _records_region, self.config.check_impl, noted, step, first, on=step
+        )
+        if first is None and not in_replay() and not torch.compiler.is_compiling():
+            self.first_pass[ops] = recs  # (a traced dict write would be a side effect)
+        self.log.index_add_(0, _index(ops, recs.device), rows)
+
+
+def _records_region(
+    noted: list[Tensor], step: Tensor, first: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The (n, 5) records of a layer's checks, in order, and their log rows (n, 7)
+    (:data:`RECORD_FIELDS`, zero where a check did not detect: a NaN value of an undetected
+    check must not leak); ``first``: the first pass's records of a replay, whose equal
+    records are dropped."""
+    recs = torch.cat(noted) if len(noted) > 1 else noted[0]
+    det = detected(recs)  # (n, 1)
+    if first is not None:
+        same = ((recs == first) | (recs.isnan() & first.isnan())).all(1, keepdim=True)
+        det = det & ~same
+    full = torch.cat([recs.to(torch.float64), det, step.view(1, 1).expand(recs.shape[0], 1)], 1)
+    return recs, torch.where(det, full, 0.0)
 
 
 def _ranged(label: str):
