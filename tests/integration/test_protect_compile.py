@@ -49,11 +49,12 @@ def _compiled_step(model, compiled, inputs):
 SLOW = [pytest.mark.slow, pytest.mark.timeout(900)]
 # Kernels one compiled training step calls (inductor's output code: its fused kernels, GEMMs and
 # aten fallbacks; ``attnchecker.testing.inductor_kernels``), one layer, the default config: a
-# count, so a change that adds kernels must say so here. Measured 2026-12-02 in this test: gpt2
-# 126, llama 187, bert 183; the plain SDPA model of the same batch 38 / 49 / 51 (3.3x, 3.8x,
-# 3.6x; ``benchmarks/protect_vs_sdpa.py --compile compiled`` reports them per arm); issue 23's
-# target is 1.5x.
-KERNELS_CEILING = {"gpt2": 130, "llama": 192, "bert": 188}
+# count, so a change that adds kernels must say so here. Measured 2026-12-03 in this test: gpt2
+# 101, llama 136, bert 132 (2026-12-02, before the backward's records joined its check regions:
+# 126 / 187 / 183); the plain SDPA model of the same batch 38 / 49 / 51 (2.7x, 2.8x, 2.6x;
+# ``benchmarks/protect_vs_sdpa.py --compile compiled`` reports them per arm); issue 23's target
+# is 1.5x: most of the rest are the checks' matrix-vector products (library GEMV calls).
+KERNELS_CEILING = {"gpt2": 105, "llama": 140, "bert": 136}
 # each faulty site is a recompilation (its hook is traced into the graph, ~60 s on 2 cores): a
 # projection's repair in llama in the default run (the core's repair compiled is
 # tests/integration/test_schedule.py's compiled test), every site in the slow ones
