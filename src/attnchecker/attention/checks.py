@@ -102,6 +102,14 @@ def detected(rec: Tensor) -> Tensor:
     return ((rec[:, :2] > 0) | (rec[:, 3:4] > 0)).any(1, keepdim=True)
 
 
+def log_rows(rec: Tensor, det: Tensor, step: Tensor) -> Tensor:
+    """(n, 7) float64 rows of ``RECORD_FIELDS`` (``attention.state``) from (n, 5) records, their
+    (n, 1) ``det`` and the clock ``step`` (1,): zero where ``det`` is false (a NaN value of an
+    undetected check must not leak into the sums)."""
+    full = torch.cat([rec.to(torch.float64), det, step.view(1, 1).expand(rec.shape[0], 1)], 1)
+    return torch.where(det, full, 0.0)
+
+
 # --------------------------------------------------------------------------------- projections
 
 

@@ -45,7 +45,7 @@ from attnchecker.abft.tolerance import (
     underflow_floor,
     unit_roundoff,
 )
-from attnchecker.attention.checks import _record, detected
+from attnchecker.attention.checks import _record, detected, log_rows
 from attnchecker.attention.config import GRAD_OPS
 
 __all__ = [
@@ -192,12 +192,10 @@ def _sink_grad(
 ) -> Tensor:
     """The records (n, 5) of the checks just run as a gradient of ``sink`` (rows ``index``;
     of a sink of ``shape``, on the device of the clock ``step``)."""
-    rec = torch.cat(recs).to(torch.float64)
-    det = detected(rec).to(torch.float64)
-    full = torch.cat([rec, det, step.view(1, 1).expand(rec.shape[0], 1)], 1)
-    full = torch.where(det > 0, full, 0.0)  # a NaN value of an undetected check must not leak
+    rec = torch.cat(recs)
+    rows = log_rows(rec, detected(rec), step)  # (n, 7)
     grad = torch.zeros(shape, dtype=torch.float64, device=step.device)
-    return grad.index_copy_(0, torch.tensor(index, device=step.device), full)
+    return grad.index_copy_(0, torch.tensor(index, device=step.device), rows)
 
 
 def _linear_grad_region(
@@ -373,7 +371,6 @@ class _Linear(torch.autograd.Function):
             index = tuple(op[0] for op, on in ((op_x, check_x), (op_w, check_w)) if on)
             args = (dx2 if check_x else None, dw if check_w else None, dy2, w, a, b, step)
             args += (conv1d, index, ctx.sink, max_rows, scale)
-            # layouts are read here, before any autocast(enabled=False) (see gemm_check_)
             grad_sink = regions.run(_linear_grad_region, impl, *args, on=dy2)
         return dx, dw, db, grad_sink, None, None, None, None, None, None, None, None
 

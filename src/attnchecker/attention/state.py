@@ -26,6 +26,7 @@ from attnchecker.abft import regions
 from attnchecker.attention.checks import (
     Projection,
     detected,
+    log_rows,
     projection_check_,
     row_factor,
     row_floor,
@@ -298,8 +299,8 @@ class AttentionState:
         self.noted = []
         if self.log.device != noted[0].device:  # the model moved after protect_
             self.log = self.log.to(noted[0].device)
-        first = None
-        if in_replay():  # eager only (compiled code does not replay Python)
+        first, replay = None, in_replay()  # eager only (compiled code does not replay Python)
+        if replay:
             first = self.first_pass.get(ops)
             if first is not None and first.shape[0] != sum(r.shape[0] for r in noted):
                 first = None
@@ -307,7 +308,7 @@ class AttentionState:
         recs, rows = regions.run(
             _records_region, self.config.check_impl, noted, step, first, on=step
         )
-        if first is None and not in_replay() and not torch.compiler.is_compiling():
+        if not replay and not torch.compiler.is_compiling():
             self.first_pass[ops] = recs  # (a traced dict write would be a side effect)
         self.log.index_add_(0, _index(ops, recs.device), rows)
 
@@ -324,8 +325,7 @@ def _records_region(
     if first is not None:
         same = ((recs == first) | (recs.isnan() & first.isnan())).all(1, keepdim=True)
         det = det & ~same
-    full = torch.cat([recs.to(torch.float64), det, step.view(1, 1).expand(recs.shape[0], 1)], 1)
-    return recs, torch.where(det, full, 0.0)
+    return recs, log_rows(recs, det, step)
 
 
 def _ranged(label: str):
