@@ -55,6 +55,10 @@ SLOW = [pytest.mark.slow, pytest.mark.timeout(900)]
 # ``benchmarks/protect_vs_sdpa.py --compile compiled`` reports them per arm); issue 23's target
 # is 1.5x: most of the rest are the checks' matrix-vector products (library GEMV calls).
 KERNELS_CEILING = {"gpt2": 105, "llama": 140, "bert": 136}
+# the same count for gpt2's compiled step under bf16 autocast (no dropout), in the default run:
+# measured 2026-12-03: 100 (49 generated, 39 extern calls, 12 aten fallbacks) against 40 for the
+# plain SDPA model (2.5x)
+BF16_KERNELS_CEILING = 104
 # each faulty site is a recompilation (its hook is traced into the graph, ~60 s on 2 cores): a
 # projection's repair in llama in the default run (the core's repair compiled is
 # tests/integration/test_schedule.py's compiled test), every site in the slow ones
@@ -62,17 +66,18 @@ KERNELS_CEILING = {"gpt2": 105, "llama": 140, "bert": 136}
 
 @pytest.mark.parametrize(
     ("family", "sites", "fullgraph"),
-    [("gpt2", (), False),  # fused Q|K|V (Conv1D)
-     ("llama", ("v",), True),  # GQA, and the eager engine traced whole (fullgraph=True)
+    [("llama", ("v",), True),  # GQA, and the eager engine traced whole (fullgraph=True)
+     # fused Q|K|V (Conv1D): the bf16 test below and test_schedule.py compile gpt2 by default
+     pytest.param("gpt2", (), False, marks=SLOW),
      pytest.param("bert", ("scores",), False, marks=SLOW),  # an encoder (45 s: the slow set)
      pytest.param("gpt2", tuple(FAULTS), False, marks=SLOW),
      *(pytest.param(f, tuple(FAULTS), False, marks=SLOW)
        for f in ("llama", "bert", "qwen3", "gpt_neox", "opt", "bart"))],
 )  # fmt: skip
 def test_compiled_protected_model_compiles_once_and_corrects_every_op(family, sites, fullgraph):
-    """The default config (forward and backward checks) compiled; the default run covers one
-    fused Q|K|V family and one GQA family under fullgraph=True (an encoder, BERT, and the other
-    families are in the slow set)."""
+    """The default config (forward and backward checks) compiled; the default run covers a GQA
+    family under fullgraph=True (gpt2's fused Q|K|V compiles by default in the bf16 test below,
+    with its kernel count; an encoder, BERT, and the other families are in the slow set)."""
     torch._dynamo.reset()
     counters.clear()
     model = build(family, layers=1)
@@ -145,8 +150,11 @@ def test_compiled_training_under_bf16_autocast_with_backward_checks():
 
     model.eval()  # no dropout: eager and compiled draw different random numbers
     want_loss, want = step(model)
-    got_loss, got = step(torch.compile(model))
+    with inductor_kernels() as kernels:
+        got_loss, got = step(torch.compile(model))
     assert handle.drain() == []
+    print(f"gpt2 bf16: {kernels.total} kernels per step {dict(kernels)}")
+    assert kernels.total <= BF16_KERNELS_CEILING, dict(kernels)
     assert torch.allclose(got_loss, want_loss, rtol=2e-2), (got_loss, want_loss)
     for name, g in got.items():
         assert torch.isfinite(g).all(), name
