@@ -1,13 +1,16 @@
 """The cost of one checked GEMM: the backward's check of a linear layer's dX = dY W and
 dW = dY^T X (``attention.grads.product_check_``, rows and columns, repair included) against the
 GEMM it checks, eager and as the ``torch.compile``d region that ``check_impl="compiled"`` runs
-(inductor: C++ on a CPU), with its aten op count (eager) and the kernels its region calls.
+(inductor: C++ on a CPU), with its aten op count (eager) and the kernels its region calls, and
+on CUDA as the hand-written Triton kernels that ``check_impl="triton"`` runs
+(``attnchecker.kernels.gemm_check``).
 
 The shapes are the fused Q|K|V projection of a base-width layer (T = 8 x 128 tokens, K 768,
 N 2,304) in GPT-2's Conv1D layout (dX multiplies the transposed weight) and in nn.Linear's (dW
 multiplies dY^T); arms alternated call by call in one process, medians.
 
     python benchmarks/gemm_check.py [--reps 30] [--dtypes fp32 bf16] [--no-compile] [--quick]
+        [--device cuda]
 """
 
 from __future__ import annotations
@@ -19,16 +22,17 @@ import torch
 
 from _common import alternate, environment, median_ms, parse, write
 from attnchecker.attention.grads import product_check_
+from attnchecker.kernels import available as kernels_available
 from attnchecker.testing import count_ops, inductor_kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _cases(T: int, K: int, N: int, dtype: torch.dtype):
+def _cases(T: int, K: int, N: int, dtype: torch.dtype, device: str):
     g = torch.Generator().manual_seed(0)
-    dy = torch.randn(T, N, generator=g).to(dtype)
-    x = torch.randn(T, K, generator=g).to(dtype)
-    w = (torch.randn(K, N, generator=g) / K**0.5).to(dtype)  # Conv1D's (K, N)
+    dy = torch.randn(T, N, generator=g).to(device, dtype)
+    x = torch.randn(T, K, generator=g).to(device, dtype)
+    w = (torch.randn(K, N, generator=g) / K**0.5).to(device, dtype)  # Conv1D's (K, N)
     return {  # name: (x, y) of out = x @ y
         "dX = dY W^T (Conv1D)": (dy, w.t()),
         "dW = dY^T X (Linear)": (dy.t(), x),
@@ -41,11 +45,12 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled arm")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (adds the Triton kernels' arm)")
     args = parse(ap, quick={"reps": 3, "tokens": 128, "dtypes": ["fp32"]})
     K, N = (768, 2304) if not args.quick else (96, 288)
     rows = []
     for dname in args.dtypes:
-        for case, (x, y) in _cases(args.tokens, K, N, DTYPES[dname]).items():
+        for case, (x, y) in _cases(args.tokens, K, N, DTYPES[dname], args.device).items():
             out = x @ y
 
             def check(out=out, x=x, y=y, impl="eager"):
@@ -60,6 +65,8 @@ def main() -> None:
                 row["compile_s"] = time.perf_counter() - t0
                 row["kernels"] = kernels.total
                 arms["compiled"] = lambda c=check: c(impl="compiled")
+            if args.device == "cuda" and kernels_available():
+                arms["triton"] = lambda c=check: c(impl="triton")
             times = alternate(arms, args.reps)
             row |= {f"{k}_ms": median_ms(v) for k, v in times.items()}
             rows.append(row)
@@ -68,21 +75,24 @@ def main() -> None:
         "# One checked GEMM: the check against the GEMM it checks",
         "",
         f"`{' '.join(['python benchmarks/gemm_check.py', f'--reps {args.reps}'])}`; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads. T {args.tokens}, "
+        f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads. "
+        f"T {args.tokens}, "
         f"K {K}, N {N}; medians of alternated calls; the check includes its fixed-size repair.",
         "",
         "| GEMM | dtype | GEMM ms | check eager ms (share) | check compiled ms (share) "
-        "| launching ops (eager) | kernels (compiled) |",
-        "|---|---|---|---|---|---|---|",
+        "| check triton ms (share) | launching ops (eager) | kernels (compiled) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+
+    def share(r: dict, arm: str) -> str:
+        ms = r.get(f"{arm}_ms")
+        return "-" if ms is None else f"{ms:.2f} ({ms / r['gemm_ms']:.0%})"
+
     for r in rows:
-        comp = (
-            f"{r['compiled_ms']:.2f} ({r['compiled_ms'] / r['gemm_ms']:.0%})"
-            if "compiled_ms" in r else "-"
-        )  # fmt: skip
         lines.append(
-            f"| {r['case']} | {r['dtype']} | {r['gemm_ms']:.2f} | {r['eager_ms']:.2f} "
-            f"({r['eager_ms'] / r['gemm_ms']:.0%}) | {comp} | {r['ops']} | {r.get('kernels', '-')} |"
+            f"| {r['case']} | {r['dtype']} | {r['gemm_ms']:.2f} | {share(r, 'eager')} | "
+            f"{share(r, 'compiled')} | {share(r, 'triton')} | {r['ops']} | "
+            f"{r.get('kernels', '-')} |"
         )
     write("gemm_check", {"env": environment(), "rows": rows}, "\n".join(lines) + "\n")
 

@@ -12,7 +12,9 @@
 #    count on real MMAs) and
 # 4. benchmarks/kernel_false_alarms.py: clean forward + backward of the kernels over bf16 (the
 #    native bf16 path, never run by the interpreter), fp16, fp32 with TF32 off and on, scales
-#    0.1 .. 30: every check's alarms must be 0 (the calibration of the derived tolerances);
+#    0.1 .. 30: every check's alarms must be 0 (the calibration of the derived tolerances),
+# 5. benchmarks/gemm_check.py --device cuda: one checked GEMM eager, as a compiled region and
+#    as the Triton kernels of check_impl="triton";
 #    all write under benchmarks/results/. (tests/unit/kernels/test_compile.py is a CPU-side
 #    check of the compiled code for triton 3.7.1 and is not run here.)
 #
@@ -26,7 +28,7 @@
 #
 # Environment: PYTHON (default: python3 on PATH), GPU_CHECK_TEST_TIMEOUT (110),
 # GPU_CHECK_BENCH_TIMEOUT (90), GPU_CHECK_KERNEL_TIMEOUT (80), GPU_CHECK_ALARM_TIMEOUT (60),
-# GPU_CHECK_BUDGET (360), OUT (optional).
+# GPU_CHECK_GEMM_TIMEOUT (45), GPU_CHECK_BUDGET (360), OUT (optional).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,6 +43,7 @@ TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-110}
 BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-90}
 KERNEL_TIMEOUT=${GPU_CHECK_KERNEL_TIMEOUT:-80}
 ALARM_TIMEOUT=${GPU_CHECK_ALARM_TIMEOUT:-60}
+GEMM_TIMEOUT=${GPU_CHECK_GEMM_TIMEOUT:-45}
 BUDGET=${GPU_CHECK_BUDGET:-360}
 OUT_DIR=${OUT:-}
 
@@ -195,6 +198,26 @@ else
     echo "gpu_check: false-alarm sweep done, 0 alarms"
 fi
 
+# ---------------------------------------------------------------- 5. one checked GEMM
+# the backward's GEMM check eager, as an inductor region and as the hand-written Triton kernels
+# (check_impl="triton"), against the GEMM it checks
+gemm_rc=0
+t=$(cap "$GEMM_TIMEOUT")
+if ((t < 20)); then
+    echo "gpu_check: no time left for the GEMM check's benchmark (${t}s)"
+    gemm_rc=124
+else
+    echo "== one checked GEMM: eager / compiled / triton (timeout ${t}s)"
+    (cd benchmarks && timeout -k 5 "$t" "$PY" gemm_check.py --device cuda --reps 50 --dtypes bf16 \
+        --tokens 8192) 2>&1 | tee "$work/gemm.log" || gemm_rc=$?
+fi
+if ((gemm_rc != 0)); then
+    echo "gpu_check: GEMM CHECK BENCHMARK FAILED (rc $gemm_rc)"
+    status=1
+else
+    echo "gpu_check: GEMM check benchmark done"
+fi
+
 # ---------------------------------------------------------------- results
 new=$(find benchmarks/results -type f -newer "$work/stamp" 2>/dev/null || true)
 echo "== files written under benchmarks/results:"
@@ -203,7 +226,7 @@ if [[ -n "$OUT_DIR" && -d "$OUT_DIR" ]]; then
     if [[ -n "$new" ]]; then
         while IFS= read -r f; do cp --parents "$f" "$OUT_DIR/"; done <<<"$new"
     fi
-    for f in junit.xml pytest.log benchmark.log kernels.log alarms.log; do
+    for f in junit.xml pytest.log benchmark.log kernels.log alarms.log gemm.log; do
         if [[ -f "$work/$f" ]]; then cp "$work/$f" "$OUT_DIR/gpu_check_$f"; fi
     done
     echo "gpu_check: copied to $OUT_DIR"

@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from attnchecker import ABFTConfig, protect_
+from attnchecker import ABFTConfig, kernels, protect_
 from attnchecker.abft import regions
 from attnchecker.abft.gemm import gemm_check_
 from attnchecker.attention.config import GRAD_OPS
@@ -63,6 +63,32 @@ def test_compiled_regions_check_and_repair_as_the_eager_ops(family):
     config = ABFTConfig(check_impl="compiled")
     failures, ran, _ = _matrix(family, cases, config=config, among=REGION_OPS)
     assert ran >= 10 * len(PATTERNS)
+    assert failures == []
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs triton (CUDA or its interpreter)")
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_triton_check_kernels_check_and_repair_every_linear_backward_gemm(family):
+    """``check_impl="triton"``: the projections' dX and dW checks run the Triton kernels of
+    ``attnchecker.kernels.gemm_check`` (here in Triton's interpreter), the other checks as
+    measured; clean steps bitwise the eager-checked ones, every dX / dW fault corrected."""
+    base, _ = models(family)
+    inputs = batch(family)
+    eager, fused = copy.deepcopy(base), copy.deepcopy(base)
+    h_eager = protect_(eager, ABFTConfig(check_impl="eager"))
+    h_fused = protect_(fused, ABFTConfig(check_impl="triton"))
+    want, got = train_step(eager, inputs), train_step(fused, inputs)
+    assert h_eager.drain() == [] and h_fused.drain() == []
+    assert torch.equal(got[0], want[0])
+    for name, g in got[1].items():
+        assert torch.equal(g, want[1][name]), name
+    assert "triton" in h_fused.summary()["check_regions"]["_gemm_region"].split(", ")
+    linear = [op for op in GRAD_OPS if op.startswith(("dx.", "dw."))]
+    kinds = itertools.cycle(EXTREME)
+    cases = [(s, next(kinds), p) for s in linear for p in PATTERNS]
+    failures, ran, _ = _matrix(family, cases, config=ABFTConfig(check_impl="triton"),
+                               among=linear)  # fmt: skip
+    assert ran >= 4 * len(PATTERNS)
     assert failures == []
 
 

@@ -268,3 +268,32 @@ def test_all_linear_has_no_false_alarm_in_bf16_on_cuda(family):
         opt.step()
         opt.zero_grad()
     assert handle.drain() == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_gemm_check_kernels_match_the_eager_check_on_cuda(dtype):
+    """``check_impl="triton"``'s kernels (``attnchecker.kernels.gemm_check``) compiled for the
+    GPU: no alarm on clean products in both operand layouts, and a NaN / INF / 1e30 element
+    flagged and repaired as the eager ops do."""
+    from attnchecker.abft.gemm import gemm_check_
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for tx, ty in [(False, False), (True, False), (False, True)]:
+        x = torch.randn(1024, 768, device="cuda", generator=g).to(dtype)
+        y = (torch.randn(768, 2304, device="cuda", generator=g) / 768**0.5).to(dtype)
+        x = x.t().contiguous().t() if tx else x
+        y = y.t().contiguous().t() if ty else y
+        clean = x @ y
+        for bad in (None, float("nan"), float("inf"), 1e30):
+            got = {}
+            for impl in ("eager", "triton"):
+                out = clean.clone()
+                if bad is not None:
+                    out[17, 300] = bad
+                res = gemm_check_(out, x, y, max_rows=4, scale=1.0, impl=impl)
+                got[impl] = out, [float(r) for r in res]
+            (want_out, want), (out, res) = got["eager"], got["triton"]
+            assert res[0:2] == want[0:2] and res[3:] == want[3:], (tx, ty, bad, res, want)
+            assert res[0] == (0 if bad is None else 1), (tx, ty, bad, res)
+            assert torch.isfinite(out).all()
+            assert torch.allclose(out.float(), want_out.float(), rtol=1e-2, atol=1e-2)

@@ -98,10 +98,12 @@ def gemm_check_(
     """Check and repair in place out (M, N) = x (M, K) @ y (K, N) (see the module docstring).
 
     ``x_rows`` (M,), ``y_cols`` (N,): :func:`row_norms` of x and :func:`col_norms` of y when the
-    caller has them. ``impl``: ``"eager"``, ``"compiled"`` or ``"auto"``
-    (:func:`~attnchecker.abft.regions.resolve`; the same ops either way). Returns 0-dim float32 /
-    bool tensors: flagged rows, flagged columns, the residual of the worst row, lost (a row fails
-    after the repair), and reproduced (a recomputed row fails again: the operands imply it)."""
+    caller has them. ``impl``: ``"eager"``, ``"compiled"``, ``"triton"`` (the Triton kernels of
+    :mod:`attnchecker.kernels.gemm_check`, on CUDA or in Triton's interpreter) or ``"auto"``
+    (:func:`~attnchecker.abft.regions.resolve`; the same results either way). Returns 0-dim
+    float32 / bool tensors: flagged rows, flagged columns, the residual of the worst row, lost
+    (a row fails after the repair), and reproduced (a recomputed row fails again: the operands
+    imply it)."""
     M, K = x.shape
     N = y.shape[1]
     dt = _reference_dtype(x, y)
@@ -119,6 +121,12 @@ def gemm_check_(
     layout = (x.stride(-1) == 1, y.stride(0) == 1)
     args = (out, x, y, x_rows, y_cols, *layout, min(max_rows, M), *limits)
     with torch.autocast(out.device.type, enabled=False):
+        if regions.triton_runs(impl, out):  # the hand-written kernels (kernels.gemm_check)
+            from attnchecker.kernels.gemm_check import gemm_region
+
+            with torch.no_grad():
+                return regions.ran(_gemm_region.__qualname__, "triton",
+                                   gemm_region(*args))  # fmt: skip
         return regions.run(_gemm_region, impl, *args, on=out)
 
 
@@ -145,7 +153,6 @@ def _gemm_region(
     """:func:`gemm_check_`'s tensor work: a row fails where |residual| - floor_r exceeds
     -c_r ||x_m|| ||y||_F, a column where |residual| - floor_c exceeds -c_c ||y_:n|| ||x||_F;
     ``x_rm``: x's rows are contiguous, ``y_cm``: y's columns are."""
-    M = x.shape[0]
     dt = _reference_dtype(x, y)
     xn = row_norms(x, x_rm) if x_rows is None else x_rows  # (M,)
     yn = row_norms(y.t(), y_cm) if y_cols is None else y_cols  # (N,)
@@ -160,12 +167,65 @@ def _gemm_region(
     worst, col = exc_c.max(0, keepdim=True)  # (1,) each; NaN ranks first
     new_col = _matvec(xm, _column(y, col, y_cm).to(x.dtype))  # (M,)
     ref_r = _matvec(xm, y.sum(1, dtype=_F32).to(dt)).to(_F32)  # (M,)
-
-    def rows_excess(res: Tensor) -> Tensor:  # (M,): > 0 or NaN where a row is flagged
-        return torch.addcmul(res.abs().sub_(floor_r), xn, y_fro, value=c_r)
-
     res_r = out.sum(1, dtype=_F32) - ref_r
-    exc_r = rows_excess(res_r)
+    exc_r = _rows_excess(res_r, floor_r, c_r, xn, y_fro)
+    return _tail(out, x, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c, worst,
+                 col, new_col)  # fmt: skip
+
+
+def _rows_excess(res: Tensor, floor_r: float, c_r: float, xn: Tensor, y_fro: Tensor) -> Tensor:
+    """(M,): > 0 or NaN where a row is flagged."""
+    return torch.addcmul(res.abs().sub_(floor_r), xn, y_fro, value=c_r)
+
+
+def repair_(
+    out: Tensor,
+    x: Tensor,
+    y: Tensor,
+    x_rm: bool,
+    y_cm: bool,
+    R: int,
+    floor_r: float,
+    c_r: float,
+    xn: Tensor,
+    y_fro: Tensor,
+    ref_r: Tensor,
+    res_r: Tensor,
+    exc_r: Tensor,
+    exc_c: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The check's repair and its results from excesses computed elsewhere (the Triton
+    kernels, ``attnchecker.kernels.gemm_check``): xn (M,) x's row norms, y_fro () ||y||_F,
+    ref_r / res_r / exc_r (M,) the rows' references, residuals and excesses, exc_c (N,) the
+    columns' excesses, all fp32."""
+    xm = _fp32(x, x_rm) if _cpu_half(x) and not x_rm else x
+    worst, col = exc_c.max(0, keepdim=True)  # (1,) each; NaN ranks first
+    new_col = _matvec(xm, _column(y, col, y_cm).to(x.dtype))  # (M,)
+    return _tail(out, x, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c, worst,
+                 col, new_col)  # fmt: skip
+
+
+def _tail(
+    out: Tensor,
+    x: Tensor,
+    y: Tensor,
+    y_cm: bool,
+    R: int,
+    floor_r: float,
+    c_r: float,
+    xn: Tensor,
+    y_fro: Tensor,
+    ref_r: Tensor,
+    res_r: Tensor,
+    exc_r: Tensor,
+    exc_c: Tensor,
+    worst: Tensor,
+    col: Tensor,
+    new_col: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Recompute the R worst rows (where flagged) and the worst column (where flagged) from
+    the operands, fixed sizes; check every row again."""
+    M = x.shape[0]
     top, idx = exc_r.topk(R)  # NaN ranks first
     take = ~(top <= 0)[:, None]  # (R, 1)
     yr = _fp32(y, not y_cm) if _cpu_half(y) else y
@@ -174,7 +234,7 @@ def _gemm_region(
     new_col = new_col.to(out.dtype).view(M, 1)
     out.index_copy_(1, col, torch.where(~(worst <= 0), new_col, out.index_select(1, col)))
     value = res_r.index_select(0, idx[:1]).view(())  # of the worst row (topk's first)
-    still = ~(rows_excess(out.sum(1, dtype=_F32) - ref_r) <= 0)  # every row, after repair
+    still = ~(_rows_excess(out.sum(1, dtype=_F32) - ref_r, floor_r, c_r, xn, y_fro) <= 0)
     again = (still.index_select(0, idx) & take.view(R)).any()
     rows = (~(exc_r <= 0)).sum(dtype=_F32)
     cols = (~(exc_c <= 0)).sum(dtype=_F32)

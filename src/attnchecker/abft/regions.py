@@ -9,6 +9,10 @@ without touching the model's own arithmetic. Three implementations, :data:`IMPLS
   shape, dtype and layout (2-7 s each on a 2-core CPU; a transformer has a few: one per distinct
   linear-layer shape and check), run from eager code; inside a model the user compiles, the
   region is traced inline with the rest;
+- ``"triton"``: hand-written Triton kernels where a check has them
+  (:func:`attnchecker.abft.gemm.gemm_check_`: :mod:`attnchecker.kernels.gemm_check`), on
+  CUDA or in Triton's interpreter; every other region, and a CPU without the interpreter, as
+  measured (:data:`AUTO`: compiled on CUDA, which there is inductor's Triton);
 - ``"auto"``: compiled where it measured faster (:data:`AUTO`: on a CPU for bf16 / fp16
   checks, not fp32 ones; on CUDA) and inductor can build for the device (a C++ compiler on a
   CPU, Triton on CUDA), else eager.
@@ -42,9 +46,9 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["IMPLS", "describe", "resolve", "run"]
+__all__ = ["IMPLS", "describe", "ran", "resolve", "run", "triton_runs"]
 
-IMPLS = ("auto", "compiled", "eager")
+IMPLS = ("auto", "compiled", "eager", "triton")
 
 _VARIANTS = 64  # compiled variants per region before it falls back to its eager ops
 _FAILED: dict[str, str] = {}  # region name -> why it runs eager
@@ -73,11 +77,15 @@ def resolve(impl: str, device: torch.device, dtype: torch.dtype | None = None) -
         impl = os.environ.get("ATTNCHECKER_CHECK_IMPL", "auto")
         if impl not in IMPLS:
             raise ValueError(f"ATTNCHECKER_CHECK_IMPL must be one of {list(IMPLS)}, got {impl!r}")
-    if impl == "auto":
-        half = dtype in (torch.bfloat16, torch.float16)
-        wins = AUTO.get((device.type, "half" if half else "fp32"), False)
-        return "compiled" if wins and _can_compile(device.type) else "eager"
-    return impl
+    return _measured(device, dtype) if impl == "auto" else impl
+
+
+def _measured(device: torch.device, dtype: torch.dtype | None) -> str:
+    """``"compiled"`` where :data:`AUTO` says compiling wins and inductor builds, else
+    ``"eager"``."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    wins = AUTO.get((device.type, "half" if half else "fp32"), False)
+    return "compiled" if wins and _can_compile(device.type) else "eager"
 
 
 # Where "auto" compiles, by (device type, half precision or fp32). CPU: measured per training
@@ -92,6 +100,23 @@ AUTO = {
     ("cuda", "half"): True,
     ("cuda", "fp32"): True,
 }
+
+
+def triton_runs(impl: str, on: torch.Tensor) -> bool:
+    """Whether a check of ``on`` with hand-written Triton kernels runs them: ``impl``
+    resolves to ``"triton"``, the call comes from eager code (a model being compiled traces
+    the region's torch ops inline) and the kernels can run (CUDA, or Triton's interpreter)."""
+    if torch.compiler.is_compiling() or resolve(impl, on.device, on.dtype) != "triton":
+        return False
+    from attnchecker import kernels
+
+    return kernels.available() and (on.device.type == "cuda" or kernels.interpreting())
+
+
+def ran(name: str, how: str, result: object) -> object:
+    """``result``, noted as region ``name`` having run ``how`` (for :func:`describe`)."""
+    _RAN.setdefault(name, set()).add(how)
+    return result
 
 
 @functools.cache
@@ -110,7 +135,10 @@ def run(
     with torch.no_grad():
         if torch.compiler.is_compiling():  # traced inline: no bookkeeping in the graph
             return fn(*args, **kwargs)
-        return _run(fn, resolve(impl, on.device, on.dtype), *args, **kwargs)
+        how = resolve(impl, on.device, on.dtype)
+        if how == "triton":  # a region without Triton kernels of its own: as measured
+            how = _measured(on.device, on.dtype)
+        return _run(fn, how, *args, **kwargs)
 
 
 def _run(fn: Callable[..., object], impl: str, *args: object, **kwargs: object) -> object:

@@ -34,7 +34,7 @@ SCOPES = ("attention", "all_linear")
 POLICIES = ("raise", "skip_step", "warn")
 MODES = ("naive", "passing")
 BACKENDS = ("eager", "triton", "auto")
-CHECK_IMPLS = ("auto", "compiled", "eager")  # attnchecker.abft.regions.IMPLS
+CHECK_IMPLS = ("auto", "compiled", "eager", "triton")  # attnchecker.abft.regions.IMPLS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +80,10 @@ class ABFTConfig:
       eager code:
       ``"compiled"``, each check one ``torch.compile``d region (a few fused kernels; compiled
       once per dtype and layout, seconds each, on first use); ``"eager"``, its aten ops;
-      ``"auto"``, compiled where inductor can build for the device, unless the environment
+      ``"triton"``, the hand-written Triton kernels of a GEMM's check
+      (:mod:`attnchecker.kernels.gemm_check`: the backward's dX and dW checks) on CUDA, the
+      other checks compiled; ``"auto"``, compiled where inductor can build for the device,
+      unless the environment
       variable ``ATTNCHECKER_CHECK_IMPL`` says otherwise (:mod:`attnchecker.abft.regions`).
       Same checks, same results; inside a model the user compiles they are traced inline.
     """

@@ -211,11 +211,14 @@ def _linear_grad_region(
     shape: torch.Size,
     max_rows: int,
     scale: float,
+    gemm_impl: str = "eager",
 ) -> Tensor:
     """One check region for a linear layer's backward: the checks of dX (T, K) = dY (T, N) W
     (N, K) and of dW = a @ b (dY^T X; Conv1D's X^T dY), those given, sharing dY's row and
-    column norms, and their records as the sink's gradient (``shape``, rows ``index``)."""
-    kw = {"max_rows": max_rows, "scale": scale}
+    column norms, and their records as the sink's gradient (``shape``, rows ``index``).
+    ``gemm_impl="triton"``: the two GEMM checks as Triton kernels, this function's own ops
+    eager (called outside :func:`~attnchecker.abft.regions.run`)."""
+    kw = {"max_rows": max_rows, "scale": scale, "impl": gemm_impl}
     recs = []
     if dx is not None:
         recs.append(product_check_(dx, dy, w, x_rows=row_norms(dy), **kw))
@@ -371,7 +374,12 @@ class _Linear(torch.autograd.Function):
             index = tuple(op[0] for op, on in ((op_x, check_x), (op_w, check_w)) if on)
             args = (dx2 if check_x else None, dw if check_w else None, dy2, w, a, b, step)
             args += (conv1d, index, ctx.sink, max_rows, scale)
-            grad_sink = regions.run(_linear_grad_region, impl, *args, on=dy2)
+            if regions.triton_runs(impl, dy2):  # the GEMM checks' own kernels
+                with torch.no_grad():
+                    grad_sink = _linear_grad_region(*args, gemm_impl="triton")
+                regions.ran(_linear_grad_region.__qualname__, "triton", None)
+            else:
+                grad_sink = regions.run(_linear_grad_region, impl, *args, on=dy2)
         return dx, dw, db, grad_sink, None, None, None, None, None, None, None, None
 
 

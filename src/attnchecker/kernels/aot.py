@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
-__all__ = ["SHARED_LIMIT", "Case", "Report", "cases", "compile_case", "main"]
+__all__ = ["GEMM_KERNELS", "SHARED_LIMIT", "Case", "Report", "cases", "compile_case",
+           "compile_gemm_case", "gemm_cases", "main"]  # fmt: skip
 
 KERNELS = ("fwd", "dkdv", "dq")
 SHARED_LIMIT = {80: 166_912, 90: 232_448}
@@ -161,13 +162,6 @@ def _capture(case: Case) -> dict[str, tuple]:
 
     fns = {"fwd": fwd._fwd, "dkdv": bwd._bwd_dkdv, "dq": bwd._bwd_dq}
     seen: dict[str, tuple] = {}
-
-    def recorder(name, fn):
-        def run(*args, grid, warmup, **kwargs):
-            seen[name] = (fn, args, kwargs)
-
-        return run
-
     q, k, v, mask = _tensors(case)
     fault = torch.zeros(8) if case.inject else None  # encoded: any site sets INJECT
     kw = dict(causal=case.causal, key_mask=mask, window=128 if case.window else 0,
@@ -177,7 +171,7 @@ def _capture(case: Case) -> dict[str, tuple]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(flash, "device_arch", return_value=case.arch))
         for name, fn in fns.items():
-            stack.enter_context(mock.patch.object(fn, "run", recorder(name, fn)))
+            stack.enter_context(mock.patch.object(fn, "run", _recorder(seen, name, fn)))
         try:
             matmul.allow_tf32 = case.tf32
             _out, lse, _ = flash.flash_forward(q, k, v, **kw)
@@ -197,10 +191,11 @@ _PTXAS = {
 
 def _narrow(ttir: str, fn) -> list[str]:
     """Tensor arguments of ``fn`` that some ``tt.addptr`` offsets by an i32 scalar (an offset
-    that wraps past 2^31 elements); the counters and the fault vector, a few fixed elements
-    addressed by constants, are not tensors of the problem's size."""
+    that wraps past 2^31 elements); the counters, the fault vector and the GEMM check's two
+    Frobenius norms, a few fixed elements addressed by constants, are not tensors of the
+    problem's size."""
     pointers = [p.name for p in fn.params if not p.is_constexpr and p.name[0].isupper()
-                and p.name not in ("COUNTS", "FAULT")]  # fmt: skip
+                and p.name not in ("COUNTS", "FAULT", "FRO")]  # fmt: skip
     found = set()
     for name in pointers:
         if re.search(rf"tt\.addptr %{name}, %[\w.]+ : !tt\.ptr<[^>]+>, i32\b", ttir):
@@ -237,6 +232,51 @@ def _dots(source: str) -> int:
 
 def compile_case(case: Case) -> list[Report]:
     """Compile the three kernels of ``case``; a failure is a report's ``error``."""
+    try:
+        seen = _capture(case)
+    except Exception as exc:  # a launcher that rejects the case
+        return [Report(case, k, error=f"launch: {type(exc).__name__}: {exc}") for k in KERNELS]
+    return [_compile(case, kernel, *seen[kernel]) for kernel in KERNELS]
+
+
+GEMM_KERNELS = ("gemm_rows", "gemm_cols", "gemm_ref")
+"""The Triton kernels of a GEMM's check (:mod:`attnchecker.kernels.gemm_check`)."""
+
+
+def gemm_cases() -> list[Case]:
+    """The GEMM check's kernels depend on the architecture and the operands' dtype only: every
+    dtype on sm_90 and sm_80 (``Case.d``, the head size, is 0; about 0.3 s a kernel)."""
+    return [Case(dtype, 0, arch, causal=False) for arch in (90, 80) for dtype in DTYPES]
+
+
+def compile_gemm_case(case: Case) -> list[Report]:
+    """Compile the GEMM check's three kernels for ``case``'s architecture and dtype, as
+    :func:`attnchecker.kernels.gemm_check.excesses` launches them (M 1,000, K 768, N 2,304)."""
+    import torch
+
+    from attnchecker.kernels import gemm_check as gc
+
+    fns = dict(zip(GEMM_KERNELS, (gc._rows_pass, gc._cols_pass, gc._rows_ref), strict=True))
+    seen: dict[str, tuple] = {}
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
+    x, y = torch.zeros(1000, 768, dtype=dtype), torch.zeros(768, 2304, dtype=dtype)
+    with contextlib.ExitStack() as stack:
+        for name, fn in fns.items():
+            stack.enter_context(mock.patch.object(fn, "run", _recorder(seen, name, fn)))
+        gc.excesses(x @ y, x, y, None, None, 0.0, -1e-6, 0.0, -1e-6)
+    return [_compile(case, kernel, *seen[kernel]) for kernel in GEMM_KERNELS]
+
+
+def _recorder(seen: dict, name: str, fn):
+    def run(*args, grid, warmup, **kwargs):
+        seen[name] = (fn, args, kwargs)
+
+    return run
+
+
+def _compile(case: Case, kernel: str, fn, args: tuple, kwargs: dict) -> Report:
+    """Specialise one captured launch as Triton's launcher does and compile it for ``case``'s
+    architecture; ptxas' figures, the shared memory and the IR's figures into a report."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -246,44 +286,40 @@ def compile_case(case: Case) -> list[Report]:
     knobs.nvidia.dump_ptxas_log = True
     target = GPUTarget("cuda", case.arch, 32)
     backend = make_backend(target)
+    # the tile: (BLOCK_M, BLOCK_N) of an attention kernel, (BM, BN), (BK, BN) or (BM, BK) of
+    # the GEMM check's; warps and stages Triton's defaults where the launcher sets none
+    first, second = ("BLOCK_M", "BM", "BK"), ("BLOCK_N", "BN", "BK")
+    launch = {"BLOCK_M": next(kwargs[k] for k in first if k in kwargs),
+              "BLOCK_N": next(kwargs[k] for k in second if k in kwargs),
+              "BLOCK_D": kwargs.get("BLOCK_D"), "num_warps": kwargs.get("num_warps", "default"),
+              "num_stages": kwargs.get("num_stages", "default")}  # fmt: skip
+    rep = Report(case, kernel, launch=launch)
+    start = time.perf_counter()
+    log = io.StringIO()
     try:
-        seen = _capture(case)
-    except Exception as exc:  # a launcher that rejects the case
-        return [Report(case, k, error=f"launch: {type(exc).__name__}: {exc}") for k in KERNELS]
-    reports = []
-    for kernel in KERNELS:
-        fn, args, kwargs = seen[kernel]
-        launch = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps",
-                                         "num_stages")}  # fmt: skip
-        rep = Report(case, kernel, launch=launch)
-        start = time.perf_counter()
-        log = io.StringIO()
-        try:
-            binder = create_function_from_signature(fn.signature, fn.params, backend)
-            bound, spec, opts = binder(*args, **kwargs)
-            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec,
-                                                                  opts)  # fmt: skip
-            # a fresh cache each time: a cached kernel (two cases that specialise alike, d 80
-            # and d 128 share BLOCK_D) would not run ptxas, so it would not report
-            with tempfile.TemporaryDirectory(prefix="attnchecker-aot-") as cache:
-                os.environ["TRITON_CACHE_DIR"] = cache
-                with contextlib.redirect_stdout(log):
-                    ck = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                        target=target, options=options.__dict__)  # fmt: skip
-        except Exception as exc:
-            rep.error = f"{type(exc).__name__}: {_first_line(exc)}"
-        else:
-            text = log.getvalue()
-            for key, pattern in _PTXAS.items():
-                m = re.search(pattern, text)
-                setattr(rep, key, int(m.group(1)) if m else None)
-            rep.shared = int(ck.metadata.shared)
-            rep.dots_source = _dots(ck.asm["source"]) if "source" in ck.asm else None
-            rep.dots_ttir = ck.asm["ttir"].count("tt.dot ")
-            rep.narrow_offsets = _narrow(ck.asm["ttir"], fn)
-        rep.seconds = round(time.perf_counter() - start, 2)
-        reports.append(rep)
-    return reports
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, spec, opts = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+        # a fresh cache each time: a cached kernel (two cases that specialise alike, d 80 and
+        # d 128 share BLOCK_D) would not run ptxas, so it would not report
+        with tempfile.TemporaryDirectory(prefix="attnchecker-aot-") as cache:
+            os.environ["TRITON_CACHE_DIR"] = cache
+            with contextlib.redirect_stdout(log):
+                ck = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                    target=target, options=options.__dict__)  # fmt: skip
+    except Exception as exc:
+        rep.error = f"{type(exc).__name__}: {_first_line(exc)}"
+    else:
+        text = log.getvalue()
+        for key, pattern in _PTXAS.items():
+            m = re.search(pattern, text)
+            setattr(rep, key, int(m.group(1)) if m else None)
+        rep.shared = int(ck.metadata.shared)
+        rep.dots_source = _dots(ck.asm["source"]) if "source" in ck.asm else None
+        rep.dots_ttir = ck.asm["ttir"].count("tt.dot ")
+        rep.narrow_offsets = _narrow(ck.asm["ttir"], fn)
+    rep.seconds = round(time.perf_counter() - start, 2)
+    return rep
 
 
 def _first_line(exc: Exception) -> str:
@@ -292,15 +328,22 @@ def _first_line(exc: Exception) -> str:
     return (named[-1] if named else text.splitlines()[0] if text else "")[:300]
 
 
-def compile_all(chosen: list[Case], jobs: int = 2) -> list[Report]:
-    """Every case in ``jobs`` processes, each compile with a fresh Triton cache (so ptxas runs
-    and reports); the order of ``chosen`` is kept."""
+def compile_all(chosen: list[Case], jobs: int = 2, gemm: list[Case] = ()) -> list[Report]:
+    """Every case of the attention kernels (``chosen``) and of the GEMM check's (``gemm``) in
+    ``jobs`` processes, each compile with a fresh Triton cache (so ptxas runs and reports); the
+    order is kept."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile with TRITON_INTERPRET unset (the kernels are interpreted)")
+    work = [(False, c) for c in chosen] + [(True, c) for c in gemm]
     if jobs <= 1:
-        return [r for case in chosen for r in compile_case(case)]
+        return [r for job in work for r in _job(job)]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return [r for reports in pool.map(compile_case, chosen) for r in reports]
+        return [r for reports in pool.map(_job, work) for r in reports]
+
+
+def _job(job: tuple[bool, Case]) -> list[Report]:
+    is_gemm, case = job
+    return compile_gemm_case(case) if is_gemm else compile_case(case)
 
 
 def table(reports: list[Report]) -> str:
@@ -332,11 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the reports as JSON rows")
     p.add_argument("--table", type=Path, help="write a markdown table")
     args = p.parse_args(argv)
-    chosen = cases(args.cases)
-    print(f"compiling {len(chosen)} cases x {len(KERNELS)} kernels in {args.jobs} processes",
-          file=sys.stderr)  # fmt: skip
+    chosen, gemm = cases(args.cases), gemm_cases()
+    print(
+        f"compiling {len(chosen)} cases x {len(KERNELS)} attention kernels and {len(gemm)} x "
+        f"{len(GEMM_KERNELS)} GEMM check kernels in {args.jobs} processes",
+        file=sys.stderr,
+    )
     start = time.perf_counter()
-    reports = compile_all(chosen, args.jobs)
+    reports = compile_all(chosen, args.jobs, gemm)
     took = time.perf_counter() - start
     if args.json:
         args.json.write_text(json.dumps([r.row() for r in reports], indent=1))

@@ -1,5 +1,7 @@
 """The one-GEMM check of attnchecker.abft.gemm: detection, location, repair and zero false
-alarms, in every operand layout the backward uses (x or y transposed) and in fp32 / bf16 / fp16."""
+alarms, in every operand layout the backward uses (x or y transposed) and in fp32 / bf16 / fp16,
+with its eager ops and with its Triton kernels (``impl="triton"``,
+``attnchecker.kernels.gemm_check``, in Triton's interpreter on a CPU)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnchecker import kernels
 from attnchecker.abft.gemm import col_norms, gemm_check_, row_norms
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+IMPLS = pytest.mark.parametrize(
+    "impl",
+    ["eager", pytest.param("triton", marks=pytest.mark.skipif(
+        not kernels.available(), reason="needs triton (CUDA or its interpreter)"))],
+)  # fmt: skip
 
 
 def _operands(M, K, N, dtype, seed, tx=False, ty=False, scale=1.0):
@@ -20,33 +28,36 @@ def _operands(M, K, N, dtype, seed, tx=False, ty=False, scale=1.0):
     return (x * scale).to(dtype), (y / K**0.5).to(dtype)
 
 
-def _check(out, x, y, max_rows=4):
-    rows, cols, value, lost, again = gemm_check_(out, x, y, max_rows=max_rows, scale=1.0)
+def _check(out, x, y, max_rows=4, impl="eager"):
+    rows, cols, value, lost, again = gemm_check_(out, x, y, max_rows=max_rows, scale=1.0,
+                                                 impl=impl)  # fmt: skip
     return rows.item(), cols.item(), value.item(), bool(lost), bool(again)
 
 
+@IMPLS
 @settings(max_examples=40, deadline=None)
 @given(
     M=st.integers(1, 64), K=st.integers(1, 96), N=st.integers(1, 64),
     dtype=st.sampled_from(DTYPES), tx=st.booleans(), ty=st.booleans(),
     seed=st.integers(0, 2**16), scale=st.sampled_from([1e-6, 1.0, 1e3]),
 )  # fmt: skip
-def test_no_false_alarm_on_clean_products(M, K, N, dtype, tx, ty, seed, scale):
+def test_no_false_alarm_on_clean_products(impl, M, K, N, dtype, tx, ty, seed, scale):
     x, y = _operands(M, K, N, dtype, seed, tx, ty, scale)
     out = x @ y
     before = out.clone()
-    rows, cols, _, lost, again = _check(out, x, y)
+    rows, cols, _, lost, again = _check(out, x, y, impl=impl)
     assert (rows, cols, lost, again) == (0, 0, False, False)
     assert torch.equal(out, before)  # nothing written on a clean product
 
 
+@IMPLS
 @settings(max_examples=40, deadline=None)
 @given(
     M=st.integers(2, 48), K=st.integers(2, 64), N=st.integers(2, 48),
     dtype=st.sampled_from(DTYPES), tx=st.booleans(), ty=st.booleans(),
     seed=st.integers(0, 2**16), kind=st.sampled_from(["nan", "inf", "-inf", "large"]),
 )  # fmt: skip
-def test_one_extreme_element_is_found_and_repaired(M, K, N, dtype, tx, ty, seed, kind):
+def test_one_extreme_element_is_found_and_repaired(impl, M, K, N, dtype, tx, ty, seed, kind):
     x, y = _operands(M, K, N, dtype, seed, tx, ty)
     clean = x @ y
     out = clone = clean.clone()
@@ -54,7 +65,7 @@ def test_one_extreme_element_is_found_and_repaired(M, K, N, dtype, tx, ty, seed,
     i, j = torch.randint(M, (1,), generator=g).item(), torch.randint(N, (1,), generator=g).item()
     bad = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}.get(kind)
     clone[i, j] = bad if bad is not None else 1e4 * (clean.abs().max().float().item() + 1)
-    rows, _, value, lost, again = _check(out, x, y)
+    rows, _, value, lost, again = _check(out, x, y, impl=impl)
     assert rows >= 1 and not lost and not again
     # row i and column j (the element breaks both checks) recomputed from the operands, by
     # smaller GEMMs that may round differently; everything else as delivered
@@ -67,29 +78,31 @@ def test_one_extreme_element_is_found_and_repaired(M, K, N, dtype, tx, ty, seed,
     assert value != value or abs(value) > 0  # the delivered error is reported (NaN or its size)
 
 
+@IMPLS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tx", "ty"), [(False, False), (True, False), (False, True)])
-def test_a_whole_bad_column_is_repaired_and_a_second_one_is_lost(dtype, tx, ty):
+def test_a_whole_bad_column_is_repaired_and_a_second_one_is_lost(impl, dtype, tx, ty):
     x, y = _operands(40, 24, 16, dtype, 0, tx, ty)
     clean = x @ y
     out = clean.clone()
     out[:, 5] = float("inf")
-    rows, cols, _, lost, again = _check(out, x, y)
+    rows, cols, _, lost, again = _check(out, x, y, impl=impl)
     assert (rows, cols, lost, again) == (40, 1, False, False)
     assert torch.isfinite(out).all()
     assert torch.allclose(out.float(), clean.float(), rtol=1e-2, atol=1e-2)
     out = clean.clone()
     out[:, 5] = float("nan")
     out[:, 9] = float("nan")  # one column repaired per check: the other stays, and is lost
-    rows, cols, _, lost, _ = _check(out, x, y)
+    rows, cols, _, lost, _ = _check(out, x, y, impl=impl)
     assert cols == 2 and lost
 
 
-def test_an_operand_that_is_bad_itself_is_reproduced_not_repaired():
+@IMPLS
+def test_an_operand_that_is_bad_itself_is_reproduced_not_repaired(impl):
     x, y = _operands(16, 8, 12, torch.float32, 3)
     x[2, 3] = float("inf")
     out = x @ y
-    _, _, _, lost, again = _check(out, x, y)
+    _, _, _, lost, again = _check(out, x, y, impl=impl)
     assert lost and again  # recomputing repeats it: the operands imply it
 
 
@@ -100,3 +113,35 @@ def test_norms_in_either_layout(t):
     assert torch.allclose(row_norms(x), torch.linalg.vector_norm(a, dim=1), rtol=1e-6)
     assert torch.allclose(col_norms(x), torch.linalg.vector_norm(a, dim=0), rtol=1e-6)
     assert (row_norms(torch.full((2, 4), 1e-30)) > 0).all()  # squares that underflow
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs triton (CUDA or its interpreter)")
+@settings(max_examples=30, deadline=None)
+@given(
+    M=st.integers(1, 80), K=st.integers(1, 130), N=st.integers(1, 80),
+    dtype=st.sampled_from(DTYPES), tx=st.booleans(), ty=st.booleans(),
+    seed=st.integers(0, 2**16), faults=st.integers(0, 3), norms=st.booleans(),
+)  # fmt: skip
+def test_the_triton_kernels_give_the_eager_results(M, K, N, dtype, tx, ty, seed, faults, norms):
+    """Same flags, counts and repairs from both implementations, with the operands' norms
+    passed in (as a linear layer's backward shares them) or computed; several bad elements."""
+    x, y = _operands(M, K, N, dtype, seed, tx, ty)
+    clean = x @ y
+    g = torch.Generator().manual_seed(seed + 7)
+    for _ in range(faults):
+        i, j = (
+            torch.randint(M, (1,), generator=g).item(),
+            torch.randint(N, (1,), generator=g).item(),
+        )
+        clean[i, j] = float(("nan", "inf", "-inf", "1e30")[(i + j) % 4])
+    kw = dict(x_rows=row_norms(x), y_cols=col_norms(y)) if norms else {}
+    got = {}
+    for impl in ("eager", "triton"):
+        out = clean.clone()
+        res = gemm_check_(out, x, y, max_rows=4, scale=1.0, impl=impl, **kw)
+        got[impl] = out, [float(r) for r in res]
+    (want_out, want), (out, res) = got["eager"], got["triton"]
+    assert res[0:2] == want[0:2] and res[3:] == want[3:]  # rows, columns flagged; lost, again
+    assert torch.equal(out.isfinite(), want_out.isfinite())
+    fin = want_out.isfinite()
+    assert torch.allclose(out[fin].float(), want_out[fin].float(), rtol=1e-2, atol=1e-2)

@@ -6,7 +6,9 @@ fp16 / bf16 at d <= 128 on sm_90 and at most 256 B in dK/dV (and in the builds t
 faults); no sm_80 stack frame above 256 B;
 shared memory within each target's limit; every ``tl.dot`` survives the TTIR passes (a
 recomputation the compiler merged with the first GEMM would "correct" a fault in the matrix
-unit with the same faulty value); no tensor argument offset in 32 bits.
+unit with the same faulty value); no tensor argument offset in 32 bits. The GEMM check's three
+kernels (``attnchecker.kernels.gemm_check``) compile for every dtype on both targets with no
+spill, no stack frame and 64-bit offsets.
 
 The cases (``aot.cases("test")``) compile once per test run, in a subprocess (this process
 interprets the kernels), in about 30 s on 2 cores.
@@ -23,7 +25,15 @@ import pytest
 
 pytest.importorskip("triton")
 
-from attnchecker.kernels.aot import SHARED_LIMIT, Case, Report, cases, launched
+from attnchecker.kernels.aot import (
+    GEMM_KERNELS,
+    SHARED_LIMIT,
+    Case,
+    Report,
+    cases,
+    gemm_cases,
+    launched,
+)
 
 CASES = cases("test")
 KERNELS = ("fwd", "dkdv", "dq")
@@ -93,3 +103,15 @@ def test_the_cases_cover_every_launch_option():
             assert {getattr(c, option) for c in mine} == {False, True}, (arch, option)
         assert {c.dtype for c in mine} == {"fp16", "bf16", "fp32"}
         assert {c.d for c in mine} >= {64, 80, 128}
+
+
+GEMM_PAIRS = [(c, k) for c in gemm_cases() for k in GEMM_KERNELS]
+
+
+@pytest.mark.parametrize(("case", "kernel"), GEMM_PAIRS, ids=_ids(GEMM_PAIRS))
+def test_the_gemm_checks_kernels_compile_lean(reports, case, kernel):
+    rep = reports[case, kernel]
+    assert rep.error is None, rep.error
+    assert (rep.spill_stores, rep.stack) == (0, 0), (rep.registers, rep.launch)
+    assert rep.shared <= SHARED_LIMIT[case.arch]
+    assert rep.narrow_offsets == []
