@@ -92,8 +92,11 @@ def _measured(device: torch.device, dtype: torch.dtype | None) -> str:
 # step in benchmarks/check_impl.py (2 cores, base width; results/check_impl_cpu2_2026-12-02.md):
 # bf16 gains 4-9 points of step overhead in each of three runs, fp32 between -3.9 and +4.0
 # points (its eager ops are already fast; a region's call and guards are not free): within the
-# noise, so no compile latency for it. CUDA: not measured yet (no GPU lent); compiled, because
-# there each of a check's ~60 eager ops is a kernel launch.
+# noise, so no compile latency for it. Rerun 2026-12-03 with every check a region
+# (check_impl_cpu2_2026-12-03.md): compiled wins fp32 by 3.3-3.5 points (gpt2 / llama), yet
+# fp32 stays eager: the first compilation (tens of seconds) outweighs 3% of a CPU job below
+# ~1,000 steps (demos, tests, short runs). CUDA: not measured yet (no GPU lent); compiled,
+# because there each of a check's ~60 eager ops is a kernel launch.
 AUTO = {
     ("cpu", "half"): True,
     ("cpu", "fp32"): False,

@@ -157,8 +157,9 @@ def excesses(
     rows = torch.empty(5, M, device=dev, dtype=_F32)  # row sums, norms, references, residuals,
     rs, xn, ref_r, res_r, exc_r = rows  # excesses
     exc_c = torch.empty(N, device=dev, dtype=_F32)
-    xrows = x_rows.to(_F32) if x_rows is not None else xn  # (placeholder pointer when absent)
-    ycols = y_cols.to(_F32) if y_cols is not None else exc_c
+    # unit strides (the kernels index them so); xn is a placeholder pointer when absent
+    xrows = x_rows.to(_F32).contiguous() if x_rows is not None else xn
+    ycols = y_cols.to(_F32).contiguous() if y_cols is not None else exc_c
     grid_m, grid_n = (triton.cdiv(M, _BM),), (triton.cdiv(N, _BN),)
     _rows_pass[grid_m](o, xr, xrows, rs, xn, xsum, csum, fro, M, N, K, o.stride(0), o.stride(1),
                        xr.stride(0), xr.stride(1), squares_lost(K), HAS_XROWS=x_rows is not None,
