@@ -157,20 +157,16 @@ def _gemm_region(
     xn = row_norms(x, x_rm) if x_rows is None else x_rows  # (M,)
     yn = row_norms(y.t(), y_cm) if y_cols is None else y_cols  # (N,)
     x_fro, y_fro = torch.linalg.vector_norm(xn), torch.linalg.vector_norm(yn)
-    # columns first: their worst one is recomputed in the pass over x of the row references
     # the operands of matrix-vector products: transposed half-precision ones in fp32 on a CPU
     xm = _fp32(x, x_rm) if _cpu_half(x) and not x_rm else x  # read by two of them
     ym = _fp32(y.t(), y_cm) if _cpu_half(y) and not y_cm else y.t()
     ref_c = _matvec(ym, x.sum(0, dtype=_F32).to(dt)).to(_F32)  # (N,)
     res_c = out.sum(0, dtype=_F32) - ref_c
     exc_c = torch.addcmul(res_c.abs_().sub_(floor_c), yn, x_fro, value=c_c)
-    worst, col = exc_c.max(0, keepdim=True)  # (1,) each; NaN ranks first
-    new_col = _matvec(xm, _column(y, col, y_cm).to(x.dtype))  # (M,)
     ref_r = _matvec(xm, y.sum(1, dtype=_F32).to(dt)).to(_F32)  # (M,)
     res_r = out.sum(1, dtype=_F32) - ref_r
     exc_r = _rows_excess(res_r, floor_r, c_r, xn, y_fro)
-    return _tail(out, x, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c, worst,
-                 col, new_col)  # fmt: skip
+    return repair_(out, x, xm, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c)
 
 
 def _rows_excess(res: Tensor, floor_r: float, c_r: float, xn: Tensor, y_fro: Tensor) -> Tensor:
@@ -181,8 +177,8 @@ def _rows_excess(res: Tensor, floor_r: float, c_r: float, xn: Tensor, y_fro: Ten
 def repair_(
     out: Tensor,
     x: Tensor,
+    xm: Tensor,
     y: Tensor,
-    x_rm: bool,
     y_cm: bool,
     R: int,
     floor_r: float,
@@ -194,38 +190,16 @@ def repair_(
     exc_r: Tensor,
     exc_c: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The check's repair and its results from excesses computed elsewhere (the Triton
-    kernels, ``attnchecker.kernels.gemm_check``): xn (M,) x's row norms, y_fro () ||y||_F,
-    ref_r / res_r / exc_r (M,) the rows' references, residuals and excesses, exc_c (N,) the
-    columns' excesses, all fp32."""
-    xm = _fp32(x, x_rm) if _cpu_half(x) and not x_rm else x
+    """The check's repair and its results from its excesses (computed by
+    :func:`_gemm_region`'s ops or by the Triton kernels, ``attnchecker.kernels.gemm_check``).
+    xm: x as the matrix-vector products read it (an fp32 copy of a transposed half-precision x
+    on a CPU, else x); xn (M,): x's row norms; y_fro (): ||y||_F; ref_r, res_r, exc_r (M,): the
+    rows' references, residuals and excesses; exc_c (N,): the columns' excesses; all fp32. The
+    R worst rows (where flagged) and the worst column (where flagged) are recomputed from the
+    operands, fixed sizes; then every row is checked again."""
+    M = x.shape[0]
     worst, col = exc_c.max(0, keepdim=True)  # (1,) each; NaN ranks first
     new_col = _matvec(xm, _column(y, col, y_cm).to(x.dtype))  # (M,)
-    return _tail(out, x, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c, worst,
-                 col, new_col)  # fmt: skip
-
-
-def _tail(
-    out: Tensor,
-    x: Tensor,
-    y: Tensor,
-    y_cm: bool,
-    R: int,
-    floor_r: float,
-    c_r: float,
-    xn: Tensor,
-    y_fro: Tensor,
-    ref_r: Tensor,
-    res_r: Tensor,
-    exc_r: Tensor,
-    exc_c: Tensor,
-    worst: Tensor,
-    col: Tensor,
-    new_col: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Recompute the R worst rows (where flagged) and the worst column (where flagged) from
-    the operands, fixed sizes; check every row again."""
-    M = x.shape[0]
     top, idx = exc_r.topk(R)  # NaN ranks first
     take = ~(top <= 0)[:, None]  # (R, 1)
     yr = _fp32(y, not y_cm) if _cpu_half(y) else y
