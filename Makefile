@@ -25,14 +25,17 @@ demo: $(STAMP)
 # so the long compile tests do not queue behind each other
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m "" -n 2 --dist worksteal
 
+# the package's layers and no import cycles: the contracts in pyproject.toml's [tool.importlinter]
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/lint-imports --no-cache
 
 # every benchmark at its full size (an estimated 25-35 minutes on 2 idle CPU cores; results in
 # benchmarks/results/), or `make bench QUICK=1`: each at its --quick size (2-5 minutes; files

@@ -31,8 +31,8 @@ import torch
 from torch.nn import functional as F
 
 from _common import environment, parse, write
-from attnchecker.kernels.flash import flash_attention, new_counts
-from attnchecker.kernels.ops import new_sink
+from attnchecker.kernels.flash import new_counts
+from attnchecker.kernels.ops import flash_attention, new_sink
 
 
 def _operands(B, H, L, d, dtype, device, seed=0):

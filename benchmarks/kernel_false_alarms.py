@@ -25,8 +25,8 @@ import torch
 
 from _common import command, environment, parse, write
 from attnchecker.kernels import CHECKS
-from attnchecker.kernels.flash import flash_attention, new_counts
-from attnchecker.kernels.ops import new_sink
+from attnchecker.kernels.flash import new_counts
+from attnchecker.kernels.ops import flash_attention, new_sink
 
 ARMS = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False),
         "fp32": (torch.float32, False), "fp32+tf32": (torch.float32, True)}  # fmt: skip

@@ -263,7 +263,7 @@ def test_kernels_self_test(monkeypatch):
     """backend="auto" uses the kernels only on a device where they pass a small self-test
     against SDPA; here (the interpreter) they do, and a broken kernel gives the reason."""
     import attnchecker.kernels as kernels
-    import attnchecker.kernels.flash as flash
+    import attnchecker.kernels.ops as ops
 
     kernels._SELF_TESTS.clear()
     assert kernels.self_test("cpu") is None
@@ -272,6 +272,6 @@ def test_kernels_self_test(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("PassManager::run failed")
 
-    monkeypatch.setattr(flash, "flash_attention", broken)
+    monkeypatch.setattr(ops, "flash_attention", broken)
     assert kernels.self_test("cpu") == "RuntimeError: PassManager::run failed"
     kernels._SELF_TESTS.clear()

@@ -18,6 +18,7 @@ check two GEMMs of one operand (a linear layer's dX = dY W and dW = dY^T X) pass
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -94,13 +95,15 @@ def gemm_check_(
     x_rows: Tensor | None = None,
     y_cols: Tensor | None = None,
     impl: str = "eager",
+    region: Callable[..., tuple[Tensor, ...]] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Check and repair in place out (M, N) = x (M, K) @ y (K, N) (see the module docstring).
 
     ``x_rows`` (M,), ``y_cols`` (N,): :func:`row_norms` of x and :func:`col_norms` of y when the
-    caller has them. ``impl``: ``"eager"``, ``"compiled"``, ``"triton"`` (the Triton kernels of
-    :mod:`attnchecker.kernels.gemm_check`, on CUDA or in Triton's interpreter) or ``"auto"``
-    (:func:`~attnchecker.abft.regions.resolve`; the same results either way). Returns 0-dim
+    caller has them. ``impl``: ``"eager"``, ``"compiled"`` or ``"auto"``
+    (:func:`~attnchecker.abft.regions.resolve`; the same results either way); ``region``: an
+    implementation of the region's tensor work to run instead (its arguments and results:
+    the Triton kernels' ``attnchecker.kernels.gemm_check.gemm_region``). Returns 0-dim
     float32 / bool tensors: flagged rows, flagged columns, the residual of the worst row, lost
     (a row fails after the repair), and reproduced (a recomputed row fails again: the operands
     imply it)."""
@@ -121,12 +124,9 @@ def gemm_check_(
     layout = (x.stride(-1) == 1, y.stride(0) == 1)
     args = (out, x, y, x_rows, y_cols, *layout, min(max_rows, M), *limits)
     with torch.autocast(out.device.type, enabled=False):
-        if regions.triton_runs(impl, out):  # the hand-written kernels (kernels.gemm_check)
-            from attnchecker.kernels.gemm_check import gemm_region
-
+        if region is not None:  # another implementation of _gemm_region (Triton kernels)
             with torch.no_grad():
-                return regions.ran(_gemm_region.__qualname__, "triton",
-                                   gemm_region(*args))  # fmt: skip
+                return region(*args)
         return regions.run(_gemm_region, impl, *args, on=out)
 
 

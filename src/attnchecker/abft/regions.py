@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["IMPLS", "describe", "ran", "resolve", "run", "triton_runs"]
+__all__ = ["IMPLS", "describe", "ran", "resolve", "run"]
 
 IMPLS = ("auto", "compiled", "eager", "triton")
 
@@ -103,17 +103,6 @@ AUTO = {
     ("cuda", "half"): True,
     ("cuda", "fp32"): True,
 }
-
-
-def triton_runs(impl: str, on: torch.Tensor) -> bool:
-    """Whether a check of ``on`` with hand-written Triton kernels runs them: ``impl``
-    resolves to ``"triton"``, the call comes from eager code (a model being compiled traces
-    the region's torch ops inline) and the kernels can run (CUDA, or Triton's interpreter)."""
-    if torch.compiler.is_compiling() or resolve(impl, on.device, on.dtype) != "triton":
-        return False
-    from attnchecker import kernels
-
-    return kernels.available() and (on.device.type == "cuda" or kernels.interpreting())
 
 
 def ran(name: str, how: str, result: object) -> object:

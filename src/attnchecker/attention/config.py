@@ -67,7 +67,7 @@ class ABFTConfig:
       fault injection). The period counts
       :meth:`~attnchecker.models.handle.ProtectionHandle.drain` calls (one per step in
       ``attnchecker.train``, the Trainer callback and ``GuardedOptimizer``).
-      :meth:`from_profile` builds one (:mod:`attnchecker.adaptive`).
+      ``attnchecker.adaptive.controller.choose(...).config`` builds one.
     - ``backend``: ``"eager"`` runs the checked eager attention (materialised scores);
       ``"triton"`` the fused flash kernels with their checks inside
       (:mod:`attnchecker.kernels`: forward and backward, no L x L tensor), falling back to the
@@ -177,14 +177,6 @@ class ABFTConfig:
                 "model then holds two graphs"
             )
         return tuple(sorted(entries, key=lambda e: (e[0], ALL_OPS.index(e[1]))))
-
-    @classmethod
-    def from_profile(cls, vulnerability, cost, rate, **goal: object) -> ABFTConfig:
-        """The cheapest schedule meeting a risk target, or the safest within an overhead
-        budget: see :func:`attnchecker.adaptive.controller.choose` (same arguments)."""
-        from attnchecker.adaptive.controller import choose
-
-        return choose(vulnerability, cost, rate, **goal).config
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

@@ -41,7 +41,10 @@ from attnchecker.attention.grads import autocast_operands, checked_matmul
 from attnchecker.attention.handoff import Handoff
 from attnchecker.attention.state import AttentionState, _ranged
 
-__all__ = ["CoreSpec", "attend"]
+__all__ = ["CORE", "CoreSpec", "attend"]
+
+CORE = "_attnchecker_core"
+"""Attribute that carries (CoreSpec, AttentionState | None) on every attention core module."""
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ def attend_fused(
     """Checked attention of q (B, H, L, d), k and v (B, Hkv, Lk, d) by the fused kernels:
     (output in the family's layout, None: no probabilities are materialised)."""
     from attnchecker.kernels import checks_of
-    from attnchecker.kernels.flash import FP32_MAX_HEAD, flash_attention, operand_kind
+    from attnchecker.kernels.flash import FP32_MAX_HEAD, operand_kind
+    from attnchecker.kernels.ops import flash_attention
 
     reason = _fallback_reason(spec, dropout, training, softcap, upcast_reordered)
     wide = query.is_cuda and query.shape[-1] > FP32_MAX_HEAD

@@ -47,6 +47,7 @@ from attnchecker.abft.tolerance import (
 )
 from attnchecker.attention.checks import _record, detected, log_rows
 from attnchecker.attention.config import GRAD_OPS
+from attnchecker.kernels import gemm_check_kernels
 
 __all__ = [
     "CORE_GRAD_OPS",
@@ -211,14 +212,14 @@ def _linear_grad_region(
     shape: torch.Size,
     max_rows: int,
     scale: float,
-    gemm_impl: str = "eager",
+    kernels: Callable[..., tuple[Tensor, ...]] | None = None,
 ) -> Tensor:
     """One check region for a linear layer's backward: the checks of dX (T, K) = dY (T, N) W
     (N, K) and of dW = a @ b (dY^T X; Conv1D's X^T dY), those given, sharing dY's row and
     column norms, and their records as the sink's gradient (``shape``, rows ``index``).
-    ``gemm_impl="triton"``: the two GEMM checks as Triton kernels, this function's own ops
-    eager (called outside :func:`~attnchecker.abft.regions.run`)."""
-    kw = {"max_rows": max_rows, "scale": scale, "impl": gemm_impl}
+    ``kernels``: the two GEMM checks' Triton kernels (``kernels.gemm_check_kernels``), this
+    function's own ops then eager (called outside :func:`~attnchecker.abft.regions.run`)."""
+    kw = {"max_rows": max_rows, "scale": scale, "region": kernels}
     recs = []
     if dx is not None:
         recs.append(product_check_(dx, dy, w, x_rows=row_norms(dy), **kw))
@@ -374,9 +375,10 @@ class _Linear(torch.autograd.Function):
             index = tuple(op[0] for op, on in ((op_x, check_x), (op_w, check_w)) if on)
             args = (dx2 if check_x else None, dw if check_w else None, dy2, w, a, b, step)
             args += (conv1d, index, ctx.sink, max_rows, scale)
-            if regions.triton_runs(impl, dy2):  # the GEMM checks' own kernels
+            fused = gemm_check_kernels(impl, dy2)
+            if fused is not None:  # the GEMM checks' own Triton kernels
                 with torch.no_grad():
-                    grad_sink = _linear_grad_region(*args, gemm_impl="triton")
+                    grad_sink = _linear_grad_region(*args, kernels=fused)
                 regions.ran(_linear_grad_region.__qualname__, "triton", None)
             else:
                 grad_sink = regions.run(_linear_grad_region, impl, *args, on=dy2)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CHECKS", "KERNEL_CHECKS", "KERNEL_SITES", "available", "checks_of", "interpreting",
-           "self_test"]  # fmt: skip
+__all__ = ["CHECKS", "KERNEL_CHECKS", "KERNEL_SITES", "available", "checks_of",
+           "gemm_check_kernels", "interpreting", "self_test"]  # fmt: skip
 
 KERNEL_CHECKS: dict[str, tuple[str, ...]] = {
     "s": ("scores",),  # forward: the S tile (column checksums)
@@ -49,6 +49,25 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def gemm_check_kernels(impl: str, on):
+    """The Triton kernels of a GEMM's check (``kernels.gemm_check.gemm_region``, for
+    ``abft.gemm.gemm_check_``'s ``region``) where ``check_impl=impl`` runs them for a check of
+    ``on``, else None: ``impl`` resolves to ``"triton"``, the call comes from eager code (a
+    model being compiled traces the check's torch ops inline) and the kernels can run (CUDA,
+    or the interpreter)."""
+    import torch
+
+    from attnchecker.abft import regions
+
+    if torch.compiler.is_compiling() or regions.resolve(impl, on.device, on.dtype) != "triton":
+        return None
+    if not available() or not (on.device.type == "cuda" or interpreting()):
+        return None
+    from attnchecker.kernels.gemm_check import gemm_region
+
+    return gemm_region
+
+
 def available() -> bool:
     """Whether the kernels can run here: triton importable, and CUDA or the interpreter."""
     try:
@@ -77,7 +96,8 @@ def self_test(device) -> str | None:
     try:
         from torch.nn import functional as F
 
-        from attnchecker.kernels.flash import flash_attention, new_counts
+        from attnchecker.kernels.flash import new_counts
+        from attnchecker.kernels.ops import flash_attention
 
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         g = torch.Generator().manual_seed(0)

@@ -32,8 +32,8 @@ from attnchecker.kernels.common import FAULT_FIELDS, MODES, SITE_CODES
 from attnchecker.kernels.flash_fwd import _fwd
 
 __all__ = [
-    "CHECKS", "FP32_MAX_HEAD", "LAUNCH", "SITES", "KernelFault", "Launch", "flash_attention",
-    "flash_backward", "flash_forward", "launch_settings", "new_counts", "operand_kind",
+    "CHECKS", "FP32_MAX_HEAD", "LAUNCH", "SITES", "KernelFault", "Launch", "flash_backward",
+    "flash_forward", "launch_settings", "new_counts", "operand_kind",
 ]  # fmt: skip
 
 SITES = SITE_CODES
@@ -339,41 +339,3 @@ def flash_backward(
         H, L, Lk, d, group, qk_scale, scale, window, tau_acc, tau_p, tau_out, **flags, **go,
     )  # fmt: skip
     return dq, dk, dv
-
-
-def flash_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = False,
-    key_mask: Tensor | None = None,
-    window: int = 0,
-    scale: float | None = None,
-    counts: Tensor | None = None,
-    sink: Tensor | None = None,
-    fault: KernelFault | None = None,
-    check: bool | Collection[str] = True,
-    tolerance_scale: float = 1.0,
-) -> Tensor:
-    """Differentiable checked flash attention (the custom ops of :mod:`attnchecker.kernels.ops`,
-    so torch.compile traces one op): the forward's detections are added to ``counts``
-    (:func:`new_counts`), the backward's accumulate in ``sink.grad`` (``ops.new_sink``). A
-    ``fault`` at a backward site is injected in the backward, at a forward site in the
-    forward. ``check=False`` runs the kernels without their checks (an unprotected arm), a set
-    of :data:`CHECKS` names runs those."""
-    from attnchecker.kernels.ops import flash_fwd_op, new_sink
-
-    code_f = code_b = None
-    if fault is not None:
-        code = fault.encode(q.shape[1], q.device)
-        code_f, code_b = (code, None) if fault.site in FORWARD_SITES else (None, code)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    sink = new_sink(q.device) if sink is None else sink
-    out, _, found = flash_fwd_op(
-        q, k, v, key_mask, sink, code_f, code_b, causal, window, scale, _mask(check),
-        float(tolerance_scale),
-    )  # fmt: skip
-    if counts is not None:
-        counts.add_(found)
-    return out

@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from attnchecker.abft import regions
+from attnchecker.abft.gemm import repair_
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
 
@@ -188,10 +190,9 @@ def gemm_region(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`attnchecker.abft.gemm._gemm_region` (same arguments, same results) with the
     excesses from the kernels."""
-    from attnchecker.abft.gemm import repair_
-
     xn, y_fro, ref_r, res_r, exc_r, exc_c = excesses(
         out, x, y, x_rows, y_cols, floor_r, c_r, floor_c, c_c
     )
     # x as it is: the kernels run on CUDA (or in the interpreter, tests)
-    return repair_(out, x, x, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c)
+    result = repair_(out, x, x, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c)
+    return regions.ran("_gemm_region", "triton", result)

@@ -16,13 +16,23 @@ CPU under compile it touches fake tensors' data.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import Tensor
 
 from attnchecker.kernels import CHECKS
-from attnchecker.kernels.flash import _unmask, flash_backward, flash_forward, new_counts
+from attnchecker.kernels.flash import (
+    FORWARD_SITES,
+    KernelFault,
+    _mask,
+    _unmask,
+    flash_backward,
+    flash_forward,
+    new_counts,
+)
 
-__all__ = ["flash_bwd_op", "flash_fwd_op", "new_sink"]
+__all__ = ["flash_attention", "flash_bwd_op", "flash_fwd_op", "new_sink"]
 
 
 def new_sink(device: torch.device) -> Tensor:
@@ -107,3 +117,39 @@ def _backward(ctx, grad_out, grad_lse, grad_counts):
 
 
 flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_mask: Tensor | None = None,
+    window: int = 0,
+    scale: float | None = None,
+    counts: Tensor | None = None,
+    sink: Tensor | None = None,
+    fault: KernelFault | None = None,
+    check: bool | Collection[str] = True,
+    tolerance_scale: float = 1.0,
+) -> Tensor:
+    """Differentiable checked flash attention (the custom ops above, so torch.compile traces
+    one op): the forward's detections are added to ``counts`` (``flash.new_counts``), the
+    backward's accumulate in ``sink.grad`` (:func:`new_sink`). A
+    ``fault`` at a backward site is injected in the backward, at a forward site in the
+    forward. ``check=False`` runs the kernels without their checks (an unprotected arm), a set
+    of :data:`CHECKS` names runs those."""
+    code_f = code_b = None
+    if fault is not None:
+        code = fault.encode(q.shape[1], q.device)
+        code_f, code_b = (code, None) if fault.site in FORWARD_SITES else (None, code)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    sink = new_sink(q.device) if sink is None else sink
+    out, _, found = flash_fwd_op(
+        q, k, v, key_mask, sink, code_f, code_b, causal, window, scale, _mask(check),
+        float(tolerance_scale),
+    )  # fmt: skip
+    if counts is not None:
+        counts.add_(found)
+    return out

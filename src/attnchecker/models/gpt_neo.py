@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from attnchecker.attention.core import attend
-from attnchecker.models.registry import CORE
+from attnchecker.attention.core import CORE, attend
 
 __all__ = ["gpt_neo_attn"]
 

@@ -18,9 +18,8 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from attnchecker.attention.core import attend
+from attnchecker.attention.core import CORE, attend
 from attnchecker.errors import UnsupportedModelError
-from attnchecker.models.registry import CORE
 
 __all__ = ["FUSED_NAME", "KEYWORDS", "NAME", "install_interface"]
 

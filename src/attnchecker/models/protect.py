@@ -17,11 +17,12 @@ from torch import Tensor, nn
 
 from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
 from attnchecker.attention.config import GRAD_OPS, LINEAR_OPS, ABFTConfig
+from attnchecker.attention.core import CORE
 from attnchecker.attention.grads import CORE_GRAD_OPS, checked_linear, new_records_sink
 from attnchecker.attention.state import AttentionState, Clock, _ranged, new_log
 from attnchecker.errors import ConfigError, NoMatchingModuleError, UnsupportedModelError
 from attnchecker.models.handle import ProtectionHandle
-from attnchecker.models.registry import CORE, ProjectionSpec, _is_conv1d, discover, install
+from attnchecker.models.registry import ProjectionSpec, _is_conv1d, discover, install
 
 __all__ = ["protect_", "unprotect_"]
 

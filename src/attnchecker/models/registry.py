@@ -27,10 +27,7 @@ from attnchecker.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from attnchecker.models.families import Wiring
 
-__all__ = ["CORE", "AttentionBlock", "Discovery", "ProjectionSpec", "discover", "layer_index"]
-
-CORE = "_attnchecker_core"
-"""Attribute that carries (CoreSpec, AttentionState | None) on every attention core module."""
+__all__ = ["AttentionBlock", "Discovery", "ProjectionSpec", "discover", "layer_index"]
 
 _SITES = {"q": ("q",), "k": ("k",), "v": ("v",), "kv": ("k", "v"), "qkv": ("q", "k", "v"),
           "out": ("out",)}  # fmt: skip

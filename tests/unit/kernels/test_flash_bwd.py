@@ -16,8 +16,8 @@ from torch.nn import functional as F
 pytest.importorskip("triton")
 
 from attnchecker.kernels import available
-from attnchecker.kernels.flash import CHECKS, KernelFault, flash_attention, new_counts
-from attnchecker.kernels.ops import new_sink
+from attnchecker.kernels.flash import CHECKS, KernelFault, new_counts
+from attnchecker.kernels.ops import flash_attention, new_sink
 
 from .test_flash_fwd import DEVICE, DTYPES, KINDS, _allowed, _operands
 
