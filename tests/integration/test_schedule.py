@@ -89,3 +89,25 @@ def test_compiled_schedule_holds_two_graphs_and_corrects_on_checked_steps():
         assert all(e.action in ("corrected", "recomputed") for e in events), events
     assert frames[2:] == [frames[1]] * 2, f"recompiled: {frames}"
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+def test_the_period_counts_drains_not_forwards():
+    """An evaluation forward (or a gradient-accumulation micro-batch) between two drains ticks
+    the step clock but is not a training step: the period counts ``drain()`` calls, as
+    ``ABFTConfig.schedule`` says. Found 2026-12-03: the phase was read from the clock, so one
+    evaluation per step made every step an off step for layer 0."""
+    model = build("gpt2", layers=2)
+    model.eval()
+    handle = protect_(model, ABFTConfig(schedule=SCHEDULE, policy="warn"))
+    inputs = batch("gpt2")
+    checked = []
+    for _ in range(4):  # training steps 1..4: layer 0 checked on steps 1 and 3
+        detach = handle.attach(fire_once("scores", "1R", "nan", layer=0))
+        loss = model(**inputs).loss
+        loss.backward()  # no update: an unchecked fault must not spoil the next steps
+        model.zero_grad(set_to_none=True)
+        detach.remove()
+        with torch.no_grad():  # an evaluation between training steps
+            model(**inputs)
+        checked.append([e.op for e in handle.drain()] == ["scores"] and bool(torch.isfinite(loss)))
+    assert checked == [True, False, True, False]

@@ -138,6 +138,7 @@ class ProtectionHandle:
         self.skip_requested = False
         self._causes = {"fault": 0, "numerics": 0}  # detections by cause since protection
         self._engines_logged: set[str] | None = None  # fallback reasons logged; None: none yet
+        self._drains = 0  # the schedule's period counts these (not forwards: the clock's ticks)
 
     @property
     def modules(self) -> list[str]:
@@ -250,6 +251,7 @@ class ProtectionHandle:
         warns, ``skip_step`` sets :attr:`skip_requested` for the training loop to honour.
         The fused kernels' detections are one event per check that detected (pattern "tile":
         the kernels count tiles and programs, not rows), at the step of the drain."""
+        self._drains += 1
         for st in self._states.values():
             st.flush()  # projections whose group never completed (eager only)
             st.commit()
@@ -258,7 +260,8 @@ class ProtectionHandle:
         logs, kern, step_now = self._read()
         if not logs:
             return []
-        on = step_now % self.config.period == 0  # the next step, step_now + 1, is checked
+        # the next training step, the (drains + 1)-th, is a checked one: 1, 1 + period, ...
+        on = self._drains % self.config.period == 0
         for st in self._states.values():
             st.log.zero_()
             st.reset_kernel_counts()
