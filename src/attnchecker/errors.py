@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "AttnCheckerError",
+    "CheckpointError",
     "ConfigError",
     "NoMatchingModuleError",
     "UncorrectableFaultError",
@@ -19,6 +20,10 @@ class AttnCheckerError(Exception):
 
 class ConfigError(AttnCheckerError, ValueError):
     """A configuration value is invalid; the message says how to fix it."""
+
+
+class CheckpointError(AttnCheckerError):
+    """A checkpoint is missing, truncated or corrupted."""
 
 
 class NoMatchingModuleError(AttnCheckerError, ValueError):

@@ -76,3 +76,29 @@ def test_model_demo_shows_unprotected_failing_and_protected_exact(backend):
         assert r["protected_events"] and all(
             "uncorrectable" not in e for e in r["protected_events"]
         )
+
+
+def test_every_exception_class_is_defined_in_errors():
+    """One home for the public errors: no module of the package but ``attnchecker.errors``
+    defines an exception class (``kernels`` needs triton, so it is skipped where it is absent)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    strays = []
+    for info in pkgutil.walk_packages(attnchecker.__path__, "attnchecker."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            mod = importlib.import_module(info.name)
+        except ImportError:  # an optional dependency (triton) absent here
+            continue
+        for name, obj in vars(mod).items():
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and obj.__module__ == info.name
+                and info.name != "attnchecker.errors"
+            ):
+                strays.append(f"{info.name}.{name}")  # fmt: skip
+    assert strays == []

@@ -26,6 +26,7 @@ import triton
 from torch import Tensor
 
 from attnchecker.abft.tolerance import kernel_factor, tf32_enabled
+from attnchecker.errors import ConfigError
 from attnchecker.kernels import CHECKS, KERNEL_SITES, interpreting
 from attnchecker.kernels import flash_bwd as bwd
 from attnchecker.kernels.common import FAULT_FIELDS, MODES, SITE_CODES
@@ -77,9 +78,9 @@ class KernelFault:
     def encode(self, heads: int, device: torch.device) -> Tensor:
         """The (len(FAULT_FIELDS),) float32 vector the kernels read."""
         if self.site not in SITES:
-            raise ValueError(f"kernel fault site must be one of {sorted(SITES)}: {self.site!r}")
+            raise ConfigError(f"kernel fault site must be one of {sorted(SITES)}: {self.site!r}")
         if self.mode not in MODES:
-            raise ValueError(f"kernel fault mode must be one of {sorted(MODES)}: {self.mode!r}")
+            raise ConfigError(f"kernel fault mode must be one of {sorted(MODES)}: {self.mode!r}")
         bh = self.batch * heads + self.head
         vals = [SITES[self.site], bh, self.row, self.col, self.value, float(self.persistent),
                 MODES[self.mode], self.bit]  # fmt: skip

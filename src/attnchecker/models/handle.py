@@ -15,7 +15,7 @@ from attnchecker.abft.eec import NEAR_INF
 from attnchecker.attention.config import ALL_OPS, ABFTConfig
 from attnchecker.attention.grads import CORE_GRAD_OPS
 from attnchecker.attention.state import RECORD_FIELDS, AttentionState, Clock, SiteHook
-from attnchecker.errors import UncorrectableFaultError
+from attnchecker.errors import ConfigError, UncorrectableFaultError
 
 __all__ = ["Event", "ProtectionHandle", "pattern_of"]
 
@@ -170,10 +170,10 @@ class ProtectionHandle:
         sites = list(dict.fromkeys(known_all)) if sites is None else list(sites)
         known = {s for st in self._states.values() for s in st.hooks}
         if unknown := sorted(set(sites) - known):
-            raise ValueError(f"unknown sites {unknown}; choose from {sorted(known)}")
+            raise ConfigError(f"unknown sites {unknown}; choose from {sorted(known)}")
         names = self.modules if modules is None else list(modules)
         if unknown := sorted(set(names) - set(self._states)):
-            raise ValueError(f"not protected modules: {unknown}")
+            raise ConfigError(f"not protected modules: {unknown}")
         targets = [
             self._states[n].hooks[s] for n in names for s in sites if s in self._states[n].hooks
         ]

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from attnchecker.errors import ConfigError
 from attnchecker.models.families import FAMILIES, TABLE
 
 __all__ = ["FAMILIES", "TABLE", "build", "family_config", "from_file"]
@@ -35,9 +36,9 @@ def family_config(
     import transformers as tf
 
     if family not in TABLE:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+        raise ConfigError(f"unknown family {family!r}; choose from {FAMILIES}")
     if size not in _SIZES:
-        raise ValueError(f"unknown size {size!r}; choose from {sorted(_SIZES)}")
+        raise ConfigError(f"unknown size {size!r}; choose from {sorted(_SIZES)}")
     fam = TABLE[family]
     hidden, default_layers, heads = _SIZES[size]
     layers = default_layers if layers is None else layers

@@ -21,13 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnchecker.errors import AttnCheckerError
+from attnchecker.errors import CheckpointError
 
 __all__ = ["CheckpointError", "CheckpointManager", "NonTrainableDetector", "save_weights"]
-
-
-class CheckpointError(AttnCheckerError):
-    """A checkpoint is missing, truncated or corrupted."""
 
 
 def _sha256(path: Path) -> str:
