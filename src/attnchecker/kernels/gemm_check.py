@@ -44,6 +44,14 @@ _F32 = torch.float32
 
 
 @triton.jit
+def _tile(P, r, c, s_r, s_c, rmask, cmask):
+    """The (len(r), len(c)) tile of P at rows r and columns c (strides s_r, s_c) in fp32, 0
+    outside the masks."""
+    at = P + r[:, None] * s_r + c[None, :] * s_c
+    return tl.load(at, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rows_pass(OUT, X, XROWS, RS, XN, XSUM, CSUM, FRO, M, N, K,
                so_m, so_n, sx_m, sx_k, lost_x,
                HAS_XROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -54,16 +62,14 @@ def _rows_pass(OUT, X, XROWS, RS, XN, XSUM, CSUM, FRO, M, N, K,
     for n0 in range(0, N, BN):
         cols = n0 + tl.arange(0, BN).to(tl.int64)
         cmask = cols < N
-        t = tl.load(OUT + rows[:, None] * so_m + cols[None, :] * so_n,
-                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        t = _tile(OUT, rows, cols, so_m, so_n, rmask, cmask)
         rs += tl.sum(t, 1)
         tl.atomic_add(CSUM + cols, tl.sum(t, 0), mask=cmask)
     sq = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK).to(tl.int64)
         kmask = ks < K
-        t = tl.load(X + rows[:, None] * sx_m + ks[None, :] * sx_k,
-                    mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        t = _tile(X, rows, ks, sx_m, sx_k, rmask, kmask)
         tl.atomic_add(XSUM + ks, tl.sum(t, 0), mask=kmask)
         if not HAS_XROWS:
             sq += tl.sum(t * t, 1)
@@ -86,8 +92,7 @@ def _cols_pass(Y, YCOLS, XSUM, CSUM, Y1, FRO, EXC_C, N, K, sy_k, sy_n, lost_y, f
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK).to(tl.int64)
         kmask = ks < K
-        t = tl.load(Y + ks[:, None] * sy_k + cols[None, :] * sy_n,
-                    mask=kmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        t = _tile(Y, ks, cols, sy_k, sy_n, kmask, cmask)
         xs = tl.load(XSUM + ks, mask=kmask, other=0.0)
         ref += tl.sum(t * xs[:, None], 0)
         tl.atomic_add(Y1 + ks, tl.sum(t, 1), mask=kmask)
@@ -112,8 +117,7 @@ def _rows_ref(X, Y1, RS, XN, FRO, REF, RES, EXC_R, M, K, sx_m, sx_k, floor_r, c_
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK).to(tl.int64)
         kmask = ks < K
-        t = tl.load(X + rows[:, None] * sx_m + ks[None, :] * sx_k,
-                    mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        t = _tile(X, rows, ks, sx_m, sx_k, rmask, kmask)
         y1 = tl.load(Y1 + ks, mask=kmask, other=0.0)
         ref += tl.sum(t * y1[None, :], 1)
     res = tl.load(RS + rows, mask=rmask, other=0.0) - ref
@@ -174,22 +178,10 @@ def excesses(
     return xn, fro[1].sqrt(), ref_r, res_r, exc_r, exc_c
 
 
-def gemm_region(
-    out: Tensor,
-    x: Tensor,
-    y: Tensor,
-    x_rows: Tensor | None,
-    y_cols: Tensor | None,
-    x_rm: bool,
-    y_cm: bool,
-    R: int,
-    floor_r: float,
-    c_r: float,
-    floor_c: float,
-    c_c: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`attnchecker.abft.gemm._gemm_region` (same arguments, same results) with the
-    excesses from the kernels."""
+def gemm_region(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`attnchecker.abft.gemm._gemm_region` (the same arguments, the same results) with
+    the excesses from the kernels."""
+    out, x, y, x_rows, y_cols, _x_rm, y_cm, R, floor_r, c_r, floor_c, c_c = args
     xn, y_fro, ref_r, res_r, exc_r, exc_c = excesses(
         out, x, y, x_rows, y_cols, floor_r, c_r, floor_c, c_c
     )
