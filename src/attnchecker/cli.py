@@ -27,7 +27,7 @@ def _demo(args: argparse.Namespace) -> int:
     found = run_diagnosis_demo(f"{args.out}/diagnosis", family=args.family)
     device, numerics = found["failing device"], found["unstable numerics"]
     if (
-        [f["cause"] for f in device] != ["computation_fault"] * 3
+        [f["cause"] for f in device] != ["fault"] * 3
         or not numerics
         or any(f["cause"] != "numerics" for f in numerics)
     ):

@@ -58,7 +58,7 @@ def test_two_ranks_stay_identical_and_equal_to_fault_free(tmp_path, monkeypatch)
     summary = json.loads((tmp_path / "faulty" / "summary.json").read_text())
     assert not summary["non_trainable"]
     # the diagnosis: rank 1's computation fault, named; rank 0 clean
-    assert '"type": "diagnosis"' in events and '"cause": "computation_fault"' in events
+    assert '"type": "diagnosis"' in events and '"cause": "fault"' in events
     assert [(r["rank"], r["faults"]) for r in summary["ranks"]] == [(0, 0), (1, 1)]
     [named] = summary["outlier_ranks"]
     assert named.startswith("rank 1, host ")

@@ -32,7 +32,7 @@ def test_a_corrected_fault_is_the_hardware():
     handle.attach(fire_once("dv", "1R", "inf", layer=1), sites=["dv"])
     loss, events = _step(model, handle)
     f = classify(events, step=7, loss=loss, where=HERE)
-    assert (f.cause, f.verdict, f.trainable) == ("computation_fault", "your hardware", True)
+    assert (f.cause, f.verdict, f.trainable) == ("fault", "your hardware", True)
     assert f.message.startswith("your hardware: 1 corrected computation fault(s) on rank 3, ")
     assert "layer 1 dv" in f.message and f.ops == ("layer 1 dv",)
 

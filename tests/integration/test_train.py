@@ -207,7 +207,7 @@ def test_training_demo_end_to_end(tmp_path):
     from attnchecker.demo import run_diagnosis_demo, run_training_demo
 
     found = run_diagnosis_demo(str(tmp_path / "diagnosis"), steps=3)  # as `attnchecker demo`
-    assert [f["cause"] for f in found["failing device"]] == ["computation_fault"]
+    assert [f["cause"] for f in found["failing device"]] == ["fault"]
     assert found["unstable numerics"] and {f["cause"] for f in found["unstable numerics"]} == {
         "numerics"
     }

@@ -67,7 +67,7 @@ def test_faults_are_corrected_under_the_trainer(tmp_path):
     assert logs[-1]["attnchecker/corrected"] == 1
     # diagnosed: a computation fault at step 2 on this rank, counted in the logs
     [finding] = cb.findings
-    assert (finding.step, finding.cause) == (2, "computation_fault")
+    assert (finding.step, finding.cause) == (2, "fault")
     assert finding.verdict == "your hardware"
     assert "layer 1 scores" in finding.message
     assert logs[-1]["attnchecker/rank0/faults"] == 1

@@ -68,11 +68,12 @@ class Event:
 
 
 def kind_of(value: float) -> str:
-    """What a delivered value looked like: +inf, -inf, nan, near_inf (|x| >= 1e10) or finite."""
+    """What a delivered value looked like: inf, -inf, nan, near_inf (|x| >= 1e10) or finite
+    (the spelling of ``attnchecker.inject.kinds.FaultKind``)."""
     if math.isnan(value):
         return "nan"
     if math.isinf(value):
-        return "+inf" if value > 0 else "-inf"
+        return "inf" if value > 0 else "-inf"
     return "near_inf" if abs(value) >= NEAR_INF else "finite"
 
 

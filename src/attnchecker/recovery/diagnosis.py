@@ -46,7 +46,7 @@ __all__ = [
     "outliers", "tally",
 ]  # fmt: skip
 
-FAULT, NUMERICS = "computation_fault", "numerics"
+FAULT, NUMERICS = "fault", "numerics"  # as ``Event.cause`` spells them
 VERDICT = {FAULT: "your hardware", NUMERICS: "not your hardware"}
 UNKNOWN = "unknown"
 """The verdict on numerics with a GEMM upstream that no check covers: the operands imply the
@@ -80,7 +80,7 @@ class Finding:
     """The diagnosis of one step."""
 
     step: int
-    cause: str  # "computation_fault" or "numerics" (what the checks found)
+    cause: str  # "fault" or "numerics" (what the checks found)
     verdict: str  # "your hardware", "not your hardware" or "unknown" (what that says of it)
     message: str
     where: str  # this process (rank, host, device)

@@ -7,7 +7,7 @@ from attnchecker.train.loop import tally_events
 
 
 def _event(action: str, count: int, op: str = "scores") -> Event:
-    return Event(3, "transformer.h.0.attn", 0, op, "0D", "+inf", action, 1, 1, count=count)
+    return Event(3, "transformer.h.0.attn", 0, op, "0D", "inf", action, 1, 1, count=count)
 
 
 def test_tally_sums_the_detections_of_each_event():
