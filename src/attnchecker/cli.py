@@ -241,10 +241,27 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         )
 
 
+_DESCRIPTION = """\
+attnchecker keeps transformer training correct when the hardware computes wrong
+numbers: checksums that find and correct INF / NaN / near-INF errors in attention's
+GEMMs (forward and backward), fault injection to measure what errors do, SDC
+analysis and recovery."""
+_BY_TASK = """commands by task:
+  see it work          demo
+  train                train (protected or not, under faults, with recovery)
+  measure errors       campaign, report
+  choose what to check bench, plan, validate
+  silent corruption    sdc
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     from attnchecker import __version__
 
-    p = argparse.ArgumentParser(prog="attnchecker", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="attnchecker", description=_DESCRIPTION, epilog=_BY_TASK,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     p.add_argument("--version", action="version", version=f"attnchecker {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = p.add_subparsers(dest="command", required=True)

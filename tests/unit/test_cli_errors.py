@@ -79,3 +79,14 @@ def test_every_command_explains_itself_with_an_example(command, capsys):
     assert f"example: attnchecker {command}" in text
     if command in ("demo", "campaign", "train"):
         assert "outputs:" in text
+
+
+def test_the_top_level_help_says_what_it_does_and_lists_every_command_by_task(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    assert "keeps transformer training correct" in text and "Thin:" not in text
+    by_task = text.split("commands by task:")[1]
+    listed = {w.strip(",") for line in by_task.splitlines() for w in line[23:].split()}
+    sub = next(a for a in cli._parser()._actions if a.dest == "command")
+    assert set(sub.choices) <= listed, set(sub.choices) - listed
