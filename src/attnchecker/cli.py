@@ -6,8 +6,11 @@ import argparse
 import os
 import sys
 
+from attnchecker.attention.config import BACKENDS, POLICIES, SCOPES
 from attnchecker.errors import AttnCheckerError
+from attnchecker.inject.kinds import DEFAULT_KINDS
 from attnchecker.models.families import FAMILIES
+from attnchecker.models.tiny import SIZES
 
 __all__ = ["main"]
 
@@ -125,7 +128,7 @@ def _train(args: argparse.Namespace) -> int:
         faults = FaultPlan.from_json(Path(args.faults).read_text())
     elif args.fault_rate > 0:
         n = max(1, round(args.fault_rate * args.steps))
-        kinds = ("inf", "nan", "near_inf", "exponent_flip")
+        kinds = DEFAULT_KINDS
         faults = FaultPlan.sample(n, args.seed, kinds=kinds, steps=tuple(range(1, args.steps + 1)))
     cfg = TrainConfig(
         family=args.family, model=args.model, size=args.size, task=args.task, steps=args.steps,
@@ -312,7 +315,7 @@ def _parser() -> argparse.ArgumentParser:
     camp.add_argument(
         "--kinds",
         nargs="+",
-        default=["inf", "nan", "near_inf", "exponent_flip"],
+        default=list(DEFAULT_KINDS),
         help="fault kinds; give -inf inside a comma list, e.g. --kinds inf,-inf,nan",
     )
     camp.add_argument("--patterns", nargs="+", default=["0D"])
@@ -321,10 +324,10 @@ def _parser() -> argparse.ArgumentParser:
     camp.add_argument("--layer", type=int, default=0)
     camp.add_argument("--layers", type=int, nargs="+", help="faulty layers (instead of --layer)")
     camp.add_argument(
-        "--backend", default="eager", choices=["eager", "triton", "auto"],
+        "--backend", default="eager", choices=BACKENDS,
         help="attention backend of both arms; triton adds the sites kernel:s .. kernel:dq",
     )  # fmt: skip
-    camp.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
+    camp.add_argument("--size", default="tiny", choices=SIZES)
     camp.add_argument("--seed", type=int, default=0)
     camp.add_argument("--workers", type=int, default=1, help="processes")
     camp.add_argument(
@@ -352,7 +355,7 @@ def _parser() -> argparse.ArgumentParser:
         help="your own model: a transformers config.json or a directory with one (randomly "
         "initialised, nothing downloaded); used instead of --family/--size",
     )
-    tr.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
+    tr.add_argument("--size", default="tiny", choices=SIZES)
     tr.add_argument("--task", default="lm", choices=["lm", "cls"])
     tr.add_argument("--steps", type=int, default=50)
     tr.add_argument("--batch", type=int, default=8)
@@ -361,9 +364,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--protect", action="store_true", help="protect_ the model")
     tr.add_argument("--plan", help="protect with attnchecker plan's choice (its plan.json)")
-    tr.add_argument("--policy", default="warn", choices=["raise", "skip_step", "warn"])
+    tr.add_argument("--policy", default="warn", choices=POLICIES)
     tr.add_argument(
-        "--backend", default="eager", choices=["eager", "triton", "auto"],
+        "--backend", default="eager", choices=BACKENDS,
         help="protected attention: the checked eager math, or the fused kernels (triton)",
     )  # fmt: skip
     tr.add_argument("--recovery", default="none", choices=["none", "checkpoint"])
@@ -376,7 +379,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--nproc", type=int, default=1, help="processes: DDP through torchrun")
     tr.add_argument("--fault-rank", type=int, default=0, help="the rank the faults hit")
     tr.add_argument(
-        "--scope", default="attention", choices=["attention", "all_linear"],
+        "--scope", default="attention", choices=SCOPES,
         help="what --protect checks: the attention modules, or every linear layer too",
     )  # fmt: skip
     tr.set_defaults(func=_train)
@@ -395,7 +398,7 @@ def _parser() -> argparse.ArgumentParser:
     lock.add_argument("--level", type=int, choices=[1, 2, 3], default=1)
     lock.add_argument("--out", required=True)
     lock.add_argument("--family", default="llama", choices=FAMILIES)
-    lock.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
+    lock.add_argument("--size", default="tiny", choices=SIZES)
     lock.add_argument("--steps", type=int, default=20)
     lock.add_argument("--seed", type=int, default=0)
     lock.add_argument("--data", nargs="+", help="text files or folders (default: Shakespeare)")

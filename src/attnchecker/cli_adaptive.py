@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from attnchecker.errors import ConfigError
+from attnchecker.models.tiny import SIZES
 
 __all__ = ["add_commands", "write_profiles"]
 
@@ -161,7 +162,7 @@ def add_commands(sub, formatter) -> None:
     )  # fmt: skip
     b.add_argument("--model", choices=FAMILIES, help="family (default: the campaign's)")
     b.add_argument("--campaign", help="take the model and batch shape from this campaign")
-    b.add_argument("--size", default="tiny", choices=["tiny", "small", "base"])
+    b.add_argument("--size", default="tiny", choices=SIZES)
     b.add_argument("--batch", type=int, default=4)
     b.add_argument("--seq-len", type=int, default=32)
     b.add_argument("--compile", action="store_true", help="time every arm under torch.compile")

@@ -24,6 +24,7 @@ from typing import Any
 
 from attnchecker.attention.config import ALL_OPS, OPS
 from attnchecker.errors import ConfigError
+from attnchecker.inject.kinds import DEFAULT_KINDS
 
 __all__ = ["CampaignConfig", "load_trials", "run_campaign", "summarize", "trial_specs"]
 
@@ -36,7 +37,7 @@ RESULTS = ("corrected", "recomputed", "uncorrectable", "missed", "not_needed")
 class CampaignConfig:
     families: tuple[str, ...] = ("bert", "roberta", "gpt2", "gpt_neo")  # ATTNChecker's four
     sites: tuple[str, ...] = OPS
-    kinds: tuple[str, ...] = ("inf", "nan", "near_inf", "exponent_flip")
+    kinds: tuple[str, ...] = DEFAULT_KINDS
     patterns: tuple[str, ...] = ("0D",)
     trials: int = 1  # per combination, each with its own seed (fault position)
     steps: int = 3  # training steps per run; the fault fires at step 1

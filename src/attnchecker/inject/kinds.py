@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "DEFAULT_KINDS",
     "KERNEL_MODES",
     "FaultKind",
     "apply_kind",
@@ -68,6 +69,12 @@ class FaultKind(enum.StrEnum):
     SCALE = "scale"  # multiply by ``value``
     RANDOM = "random"  # a random finite value, log-uniform in magnitude in [1, ``value``]
 
+
+DEFAULT_KINDS: tuple[str, ...] = tuple(
+    k.value for k in (FaultKind.INF, FaultKind.NAN, FaultKind.NEAR_INF, FaultKind.EXPONENT_FLIP)
+)
+"""The kinds campaigns and sampled fault plans draw from unless told otherwise: the extreme
+errors the checks target and the published study's exponent flip."""
 
 # How each fault kind is expressed inside the fused kernels (``attnchecker.kernels.common``'s
 # modes); a kind without an entry is refused by name, never approximated. RANDOM draws one value

@@ -13,14 +13,16 @@ from torch import nn
 from attnchecker.errors import ConfigError
 from attnchecker.models.families import FAMILIES, TABLE
 
-__all__ = ["FAMILIES", "TABLE", "build", "family_config", "from_file"]
+__all__ = ["FAMILIES", "SIZES", "TABLE", "build", "family_config", "from_file"]
 
 
-_SIZES = {  # hidden, layers, heads
+_SHAPES = {  # hidden, layers, heads
     "tiny": (32, 2, 4),
     "small": (256, 4, 4),
     "base": (768, 4, 12),
 }
+SIZES = tuple(_SHAPES)
+"""The model sizes :func:`build` and :func:`family_config` know."""
 
 
 def family_config(
@@ -37,10 +39,10 @@ def family_config(
 
     if family not in TABLE:
         raise ConfigError(f"unknown family {family!r}; choose from {FAMILIES}")
-    if size not in _SIZES:
-        raise ConfigError(f"unknown size {size!r}; choose from {sorted(_SIZES)}")
+    if size not in _SHAPES:
+        raise ConfigError(f"unknown size {size!r}; choose from {sorted(_SHAPES)}")
     fam = TABLE[family]
-    hidden, default_layers, heads = _SIZES[size]
+    hidden, default_layers, heads = _SHAPES[size]
     layers = default_layers if layers is None else layers
     k_hidden, k_layers, k_heads, k_positions = fam.keys
     kwargs = {k_hidden: hidden, k_layers: layers, k_heads: heads}

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from attnchecker.inject.campaign import load_trials, summarize
+from attnchecker.inject.kinds import DEFAULT_KINDS
 
 __all__ = ["campaign_report"]
 
-_KEY_KINDS = ("inf", "nan", "near_inf", "exponent_flip")
+_KEY_KINDS = DEFAULT_KINDS
 
 
 def _pct(x: float) -> str:
