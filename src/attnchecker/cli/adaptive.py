@@ -14,7 +14,7 @@ from pathlib import Path
 from attnchecker.errors import ConfigError
 from attnchecker.models.tiny import SIZES
 
-__all__ = ["add_commands", "write_profiles"]
+__all__ = ["add_parser", "write_profiles"]
 
 
 def write_profiles(out: str | Path) -> list[Path]:
@@ -148,7 +148,7 @@ def _rate_args(p: argparse.ArgumentParser) -> None:
                    "intervals from few trials; assumes the layers alike)")  # fmt: skip
 
 
-def add_commands(sub, formatter) -> None:
+def add_parser(sub, formatter) -> None:
     from attnchecker.models.families import FAMILIES
 
     b = sub.add_parser(
