@@ -114,8 +114,14 @@ def ran(name: str, how: str, result: object) -> object:
 @functools.cache
 def _compiled(fn: Callable[..., object]) -> Callable[..., object]:
     # static sizes: a region's tolerances are Python floats of the sizes (a float argument is
-    # a guarded constant), so a new size is a new variant either way; a model has a few
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+    # a guarded constant), so a new size is a new variant either way; a model has a few.
+    # emulate_precision_casts: fused bf16 / fp16 ops round after each op as eager does, so a
+    # region's recomputation reproduces the delivered values bit for bit where eager would
+    # (found 2026-12-03: without it an fp16 overflow recomputed in fused fp32 came out finite,
+    # and `make demo`'s unstable-numerics run was diagnosed as a hardware fault)
+    return torch.compile(
+        fn, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True}
+    )
 
 
 def run(
