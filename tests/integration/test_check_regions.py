@@ -32,23 +32,31 @@ from .test_protect_backward import EXTREME, _matrix
 REGION_OPS = ("q", "k", "v", "scores", "probs", "context", "out", *GRAD_OPS)
 
 
+def _clean_steps_as_eager(family: str, impl: str, *, steps: int):
+    """Clean training steps of one model checked with ``impl`` and of its copy checked by the
+    eager ops: no alarm, and the model's own arithmetic untouched (loss and every gradient
+    bitwise equal). Returns the ``impl`` model's handle."""
+    base, _ = models(family)
+    inputs = batch(family)
+    eager, other = copy.deepcopy(base), copy.deepcopy(base)
+    h_eager = protect_(eager, ABFTConfig(check_impl="eager"))
+    h_other = protect_(other, ABFTConfig(check_impl=impl))
+    for _ in range(steps):
+        want, got = train_step(eager, inputs), train_step(other, inputs)
+        assert h_eager.drain() == [] and h_other.drain() == []
+        assert torch.equal(got[0], want[0])
+        for name, g in got[1].items():
+            assert torch.equal(g, want[1][name]), name
+    return h_other
+
+
 # Conv1D's layouts in the default run; nn.Linear's and GQA's compiled regions repair in
 # test_protect_backward.py's bf16 test by default, and here in the slow set (54 s)
 @pytest.mark.parametrize(
     "family", ["gpt2", pytest.param("llama", marks=[pytest.mark.slow, pytest.mark.timeout(900)])]
 )
 def test_compiled_regions_check_and_repair_as_the_eager_ops(family):
-    base, _ = models(family)
-    inputs = batch(family)
-    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
-    h_eager = protect_(eager, ABFTConfig(check_impl="eager"))
-    h_compiled = protect_(compiled, ABFTConfig(check_impl="compiled"))
-    for _ in range(2):  # clean steps: no alarm, and the model's own arithmetic untouched
-        want, got = train_step(eager, inputs), train_step(compiled, inputs)
-        assert h_eager.drain() == [] and h_compiled.drain() == []
-        assert torch.equal(got[0], want[0])
-        for name, g in got[1].items():
-            assert torch.equal(g, want[1][name]), name
+    h_compiled = _clean_steps_as_eager(family, "compiled", steps=2)
     summary = h_compiled.summary()
     assert summary["check_impl"] == "compiled"  # the config's
     # what ran in this process: the compiled region (and the eager-checked copy's eager ops)
@@ -72,16 +80,7 @@ def test_triton_check_kernels_check_and_repair_every_linear_backward_gemm(family
     """``check_impl="triton"``: the projections' dX and dW checks run the Triton kernels of
     ``attnchecker.kernels.gemm_check`` (here in Triton's interpreter), the other checks as
     measured; clean steps bitwise the eager-checked ones, every dX / dW fault corrected."""
-    base, _ = models(family)
-    inputs = batch(family)
-    eager, fused = copy.deepcopy(base), copy.deepcopy(base)
-    h_eager = protect_(eager, ABFTConfig(check_impl="eager"))
-    h_fused = protect_(fused, ABFTConfig(check_impl="triton"))
-    want, got = train_step(eager, inputs), train_step(fused, inputs)
-    assert h_eager.drain() == [] and h_fused.drain() == []
-    assert torch.equal(got[0], want[0])
-    for name, g in got[1].items():
-        assert torch.equal(g, want[1][name]), name
+    h_fused = _clean_steps_as_eager(family, "triton", steps=1)
     assert "triton" in h_fused.summary()["check_regions"]["_gemm_region"].split(", ")
     linear = [op for op in GRAD_OPS if op.startswith(("dx.", "dw."))]
     kinds = itertools.cycle(EXTREME)

@@ -126,7 +126,7 @@ def gemm_check_(
     with torch.autocast(out.device.type, enabled=False):
         if region is not None:  # another implementation of _gemm_region (Triton kernels)
             with torch.no_grad():
-                return region(*args)
+                return regions.ran(_gemm_region.__qualname__, "triton", region(*args))
         return regions.run(_gemm_region, impl, *args, on=out)
 
 

@@ -32,12 +32,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnchecker.abft import regions
 from attnchecker.abft.gemm import repair_
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
 
-__all__ = ["gemm_region", "launches"]
+__all__ = ["excesses", "gemm_region"]
 
 _BM, _BN, _BK = 32, 64, 64  # tile of a pass; a program loops over the other dimension
 _F32 = torch.float32
@@ -128,12 +127,6 @@ def _rows_ref(X, Y1, RS, XN, FRO, REF, RES, EXC_R, M, K, sx_m, sx_k, floor_r, c_
     tl.store(EXC_R + rows, tl.abs(res) - floor_r + c_r * xn * y_fro, mask=rmask)
 
 
-def launches() -> int:
-    """The Triton kernels one check launches (besides the zeroing of its accumulators and the
-    repair's tail)."""
-    return 3
-
-
 def _readable(t: Tensor | None) -> Tensor | None:
     """t as the kernels read it: an fp32 copy of a bf16 tensor in the interpreter."""
     if t is not None and interpreting() and t.dtype == torch.bfloat16:
@@ -186,5 +179,4 @@ def gemm_region(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         out, x, y, x_rows, y_cols, floor_r, c_r, floor_c, c_c
     )
     # x as it is: the kernels run on CUDA (or in the interpreter, tests)
-    result = repair_(out, x, x, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c)
-    return regions.ran("_gemm_region", "triton", result)
+    return repair_(out, x, x, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c)
