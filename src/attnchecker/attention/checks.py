@@ -70,9 +70,12 @@ __all__ = [
     "Projection",
     "WeightSums",
     "context_residual",
+    "detected",
     "heads_repair_",
+    "log_rows",
     "probs_residual",
     "projection_check_",
+    "record",
     "row_factor",
     "row_floor",
     "scores_residual",
@@ -86,7 +89,7 @@ def _no_autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, enabled=False)
 
 
-def _record(rows: Tensor, cols: Tensor, value: Tensor, lost: Tensor, again: Tensor) -> Tensor:
+def record(rows: Tensor, cols: Tensor, value: Tensor, lost: Tensor, again: Tensor) -> Tensor:
     """(n, 5) float32 records [rows, cols, value, lost, reproduced] from float32 n-vectors or
     0-dim tensors (``lost`` and ``again`` may be bool). ``reproduced``: a recomputation from the
     operands gave a flagged result again, so the operands themselves imply it (numerics, or a
@@ -96,7 +99,7 @@ def _record(rows: Tensor, cols: Tensor, value: Tensor, lost: Tensor, again: Tens
 
 
 def detected(rec: Tensor) -> Tensor:
-    """(n, 1) bool: which of the (n, 5) records of :func:`_record` detected something: flagged
+    """(n, 1) bool: which of the (n, 5) records of :func:`record` detected something: flagged
     rows, flagged columns (a column breaking its range bound), or a lost result (a record with
     column flags alone must keep its ``lost`` and ``reproduced``)."""
     return ((rec[:, :2] > 0) | (rec[:, 3:4] > 0)).any(1, keepdim=True)
@@ -429,7 +432,7 @@ def _projection_region(
         lost = _per_site(site_major(still, 0), groups) > 0
         again = (still.index_select(0, idx) & take).any()  # a recomputed row flagged again
     bound = xn1 * ws.norms if bounds else None
-    return _record(n_rows, n_cols, value, lost, again.expand(len(groups))), ref, bound
+    return record(n_rows, n_cols, value, lost, again.expand(len(groups))), ref, bound
 
 
 # ------------------------------------------------------ heads: scores, probs, context
@@ -571,4 +574,4 @@ def heads_repair_(
     # each check's worst row (NaN ranks first; a tensor, never a Python int)
     worst = excess.view(C, -1).argmax(1, keepdim=True)  # (C, 1)
     value = torch.stack([r for r, _ in checks]).view(C, -1).gather(1, worst).view(C)
-    return _record(rows, rows, value, (lost | again).expand(C), again.expand(C))
+    return record(rows, rows, value, (lost | again).expand(C), again.expand(C))

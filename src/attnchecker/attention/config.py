@@ -5,30 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from attnchecker.attention.ops import ALL_OPS, GRAD_OPS, LINEAR_OPS, OPS
+from attnchecker.attention.schedule import Schedule
 from attnchecker.errors import ConfigError
 
 __all__ = [
     "ALL_OPS", "BACKENDS", "GRAD_OPS", "LINEAR_OPS", "OPS", "POLICIES", "SCOPES", "ABFTConfig",
 ]  # fmt: skip
-
-OPS = ("q", "k", "v", "scores", "probs", "context", "out")
-"""The checked operations, named by the site whose output they verify: the Q, K and V projections,
-the scores Q K^T, the softmax probabilities, the context P V and the output projection."""
-
-GRAD_OPS = (
-    "dq", "dk", "dp", "dv",
-    "dx.q", "dw.q", "dx.k", "dw.k", "dx.v", "dw.v", "dx.out", "dw.out",
-)  # fmt: skip
-"""The checked backward GEMMs of one attention module, named by the gradient they produce:
-dQ = dS K, dK = dS^T Q, dP = dO V^T, dV = P^T dO, and each projection's dX = dY W and
-dW = dY^T X under its site (a fused Q|K|V projection, one GEMM each, under its first site:
-``dx.q``, ``dw.q``). See :mod:`~attnchecker.attention.grads`."""
-
-ALL_OPS = OPS + GRAD_OPS
-
-LINEAR_OPS = ("y", "dx", "dw")
-"""The checked GEMMs of one linear layer outside attention (``scope="all_linear"``): its output
-in the forward, dX and dW in the backward."""
 
 SCOPES = ("attention", "all_linear")
 POLICIES = ("raise", "skip_step", "warn")
@@ -103,20 +86,12 @@ class ABFTConfig:
     @property
     def period(self) -> int:
         """The k of the schedule's every-k-steps checks (1: none)."""
-        return max((every for _, _, every in self.schedule or ()), default=1)
+        return Schedule.of(self).period
 
     def layer_ops(self, layer: int, step: int | None = None) -> frozenset[str]:
-        """The ops checked in ``layer`` (at ``step``, counting from 1, when given: a periodic
-        check runs on steps 1, 1 + k, 1 + 2k, ...); without a schedule, ``ops`` in every layer
-        of ``layers``."""
-        if self.schedule is None:
-            chosen = self.layers is None or layer in self.layers
-            return frozenset(self.ops if chosen else ())
-        return frozenset(
-            op
-            for at, op, every in self.schedule
-            if at == layer and (every == 1 or step is None or (step - 1) % every == 0)
-        )
+        """The ops checked in ``layer`` (at ``step``, counting from 1, when given): see
+        :meth:`~attnchecker.attention.schedule.Schedule.layer_ops`."""
+        return Schedule.of(self).layer_ops(layer, step)
 
     def __post_init__(self) -> None:
         if isinstance(self.ops, str):

@@ -39,9 +39,11 @@ from attnchecker.attention.checks import (
 )
 from attnchecker.attention.grads import autocast_operands, checked_matmul
 from attnchecker.attention.handoff import Handoff
-from attnchecker.attention.state import AttentionState, _ranged
+from attnchecker.attention.projection import flush
+from attnchecker.attention.records import ranged
+from attnchecker.attention.state import AttentionState
 
-__all__ = ["CORE", "CoreSpec", "attend"]
+__all__ = ["CORE", "CoreSpec", "attend", "output_layout"]
 
 CORE = "_attnchecker_core"
 """Attribute that carries (CoreSpec, AttentionState | None) on every attention core module."""
@@ -91,7 +93,7 @@ def attend(
     """
     v_sums = None
     if state is not None:
-        state.flush()  # projections still waiting for their group (e.g. Q alone)
+        flush(state)  # projections still waiting for their group (e.g. Q alone)
         handoff, state.handoff = state.handoff, None
         if isinstance(handoff, Handoff) and state.config.mode == "passing":
             v_sums = handoff.for_core(value)
@@ -153,7 +155,7 @@ def attend(
         probs = probs_of(scores)[1]
         probs = nn.functional.dropout(probs, p=dropout, training=training)
         context = torch.matmul(probs, value)
-        return _out(spec, context), probs
+        return output_layout(spec, context), probs
 
     config, on = state.config, state.checks
     # One repair for the layer's head checks: the worst heads' scores -> probs -> dropout ->
@@ -200,7 +202,7 @@ def attend(
         return [*news, torch.matmul(new_probs, value.data[b, h]), new_scores]
 
     if ops:
-        with _ranged("core"):
+        with ranged("core"):
             rec = regions.run(
                 _core_region, config.check_impl,
                 *(t.data for t in (scores, query, key, probs, mixed, value, context)), v_sums,
@@ -211,7 +213,7 @@ def attend(
         state.note(ops, rec)
     if not on("out"):
         state.commit()  # otherwise the output projection's check writes the layer's records
-    return _out(spec, context), mixed
+    return output_layout(spec, context), mixed
 
 
 def _core_region(
@@ -272,7 +274,8 @@ def _dropout(x: Tensor, p: float) -> tuple[Tensor, Callable[[Tensor, Tensor, Ten
     return x * noise, lambda new, b, h: new * noise[b, h]
 
 
-def _out(spec: CoreSpec, context: Tensor) -> Tensor:
+def output_layout(spec: CoreSpec, context: Tensor) -> Tensor:
+    """The context (B, H, L, d) in the layout the family returns."""
     if spec.transpose_out:
         context = context.transpose(1, 2)
         if spec.contiguous_out:

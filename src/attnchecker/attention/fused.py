@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from attnchecker.attention.config import ALL_OPS
-from attnchecker.attention.core import CoreSpec, _out, attend
+from attnchecker.attention.core import CoreSpec, attend, output_layout
+from attnchecker.attention.projection import flush
 from attnchecker.attention.state import AttentionState
 
 __all__ = ["attend_fused", "eager_mask"]
@@ -110,7 +111,7 @@ def attend_fused(
             spec, query, key, value, mask, scaling=scaling, dropout=dropout, training=training,
             state=state, upcast_reordered=upcast_reordered, softcap=softcap,
         )  # fmt: skip
-    state.flush()  # projections still waiting for their group (Q alone)
+    flush(state)  # projections still waiting for their group (Q alone)
     state.handoff = None
     fault = state.kernel_fault
     if callable(fault):  # an injector's: it decides from the step and the shapes
@@ -118,10 +119,10 @@ def attend_fused(
     out = flash_attention(
         query, key, value, causal=causal, window=window,
         key_mask=None if key_mask is None else key_mask.bool(), scale=scaling,
-        counts=state.kernel, sink=state.kernel_sink, fault=fault,
+        counts=state.records.kernel, sink=state.records.kernel_sink, fault=fault,
         check=checks_of(op for op in ALL_OPS if state.checks(op)),
         tolerance_scale=state.config.tolerance_scale,
     )  # fmt: skip
     if not state.checks("out"):
         state.commit()
-    return _out(spec, out), None
+    return output_layout(spec, out), None

@@ -45,8 +45,9 @@ from attnchecker.abft.tolerance import (
     underflow_floor,
     unit_roundoff,
 )
-from attnchecker.attention.checks import _record, detected, log_rows
-from attnchecker.attention.config import GRAD_OPS
+from attnchecker.attention.checks import detected, log_rows, record
+from attnchecker.attention.ops import CORE_GRAD_OPS, GRAD_OPS
+from attnchecker.attention.records import new_records_sink
 from attnchecker.kernels import gemm_check_kernels
 
 __all__ = [
@@ -60,17 +61,10 @@ __all__ = [
     "product_residual",
 ]
 
-CORE_GRAD_OPS = ("dq", "dk", "dp", "dv")  # the core's (eager backend; the kernels check theirs)
-
 _F32 = torch.float32
 
 # Run a site's injection hooks on a gradient: (op, tensor) -> None, edits in place
 GradSite = Callable[[str, Tensor], None]
-
-
-def new_records_sink(n_ops: int, device: torch.device) -> Tensor:
-    """The leaf whose ``.grad`` collects a module's backward records (n_ops, 7) float64."""
-    return torch.zeros(n_ops, 7, dtype=torch.float64, device=device, requires_grad=True)
 
 
 def _norm(t: Tensor) -> Tensor:
@@ -142,8 +136,8 @@ def product_residual(
 
 def product_check_(out: Tensor, x: Tensor, y: Tensor, **kw) -> Tensor:
     """:func:`~attnchecker.abft.gemm.gemm_check_` of out = x @ y (same arguments) as the (1, 5)
-    float32 record of :func:`~attnchecker.attention.checks._record`."""
-    return _record(*gemm_check_(out, x, y, **kw))
+    float32 record of :func:`~attnchecker.attention.checks.record`."""
+    return record(*gemm_check_(out, x, y, **kw))
 
 
 def heads_grad_check_(

@@ -12,9 +12,12 @@ import torch
 
 from attnchecker.abft import regions
 from attnchecker.abft.eec import NEAR_INF
-from attnchecker.attention.config import ALL_OPS, ABFTConfig
-from attnchecker.attention.grads import CORE_GRAD_OPS
-from attnchecker.attention.state import RECORD_FIELDS, AttentionState, Clock, SiteHook
+from attnchecker.attention.config import ABFTConfig
+from attnchecker.attention.ops import ALL_OPS, CORE_GRAD_OPS
+from attnchecker.attention.projection import settle
+from attnchecker.attention.records import RECORD_FIELDS
+from attnchecker.attention.schedule import Schedule
+from attnchecker.attention.state import AttentionState, Clock, SiteHook
 from attnchecker.errors import ConfigError, UncorrectableFaultError
 
 __all__ = ["Event", "ProtectionHandle", "pattern_of"]
@@ -77,33 +80,20 @@ def kind_of(value: float) -> str:
     return "near_inf" if abs(value) >= NEAR_INF else "finite"
 
 
-def _count(into: dict[str, int], row: list[float]) -> None:
-    rec = dict(zip(RECORD_FIELDS, row, strict=True))
+def _count(into: dict[str, dict[str, int]], op: str, rec: dict[str, float]) -> None:
+    """Add one record row (:data:`RECORD_FIELDS`) to the totals of ``op``."""
+    c = into.setdefault(op, {"detected": 0, "corrected": 0, "uncorrectable": 0})
     det, lost = int(rec["detected"]), int(rec["lost"])
-    into["detected"] += det
-    into["uncorrectable"] += lost
-    into["corrected"] += det - lost
+    c["detected"] += det
+    c["uncorrectable"] += lost
+    c["corrected"] += det - lost
 
 
-def _zero() -> dict[str, int]:
-    return {"detected": 0, "corrected": 0, "uncorrectable": 0}
-
-
-def _checks() -> tuple[str, ...]:
-    from attnchecker.kernels.flash import CHECKS
-
-    return CHECKS
-
-
-def _coverage(st: AttentionState, config: ABFTConfig) -> dict[str, object]:
+def _coverage(st: AttentionState) -> dict[str, object]:
     """What really runs in one protected module (:class:`Coverage`) and the ops it checks (on
     a schedule's checked steps; the fused kernels check the core's backward GEMMs)."""
     cov = st.coverage
-    on = (
-        st.phases[1]
-        if st.phases is not None
-        else (config.ops if st.checked is None else st.checked)
-    )
+    on = st.schedule.ops_of(st.name, on=True)
     kernels = cov.engine == "triton"
     checked = [
         op
@@ -119,6 +109,19 @@ def _coverage(st: AttentionState, config: ABFTConfig) -> dict[str, object]:
     }
 
 
+def _event(module: str, layer: int, op: str, rec: dict[str, float], *, tile: bool) -> Event:
+    """The event of one record row that detected (``tile``: a fused kernel's counters)."""
+    n = int(rec["detected"])
+    n_rows, n_cols = int(rec["n_rows"]), int(rec["n_cols"])
+    pattern = "tile" if tile else pattern_of(n_rows, n_cols)
+    action = "uncorrectable" if rec["lost"] else "recomputed" if pattern == "2D" else "corrected"
+    kind = "unknown" if tile else kind_of(rec["value"])
+    cause = "numerics" if rec["reproduced"] else "fault"
+    step = round(rec["step_sum"] / n)
+    return Event(step, module, layer, op, pattern, kind, action, n_rows, n_cols, count=n,
+                 cause=cause)  # fmt: skip
+
+
 class _Detach:
     def __init__(self, fn: Callable[[], None]) -> None:
         self._fn = fn
@@ -130,16 +133,22 @@ class _Detach:
 class ProtectionHandle:
     """Returned by :func:`attnchecker.protect_`; one per protected model."""
 
-    def __init__(self, config: ABFTConfig, states: dict[str, AttentionState], clock: Clock) -> None:
+    def __init__(
+        self,
+        config: ABFTConfig,
+        states: dict[str, AttentionState],
+        clock: Clock,
+        schedule: Schedule | None = None,
+    ) -> None:
         self.config = config
         self._states = states
         self._clock = clock
+        self.schedule = Schedule.of(config) if schedule is None else schedule
         self._undo: list[Callable[[], None]] = []
         self._totals = {op: {"detected": 0, "corrected": 0, "uncorrectable": 0} for op in ALL_OPS}
         self.skip_requested = False
         self._causes = {"fault": 0, "numerics": 0}  # detections by cause since protection
         self._engines_logged: set[str] | None = None  # fallback reasons logged; None: none yet
-        self._drains = 0  # the schedule's period counts these (not forwards: the clock's ticks)
 
     @property
     def modules(self) -> list[str]:
@@ -188,43 +197,31 @@ class ProtectionHandle:
 
         return _Detach(detach)
 
-    def _read(self) -> tuple[list[list[list[float]]], list[list[list[float]]], int]:
-        """Every module's log, the fused kernels' counters and the step, as Python values (the
-        one device sync)."""
-        if not self._states:
-            return [], [], 0
+    def _read(self) -> tuple[list[list[dict[str, float]]], int]:
+        """Every module's records (:meth:`Records.rows`, a dict of :data:`RECORD_FIELDS` per
+        row) and the step, as Python values: one device transfer."""
         states = list(self._states.values())
-        dev = states[0].log.device
-        # per module: its forward ops' rows, then its backward ops' rows
-        logs = [torch.cat([st.log.to(dev), st.grad_records().to(dev)]) for st in states]
-        kern = [c.to(dev) for st in states if (c := st.kernel_counts()) is not None]
-        parts = [*(g.flatten() for g in logs), self._clock.count.to(dev, torch.float64)]
-        if kern:
-            parts.append(torch.stack(kern).flatten().to(torch.float64))
-        flat = torch.cat(parts).tolist()
-        log_rows, at = [], 0
-        for g in logs:
-            rows, width = g.shape
-            log_rows.append([flat[at + i * width : at + (i + 1) * width] for i in range(rows)])
-            at += g.numel()
-        kern_rows = torch.tensor(flat[at + 1 :]).view(len(kern), -1, 3).tolist() if kern else []
-        return log_rows, kern_rows, int(flat[at])
+        if not states:
+            return [], self._clock.step
+        dev = self._clock.count.device
+        rows = [st.records.rows(self._clock.count).to(dev) for st in states]
+        flat = torch.cat([*(r.flatten() for r in rows), self._clock.count.to(torch.float64)])
+        values, at, out = flat.tolist(), 0, []
+        width = len(RECORD_FIELDS)
+        for r in rows:
+            out.append([dict(zip(RECORD_FIELDS, values[at + i * width : at + (i + 1) * width],
+                                 strict=True)) for i in range(r.shape[0])])  # fmt: skip
+            at += r.numel()
+        return out, int(values[at])
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Totals per op since protection (checkpointing replays where they found something the
-        first pass did not), and per fused-kernel check (:data:`attnchecker.kernels.flash.CHECKS`)
-        under ``fused``."""
+        first pass did not), and per fused-kernel check (:data:`attnchecker.kernels.CHECKS`)."""
         out = {op: dict(c) for op, c in self._totals.items()}
-        logs, kern, _ = self._read()
-        for st, log in zip(self._states.values(), logs, strict=True):
-            for op, row in zip((*st.ops, *st.grad_ops), log, strict=True):
-                _count(out.setdefault(op, _zero()), row)
-        for rows in kern:
-            for check, (det, corr, unc) in zip(_checks(), rows, strict=True):
-                c = out.setdefault(check, {"detected": 0, "corrected": 0, "uncorrectable": 0})
-                c["detected"] += int(det)
-                c["corrected"] += int(corr)
-                c["uncorrectable"] += int(unc)
+        records, _ = self._read()
+        for st, recs in zip(self._states.values(), records, strict=True):
+            for op, rec in zip(st.records.names, recs, strict=True):
+                _count(out, op, rec)
         return out
 
     def found_inf(self) -> torch.Tensor:
@@ -232,17 +229,10 @@ class ProtectionHandle:
         recorded since the last drain, else 0.0, with no host synchronisation: hand it to a
         fused optimizer (``opt.found_inf = handle.found_inf()`` before ``opt.step()``, as
         GradScaler does) to skip the update on the device. Call it after the backward."""
-        lost_field = RECORD_FIELDS.index("lost")
         total = self._clock.count.new_zeros(())
         for st in self._states.values():
-            st.flush()
-            st.commit()
-            total = total + st.log[:, lost_field].sum().to(total.device)
-            if st.grads is not None and st.grads.grad is not None:
-                total = total + st.grads.grad[:, lost_field].sum().to(total.device)
-            kern = st.kernel_counts()
-            if kern is not None:
-                total = total + kern[:, 2].sum().to(total.device)
+            settle(st)
+            total = total + st.records.lost().to(total.device)
         return (total > 0).to(torch.float32)
 
     def drain(self) -> list[Event]:
@@ -251,61 +241,23 @@ class ProtectionHandle:
         every event of this drain as ``.events``), ``warn``
         warns, ``skip_step`` sets :attr:`skip_requested` for the training loop to honour.
         The fused kernels' detections are one event per check that detected (pattern "tile":
-        the kernels count tiles and programs, not rows), at the step of the drain."""
-        self._drains += 1
+        the kernels count tiles and programs, not rows; kind "unknown"), at the step of the
+        drain. Advances the schedule: the next step is the (drains + 1)-th."""
         for st in self._states.values():
-            st.flush()  # projections whose group never completed (eager only)
-            st.commit()
+            settle(st)  # projections whose group never completed (eager only)
         self.skip_requested = False
         self._log_engines()
-        logs, kern, step_now = self._read()
-        if not logs:
-            return []
-        # the next training step, the (drains + 1)-th, is a checked one: 1, 1 + period, ...
-        on = self._drains % self.config.period == 0
-        for st in self._states.values():
-            st.log.zero_()
-            st.reset_kernel_counts()
-            if st.grads is not None:
-                st.grads.grad = None
-            if st.phases is not None:
-                st.checked = st.phases[on]
+        records, _ = self._read()
+        self.schedule.advance()
         events = []
-        for (name, st), log in zip(self._states.items(), logs, strict=True):
-            for op, row in zip((*st.ops, *st.grad_ops), log, strict=True):
-                rec = dict(zip(RECORD_FIELDS, row, strict=True))
+        for (name, st), recs in zip(self._states.items(), records, strict=True):
+            st.records.reset()
+            kernel = set(st.records.kernel_checks)
+            for op, rec in zip(st.records.names, recs, strict=True):
                 n = int(rec["detected"])
-                if not n:
-                    continue
-                _count(self._totals.setdefault(op, _zero()), row)
-                n_rows, n_cols = int(rec["n_rows"]), int(rec["n_cols"])
-                pattern = pattern_of(n_rows, n_cols)
-                if rec["lost"]:
-                    action = "uncorrectable"
-                else:
-                    action = "recomputed" if pattern == "2D" else "corrected"
-                step = round(rec["step_sum"] / n)
-                cause = "numerics" if rec["reproduced"] else "fault"
-                events.append(
-                    Event(step, name, st.layer, op, pattern, kind_of(rec["value"]), action,
-                          n_rows, n_cols, count=n, cause=cause)
-                )  # fmt: skip
-        fused = [(name, st) for name, st in self._states.items() if st.kernel is not None]
-        for (name, st), rows in zip(fused, kern, strict=True):
-            for check, (det, corr, unc) in zip(_checks(), rows, strict=True):
-                if not det:
-                    continue
-                tot = self._totals.setdefault(
-                    check, {"detected": 0, "corrected": 0, "uncorrectable": 0}
-                )
-                tot["detected"] += int(det)
-                tot["corrected"] += int(corr)
-                tot["uncorrectable"] += int(unc)
-                action = "uncorrectable" if unc else "corrected"
-                events.append(
-                    Event(step_now, name, st.layer, check, "tile", "unknown", action, int(det), 0,
-                          count=int(det))
-                )  # fmt: skip
+                if n:
+                    _count(self._totals, op, rec)
+                    events.append(_event(name, st.layer, op, rec, tile=op in kernel))
         for e in events:
             self._causes[e.cause] = self._causes.get(e.cause, 0) + e.count
         bad = [e for e in events if e.action == "uncorrectable"]
@@ -370,7 +322,7 @@ class ProtectionHandle:
             "host": where.host,
             "device": where.device,
             "detections": dict(self._causes),
-            "per_module": {name: _coverage(st, self.config) for name, st in self._states.items()},
+            "per_module": {name: _coverage(st) for name, st in self._states.items()},
         }
 
     def _remove(self) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from attnchecker.attention.core import CoreSpec, attend
+from attnchecker.attention.projection import ProjectionSpec, is_conv1d
 from attnchecker.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -33,25 +34,6 @@ _SITES = {"q": ("q",), "k": ("k",), "v": ("v",), "kv": ("k", "v"), "qkv": ("q", 
           "out": ("out",)}  # fmt: skip
 _HEAD_DIM = ("head_dim", "head_size", "attention_head_size")  # the core's attribute names
 _CANDIDATES = (CoreSpec(softmax_fp32=True), CoreSpec(), CoreSpec(probs_to_value_dtype=True))
-
-
-@dataclass(frozen=True)
-class ProjectionSpec:
-    """A projection submodule: its sites (three for a fused Q|K|V), output groups (heads)."""
-
-    sites: tuple[str, ...]
-    module: nn.Module
-    groups: int
-    conv1d: bool = False  # GPT-2's Conv1D: weight stored (in, out), y = addmm(b, x, W)
-    last: bool = True  # the last projection of its input (V after Q and K): check them now
-    site_groups: tuple[int, ...] = ()  # groups of each site when not equal (fused Q|K|V + GQA)
-    interleaved: bool = False  # sites alternate per head group (GPT-NeoX's [q_h | k_h | v_h])
-
-    @property
-    def heads(self) -> dict[str, int]:
-        """Head groups of each site."""
-        per = self.site_groups or (self.groups // len(self.sites),) * len(self.sites)
-        return dict(zip(self.sites, per, strict=True))
 
 
 @dataclass(frozen=True)
@@ -167,7 +149,7 @@ def _blocks(model: nn.Module, wiring: Wiring) -> list[AttentionBlock]:
 def _projection(
     m: nn.Module, sites: tuple[str, ...], d: int, nh: int, wiring: Wiring, where: str
 ) -> ProjectionSpec:
-    conv1d = _is_conv1d(m)
+    conv1d = is_conv1d(m)
     width = _width(m, inputs=False)
     if width % d:
         raise UnsupportedModelError(
@@ -271,16 +253,10 @@ def _head_dim(core: nn.Module, where: str) -> int:
     raise UnsupportedModelError(f"{where}: no head size attribute ({', '.join(_HEAD_DIM)})")
 
 
-def _is_conv1d(m: nn.Module) -> bool:
-    from transformers.pytorch_utils import Conv1D
-
-    return isinstance(m, Conv1D)
-
-
 def _width(m: nn.Module, *, inputs: bool) -> int:
     """Input or output features of a Linear / Conv1D (whose weight is stored (in, out))."""
     w = m.weight
-    return w.shape[0 if inputs == _is_conv1d(m) else 1] if w.dim() == 2 else 0
+    return w.shape[0 if inputs == is_conv1d(m) else 1] if w.dim() == 2 else 0
 
 
 def layer_index(module: nn.Module, position: int) -> int:

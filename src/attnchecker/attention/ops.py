@@ -1,0 +1,94 @@
+"""The op table: every checked GEMM of protected attention (and of a linear layer), once.
+
+An op is named by the tensor whose values its check verifies; that name is also the named site
+where a fault can be placed (between the GEMM and its check), the config's switch
+(``ABFTConfig.ops``), the record row it writes (:mod:`~attnchecker.attention.records`), the
+events' ``op`` and the adaptive controller's unit of placement. Every tuple below is derived
+from :data:`OP_TABLE`: a new check on a new GEMM is one entry here plus the call of its check
+primitive where the GEMM runs (``engine``). The fused kernels name their own checks and map
+them onto these ops (``attnchecker.kernels.KERNEL_CHECKS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ALL_OPS", "CORE_GRAD_OPS", "GRAD_OPS", "LINEAR_OPS", "OPS", "OP_TABLE", "Op", "op",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Op:
+    """One checked GEMM: ``name`` (its site), ``gemm`` (what it computes), ``backward`` (in
+    the backward pass), ``part`` (``"projection"``, ``"core"``: of an attention module;
+    ``"linear"``: of a linear layer outside attention, ``scope="all_linear"``) and ``engine``
+    (the function that runs its check)."""
+
+    name: str
+    gemm: str
+    backward: bool
+    part: str
+    engine: str
+
+
+_P, _C, _L = "projection", "core", "linear"
+_HOOK = "attention.projection.projection_hook"
+_CORE = "attention.core.attend"
+_MATMUL = "attention.grads.checked_matmul"
+_LIN = "attention.grads.checked_linear"
+
+OP_TABLE: tuple[Op, ...] = (
+    Op("q", "Q = X W_q^T + b_q", False, _P, _HOOK),
+    Op("k", "K = X W_k^T + b_k", False, _P, _HOOK),
+    Op("v", "V = X W_v^T + b_v", False, _P, _HOOK),
+    Op("scores", "S = Q K^T", False, _C, _CORE),
+    Op("probs", "P = softmax(S * scaling + mask)", False, _C, _CORE),
+    Op("context", "O = P V", False, _C, _CORE),
+    Op("out", "Y = O W_o^T + b_o", False, _P, _HOOK),
+    Op("dq", "dQ = dS K", True, _C, _MATMUL),
+    Op("dk", "dK = dS^T Q", True, _C, _MATMUL),
+    Op("dp", "dP = dO V^T", True, _C, _MATMUL),
+    Op("dv", "dV = P^T dO", True, _C, _MATMUL),
+    # a fused Q|K|V projection's gradients are one GEMM each, under its first site (dx.q, dw.q)
+    Op("dx.q", "dX = dQ W_q", True, _P, _LIN),
+    Op("dw.q", "dW_q = dQ^T X", True, _P, _LIN),
+    Op("dx.k", "dX = dK W_k", True, _P, _LIN),
+    Op("dw.k", "dW_k = dK^T X", True, _P, _LIN),
+    Op("dx.v", "dX = dV W_v", True, _P, _LIN),
+    Op("dw.v", "dW_v = dV^T X", True, _P, _LIN),
+    Op("dx.out", "dO = dY W_o", True, _P, _LIN),
+    Op("dw.out", "dW_o = dY^T O", True, _P, _LIN),
+    Op("y", "Y = X W^T + b", False, _L, "attention.projection.linear_hook"),
+    Op("dx", "dX = dY W", True, _L, _LIN),
+    Op("dw", "dW = dY^T X", True, _L, _LIN),
+)
+
+_BY_NAME = {o.name: o for o in OP_TABLE}
+
+
+def op(name: str) -> Op:
+    """The table's entry for ``name`` (KeyError for an unknown op)."""
+    return _BY_NAME[name]
+
+
+def _names(*, backward: bool, parts: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(o.name for o in OP_TABLE if o.backward == backward and o.part in parts)
+
+
+OPS = _names(backward=False, parts=(_P, _C))
+"""The forward checks of one attention module: the Q, K and V projections, the scores Q K^T,
+the softmax probabilities, the context P V and the output projection; the rows of its log."""
+
+GRAD_OPS = _names(backward=True, parts=(_C, _P))
+"""The backward checks of one attention module, named by the gradient they produce (see
+:mod:`~attnchecker.attention.grads`); the rows of its backward records."""
+
+CORE_GRAD_OPS = _names(backward=True, parts=(_C,))
+"""The core's backward checks (the eager engine's; the fused kernels check theirs)."""
+
+ALL_OPS = OPS + GRAD_OPS
+
+LINEAR_OPS = tuple(o.name for o in OP_TABLE if o.part == _L)
+"""The checks of one linear layer outside attention (``scope="all_linear"``): its output in the
+forward, dX and dW in the backward."""

@@ -1,0 +1,330 @@
+"""The projections' checks and the wiring of every checked linear layer, in one place.
+
+A projection check, whole: a forward hook on the projection (Linear or GPT-2's Conv1D) runs its
+sites, then queues the check of its output (:func:`defer`); the queued projections of one input
+(Q, K and V of the same hidden states) are checked together when the last of them ran
+(:func:`flush`: one :func:`~attnchecker.attention.checks.projection_check_`, which repairs in
+place), and with ``mode="passing"`` what the core can reuse (V's row sums, their bound) is left
+in ``state.handoff`` for :func:`~attnchecker.attention.core.attend`.
+
+The backward: :func:`patch_backward` routes the module's forward through
+:func:`~attnchecker.attention.grads.checked_linear`, whose backward checks dX and dW.
+With ``scope="all_linear"``, :func:`protect_linears` does both for every other linear layer
+(ops ``y``, ``dx``, ``dw``). ``attnchecker.models.protect`` finds the modules and calls these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
+from attnchecker.attention.config import ABFTConfig
+from attnchecker.attention.grads import checked_linear
+from attnchecker.attention.handoff import Handoff
+from attnchecker.attention.ops import CORE_GRAD_OPS, GRAD_OPS, LINEAR_OPS
+from attnchecker.attention.records import new_log, ranged
+from attnchecker.attention.schedule import Schedule
+from attnchecker.attention.state import AttentionState, Clock
+from attnchecker.errors import UnsupportedModelError
+from attnchecker.kernels import CHECKS
+
+__all__ = [
+    "ProjectionSpec",
+    "defer",
+    "flush",
+    "is_conv1d",
+    "linear_hook",
+    "patch_backward",
+    "projection_hook",
+    "protect_attention",
+    "protect_linears",
+    "settle",
+]
+
+Undo = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class ProjectionSpec:
+    """A projection submodule: its sites (three for a fused Q|K|V), output groups (heads)."""
+
+    sites: tuple[str, ...]
+    module: nn.Module
+    groups: int
+    conv1d: bool = False  # GPT-2's Conv1D: weight stored (in, out), y = addmm(b, x, W)
+    last: bool = True  # the last projection of its input (V after Q and K): check them now
+    site_groups: tuple[int, ...] = ()  # groups of each site when not equal (fused Q|K|V + GQA)
+    interleaved: bool = False  # sites alternate per head group (GPT-NeoX's [q_h | k_h | v_h])
+
+    @property
+    def heads(self) -> dict[str, int]:
+        """Head groups of each site."""
+        per = self.site_groups or (self.groups // len(self.sites),) * len(self.sites)
+        return dict(zip(self.sites, per, strict=True))
+
+    def projection(self) -> Projection:
+        """What the check sees, with the module's parameters as they are now (read per call:
+        FSDP and optimizers may replace them)."""
+        m = self.module
+        return Projection(m.weight, m.bias, self.conv1d, self.sites, self.groups,
+                          self.site_groups, self.interleaved)  # fmt: skip
+
+
+def is_conv1d(m: nn.Module) -> bool:
+    """Whether ``m`` is transformers' Conv1D (GPT-2: weight stored (in, out))."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(m, Conv1D)
+
+
+# ------------------------------------------------------------------------------------ forward
+
+
+def projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[..., None]:
+    """The forward hook of a projection: its sites on the output, then its check queued."""
+
+    def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
+        proj, start = spec.projection(), 0
+        if spec.interleaved:  # (..., heads, sites, d): a site is a strided slice, edited as a copy
+            parts = y.unflatten(-1, (spec.groups // len(spec.sites), len(spec.sites), -1))
+            for i, site in enumerate(spec.sites):
+                if state.hooks[site]:
+                    part = parts[..., i, :]
+                    edited = part.flatten(-2)  # (..., heads * d)
+                    state.site(site, edited)
+                    part.data.copy_(edited.unflatten(-1, part.shape[-2:]))
+        else:
+            for site, width in zip(spec.sites, proj.site_widths(y.shape[-1]), strict=True):
+                state.site(site, y[..., start : start + width])
+                start += width
+        if any(state.checks(s) for s in spec.sites):  # per call: the schedule switches it
+            defer(state, proj, args[0], y, last=spec.last)
+
+    return hook
+
+
+def defer(state: AttentionState, proj: Projection, x: Tensor, y: Tensor, *, last: bool) -> None:
+    """Queue the check of projection output y = proj(x); ``last``: the last projection of its
+    input (V after Q and K), so the queued projections of each input are checked together."""
+    state.pending.append((proj, x, y))
+    if last:
+        flush(state)
+
+
+def flush(state: AttentionState) -> None:
+    """Check the queued projections, one call per input tensor (Q, K and V of one input share
+    every input-side op), and leave what the core can use (``mode="passing"``)."""
+    while state.pending:
+        x = state.pending[0][1]
+        group = [item for item in state.pending if item[1] is x]
+        state.pending = [item for item in state.pending if item[1] is not x]
+        _check_group(state, x, group)
+
+
+def settle(state: AttentionState) -> None:
+    """Check what is still queued and write every noted record (before the records are read:
+    a projection whose group never completed, a layer without an output projection check)."""
+    flush(state)
+    state.commit()
+
+
+def _check_group(
+    state: AttentionState, x: Tensor, group: list[tuple[Projection, Tensor, Tensor]]
+) -> None:
+    flat = x.dim() != 3 or any(y.dim() != 3 for _, _, y in group)
+    if flat:  # not (B, L, K) hidden states: checked as (1, T, K) tokens, nothing handed off
+        lead = x.shape[:-1]
+        if any(y.shape[:-1] != lead or not y.is_contiguous() for _, _, y in group):
+            raise UnsupportedModelError(
+                f"{state.name}: a projection of input {tuple(x.shape)} gave outputs "
+                f"{[tuple(y.shape) for _, _, y in group]} that are not its tokens' rows"
+            )
+        x = x.reshape(1, -1, x.shape[-1])
+        group = [(p, x, y.view(1, -1, y.shape[-1])) for p, _, y in group]
+    pairs = [(p, y) for p, _, y in group]
+    layouts = {(y.shape[-1] // p.groups, p.conv1d) for p, y in pairs}
+    if len(layouts) > 1:  # groups of different widths or layouts: one check per projection
+        for item in group:
+            _check_group(state, x, [item])
+        return
+    config = state.config
+    factor = row_factor(x, pairs, config.tolerance_scale)
+    sites = tuple(s for p, _ in pairs for s in p.sites)
+    passing = config.mode == "passing"
+    with ranged("+".join(sites)):
+        rec, ref, bound = projection_check_(
+            x, pairs, max_rows=config.max_rows, factor=factor, floor=row_floor(pairs) / factor,
+            bounds=passing, impl=config.check_impl,
+        )  # fmt: skip
+    checked = tuple(s for s in sites if state.checks(s))
+    if checked != sites:
+        rec = rec[[sites.index(s) for s in checked]]
+    if checked:
+        state.note(checked, rec)
+    if "out" in checked:
+        state.commit()  # the last check of the layer
+    if passing and not flat:
+        _leave(state, x, pairs, ref, bound * factor)
+    elif passing:
+        state.handoff = None  # the core computes V's sums itself
+
+
+def _leave(
+    state: AttentionState, x: Tensor, pairs: list[tuple[Projection, Tensor]], ref: Tensor,
+    tol: Tensor,
+) -> None:  # fmt: skip
+    """Hand V's clean row sums (columns of ``ref`` (T, sum G)) and how far the delivered V's
+    row sums may be from them (``tol``) to the core of this call; a group without V (Q of a
+    cross-attention, the output projection) leaves nothing."""
+    B, L = x.shape[:2]
+    offset = 0
+    for p, _ in pairs:
+        for site, width in zip(p.sites, p.per_site, strict=True):
+            if site == "v" and state.checks("v") and not p.interleaved:  # V's heads contiguous
+                cut = slice(offset, offset + width)
+                state.handoff = Handoff(
+                    ref[:, cut].view(B, L, width), tol[:, cut].view(B, L, width)
+                )
+            offset += width
+
+
+def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
+    """Check a linear layer's output like a projection of one head group (``scope="all_linear"``):
+    rows (tokens) against x . sum_o W_o + sum_o b_o, columns by range, repaired in place."""
+
+    def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
+        state.site("y", y)
+        x = args[0]
+        if not state.checks("y") or x.dim() < 2 or not y.is_contiguous():
+            return
+        x3, y3 = x.reshape(1, -1, x.shape[-1]), y.view(1, -1, y.shape[-1])  # (1, T, K), (1, T, N)
+        item = [(Projection(module.weight, module.bias, conv1d, ("y",), 1), y3)]
+        config = state.config
+        factor = row_factor(x3, item, config.tolerance_scale)
+        with ranged(f"linear.{state.name}"):
+            rec = projection_check_(
+                x3, item, max_rows=config.max_rows, factor=factor,
+                floor=row_floor(item) / factor, impl=config.check_impl,
+            )[0]  # fmt: skip
+        state.note(("y",), rec)
+        state.commit()
+
+    return hook
+
+
+# ----------------------------------------------------------------------------------- backward
+
+
+def patch_backward(
+    module: nn.Module, conv1d: bool, state: AttentionState, dx: str, dw: str
+) -> Undo | None:
+    """Route a Linear / Conv1D's forward through :func:`checked_linear`, whose backward checks
+    dX (op ``dx``) and dW (op ``dw``) where the schedule checks them, and runs their sites either
+    way; returns the undo, or None for a module of another kind (its forward is left alone)."""
+    from transformers.pytorch_utils import Conv1D
+
+    kind = Conv1D if conv1d else nn.Linear
+    if type(module).forward is not kind.forward or "forward" in vars(module):
+        return None
+    ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
+    config = state.config
+
+    def forward(x: Tensor) -> Tensor:
+        hook = state.grad_hook()
+        check = (state.checks(dx), state.checks(dw))  # per call: the schedule switches them
+        sink = state.grads
+        if sink is None or not torch.is_grad_enabled() or not (any(check) or hook):
+            return kind.forward(module, x)
+        return checked_linear(
+            x, module.weight, module.bias, sink, state.clock.count, ops=ops, check=check,
+            conv1d=conv1d, max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,
+            impl=config.check_impl,
+        )  # fmt: skip
+
+    module.forward = forward
+    return lambda: delattr(module, "forward")
+
+
+# ------------------------------------------------------------------------------------- wiring
+
+
+def protect_attention(
+    name: str,
+    layer: int,
+    projections: Sequence[ProjectionSpec],
+    config: ABFTConfig,
+    clock: Clock,
+    schedule: Schedule,
+    *,
+    passing: bool,
+    device: torch.device,
+    engine: str,
+    note: str = "",
+) -> tuple[AttentionState, list[Undo], list[nn.Module]]:
+    """One attention module's state with its ``projections`` wired, forward and backward:
+    (the state, the undos, the projections whose backward GEMMs are asked for but could not be
+    wired). ``passing``: the family lets V's sums pass to the core (else ``mode="naive"``);
+    ``engine``: ``"triton"`` when the fused kernels run the core (their counters, and they
+    check the core's backward GEMMs themselves), ``"eager"`` otherwise, ``note`` saying why."""
+    fused = engine == "triton"
+    if not passing:
+        config = config.replace(mode="naive")
+    st = AttentionState(
+        name, layer, config, clock, new_log(device), schedule=schedule, backward=True,
+        kernel_checks=CHECKS if fused else (),
+    )  # fmt: skip
+    st.coverage.engine, st.coverage.note = engine, note
+    wired = {*st.ops, *(() if fused else CORE_GRAD_OPS)}  # the sites this module has
+    undo: list[Undo] = []
+    unwired = []
+    for p in projections:
+        undo += [p.module.register_forward_hook(projection_hook(st, p)).remove]
+        ops = (f"dx.{p.sites[0]}", f"dw.{p.sites[0]}")  # a fused Q|K|V: one GEMM each
+        patched = patch_backward(p.module, p.conv1d, st, *ops)
+        if patched is not None:
+            undo.append(patched)
+            wired.update(ops)
+        elif any(op in config.ops for op in ops) or config.schedule is not None:
+            unwired.append(p.module)
+            st.coverage.unwired.extend(ops)
+    st.sites.keep(wired)
+    return st, undo, unwired
+
+
+def protect_linears(
+    linears: Sequence[tuple[str, nn.Module, int]],
+    config: ABFTConfig,
+    clock: Clock,
+    schedule: Schedule,
+) -> tuple[dict[str, AttentionState], list[Undo], list[str]]:
+    """``scope="all_linear"``: each (name, Linear / Conv1D, layer) gets a state of its own
+    (ops ``y``, ``dx``, ``dw``: :data:`LINEAR_OPS`), checked on every step; returns the states,
+    the undos and the names of those whose backward could not be checked (a forward of their
+    own)."""
+    states, undo, unpatched = {}, [], []
+    grad_ops = LINEAR_OPS[1:]
+    backward = any(op in config.ops for op in GRAD_OPS)
+    for name, m, layer in linears:
+        conv1d = is_conv1d(m)
+        p = next(m.parameters(), None)
+        dev = p.device if p is not None else clock.count.device
+        checked = ("y", *(grad_ops if backward else ()))
+        st = AttentionState(name, layer, config, clock, new_log(dev, 1), ops=("y",),
+                            grad_ops=grad_ops, schedule=schedule, fixed_ops=checked,
+                            backward=True)  # fmt: skip
+        states[name] = st
+        undo.append(m.register_forward_hook(linear_hook(st, conv1d)).remove)
+        patched = patch_backward(m, conv1d, st, *grad_ops)
+        if patched is not None:
+            undo.append(patched)
+            continue
+        st.sites.keep(("y",))
+        schedule.bind(name, layer, ("y",))
+        if backward:
+            unpatched.append(name)
+            st.coverage.unwired.extend(grad_ops)
+    return states, undo, unpatched

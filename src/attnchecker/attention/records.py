@@ -1,0 +1,203 @@
+"""The record store of one protected module: what its checks found since the last drain, in one
+layout that every engine writes and the handle reads once.
+
+Nothing a check writes during a step is a Python value: each check adds its record to a small
+float64 tensor with in-place tensor ops, so a compiled model sees no Python int or list that
+changes from step to step (dynamo would guard on it and recompile), and the clean path never
+synchronises with the device. Three writers, one layout (:data:`RECORD_FIELDS` per row):
+
+- the forward's eager checks: :meth:`Records.note` then :meth:`Records.commit` into ``log``
+  (a row per forward op);
+- the backward's checks (:mod:`~attnchecker.attention.grads`): their records leave the backward
+  as the gradient of the leaf ``sink`` (a row per backward op), so autograd accumulates them over
+  layers and steps, compiled backward graphs included;
+- the fused kernels: int32 counters (check x detected, corrected, uncorrected) in ``kernel``
+  (forward) and ``kernel_sink.grad`` (backward), turned into rows by :meth:`Records.rows`.
+
+A record's ``detected`` and ``lost`` count checks; the other fields are summed over detecting
+checks only (so for one detection between two drains they are that detection's values, and
+``step_sum / detected`` is the mean step of several).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from attnchecker.abft import regions
+from attnchecker.attention.checks import detected, log_rows
+from attnchecker.attention.ops import OPS
+from attnchecker.attention.sites import in_replay
+
+__all__ = ["RECORD_FIELDS", "Records", "new_log", "new_records_sink", "ranged"]
+
+RECORD_FIELDS = ("n_rows", "n_cols", "value", "lost", "reproduced", "detected", "step_sum")
+"""One check's record: flagged rows / columns of its unit (tokens and features for a projection;
+query rows, twice, for attention), the delivered value at the worst flagged position, whether a
+detection was left unrepaired (beyond the repair budget, or the operands were already bad),
+whether recomputing from the operands gave a flagged result again (the operands imply it:
+numerics, not this GEMM), whether it detected, and the step. The first five are the checks' own
+records, in order. A fused kernel's row: n_rows = detected tiles, lost = uncorrected, value NaN
+(the kernels do not report one)."""
+
+_LOST = RECORD_FIELDS.index("lost")
+
+
+def new_log(device: torch.device, n_ops: int = len(OPS)) -> Tensor:
+    """A log of ``n_ops`` rows (an attention module's forward ops by default)."""
+    return torch.zeros(n_ops, len(RECORD_FIELDS), dtype=torch.float64, device=device)
+
+
+def new_records_sink(n_ops: int, device: torch.device) -> Tensor:
+    """The leaf whose ``.grad`` collects a module's backward records (n_ops, 7) float64."""
+    return torch.zeros(n_ops, len(RECORD_FIELDS), dtype=torch.float64, device=device,
+                       requires_grad=True)  # fmt: skip
+
+
+def ranged(label: str):
+    """A profiler range per check in eager (benchmarks read them); nothing under compile."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"attnchecker.{label}")
+
+
+class Records:
+    """The records of one protected module: ``ops`` (the forward's rows), ``grad_ops`` (the
+    backward's), and, with the fused kernels, their ``checks``. Attached to the module's state
+    (a plain attribute, not a buffer: ``state_dict()`` and DDP's broadcast never see it)."""
+
+    def __init__(
+        self,
+        ops: tuple[str, ...],
+        grad_ops: tuple[str, ...],
+        log: Tensor,
+        *,
+        backward: bool = False,
+        kernel_checks: tuple[str, ...] = (),
+    ) -> None:
+        self.ops, self.grad_ops, self.kernel_checks = ops, grad_ops, kernel_checks
+        self.log = log  # (len(ops), 7) float64 on the module's device
+        self.sink = new_records_sink(len(grad_ops), log.device) if backward else None
+        self.kernel: Tensor | None = None  # (len(checks), 3) int32, the forward kernels'
+        self.kernel_sink: Tensor | None = None  # its .grad: the backward kernels' counters
+        if kernel_checks:
+            from attnchecker.kernels.flash import new_counts
+            from attnchecker.kernels.ops import new_sink as new_kernel_sink
+
+            self.kernel = new_counts(log.device)
+            self.kernel_sink = new_kernel_sink(log.device)
+        self._row = {o: i for i, o in enumerate(ops)}
+        self._noted: list[tuple[tuple[str, ...], Tensor]] = []  # this layer's, until commit()
+        # the records of the last first pass (not a replay) per committed op tuple: what a
+        # checkpointing replay's records are compared with (eager only)
+        self._first: dict[tuple[str, ...], Tensor] = {}
+        self._indices: dict[tuple[tuple[str, ...], torch.device], Tensor] = {}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What each row of :meth:`rows` records."""
+        return (*self.ops, *self.grad_ops, *self.kernel_checks)
+
+    def note(self, ops: tuple[str, ...], rec: Tensor) -> None:
+        """Keep the (len(ops), 5) float32 records [rows, cols, value, lost, reproduced] of one
+        check until :meth:`commit` writes the layer's records to the log in one go."""
+        self._noted.append((ops, rec))
+
+    def commit(self, step: Tensor, impl: str) -> None:
+        """Add the noted records to the log at the clock ``step``. A checkpointing replay
+        repeats a forward already counted: its records are counted where they differ from the
+        first pass's (a fault that hit the replay alone, or a different one), and dropped where
+        they are the same (what the operands imply, such as an overflow upstream, comes back in
+        every replay). ``impl``: how the records region runs (``ABFTConfig.check_impl``)."""
+        if not self._noted:
+            return
+        ops = tuple(o for names, _ in self._noted for o in names)
+        noted = [r for _, r in self._noted]
+        self._noted = []
+        if self.log.device != noted[0].device:  # the model moved after protect_
+            self.log = self.log.to(noted[0].device)
+        first, replay = None, in_replay()  # eager only (compiled code does not replay Python)
+        if replay:
+            first = self._first.get(ops)
+            if first is not None and first.shape[0] != sum(r.shape[0] for r in noted):
+                first = None
+        recs, rows = regions.run(_records_region, impl, noted, step, first, on=step)
+        if not replay and not torch.compiler.is_compiling():
+            self._first[ops] = recs  # (a traced dict write would be a side effect)
+        self.log.index_add_(0, self._index(ops, recs.device), rows)
+
+    def _index(self, ops: tuple[str, ...], device: torch.device) -> Tensor:
+        """The log rows of ``ops``, made once per op tuple (not a host-to-device copy a step)."""
+        key = (ops, device)
+        if key in self._indices:
+            return self._indices[key]
+        index = torch.tensor([self._row[o] for o in ops], device=device)
+        if not torch.compiler.is_compiling():
+            self._indices[key] = index
+        return index
+
+    def kernel_counts(self) -> Tensor | None:
+        """The fused kernels' counters so far, forward and backward (int32, on the device)."""
+        if self.kernel is None:
+            return None
+        grad = None if self.kernel_sink is None else self.kernel_sink.grad
+        return self.kernel if grad is None else self.kernel + grad.to(torch.int32)
+
+    def rows(self, step: Tensor) -> Tensor:
+        """Every record since the last drain, (len(names), 7) float64 on the log's device (a
+        kernel row's step is ``step``, the clock now: the kernels do not record one)."""
+        dev = self.log.device
+        parts = [self.log]
+        if self.grad_ops:
+            grad = None if self.sink is None else self.sink.grad
+            parts.append(
+                self.log.new_zeros(len(self.grad_ops), len(RECORD_FIELDS))
+                if grad is None
+                else grad.to(dev)
+            )
+        kern = self.kernel_counts()
+        if kern is not None:  # (checks, 3): detected, corrected, uncorrected
+            det, unc = kern[:, 0:1].to(dev, torch.float64), kern[:, 2:3].to(dev, torch.float64)
+            nan, zero = torch.full_like(det, torch.nan), torch.zeros_like(det)
+            at = step.to(dev, torch.float64).view(1, 1) * det
+            # n_rows, n_cols, value, lost, reproduced, detected, step_sum
+            parts.append(torch.cat([det, zero, torch.where(det > 0, nan, 0.0), unc, zero, det,
+                                    at], 1))  # fmt: skip
+        return torch.cat(parts)
+
+    def lost(self) -> Tensor:
+        """The lost (uncorrectable) checks since the last drain, a 0-dim float64 tensor."""
+        total = self.log[:, _LOST].sum()
+        if self.sink is not None and self.sink.grad is not None:
+            total = total + self.sink.grad[:, _LOST].sum().to(total.device)
+        kern = self.kernel_counts()
+        if kern is not None:
+            total = total + kern[:, 2].sum().to(total.device)
+        return total
+
+    def reset(self) -> None:
+        """Forget what was read (a drain)."""
+        self.log.zero_()
+        if self.sink is not None:
+            self.sink.grad = None
+        if self.kernel is not None:
+            self.kernel.zero_()
+        if self.kernel_sink is not None:
+            self.kernel_sink.grad = None
+
+
+def _records_region(
+    noted: list[Tensor], step: Tensor, first: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The (n, 5) records of a layer's checks, in order, and their log rows (n, 7)
+    (:data:`RECORD_FIELDS`, zero where a check did not detect: a NaN value of an undetected
+    check must not leak); ``first``: the first pass's records of a replay, whose equal
+    records are dropped."""
+    recs = torch.cat(noted) if len(noted) > 1 else noted[0]
+    det = detected(recs)  # (n, 1)
+    if first is not None:
+        same = ((recs == first) | (recs.isnan() & first.isnan())).all(1, keepdim=True)
+        det = det & ~same
+    return recs, log_rows(recs, det, step)
