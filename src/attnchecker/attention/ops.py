@@ -23,13 +23,18 @@ class Op:
     """One checked GEMM: ``name`` (its site), ``gemm`` (what it computes), ``backward`` (in
     the backward pass), ``part`` (``"projection"``, ``"core"``: of an attention module;
     ``"linear"``: of a linear layer outside attention, ``scope="all_linear"``) and ``engine``
-    (the function that runs its check)."""
+    (the function that runs its check); ``stage``: its place in the execution order of one
+    layer's pass (forward: projections, scores, probabilities, context, output projection, a
+    linear layer after them; backward from the last: a linear layer's, the output
+    projection's, dP / dV, dQ / dK, the Q / K / V projections'); ops of one stage do not feed
+    one another (what a diagnosis reads to tell upstream from downstream)."""
 
     name: str
     gemm: str
     backward: bool
     part: str
     engine: str
+    stage: int
 
 
 _P, _C, _L = "projection", "core", "linear"
@@ -39,29 +44,29 @@ _MATMUL = "attention.grads.checked_matmul"
 _LIN = "attention.grads.checked_linear"
 
 OP_TABLE: tuple[Op, ...] = (
-    Op("q", "Q = X W_q^T + b_q", False, _P, _HOOK),
-    Op("k", "K = X W_k^T + b_k", False, _P, _HOOK),
-    Op("v", "V = X W_v^T + b_v", False, _P, _HOOK),
-    Op("scores", "S = Q K^T", False, _C, _CORE),
-    Op("probs", "P = softmax(S * scaling + mask)", False, _C, _CORE),
-    Op("context", "O = P V", False, _C, _CORE),
-    Op("out", "Y = O W_o^T + b_o", False, _P, _HOOK),
-    Op("dq", "dQ = dS K", True, _C, _MATMUL),
-    Op("dk", "dK = dS^T Q", True, _C, _MATMUL),
-    Op("dp", "dP = dO V^T", True, _C, _MATMUL),
-    Op("dv", "dV = P^T dO", True, _C, _MATMUL),
+    Op("q", "Q = X W_q^T + b_q", False, _P, _HOOK, 0),
+    Op("k", "K = X W_k^T + b_k", False, _P, _HOOK, 0),
+    Op("v", "V = X W_v^T + b_v", False, _P, _HOOK, 0),
+    Op("scores", "S = Q K^T", False, _C, _CORE, 1),
+    Op("probs", "P = softmax(S * scaling + mask)", False, _C, _CORE, 2),
+    Op("context", "O = P V", False, _C, _CORE, 3),
+    Op("out", "Y = O W_o^T + b_o", False, _P, _HOOK, 4),
+    Op("dq", "dQ = dS K", True, _C, _MATMUL, 3),
+    Op("dk", "dK = dS^T Q", True, _C, _MATMUL, 3),
+    Op("dp", "dP = dO V^T", True, _C, _MATMUL, 2),
+    Op("dv", "dV = P^T dO", True, _C, _MATMUL, 2),
     # a fused Q|K|V projection's gradients are one GEMM each, under its first site (dx.q, dw.q)
-    Op("dx.q", "dX = dQ W_q", True, _P, _LIN),
-    Op("dw.q", "dW_q = dQ^T X", True, _P, _LIN),
-    Op("dx.k", "dX = dK W_k", True, _P, _LIN),
-    Op("dw.k", "dW_k = dK^T X", True, _P, _LIN),
-    Op("dx.v", "dX = dV W_v", True, _P, _LIN),
-    Op("dw.v", "dW_v = dV^T X", True, _P, _LIN),
-    Op("dx.out", "dO = dY W_o", True, _P, _LIN),
-    Op("dw.out", "dW_o = dY^T O", True, _P, _LIN),
-    Op("y", "Y = X W^T + b", False, _L, "attention.projection.linear_hook"),
-    Op("dx", "dX = dY W", True, _L, _LIN),
-    Op("dw", "dW = dY^T X", True, _L, _LIN),
+    Op("dx.q", "dX = dQ W_q", True, _P, _LIN, 4),
+    Op("dw.q", "dW_q = dQ^T X", True, _P, _LIN, 4),
+    Op("dx.k", "dX = dK W_k", True, _P, _LIN, 4),
+    Op("dw.k", "dW_k = dK^T X", True, _P, _LIN, 4),
+    Op("dx.v", "dX = dV W_v", True, _P, _LIN, 4),
+    Op("dw.v", "dW_v = dV^T X", True, _P, _LIN, 4),
+    Op("dx.out", "dO = dY W_o", True, _P, _LIN, 1),
+    Op("dw.out", "dW_o = dY^T O", True, _P, _LIN, 1),
+    Op("y", "Y = X W^T + b", False, _L, "attention.projection.linear_hook", 5),
+    Op("dx", "dX = dY W", True, _L, _LIN, 0),
+    Op("dw", "dW = dY^T X", True, _L, _LIN, 0),
 )
 
 _BY_NAME = {o.name: o for o in OP_TABLE}

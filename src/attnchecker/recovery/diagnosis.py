@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from attnchecker.attention.config import GRAD_OPS, LINEAR_OPS, OPS, ABFTConfig
+from attnchecker.attention.config import ABFTConfig
+from attnchecker.attention.ops import GRAD_OPS, LINEAR_OPS, OP_TABLE, OPS
 
 __all__ = [
     "UNKNOWN", "VERDICT", "Finding", "Here", "RankCounts", "classify", "gather", "here",
@@ -93,11 +94,16 @@ class Finding:
 
 _HEAD = 1 << 20  # the layer of a linear outside the blocks (lm_head, pooler): after the last
 # stages of one layer in execution order; ops of one stage do not feed one another
-_FORWARD = {"q": 0, "k": 0, "v": 0, "scores": 1, "probs": 2, "context": 3, "out": 4, "y": 5}
-_BACKWARD = {"dx": 0, "dw": 0, "dx.out": 1, "dw.out": 1, "dp": 2, "dv": 2, "dq": 3, "dk": 3,
-             **{f"d{g}.{s}": 4 for g in "xw" for s in "qkv"}}  # fmt: skip
-_LOSS = (0, _HEAD, _HEAD, 6)  # after the head's forward, before the backward
-_PROJECTION_GRADS = ("dx.q", "dw.q", "dx.k", "dw.k", "dx.v", "dw.v", "dx.out", "dw.out")
+_FORWARD = {o.name: o.stage for o in OP_TABLE if not o.backward}
+_BACKWARD = {o.name: o.stage for o in OP_TABLE if o.backward}
+_LOSS = (
+    0,
+    _HEAD,
+    _HEAD,
+    max(_FORWARD.values()) + 1,
+)  # after the head's forward, before the backward
+_PROJECTIONS = tuple(o.name for o in OP_TABLE if o.part == "projection" and not o.backward)
+_PROJECTION_GRADS = tuple(o.name for o in OP_TABLE if o.part == "projection" and o.backward)
 
 
 def _stack(e) -> int:
@@ -132,7 +138,7 @@ def _checked(config: ABFTConfig, layer: int, step: int) -> frozenset[str]:
     ops = config.layer_ops(layer, step)
     if config.scope == "all_linear" and config.layers is not None and layer not in config.layers:
         backward = any(op in config.ops for op in GRAD_OPS)
-        ops |= {"q", "k", "v", "out", *(_PROJECTION_GRADS if backward else ())}
+        ops |= {*_PROJECTIONS, *(_PROJECTION_GRADS if backward else ())}
     return ops
 
 
