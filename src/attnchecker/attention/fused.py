@@ -23,14 +23,60 @@ import warnings
 import torch
 from torch import Tensor
 
-from attnchecker.attention.config import ALL_OPS
+from attnchecker.attention.config import ALL_OPS, ABFTConfig
 from attnchecker.attention.core import CoreSpec, attend, output_layout
 from attnchecker.attention.projection import flush
 from attnchecker.attention.state import AttentionState
+from attnchecker.errors import ConfigError, UnsupportedModelError
 
-__all__ = ["attend_fused", "eager_mask"]
+__all__ = ["attend_fused", "choose_engine", "eager_mask"]
 
 _WARNED: set[str] = set()
+
+
+def choose_engine(
+    config: ABFTConfig, device: torch.device, *, family: str, interface: bool
+) -> tuple[str, str]:
+    """Which engine runs the attention core of a model on ``device`` (``config.backend``):
+    ``("triton", "")`` for the fused kernels, or ``("eager", why)``, why saying what made
+    ``backend="auto"`` choose eager. ``interface``: the family dispatches through transformers'
+    attention interface (what the fused kernels plug into)."""
+    from attnchecker import kernels
+
+    if config.backend == "eager":
+        return "eager", ""
+    if config.backend == "triton":
+        if not kernels.available():
+            raise ConfigError(
+                "backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU, "
+                "tests only); use backend='eager' or 'auto'"
+            )
+        if not interface:
+            raise UnsupportedModelError(
+                f"backend='triton': {family} does not dispatch through transformers' "
+                f"attention interface; use backend='eager' or 'auto'"
+            )
+        return "triton", ""
+    why = "backend='auto' chose eager"
+    if device.type != "cuda":
+        return "eager", (
+            f"{why}: the model was on {device} at protect_ (protect it after moving it to CUDA "
+            f"for the fused kernels)"
+        )
+    if not kernels.available():
+        return "eager", f"{why}: triton is not available"
+    if not interface:
+        return "eager", f"{why}: the fused kernels do not cover this model or failed"
+    reason = kernels.self_test(device)
+    if reason is not None:
+        warnings.warn(
+            f"backend='auto': the fused kernels failed their self-test on {device} "
+            f"({reason}); the checked eager attention runs instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return "eager", f"{why}: the fused kernels do not cover this model or failed"
+    return "triton", ""
 
 
 def _fallback_reason(

@@ -15,10 +15,11 @@ from torch import nn
 
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.core import CORE
+from attnchecker.attention.fused import choose_engine
 from attnchecker.attention.projection import is_conv1d, protect_attention, protect_linears
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import Clock
-from attnchecker.errors import ConfigError, NoMatchingModuleError, UnsupportedModelError
+from attnchecker.errors import ConfigError, NoMatchingModuleError
 from attnchecker.models.handle import ProtectionHandle
 from attnchecker.models.registry import discover, install
 
@@ -57,13 +58,14 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
                 f"{sorted(have)}"
             )
     device = _device(model)
-    fused = _fused(config, found, device)
+    engine, note = choose_engine(
+        config, device, family=found.model_type, interface=not found.wiring.patch
+    )
     clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
     schedule = Schedule.of(config)
     handle = ProtectionHandle(config, {}, clock, schedule)
     names = {id(m): n for n, m in model.named_modules()}
     unpatched: list[str] = []  # Linear / Conv1D whose own forward replaced: no backward checks
-    engine, note = ("triton", "") if fused else ("eager", _eager_note(config, device))
     for b in chosen:
         st, undo, unwired = protect_attention(
             b.name, b.layer, b.projections, config, clock, schedule, passing=b.passing,
@@ -95,7 +97,7 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
             RuntimeWarning,
             stacklevel=2,
         )
-    handle._undo.append(install(model, found, fused=fused))
+    handle._undo.append(install(model, found, fused=engine == "triton"))
 
     def tick(module: nn.Module, *_: object) -> None:
         clock.tick(_device(module, clock.count.device))
@@ -109,54 +111,6 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
 def _layer_of(name: str) -> int:
     """A linear layer's transformer block: the first index in its qualified name (-1: none)."""
     return next((int(part) for part in name.split(".") if part.isdigit()), -1)
-
-
-def _eager_note(config: ABFTConfig, device: torch.device) -> str:
-    """Why the eager engine runs where the config allowed the fused kernels ("" if asked)."""
-    if config.backend != "auto":
-        return ""
-    from attnchecker import kernels
-
-    if device.type != "cuda":
-        return (
-            f"backend='auto' chose eager: the model was on {device} at protect_ (protect it "
-            f"after moving it to CUDA for the fused kernels)"
-        )
-    if not kernels.available():
-        return "backend='auto' chose eager: triton is not available"
-    return "backend='auto' chose eager: the fused kernels do not cover this model or failed"
-
-
-def _fused(config: ABFTConfig, found, device: torch.device) -> bool:
-    """Whether the fused kernels run the attention core (``config.backend``)."""
-    from attnchecker import kernels
-
-    if config.backend == "eager":
-        return False
-    usable = kernels.available() and not found.wiring.patch
-    if config.backend == "auto":
-        if not (usable and device.type == "cuda"):
-            return False
-        reason = kernels.self_test(device)
-        if reason is not None:
-            warnings.warn(
-                f"backend='auto': the fused kernels failed their self-test on {device} "
-                f"({reason}); the checked eager attention runs instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return reason is None
-    if not kernels.available():
-        raise ConfigError(
-            "backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU, "
-            "tests only); use backend='eager' or 'auto'"
-        )
-    if found.wiring.patch:
-        raise UnsupportedModelError(
-            f"backend='triton': {found.model_type} does not dispatch through transformers' "
-            f"attention interface; use backend='eager' or 'auto'"
-        )
-    return True
 
 
 def _device(module: nn.Module, default: torch.device | None = None) -> torch.device:
