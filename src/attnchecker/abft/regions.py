@@ -24,7 +24,7 @@ forward core's scores, probabilities and context checks and their one repair),
 ``attnchecker.attention.grads._linear_grad_region`` (a checked linear layer's backward: its dX
 and dW checks, the norms they share and their records), ``_matmul_grad_region`` (the core's
 dQ, dK, dP, dV as :func:`attnchecker.attention.grads.heads_grad_check_`, and their records) and
-``attnchecker.attention.state._records_region`` (a layer's forward records into log rows). A
+``attnchecker.attention.records._records_region`` (a layer's forward records into log rows). A
 region called inside another is traced inline with it (one compiled program). What stays
 outside them is the model's own GEMMs, one ``index_add_`` of records per layer, the stacking of
 Q|K|V's weights and autocast's casts (``attnchecker.testing.OpCounter`` counts them apart,

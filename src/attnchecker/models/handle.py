@@ -139,12 +139,14 @@ class ProtectionHandle:
         states: dict[str, AttentionState],
         clock: Clock,
         schedule: Schedule | None = None,
+        *,
+        undo: list[Callable[[], None]] | None = None,
     ) -> None:
         self.config = config
         self._states = states
         self._clock = clock
         self.schedule = Schedule.of(config) if schedule is None else schedule
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], None]] = [] if undo is None else undo  # what protect_ did
         self._totals = {op: {"detected": 0, "corrected": 0, "uncorrectable": 0} for op in ALL_OPS}
         self.skip_requested = False
         self._causes = {"fault": 0, "numerics": 0}  # detections by cause since protection

@@ -9,6 +9,7 @@ No parameter, buffer or module is added or replaced, so ``state_dict()`` is unch
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,10 +19,10 @@ from attnchecker.attention.core import CORE
 from attnchecker.attention.fused import choose_engine
 from attnchecker.attention.projection import is_conv1d, protect_attention, protect_linears
 from attnchecker.attention.schedule import Schedule
-from attnchecker.attention.state import Clock
+from attnchecker.attention.state import AttentionState, Clock
 from attnchecker.errors import ConfigError, NoMatchingModuleError
 from attnchecker.models.handle import ProtectionHandle
-from attnchecker.models.registry import discover, install
+from attnchecker.models.registry import AttentionBlock, Discovery, discover, install
 
 __all__ = ["protect_", "unprotect_"]
 
@@ -63,31 +64,20 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
     )
     clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
     schedule = Schedule.of(config)
-    handle = ProtectionHandle(config, {}, clock, schedule)
-    names = {id(m): n for n, m in model.named_modules()}
-    unpatched: list[str] = []  # Linear / Conv1D whose own forward replaced: no backward checks
-    for b in chosen:
-        st, undo, unwired = protect_attention(
-            b.name, b.layer, b.projections, config, clock, schedule, passing=b.passing,
-            device=_device(b.core, device), engine=engine, note=note,
-        )  # fmt: skip
-        handle._states[b.name] = st
-        handle._undo += undo
-        unpatched += [names.get(id(m), "?") for m in unwired]
-    for b in blocks:
-        setattr(b.core, CORE, (b.spec, handle._states.get(b.name)))
-    handle._undo.append(lambda: [delattr(b.core, CORE) for b in blocks])
-    if config.scope == "all_linear":
-        taken = {id(p.module) for b in chosen for p in b.projections}
-        linears = [
-            (name, m, _layer_of(name))
-            for name, m in model.named_modules()
-            if id(m) not in taken and (isinstance(m, nn.Linear) or is_conv1d(m))
-        ]
-        states, undo, names_unpatched = protect_linears(linears, config, clock, schedule)
-        handle._states.update(states)
-        handle._undo += undo
-        unpatched += names_unpatched
+    states: dict[str, AttentionState] = {}
+    undo: list[Callable[[], None]] = []
+    try:
+        unpatched = _wire(model, found, chosen, config, clock, schedule, engine, note, states, undo)
+        undo.append(install(model, found, fused=engine == "triton"))
+
+        def tick(module: nn.Module, *_: object) -> None:
+            clock.tick(_device(module, clock.count.device))
+
+        undo.append(model.register_forward_pre_hook(tick).remove)
+    except BaseException:  # nothing half-installed is left behind
+        for fn in reversed(undo):
+            fn()
+        raise
     if unpatched:
         warnings.warn(
             f"attnchecker: {len(unpatched)} linear layer(s) have a forward of their own (a "
@@ -97,15 +87,53 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
             RuntimeWarning,
             stacklevel=2,
         )
-    handle._undo.append(install(model, found, fused=engine == "triton"))
-
-    def tick(module: nn.Module, *_: object) -> None:
-        clock.tick(_device(module, clock.count.device))
-
-    handle._undo.append(model.register_forward_pre_hook(tick).remove)
+    handle = ProtectionHandle(config, states, clock, schedule, undo=undo)
     setattr(model, _HANDLE, handle)
-    handle._undo.append(lambda: delattr(model, _HANDLE))
+    undo.append(lambda: delattr(model, _HANDLE))
     return handle
+
+
+def _wire(
+    model: nn.Module,
+    found: Discovery,
+    chosen: list[AttentionBlock],
+    config: ABFTConfig,
+    clock: Clock,
+    schedule: Schedule,
+    engine: str,
+    note: str,
+    states: dict[str, AttentionState],
+    undo: list[Callable[[], None]],
+) -> list[str]:
+    """The states of the chosen attention blocks (and with ``scope="all_linear"`` of every
+    other linear layer), wired, into ``states`` and their undos into ``undo``; returns the
+    names of the linear layers whose backward GEMMs could not be wired."""
+    device = clock.count.device
+    names = {id(m): n for n, m in model.named_modules()}
+    unpatched: list[str] = []  # Linear / Conv1D whose own forward replaced: no backward checks
+    for b in chosen:
+        st, more, unwired = protect_attention(
+            b.name, b.layer, b.projections, config, clock, schedule, passing=b.passing,
+            device=_device(b.core, device), engine=engine, note=note,
+        )  # fmt: skip
+        states[b.name] = st
+        undo += more
+        unpatched += [names.get(id(m), "?") for m in unwired]
+    for b in found.blocks:
+        setattr(b.core, CORE, (b.spec, states.get(b.name)))
+    undo.append(lambda: [delattr(b.core, CORE) for b in found.blocks if hasattr(b.core, CORE)])
+    if config.scope == "all_linear":
+        taken = {id(p.module) for b in chosen for p in b.projections}
+        linears = [
+            (name, m, _layer_of(name))
+            for name, m in model.named_modules()
+            if id(m) not in taken and (isinstance(m, nn.Linear) or is_conv1d(m))
+        ]
+        more_states, more, names_unpatched = protect_linears(linears, config, clock, schedule)
+        states.update(more_states)
+        undo += more
+        unpatched += names_unpatched
+    return unpatched
 
 
 def _layer_of(name: str) -> int:
