@@ -73,49 +73,6 @@ def _norm(t: Tensor) -> Tensor:
     return norm_bound(t, (-2, -1))
 
 
-def _reference(
-    out: Tensor,
-    x: Tensor,
-    y: Tensor,
-    *,
-    scale: float,
-    nonneg: bool = False,
-    norms: tuple[Tensor, Tensor] | None = None,
-    rows_contiguous: bool,
-) -> tuple[Tensor, Tensor]:
-    """(reference, tolerance) (..., M) of the row sums of out = x @ y, x (..., M, K),
-    y (..., K, N), in few passes over the large operands: the reference is one GEMV in the
-    operands' dtype (fp32 for fp16, whose range a row sum can overflow); the magnitude bound is
-    sum_k |x_ik| sum_n |y_kn| <= ||x_i|| sqrt(N) ||y||_F (Cauchy-Schwarz twice, no |x| pass),
-    with the row norms ||x_i|| where x's rows are contiguous (one fast pass) and ||x||_F in
-    their place where they are not (a strided pass would cost more than the GEMV); ``norms``:
-    (||x||_F, ||y||_F) already at hand. Exact per row when x >= 0 (``nonneg``: one GEMV gives
-    both)."""
-    K, N = y.shape[-2], y.shape[-1]
-    dt = x.dtype if x.dtype == y.dtype and x.dtype != torch.float16 else _F32
-    rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0  # x and the sums in dt
-    ysum = y.sum(-1, dtype=_F32)  # (..., K)
-    if nonneg:
-        yabs = y.abs().sum(-1, dtype=_F32)  # y is the small operand here (dO)
-        both = x.to(dt) @ torch.stack([ysum, yabs], -1).to(dt)  # (..., M, 2)
-        ref, mag = both[..., 0].to(_F32), both[..., 1].to(_F32)
-    else:
-        ref = (x.to(dt) @ ysum.to(dt).unsqueeze(-1)).squeeze(-1).to(_F32)  # (..., M)
-        yn = _norm(y) if norms is None else norms[1]  # (...)
-        if rows_contiguous:  # x.stride(-1) == 1: (..., M)
-            xn = norm_bound(x, -1)
-        else:  # (..., 1)
-            xn = (_norm(x) if norms is None else norms[0]).unsqueeze(-1)
-        mag = xn * (yn * math.sqrt(N)).unsqueeze(-1)
-    tol = (gemm_factor(out, x, y, inner=K, length=N) + rounding) * scale
-    return ref, (mag * tol).add_(underflow_floor(out.dtype, length=N, inner=K))
-
-
-def _excess(out: Tensor, ref: Tensor, tol: Tensor) -> tuple[Tensor, Tensor]:
-    res = out.sum(-1, dtype=_F32) - ref
-    return res, res.abs() - tol
-
-
 def product_residual(
     out: Tensor,
     x: Tensor,
@@ -127,11 +84,36 @@ def product_residual(
 ) -> tuple[Tensor, Tensor]:
     """(residual, excess) (..., M) of the rows of out = x @ y, x (..., M, K), y (..., K, N):
     excess > 0 (or NaN) where a row is flagged. ``nonneg``: x >= 0 (probabilities), so one thin
-    GEMM gives the reference and an exact magnitude."""
-    # x's layout is read outside autocast(enabled=False): see gemm_check_
-    kw = {"scale": scale, "nonneg": nonneg, "norms": norms, "rows_contiguous": x.stride(-1) == 1}
+    GEMM gives the reference and an exact magnitude; ``norms``: (||x||_F, ||y||_F) already at
+    hand.
+
+    The reference is one GEMV in the operands' dtype (fp32 for fp16, whose range a row sum can
+    overflow), in few passes over the large operands; the magnitude bound is
+    sum_k |x_ik| sum_n |y_kn| <= ||x_i|| sqrt(N) ||y||_F (Cauchy-Schwarz twice, no |x| pass),
+    with the row norms ||x_i|| where x's rows are contiguous (one fast pass) and ||x||_F in
+    their place where they are not (a strided pass would cost more than the GEMV)."""
+    rows_contiguous = x.stride(-1) == 1  # read outside autocast(enabled=False): see gemm_check_
+    K, N = y.shape[-2], y.shape[-1]
     with torch.autocast(out.device.type, enabled=False):
-        return _excess(out, *_reference(out, x, y, **kw))
+        dt = x.dtype if x.dtype == y.dtype and x.dtype != torch.float16 else _F32
+        rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0  # x and the sums in dt
+        ysum = y.sum(-1, dtype=_F32)  # (..., K)
+        if nonneg:
+            yabs = y.abs().sum(-1, dtype=_F32)  # y is the small operand here (dO)
+            both = x.to(dt) @ torch.stack([ysum, yabs], -1).to(dt)  # (..., M, 2)
+            ref, mag = both[..., 0].to(_F32), both[..., 1].to(_F32)
+        else:
+            ref = (x.to(dt) @ ysum.to(dt).unsqueeze(-1)).squeeze(-1).to(_F32)  # (..., M)
+            yn = _norm(y) if norms is None else norms[1]  # (...)
+            if rows_contiguous:  # (..., M)
+                xn = norm_bound(x, -1)
+            else:  # (..., 1)
+                xn = (_norm(x) if norms is None else norms[0]).unsqueeze(-1)
+            mag = xn * (yn * math.sqrt(N)).unsqueeze(-1)
+        tol = (gemm_factor(out, x, y, inner=K, length=N) + rounding) * scale
+        tol = (mag * tol).add_(underflow_floor(out.dtype, length=N, inner=K))
+        res = out.sum(-1, dtype=_F32) - ref
+        return res, res.abs() - tol
 
 
 def product_check_(out: Tensor, x: Tensor, y: Tensor, **kw) -> Tensor:
