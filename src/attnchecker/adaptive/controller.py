@@ -51,17 +51,33 @@ optimizer); the profiled sites' share of the step's work is reported as ``covera
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
 from attnchecker.attention.config import ALL_OPS, ABFTConfig
 from attnchecker.errors import ConfigError
 
-__all__ = ["PERIODS", "RATE_UNITS", "Choice", "FaultRate", "Site", "choose", "risk_of", "sites"]
+__all__ = [
+    "ESTIMATES",
+    "PERIODS",
+    "RATE_UNITS",
+    "Choice",
+    "FaultRate",
+    "Site",
+    "choose",
+    "load_plan",
+    "parse_kinds",
+    "risk_of",
+    "save_plan",
+    "sites",
+]
 
 PERIODS = (2, 4, 8, 16, 32, 64)
 RATE_UNITS = ("step", "element-op", "device-hour")
+ESTIMATES = ("high", "point")  # which end of the risk intervals decides: the upper, or the point
 PER_MILLION = 1e6
 
 
@@ -93,6 +109,17 @@ class FaultRate:
             return self.value * macs
         steps = self.value if self.per == "step" else self.value * cost.step_seconds / 3600
         return steps * macs / cost.step_macs
+
+
+def parse_kinds(text: str | None) -> dict[str, float] | None:
+    """A kind distribution as written at the command line, ``nan=0.5,inf=0.5`` (the
+    ``kinds`` of :class:`FaultRate`); None or "" stays None (uniform)."""
+    if not text:
+        return None
+    try:
+        return {k: float(p) for k, p in (kv.split("=") for kv in text.split(","))}
+    except ValueError:
+        raise ConfigError(f"--kinds is kind=probability,..., got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -259,9 +286,9 @@ def choose(
         raise ConfigError(f"the target must be >= 0 events per million steps, got {target!r}")
     if budget is not None and not budget >= 0:
         raise ConfigError(f"the budget must be an overhead >= 0 (0.05 = 5%), got {budget!r}")
-    end = {"point": 0, "high": 2}.get(estimate)
-    if end is None:
+    if estimate not in ESTIMATES:
         raise ConfigError(f"estimate must be 'high' or 'point', got {estimate!r}")
+    end = {"point": 0, "high": 2}[estimate]
     ss = sites(vuln, cost, rate, confidence)
     if not ss:
         raise ConfigError(
@@ -362,3 +389,16 @@ def _notes(ss: list[Site], rate: FaultRate, cost: CostProfile) -> tuple[str, ...
     if rate.value == 0:
         notes.append("fault rate 0: no check pays for itself")
     return tuple(notes)
+
+
+def save_plan(choice: Choice, rate: FaultRate, path: str | Path) -> Path:
+    """``attnchecker plan``'s file: the fault rate and the choice, whose ``config`` is the
+    :class:`ABFTConfig` to protect with (:func:`load_plan`)."""
+    path = Path(path)
+    path.write_text(json.dumps({"rate": vars(rate), **choice.to_dict()}, indent=1))
+    return path
+
+
+def load_plan(path: str | Path) -> ABFTConfig:
+    """The :class:`ABFTConfig` of a plan file (:func:`save_plan`; ``train --plan``)."""
+    return ABFTConfig.from_dict(json.loads(Path(path).read_text())["config"])

@@ -3,12 +3,17 @@
 - :class:`VulnerabilityProfile`: for one family, per (op, layer, fault kind), how many campaign
   trials (:mod:`attnchecker.inject.campaign`) ended in each outcome, unprotected and protected;
   rates come with Wilson score intervals from those counts. Written next to the campaign as
-  ``vulnerability.json``.
+  ``vulnerability-<family>.json``.
 - :class:`CostProfile`: what checking each op costs on this machine (a fraction of the plain
   model's training step with transformers' default SDPA attention, all layers checked), what
   leaving SDPA for the checked engine costs, the ops launched, and each GEMM's size in element
   operations (multiply-adds) per step: the exposure of a site to faults. Measured by
-  :func:`attnchecker.adaptive.bench.measure_costs` (``attnchecker bench``), ``cost.json``.
+  :func:`attnchecker.adaptive.bench.measure_costs` (``attnchecker bench``),
+  ``cost-<family>.json``.
+
+Where they live next to a campaign (``vulnerability-<family>.json``, ``cost-<family>.json``) and
+what a campaign directory says (its families, its model and batch shape) is read here too, so
+the CLI only names a directory.
 """
 
 from __future__ import annotations
@@ -24,11 +29,26 @@ from typing import Any, NamedTuple
 from attnchecker.attention.config import ALL_OPS
 from attnchecker.errors import ConfigError
 
-__all__ = ["Cell", "CostProfile", "Estimate", "OpCost", "VulnerabilityProfile", "wilson"]
+__all__ = [
+    "CONFIDENCES",
+    "Cell",
+    "CostProfile",
+    "Estimate",
+    "OpCost",
+    "VulnerabilityProfile",
+    "campaign_family",
+    "campaign_setup",
+    "cost_path",
+    "load_profiles",
+    "vulnerability_path",
+    "wilson",
+    "write_vulnerability_profiles",
+]
 
 PROFILE_VERSION = 1
 OUTCOMES = ("masked", "silent_deviation", "loss_spike", "non_trainable")
 _Z = {0.8: 1.2816, 0.9: 1.6449, 0.95: 1.9600, 0.99: 2.5758}
+CONFIDENCES = tuple(_Z)  # the confidences an interval can be asked at
 
 
 class Estimate(NamedTuple):
@@ -123,22 +143,9 @@ class VulnerabilityProfile:
         from attnchecker.inject.campaign import load_trials
 
         out = Path(out)
-        metas = sorted(out.glob("meta*.json"))
-        if not metas:
-            raise ConfigError(f"{out}: not a campaign directory (no meta.json)")
-        config = json.loads(metas[0].read_text())["config"]
+        config = _campaign_config(out)
         rows = load_trials(out)
-        families = sorted({r["family"] for r in rows})
-        if family is None:
-            if len(families) != 1:
-                raise ConfigError(
-                    f"{out} holds families {families}: say which one (--family)"
-                    if families
-                    else f"{out} has no trials yet"
-                )
-            family = families[0]
-        if family not in families:
-            raise ConfigError(f"{out} has no trials of {family!r}; it has {families}")
+        family = _one_family(out, rows, family)
         groups: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
         for r in rows:
             if r["family"] == family:
@@ -202,6 +209,17 @@ class CostProfile:
     def macs_of(self, layer: int, op: str) -> int:
         return next((m for at, o, m in self.macs if at == layer and o == op), 0)
 
+    def lines(self) -> list[str]:
+        """What ``attnchecker bench`` prints: the plain step, the engine's cost, each op's."""
+        engine, layers = self.engine.point, self.setup["layers"]
+        head = (f"plain step {1e3 * self.step_seconds:.1f} ms; leaving SDPA for the checked "
+                f"engine {engine:+.1%}; per op, all {layers} layers:")  # fmt: skip
+        return [head] + [
+            f"  {o.op:<7} {o.cost.point:+7.1%} [{o.cost.low:+.1%}, {o.cost.high:+.1%}] "
+            f"{o.launches:5d} ops launched"
+            for o in self.ops
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -219,6 +237,82 @@ class CostProfile:
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def vulnerability_path(campaign: str | Path, family: str) -> Path:
+    """Where a campaign keeps ``family``'s vulnerability profile."""
+    return Path(campaign) / f"vulnerability-{family}.json"
+
+
+def cost_path(campaign: str | Path, family: str) -> Path:
+    """Where ``attnchecker bench --campaign`` keeps ``family``'s cost profile."""
+    return Path(campaign) / f"cost-{family}.json"
+
+
+def write_vulnerability_profiles(campaign: str | Path) -> list[Path]:
+    """Save the vulnerability profile of every family of the campaign in ``campaign`` next to
+    its trials (:func:`vulnerability_path`); returns the files written."""
+    from attnchecker.inject.campaign import load_trials
+
+    families = sorted({r["family"] for r in load_trials(Path(campaign))})
+    return [
+        VulnerabilityProfile.from_campaign(campaign, f).save(vulnerability_path(campaign, f))
+        for f in families
+    ]
+
+
+def campaign_family(campaign: str | Path, family: str | None = None) -> str:
+    """``family`` if the campaign has trials of it; None: the campaign's only family."""
+    from attnchecker.inject.campaign import load_trials
+
+    return _one_family(Path(campaign), load_trials(Path(campaign)), family)
+
+
+def campaign_setup(campaign: str | Path) -> dict[str, Any]:
+    """The campaign's model size and batch shape (``size``, ``batch``, ``seq_len``): what a cost
+    profile must be measured at to match its vulnerability profile."""
+    config = _campaign_config(Path(campaign))
+    return {k: config[k] for k in ("size", "batch", "seq_len")}
+
+
+def load_profiles(
+    campaign: str | Path, family: str | None = None, *, cost: str | Path | None = None,
+    pooled: bool = False,
+) -> tuple[VulnerabilityProfile, CostProfile]:  # fmt: skip
+    """What the controller decides from: the vulnerability profile of ``family`` (None: the
+    campaign's only one), rebuilt from the campaign's trials (layers merged when ``pooled``,
+    :meth:`VulnerabilityProfile.pooled`), and the cost profile at ``cost`` (default: the one
+    ``attnchecker bench --campaign`` wrote, :func:`cost_path`). Writes nothing."""
+    vuln = VulnerabilityProfile.from_campaign(campaign, family)
+    where = Path(cost or cost_path(campaign, vuln.family))
+    if not where.exists():
+        raise ConfigError(
+            f"no cost profile at {where}: run attnchecker bench --campaign {campaign}"
+        )
+    return (vuln.pooled() if pooled else vuln), CostProfile.load(where)
+
+
+def _campaign_config(out: Path) -> dict[str, Any]:
+    """The resolved config of the campaign in ``out`` (its ``meta.json``, or a shard's)."""
+    metas = sorted(out.glob("meta*.json"))
+    if not metas:
+        raise ConfigError(f"{out}: not a campaign directory (no meta.json)")
+    return json.loads(metas[0].read_text())["config"]
+
+
+def _one_family(out: Path, rows: list[dict[str, Any]], family: str | None) -> str:
+    families = sorted({r["family"] for r in rows})
+    if family is None:
+        if len(families) != 1:
+            raise ConfigError(
+                f"{out} holds families {families}: say which one (--family)"
+                if families
+                else f"{out} has no trials yet"
+            )
+        family = families[0]
+    if family not in families:
+        raise ConfigError(f"{out} has no trials of {family!r}; it has {families}")
+    return family
 
 
 def _count(rows: list[dict], arm: str) -> dict[str, int]:

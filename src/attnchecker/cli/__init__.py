@@ -1,57 +1,44 @@
-"""Command line: ``attnchecker <command>``, one module per command group (``add_parser(sub,
-formatter)`` and its handlers): parse, build one config, call the library, print."""
+"""Command line: ``attnchecker <command>``, one module per command group: its ``add_parser(sub)``
+adds its commands (:func:`attnchecker.cli.common.add_command`), each run by a handler that
+parses, builds one config, calls the library and prints; its ``TASK`` is its line of the
+commands-by-task list. A new group is a module here and its name in :data:`GROUPS`; a new
+command in a group touches that module only."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
 from attnchecker.errors import AttnCheckerError
 
-__all__ = ["main"]
+__all__ = ["GROUPS", "main"]
 
-
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown; description and epilog wrapped line by line (their line breaks kept)."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        import textwrap
-
-        return "\n".join(
-            textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent + "  ")
-            for line in text.splitlines()
-        )
-
+# the command groups, in the order of the help (each a module of this package)
+GROUPS = ("demo", "train", "campaign", "adaptive", "sdc")
 
 _DESCRIPTION = """\
 attnchecker keeps transformer training correct when the hardware computes wrong
 numbers: checksums that find and correct INF / NaN / near-INF errors in attention's
 GEMMs (forward and backward), fault injection to measure what errors do, SDC
 analysis and recovery."""
-_BY_TASK = """commands by task:
-  see it work          demo
-  train                train (protected or not, under faults, with recovery)
-  measure errors       campaign, report
-  choose what to check bench, plan, validate
-  silent corruption    sdc
-"""
 
 
 def _parser() -> argparse.ArgumentParser:
     from attnchecker import __version__
 
+    groups = [importlib.import_module(f"attnchecker.cli.{name}") for name in GROUPS]
+    by_task = "\n".join(f"  {task:<20} {commands}" for task, commands in (g.TASK for g in groups))
     p = argparse.ArgumentParser(
-        prog="attnchecker", description=_DESCRIPTION, epilog=_BY_TASK,
+        prog="attnchecker", description=_DESCRIPTION, epilog=f"commands by task:\n{by_task}\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("--version", action="version", version=f"attnchecker {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = p.add_subparsers(dest="command", required=True)
-    from attnchecker.cli import adaptive, campaign, demo, sdc, train
-
-    for group in (demo, train, campaign, sdc, adaptive):
-        group.add_parser(sub, _Help)
+    for group in groups:
+        group.add_parser(sub)
     return p
 
 

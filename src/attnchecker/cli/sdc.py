@@ -5,21 +5,30 @@ from __future__ import annotations
 import argparse
 import os
 
-from attnchecker.cli.train import relaunch
+from attnchecker.cli.common import add_command, needs_torchrun, relaunch
 from attnchecker.models.families import FAMILIES
 from attnchecker.models.tiny import SIZES
 
-__all__ = ["add_parser"]
+__all__ = ["TASK", "add_parser"]
+
+TASK = ("silent corruption", "sdc")
+
+_SDC = """Silent data corruption as the study of real faulty nodes measures it: lockstep (level 1:
+every submodule's output, 2: every step's gradients, 3: a period of training against a control),
+or record fingerprints on two machines and compare them.
+
+example: attnchecker sdc record --out a.jsonl (on each machine), then attnchecker sdc compare
+a.jsonl b.jsonl"""
 
 
 def _sdc(args: argparse.Namespace) -> int:
+    if needs_torchrun(args):
+        return relaunch(args)
     import json
 
     from attnchecker.sdc import LockstepConfig, run_lockstep
     from attnchecker.sdc.twin import in_twin_mode, run_twin
 
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return relaunch(args)
     cfg = LockstepConfig(
         level=args.level, family=args.family, size=args.size, steps=args.steps, seed=args.seed,
         data=tuple(args.data) if args.data else None,
@@ -98,18 +107,10 @@ def _sdc_compare(args: argparse.Namespace) -> int:
     return 0 if result["identical"] else 1
 
 
-def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add this group's commands to ``sub``."""
-    sdc = sub.add_parser(
-        "sdc", help="SDC analysis: a healthy and a faulty replica in lockstep",
-        formatter_class=formatter,
-        description="Silent data corruption as the study of real faulty nodes measures it: "
-        "lockstep (level 1: every submodule's output, 2: every step's gradients, 3: a "
-        "period of training against a control), or record fingerprints on two machines and "
-        "compare them.",
-        epilog="example: attnchecker sdc record --out a.jsonl (on each machine), then "
-        "attnchecker sdc compare a.jsonl b.jsonl",
-    )  # fmt: skip
+    summary = "SDC analysis: a healthy and a faulty replica in lockstep"
+    sdc = add_command(sub, "sdc", None, summary, doc=_SDC)
     sdc_sub = sdc.add_subparsers(dest="sdc_command", required=True)
     lock = sdc_sub.add_parser("lockstep", help="level 1 (submodules), 2 (steps) or 3 (a period)")
     lock.add_argument("--level", type=int, choices=[1, 2, 3], default=1)

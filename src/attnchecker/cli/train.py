@@ -3,82 +3,64 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-from attnchecker.attention.config import BACKENDS, POLICIES, SCOPES
-from attnchecker.inject.kinds import DEFAULT_KINDS
+from attnchecker.attention.config import POLICIES, SCOPES
+from attnchecker.cli.common import add_backend, add_command, needs_torchrun, relaunch
 from attnchecker.models.families import FAMILIES
 from attnchecker.models.tiny import SIZES
+from attnchecker.train.loop import RECOVERIES, TASKS
 
-__all__ = ["add_parser", "relaunch"]
+__all__ = ["TASK", "add_parser"]
 
-
-def relaunch(args: argparse.Namespace) -> int:
-    """Run this same command under torchrun with ``--nproc`` processes (gloo on CPU)."""
-    import subprocess
-
-    argv = list(args.argv)
-    i = argv.index("--nproc")
-    del argv[i : i + 2]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc_per_node", str(args.nproc), "-m", "attnchecker", *argv]
-    return subprocess.call(cmd)
+TASK = ("train", "train (protected or not, under faults, with recovery)")
 
 
 def _train(args: argparse.Namespace) -> int:
-    import json
+    """Train a family preset (--size tiny: hidden 32, 2 layers; small: 256, 4 layers; base: 768,
+    12 heads) or your own transformers config (--model) on Shakespeare or your texts, optionally
+    protected (--protect), under a fault plan or sampled faults, with checkpoint/restore
+    (--recovery checkpoint), on N processes (--nproc: DDP through torchrun). Every step is
+    diagnosed (your hardware / not).
 
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+    outputs: <out>/meta.json, metrics.jsonl (a line per step), events.jsonl (faults, protection
+    events, diagnoses, rollbacks), model.safetensors, summary.json (every rank's counts, the
+    outlier rank); rank r > 0 under <out>/rank<r>/
+
+    example: attnchecker train --out runs/t --family llama --protect --fault-rate 0.1
+    """
+    if needs_torchrun(args):
         return relaunch(args)
+    import json
     from pathlib import Path
 
+    from attnchecker.adaptive.controller import load_plan
     from attnchecker.attention.config import ABFTConfig
     from attnchecker.inject import FaultPlan
-    from attnchecker.train.loop import TrainConfig, train
+    from attnchecker.train.loop import TrainConfig, sampled_faults, train
 
-    faults = None
     abft = None
     if args.plan:  # attnchecker plan's choice
-        abft = ABFTConfig.from_dict(json.loads(Path(args.plan).read_text())["config"])
-        abft = abft.replace(policy=args.policy, backend=args.backend)
+        abft = load_plan(args.plan).replace(policy=args.policy, backend=args.backend)
+    elif args.protect:
+        abft = ABFTConfig(policy=args.policy, backend=args.backend, scope=args.scope)
     if args.faults:
         faults = FaultPlan.from_json(Path(args.faults).read_text())
-    elif args.fault_rate > 0:
-        n = max(1, round(args.fault_rate * args.steps))
-        kinds = DEFAULT_KINDS
-        faults = FaultPlan.sample(n, args.seed, kinds=kinds, steps=tuple(range(1, args.steps + 1)))
+    else:
+        faults = sampled_faults(args.fault_rate, args.steps, args.seed)
     cfg = TrainConfig(
         family=args.family, model=args.model, size=args.size, task=args.task, steps=args.steps,
-        batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-        abft=abft or (
-            ABFTConfig(policy=args.policy, backend=args.backend, scope=args.scope)
-            if args.protect else None
-        ),
-        recovery=args.recovery, fault_rank=args.fault_rank, protect=args.protect or bool(abft),
+        batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed, abft=abft,
+        protect=abft is not None, recovery=args.recovery, fault_rank=args.fault_rank,
         checkpoint_every=args.checkpoint_every, bf16=args.bf16, warmup=args.warmup,
         data=tuple(args.data) if args.data else None,
     )  # fmt: skip
-    summary = train(cfg, args.out, faults=faults)
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(train(cfg, args.out, faults=faults), indent=2))
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add this group's commands to ``sub``."""
-    tr = sub.add_parser(
-        "train", help="train a model, optionally protected, under faults",
-        formatter_class=formatter,
-        description="Train a family preset (--size tiny: hidden 32, 2 layers; small: 256, 4 "
-        "layers; base: 768, 12 heads) or your own transformers config (--model) on "
-        "Shakespeare or your texts, optionally protected (--protect), under a fault plan or "
-        "sampled faults, with checkpoint/restore (--recovery checkpoint), on N processes "
-        "(--nproc: DDP through torchrun). Every step is diagnosed (your hardware / not).",
-        epilog="outputs: <out>/meta.json, metrics.jsonl (a line per step), events.jsonl "
-        "(faults, protection events, diagnoses, rollbacks), model.safetensors, summary.json "
-        "(every rank's counts, the outlier rank); rank r > 0 under <out>/rank<r>/\n"
-        "example: attnchecker train --out runs/t --family llama --protect --fault-rate 0.1",
-    )  # fmt: skip
+    tr = add_command(sub, "train", _train, "train a model, optionally protected, under faults")
     tr.add_argument("--out", required=True, help="run directory")
     tr.add_argument("--family", default="gpt2", choices=FAMILIES)
     tr.add_argument(
@@ -88,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
         "initialised, nothing downloaded); used instead of --family/--size",
     )
     tr.add_argument("--size", default="tiny", choices=SIZES)
-    tr.add_argument("--task", default="lm", choices=["lm", "cls"])
+    tr.add_argument("--task", default="lm", choices=TASKS)
     tr.add_argument("--steps", type=int, default=50)
     tr.add_argument("--batch", type=int, default=8)
     tr.add_argument("--seq-len", type=int, default=64)
@@ -97,11 +79,8 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     tr.add_argument("--protect", action="store_true", help="protect_ the model")
     tr.add_argument("--plan", help="protect with attnchecker plan's choice (its plan.json)")
     tr.add_argument("--policy", default="warn", choices=POLICIES)
-    tr.add_argument(
-        "--backend", default="eager", choices=BACKENDS,
-        help="protected attention: the checked eager math, or the fused kernels (triton)",
-    )  # fmt: skip
-    tr.add_argument("--recovery", default="none", choices=["none", "checkpoint"])
+    add_backend(tr, "protected attention: the checked eager math, or the fused kernels (triton)")
+    tr.add_argument("--recovery", default="none", choices=RECOVERIES)
     tr.add_argument("--checkpoint-every", type=int, default=10)
     tr.add_argument("--warmup", type=int, default=0, help="linear learning-rate warmup steps")
     tr.add_argument("--bf16", action="store_true", help="CPU bf16 autocast")
@@ -114,4 +93,3 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
         "--scope", default="attention", choices=SCOPES,
         help="what --protect checks: the attention modules, or every linear layer too",
     )  # fmt: skip
-    tr.set_defaults(func=_train)

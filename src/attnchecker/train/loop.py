@@ -5,6 +5,8 @@ offline corpus, optionally protected and/or with the checkpoint/restore baseline
 run directory: ``meta.json``, ``metrics.jsonl`` (one line per step), ``events.jsonl`` (fired
 faults, protection events, rollbacks), ``model.safetensors`` and ``summary.json``;
 ``train_steps`` is the same loop a step at a time (a generator), for runs that take turns.
+The loop's parts: :meth:`TrainState.build` sets a run up, :func:`train_step` is one forward and
+backward read back in one host sync, and the loop decides what to do with it.
 
 The loop reads the loss and gradient norm once per step (its single host sync, at the step
 boundary), drains protection events there, and then decides: a non-trainable step (NaN/INF loss
@@ -37,7 +39,7 @@ import time
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,9 +49,28 @@ from attnchecker.errors import ConfigError
 from attnchecker.recovery.diagnosis import RankCounts, classify, gather, here, outliers, tally
 
 if TYPE_CHECKING:
-    from attnchecker.models.handle import Event
+    from attnchecker.inject import FaultPlan
+    from attnchecker.models.handle import Event, ProtectionHandle
+    from attnchecker.recovery.checkpoint import NonTrainableDetector
+    from attnchecker.recovery.guard import GuardedOptimizer
+    from attnchecker.train.data import TokenBlocks
 
-__all__ = ["TrainConfig", "tally_events", "train", "train_steps"]
+__all__ = [
+    "RECOVERIES",
+    "TASKS",
+    "StepResult",
+    "TrainConfig",
+    "TrainState",
+    "sampled_faults",
+    "tally_events",
+    "train",
+    "train_step",
+    "train_steps",
+]
+
+
+TASKS = ("lm", "cls")  # causal or masked language modelling; a classifier: tragedy or not
+RECOVERIES = ("none", "checkpoint")  # the checkpoint/restore baseline, or none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,9 +97,9 @@ class TrainConfig:
     fault_rank: int = 0  # under torch.distributed, the rank whose computations meet the faults
 
     def __post_init__(self) -> None:
-        if self.task not in ("lm", "cls"):
+        if self.task not in TASKS:
             raise ConfigError(f"task must be 'lm' or 'cls', got {self.task!r}")
-        if self.recovery not in ("none", "checkpoint"):
+        if self.recovery not in RECOVERIES:
             raise ConfigError(f"recovery must be 'none' or 'checkpoint', got {self.recovery!r}")
         if self.steps < 1 or self.batch < 1 or self.seq_len < 2 or self.checkpoint_every < 1:
             raise ConfigError("steps, batch and checkpoint_every must be >= 1, seq_len >= 2")
@@ -106,6 +127,19 @@ def tally_events(events: Iterable[Event]) -> dict[str, int]:
     return out
 
 
+def sampled_faults(rate: float, steps: int, seed: int) -> FaultPlan | None:
+    """``rate`` faults per step on average (at least one; None at rate 0) of the default kinds
+    (:data:`attnchecker.inject.kinds.DEFAULT_KINDS`), each at a step drawn from the run's
+    ``steps``: ``attnchecker train --fault-rate``."""
+    from attnchecker.inject import FaultPlan
+    from attnchecker.inject.kinds import DEFAULT_KINDS
+
+    if rate <= 0:
+        return None
+    n = max(1, round(rate * steps))
+    return FaultPlan.sample(n, seed, kinds=DEFAULT_KINDS, steps=tuple(range(1, steps + 1)))
+
+
 def train(
     cfg: TrainConfig, out: str | Path, *, faults=None, progress: bool = True
 ) -> dict[str, Any]:
@@ -125,204 +159,301 @@ def train_steps(
     the summary. Runs advanced in turn in one process (the demo times its arms alternately, so
     that load hits every arm alike) stay independent: each keeps its own global RNG stream
     (dropout, and what a rollback restores) across its pauses, and its ``wall_time_s`` leaves
-    the pauses out."""
-    import transformers
+    the pauses out.
 
-    from attnchecker.inject.injector import Injector
-    from attnchecker.models.protect import protect_
-    from attnchecker.models.tiny import build, from_file
-    from attnchecker.recovery.checkpoint import NonTrainableDetector, save_weights
-    from attnchecker.recovery.guard import guard
-    from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
-
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    owns_group = world > 1 and not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-    ckpt_dir = Path(out) / "checkpoints"  # one set for all ranks: rank 0 writes, all read
-    out = Path(out) if rank == 0 else Path(out) / f"rank{rank}"
-    out.mkdir(parents=True, exist_ok=True)
-    corpus = load_corpus(list(cfg.data) if cfg.data else None)
-    blocks = TokenBlocks.build(corpus, tokenizer_for(corpus, cfg.vocab_size), cfg.seq_len)
-    tragedy = blocks.label_names.index("tragedies") if "tragedies" in blocks.label_names else -1
-    if cfg.model is not None:
-        model = from_file(cfg.model, task=cfg.task, seed=cfg.seed, vocab_size=blocks.vocab_size)
-    else:
-        model = build(
-            cfg.family,
-            cfg.size,
-            task=cfg.task,
-            seed=cfg.seed,
-            vocab_size=blocks.vocab_size,
-            max_len=cfg.seq_len,
-        )
-    model.config.use_cache = False
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-    sched = None
-    if cfg.warmup > 0:
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
-    handle = protect_(model, cfg.abft or ABFTConfig(policy="warn")) if cfg.protect else None
-    guarded = (
-        guard(opt, handle) if handle is not None and handle.config.policy == "skip_step" else None
-    )
-    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    if rank != cfg.fault_rank:
-        faults = None  # a fault is one node's: the others compute cleanly
-    detector = NonTrainableDetector()
-    ckpt = (
-        _SharedCheckpoints(ckpt_dir, cfg.checkpoint_every, rank, world)
-        if cfg.recovery == "checkpoint"
-        else None
-    )
-    meta = {
-        "config": cfg.to_dict(),
-        "faults": None if faults is None else json.loads(faults.to_json()),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "data": {
-            "texts": len(corpus.texts),
-            "blocks": int(blocks.ids.shape[0]),
-            "vocab": blocks.vocab_size,
-        },
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2))
-    step, non_trainable, last_loss = 0, False, float("nan")
-    totals = {
-        "save_s": 0.0,
-        "load_s": 0.0,
-        "saves": 0,
-        "rollbacks": 0,
-        "replayed_steps": 0,
-        "skipped": 0,
-    }
-    counts = {"detected": 0, "corrected": 0, "uncorrectable": 0}
-    torch.manual_seed(cfg.seed)
+    Each step is :func:`train_step` (forward, backward, one host sync), what it found written
+    down, then one decision: skip it (the guard's flag), roll back (a non-trainable step under
+    the checkpoint baseline), or update."""
+    state = TrainState.build(cfg, out, faults=faults)
     t_start, paused = time.perf_counter(), 0.0
     with contextlib.ExitStack() as stack:
-        inj = (
-            stack.enter_context(Injector(model, faults, step_fn=lambda: step + 1))
-            if faults
-            else None
-        )
-        metrics = stack.enter_context((out / "metrics.jsonl").open("w"))
-        events_f = stack.enter_context((out / "events.jsonl").open("w"))
-        bar = stack.enter_context(_bar(cfg.steps, progress))
-        if ckpt is not None:
+        log = _RunLog(state, stack, progress)
+        if state.ckpt is not None:
+            _save_checkpoint(state)
+        while state.step < cfg.steps:
             t0 = time.perf_counter()
-            ckpt.save(0, model, opt, sched)
-            totals["save_s"] += time.perf_counter() - t0
-            totals["saves"] += 1
-        fired_seen = 0
-        where = here(next(model.parameters()).device)
-        mine, recent = RankCounts(where.rank, where.host, where.device), []
-        while step < cfg.steps:
-            t0 = time.perf_counter()
-            x, y = blocks.batch(step * world + rank, cfg.batch, cfg.seed)  # each rank its own data
-            labels = x if cfg.task == "lm" else (y == tragedy).long()
-            low = torch.float16 if cfg.fp16 else torch.bfloat16
-            with torch.autocast("cpu", dtype=low, enabled=cfg.bf16 or cfg.fp16):
-                loss = net(input_ids=x, attention_mask=torch.ones_like(x), labels=labels).loss
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-            # the guard's skip flag (before the drain that resets it; reduced over the ranks)
-            flag = guarded.flag() if guarded is not None else torch.zeros(())
-            if world > 1:  # every rank must take the same decision: share the worst loss
-                worst = torch.stack([loss.detach(), grad_norm]).nan_to_num(float("inf"))
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                loss, grad_norm = worst[0], worst[1]
-            stats = torch.stack([loss.detach().float(), grad_norm.float(), flag.to(loss.device)])
-            loss_v, grad_v, skip_v = stats.tolist()  # the step's one host sync
-            for r in inj.records[fired_seen:] if inj else []:
-                _write(events_f, {"type": "fault", **r.to_dict()})
-            fired_seen = len(inj.records) if inj else 0
-            events = handle.drain() if handle else []
-            finding = classify(
-                events, step=step + 1, loss=loss_v, history=recent, where=where,
-                config=None if handle is None else handle.config,
-            )  # fmt: skip
-            tally(mine, events, finding)
-            if finding is not None:
-                _write(events_f, finding.to_dict())
-            if math.isfinite(loss_v):
-                recent = [*recent[-19:], loss_v]
-            for key, n in tally_events(events).items():
-                counts[key] += n
-            for e in events:
-                _write(events_f, {"type": "protection", **e.to_dict()})
-            if skip_v:  # the guarded optimizer skips the update (on the device)
-                guarded.step(flag=flag)
-                opt.zero_grad(set_to_none=True)
-                totals["skipped"] += 1
-                _write(events_f, {"type": "skipped_step", "step": step + 1})
-                step += 1
+            result = train_step(state)
+            log.step(state, result)
+            if result.skip:  # the guarded optimizer skips the update (on the device)
+                _skip(state, log, result)
                 continue
-            status = detector(loss_v, grad_v)
-            if status and ckpt is not None:
-                opt.zero_grad(set_to_none=True)
-                t1 = time.perf_counter()
-                restored = ckpt.restore(model, opt, sched)
-                totals["load_s"] += time.perf_counter() - t1
-                totals["rollbacks"] += 1
-                totals["replayed_steps"] += step + 1 - restored["step"]
-                row = {
-                    "type": "rollback",
-                    "at_step": step + 1,
-                    "to_step": restored["step"],
-                    "reason": status,
-                }
-                _write(events_f, row)
-                step = restored["step"]
+            status = state.detector(result.loss, result.grad_norm)
+            if status and state.ckpt is not None:
+                _roll_back(state, log, status)
                 continue
-            non_trainable |= bool(status)
-            if guarded is not None:
-                guarded.step(flag=flag)
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            if sched is not None:
-                sched.step()
-            step += 1
-            last_loss = loss_v
-            dt = time.perf_counter() - t0
-            # finished_at (unix seconds): how runs advanced in turn interleaved, from files alone
-            row = {"step": step, "loss": loss_v, "grad_norm": grad_v, "step_time_s": dt,
-                   "faults_injected": fired_seen, "status": status or "ok",
-                   "finished_at": time.time()}  # fmt: skip
-            _write(metrics, row)
-            bar(step, loss_v, row["step_time_s"], fired_seen, counts["corrected"])
+            state.non_trainable |= bool(status)
+            _update(state, result)
+            row = log.metrics(state, result, status, time.perf_counter() - t0)
             # runs advanced while this one pauses draw from the global CPU generator (the loop
             # trains on the CPU): keep this run's stream, or its dropout would depend on theirs
             paused_at, rng = time.perf_counter(), torch.get_rng_state()
             yield row
             torch.set_rng_state(rng)
             paused += time.perf_counter() - paused_at
-            if ckpt is not None and ckpt.due(step):
-                t1 = time.perf_counter()
-                ckpt.save(step, model, opt, sched)
-                totals["save_s"] += time.perf_counter() - t1
-                totals["saves"] += 1
-            if non_trainable and cfg.stop_when_non_trainable:
+            if state.ckpt is not None and state.ckpt.due(state.step):
+                _save_checkpoint(state)
+            if state.non_trainable and cfg.stop_when_non_trainable:
                 break
-    wall = time.perf_counter() - t_start - paused
-    save_weights(model, out / "model.safetensors")
-    ranks = gather(mine)  # every rank's counts (a collective under a process group)
-    if owns_group:
+    return _finish(state, log, wall=time.perf_counter() - t_start - paused)
+
+
+class StepResult(NamedTuple):
+    """What :func:`train_step` read back (agreed over the ranks): the loss, the gradient norm,
+    whether the guarded optimizer must skip the update, and the guard's flag on the device."""
+
+    loss: float
+    grad_norm: float
+    skip: bool
+    flag: torch.Tensor
+
+
+@dataclass(eq=False)
+class TrainState:
+    """One run between its steps, set up by :meth:`build`: the model (``net``: the same, wrapped
+    for DDP under torchrun), its optimizer, learning-rate schedule and protection, its data and
+    checkpoints, and where it stands (``step``: the steps done, rollbacks included)."""
+
+    cfg: TrainConfig
+    out: Path  # this rank's run directory
+    rank: int
+    world: int
+    owns_group: bool  # this run started the process group, and ends it
+    blocks: TokenBlocks
+    tragedy: int  # the label of a tragedy (task "cls"), -1 when the texts have none
+    model: torch.nn.Module
+    net: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler | None
+    handle: ProtectionHandle | None
+    guarded: GuardedOptimizer | None  # under policy "skip_step"
+    faults: FaultPlan | None  # None on every rank but cfg.fault_rank
+    detector: NonTrainableDetector
+    ckpt: _SharedCheckpoints | None  # the checkpoint/restore baseline
+    step: int = 0
+    non_trainable: bool = False
+    last_loss: float = float("nan")
+    # recovery's costs: checkpoint save / load seconds and counts, replays, skipped steps
+    totals: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"save_s": 0.0, "load_s": 0.0, "saves": 0, "rollbacks": 0,
+                                 "replayed_steps": 0, "skipped": 0}
+    )  # fmt: skip
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, out: str | Path, *, faults=None) -> TrainState:
+        """Set up a run in ``out`` (``out/rank<r>`` for rank r > 0): the process group under
+        torchrun, the data, the model (protected, guarded, wrapped in DDP as ``cfg`` says), the
+        optimizer and checkpoints; write ``meta.json``; seed the global generator."""
+        import transformers
+
+        from attnchecker.models.protect import protect_
+        from attnchecker.recovery.checkpoint import NonTrainableDetector
+        from attnchecker.recovery.guard import guard
+        from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
+
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        owns_group = world > 1 and not dist.is_initialized()
+        if owns_group:
+            dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        ckpt_dir = Path(out) / "checkpoints"  # one set for all ranks: rank 0 writes, all read
+        out = Path(out) if rank == 0 else Path(out) / f"rank{rank}"
+        out.mkdir(parents=True, exist_ok=True)
+        corpus = load_corpus(list(cfg.data) if cfg.data else None)
+        blocks = TokenBlocks.build(corpus, tokenizer_for(corpus, cfg.vocab_size), cfg.seq_len)
+        names = blocks.label_names
+        tragedy = names.index("tragedies") if "tragedies" in names else -1
+        model = _model(cfg, blocks.vocab_size)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+        sched = None
+        if cfg.warmup > 0:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
+        handle = protect_(model, cfg.abft or ABFTConfig(policy="warn")) if cfg.protect else None
+        skips = handle is not None and handle.config.policy == "skip_step"
+        net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        if rank != cfg.fault_rank:
+            faults = None  # a fault is one node's: the others compute cleanly
+        ckpt = (
+            _SharedCheckpoints(ckpt_dir, cfg.checkpoint_every, rank, world)
+            if cfg.recovery == "checkpoint"
+            else None
+        )
+        meta = {
+            "config": cfg.to_dict(),
+            "faults": None if faults is None else json.loads(faults.to_json()),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "data": {"texts": len(corpus.texts), "blocks": int(blocks.ids.shape[0]),
+                     "vocab": blocks.vocab_size},
+        }  # fmt: skip
+        (out / "meta.json").write_text(json.dumps(meta, indent=2))
+        state = cls(cfg=cfg, out=out, rank=rank, world=world, owns_group=owns_group,
+                    blocks=blocks, tragedy=tragedy, model=model, net=net, opt=opt, sched=sched,
+                    handle=handle, guarded=guard(opt, handle) if skips else None, faults=faults,
+                    detector=NonTrainableDetector(), ckpt=ckpt)  # fmt: skip
+        torch.manual_seed(cfg.seed)
+        return state
+
+
+def _model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    """The user's config (``cfg.model``) or the family preset, in training mode, no KV cache."""
+    from attnchecker.models.tiny import build, from_file
+
+    if cfg.model is not None:
+        model = from_file(cfg.model, task=cfg.task, seed=cfg.seed, vocab_size=vocab_size)
+    else:
+        model = build(cfg.family, cfg.size, task=cfg.task, seed=cfg.seed, vocab_size=vocab_size,
+                      max_len=cfg.seq_len)  # fmt: skip
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def train_step(state: TrainState) -> StepResult:
+    """Forward and backward of the next step on its batch (each rank its own), the gradient
+    norm and the guard's skip flag; under torchrun every rank takes the worst loss and norm, so
+    that all decide alike. Read in the step's one host sync; nothing is updated yet."""
+    cfg = state.cfg
+    x, y = state.blocks.batch(state.step * state.world + state.rank, cfg.batch, cfg.seed)
+    labels = x if cfg.task == "lm" else (y == state.tragedy).long()
+    low = torch.float16 if cfg.fp16 else torch.bfloat16
+    with torch.autocast("cpu", dtype=low, enabled=cfg.bf16 or cfg.fp16):
+        loss = state.net(input_ids=x, attention_mask=torch.ones_like(x), labels=labels).loss
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), float("inf"))
+    # the guard's skip flag (before the drain that resets it; reduced over the ranks)
+    flag = state.guarded.flag() if state.guarded is not None else torch.zeros(())
+    if state.world > 1:  # every rank must take the same decision: share the worst loss
+        worst = torch.stack([loss.detach(), grad_norm]).nan_to_num(float("inf"))
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        loss, grad_norm = worst[0], worst[1]
+    stats = torch.stack([loss.detach().float(), grad_norm.float(), flag.to(loss.device)])
+    loss_v, grad_v, skip_v = stats.tolist()  # the step's one host sync
+    return StepResult(loss_v, grad_v, bool(skip_v), flag)
+
+
+def _skip(state: TrainState, log: _RunLog, result: StepResult) -> None:
+    """The guarded optimizer skips the update; the step counts as done."""
+    state.guarded.step(flag=result.flag)
+    state.opt.zero_grad(set_to_none=True)
+    state.totals["skipped"] += 1
+    log.event({"type": "skipped_step", "step": state.step + 1})
+    state.step += 1
+
+
+def _roll_back(state: TrainState, log: _RunLog, status: str) -> None:
+    """Back to the last checkpoint (every rank the same one); the steps since are replayed."""
+    state.opt.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    restored = state.ckpt.restore(state.model, state.opt, state.sched)
+    state.totals["load_s"] += time.perf_counter() - t0
+    state.totals["rollbacks"] += 1
+    state.totals["replayed_steps"] += state.step + 1 - restored["step"]
+    log.event({"type": "rollback", "at_step": state.step + 1, "to_step": restored["step"],
+               "reason": status})  # fmt: skip
+    state.step = restored["step"]
+
+
+def _update(state: TrainState, result: StepResult) -> None:
+    """The optimizer step (guarded: it still skips on the device flag) and the schedule."""
+    if state.guarded is not None:
+        state.guarded.step(flag=result.flag)
+    else:
+        state.opt.step()
+    state.opt.zero_grad(set_to_none=True)
+    if state.sched is not None:
+        state.sched.step()
+    state.step += 1
+    state.last_loss = result.loss
+
+
+def _save_checkpoint(state: TrainState) -> None:
+    t0 = time.perf_counter()
+    state.ckpt.save(state.step, state.model, state.opt, state.sched)
+    state.totals["save_s"] += time.perf_counter() - t0
+    state.totals["saves"] += 1
+
+
+class _RunLog:
+    """What a run writes as it goes (``metrics.jsonl``: a row per step taken; ``events.jsonl``:
+    fired faults, protection events, diagnoses, skips and rollbacks), the progress bar, and the
+    tallies the summary reports: protection's counts and this rank's diagnosis counts."""
+
+    def __init__(self, state: TrainState, stack: contextlib.ExitStack, progress: bool) -> None:
+        from attnchecker.inject.injector import Injector
+
+        self.inj = (
+            stack.enter_context(Injector(state.model, state.faults, step_fn=lambda: state.step + 1))
+            if state.faults
+            else None
+        )
+        self._metrics = stack.enter_context((state.out / "metrics.jsonl").open("w"))
+        self._events = stack.enter_context((state.out / "events.jsonl").open("w"))
+        self._bar = stack.enter_context(_bar(state.cfg.steps, progress))
+        self.counts = {"detected": 0, "corrected": 0, "uncorrectable": 0}
+        self.fired_seen = 0
+        self.where = here(next(state.model.parameters()).device)
+        self.mine = RankCounts(self.where.rank, self.where.host, self.where.device)
+        self._recent: list[float] = []  # the last finite losses: the diagnosis's history
+
+    def event(self, row: dict[str, Any]) -> None:
+        _write(self._events, row)
+
+    def step(self, state: TrainState, result: StepResult) -> None:
+        """The faults fired in this step, protection's events (drained), the step's diagnosis."""
+        for r in self.inj.records[self.fired_seen :] if self.inj else []:
+            self.event({"type": "fault", **r.to_dict()})
+        self.fired_seen = len(self.inj.records) if self.inj else 0
+        handle = state.handle
+        events = handle.drain() if handle else []
+        finding = classify(
+            events, step=state.step + 1, loss=result.loss, history=self._recent, where=self.where,
+            config=None if handle is None else handle.config,
+        )  # fmt: skip
+        tally(self.mine, events, finding)
+        if finding is not None:
+            self.event(finding.to_dict())
+        if math.isfinite(result.loss):
+            self._recent = [*self._recent[-19:], result.loss]
+        for key, n in tally_events(events).items():
+            self.counts[key] += n
+        for e in events:
+            self.event({"type": "protection", **e.to_dict()})
+
+    def metrics(
+        self, state: TrainState, result: StepResult, status: str | None, dt: float
+    ) -> dict[str, Any]:
+        """The metrics row of a step taken (written, and shown on the bar)."""
+        # finished_at (unix seconds): how runs advanced in turn interleaved, from files alone
+        row = {"step": state.step, "loss": result.loss, "grad_norm": result.grad_norm,
+               "step_time_s": dt, "faults_injected": self.fired_seen, "status": status or "ok",
+               "finished_at": time.time()}  # fmt: skip
+        _write(self._metrics, row)
+        self._bar(state.step, result.loss, dt, self.fired_seen, self.counts["corrected"])
+        return row
+
+
+def _finish(state: TrainState, log: _RunLog, *, wall: float) -> dict[str, Any]:
+    """Save the weights, gather every rank's counts, end the process group if the run started
+    it, and write ``summary.json``."""
+    from attnchecker.recovery.checkpoint import save_weights
+
+    save_weights(state.model, state.out / "model.safetensors")
+    ranks = gather(log.mine)  # every rank's counts (a collective under a process group)
+    if state.owns_group:
         dist.barrier()
         dist.destroy_process_group()
     summary = {
-        "final_loss": last_loss,
-        "non_trainable": non_trainable,
-        "steps_done": step,
-        "faults_injected": len(inj.records) if inj else 0,
-        "faults_detected": counts["detected"],
-        "faults_corrected": counts["corrected"],
-        "uncorrectable": counts["uncorrectable"],
+        "final_loss": state.last_loss,
+        "non_trainable": state.non_trainable,
+        "steps_done": state.step,
+        "faults_injected": len(log.inj.records) if log.inj else 0,
+        "faults_detected": log.counts["detected"],
+        "faults_corrected": log.counts["corrected"],
+        "uncorrectable": log.counts["uncorrectable"],
         "wall_time_s": wall,
-        **totals,
+        **state.totals,
         "ranks": [r.to_dict() for r in ranks],
         "outlier_ranks": outliers(ranks),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (state.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
