@@ -169,7 +169,7 @@ def measure_costs(
 ) -> CostProfile:
     """The cost profile of ``family`` (a preset ``size``, random weights, token batches of
     ``batch`` x ``seq_len``) on ``device``: see the module docstring."""
-    from attnchecker.inject.campaign import _Progress
+    from attnchecker.inject.campaign import Progress
     from attnchecker.models.protect import protect_
     from attnchecker.testing import count_ops
 
@@ -203,7 +203,7 @@ def measure_costs(
     for _ in range(warmup):  # compiles here, when compiling
         for f in steps.values():
             f()
-    with _Progress(reps, progress) as advance:
+    with Progress(reps, progress) as advance:
         times = alternate(steps, reps, sync=sync, advance=advance)
     plain_t, engine_t = times["plain"], times["engine"]
 

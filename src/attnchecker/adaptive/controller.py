@@ -58,6 +58,7 @@ from typing import Any
 
 from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
 from attnchecker.attention.config import ALL_OPS, ABFTConfig
+from attnchecker.attention.schedule import Schedule
 from attnchecker.errors import ConfigError
 
 __all__ = [
@@ -192,6 +193,11 @@ class Choice:
     coverage: float  # share of the step's multiply-adds at the profiled sites
     goal: str
     notes: tuple[str, ...] = ()
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule the choice runs (the config's; ``protect_`` builds the same value)."""
+        return Schedule.of(self.config)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

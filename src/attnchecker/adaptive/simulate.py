@@ -251,10 +251,10 @@ def frontier(
     progress: bool = False,
 ) -> list[Simulation]:
     """One simulation per budget (and one unprotected, budget 0) at ``rate``."""
-    from attnchecker.inject.campaign import _Progress
+    from attnchecker.inject.campaign import Progress
 
     out = []
-    with _Progress(len(budgets) + 1, progress) as advance:
+    with Progress(len(budgets) + 1, progress) as advance:
         for budget in [0.0, *budgets]:
             if budget == 0:
                 choice = choose(vuln, cost, FaultRate(0.0, rate.per, rate.kinds), budget=0.0)

@@ -26,7 +26,7 @@ from attnchecker.attention.config import ALL_OPS, OPS
 from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import DEFAULT_KINDS
 
-__all__ = ["CampaignConfig", "load_trials", "run_campaign", "summarize", "trial_specs"]
+__all__ = ["CampaignConfig", "Progress", "load_trials", "run_campaign", "summarize", "trial_specs"]
 
 SCHEMA_VERSION = 1
 OUTCOMES = ("masked", "silent_deviation", "loss_spike", "non_trainable")
@@ -212,7 +212,7 @@ def run_campaign(cfg: CampaignConfig, out: str | Path, *, progress: bool = True)
     todo = [s for s in trial_specs(cfg) if s["id"] not in done]
     path = _trials_file(out, cfg)
     _drop_torn_tail(path)
-    with path.open("a") as f, _Progress(len(todo), progress) as advance:
+    with path.open("a") as f, Progress(len(todo), progress) as advance:
         for row in _results(cfg, todo):
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -241,16 +241,19 @@ def _results(cfg: CampaignConfig, todo: list[dict[str, Any]]):
         yield from pool.imap_unordered(_run_one, jobs, chunksize=4)
 
 
-class _Progress:
+class Progress:
+    """A progress bar over ``total`` units of work, when ``enabled`` (``with Progress(n, on)
+    as advance:``, ``advance()`` once per unit); a no-op otherwise."""
+
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.enabled = total, enabled
 
     def __enter__(self):
         if not self.enabled:
             return lambda: None
-        from rich.progress import Progress
+        from rich.progress import Progress as Bar
 
-        self._bar = Progress()
+        self._bar = Bar()
         self._bar.start()
         task = self._bar.add_task("trials", total=self.total)
         return lambda: self._bar.advance(task)
