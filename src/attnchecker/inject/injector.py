@@ -10,7 +10,6 @@ removed on exit, even when the body raises.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -21,7 +20,7 @@ from torch import Tensor, nn
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.state import SiteCall, in_replay
 from attnchecker.errors import ConfigError
-from attnchecker.inject.kinds import KERNEL_MODES, FaultKind, apply_kind
+from attnchecker.inject.kinds import apply_kind, kernel_edit
 from attnchecker.inject.plan import Fault, FaultPlan
 
 __all__ = ["FaultRecord", "Injector"]
@@ -100,6 +99,10 @@ class Injector:
     def _install(self) -> None:
         from attnchecker.models.protect import protect_, unprotect_
 
+        # Its own count of forward passes, not the protected model's clock (handle.step): a
+        # plan's steps count from entering the injector (the clock, from protect_), faults at
+        # module / grad / optim sites fire in plain models, which have no clock, and the clock
+        # is a device tensor, which every site would have to read (a host sync each time).
         def tick(*_: object) -> None:
             self.step += 1
 
@@ -170,7 +173,7 @@ class Injector:
             row, col = draw(rows, f.row), draw(cols, f.col)
             row = -1 if f.pattern == "1C" else row
             col = -1 if f.pattern == "1R" else col
-            mode, value = _kernel_edit(f, g)
+            mode, value = kernel_edit(f.kind, value=f.value, generator=g)
             self._fired.add(i)
             self.records.append(
                 FaultRecord(i, f.site, state.layer, self.current_step,
@@ -251,27 +254,3 @@ def _describe(index: tuple) -> str:
         return str(x)
 
     return "(" + ", ".join(one(x) for x in index) + ")"
-
-
-def _kernel_edit(fault: Fault, generator: torch.Generator) -> tuple[str, float]:
-    """(mode, value) of a kernel fault's kind (``attnchecker.kernels.common``)."""
-    kind = fault.kind
-    mode = KERNEL_MODES.get(kind)
-    if mode is None:
-        raise ConfigError(
-            f"fault kind {kind!s} cannot be injected at {fault.site}: the kernels express "
-            f"{sorted(str(k) for k in KERNEL_MODES)}"
-        )
-    if mode in ("exponent", "bit"):
-        return mode, 0.0
-    if kind is FaultKind.SCALE:
-        return mode, 2.0 if fault.value is None else fault.value
-    if kind is FaultKind.RANDOM:
-        top = 1e8 if fault.value is None else fault.value
-        u = float(torch.rand((), generator=generator, dtype=torch.float64))
-        sign = -1.0 if float(torch.rand((), generator=generator)) < 0.5 else 1.0
-        return mode, sign * top**u
-    fixed = {FaultKind.INF: math.inf, FaultKind.NEG_INF: -math.inf, FaultKind.NAN: math.nan}
-    if kind in fixed:
-        return mode, fixed[kind]
-    return mode, 1e10 if fault.value is None else fault.value  # NEAR_INF

@@ -5,24 +5,34 @@ values; the interpreter does not): host code reads the plain tables (:data:`SITE
 ``attnchecker.kernels.CHECKS``), the kernels their constexpr copies.
 
 A fault is a float32 vector (site, batch * head, row, col, value, persistent, mode, bit):
-row or col -1 hits every row / column (patterns 1C / 1R); mode 0 sets ``value``, 1 multiplies
-by it, 2 flips ``bit`` of the fp32 value, 3 flips the reference exponent bit (bit 30 where
-|x| < 2, else 29: the published study's fault, see ``attnchecker.inject.kinds``). A fault is
-applied to the product a GEMM delivered, never to its operands: a recomputation multiplies
-operands re-read from memory, so a transient fault of the first product is not in it by
-construction (a persistent one is applied to every product of its site).
+row or col -1 hits every row / column (patterns 1C / 1R); ``mode`` is a code of
+:data:`attnchecker.faults.MODES`: set to ``value``, multiply by it, flip ``bit`` of the fp32
+value, or flip the reference exponent bit (bit 30 where |x| < 2, else 29: the published study's
+fault). The modes, the rule's constants and each fault kind's (mode, value) are defined once, in
+:mod:`attnchecker.faults`, which the eager sites use too.
+
+A fault is applied to the product a GEMM delivered, never to its operands: a recomputation
+multiplies operands re-read from memory, so a transient fault of the first product is not in it
+by construction (a persistent one is applied to every product of its site).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from attnchecker.faults import EXPONENT_LIMIT, MODES, TOP_EXPONENT_BIT
 from attnchecker.kernels import CHECKS
 
 FAULT_FIELDS = ("site", "bh", "row", "col", "value", "persistent", "mode", "bit")
 
-MODES = {"set": 0, "scale": 1, "bit": 2, "exponent": 3}
+# the fault modes and the reference exponent rule (attnchecker.faults) as kernel constants
+_SET = tl.constexpr(MODES["set"])
+_SCALE = tl.constexpr(MODES["scale"])
+_EXPONENT = tl.constexpr(MODES["exponent"])
+_TOP_BIT = tl.constexpr(TOP_EXPONENT_BIT[torch.float32])  # the tile is fp32
+_LIMIT = tl.constexpr(EXPONENT_LIMIT)
 
 SITE_CODES = {"s": 1, "pv": 2, "st": 3, "dpt": 4, "dv": 5, "dk": 6, "sq": 7, "dp": 8, "dq": 9}
 """The code of each GEMM a fault can hit (0: none), as the FAULT vector carries it."""
@@ -66,10 +76,10 @@ def at(offs, index):
 @triton.jit
 def corrupt(x, hit, val, mode, bit):
     """x (fp32) with the fault applied where ``hit``."""
-    top = tl.where(tl.abs(x) < 2.0, 30, 29)
-    b = tl.where(mode == 3, top, bit)
+    top = tl.where(tl.abs(x) < _LIMIT, _TOP_BIT, _TOP_BIT - 1)
+    b = tl.where(mode == _EXPONENT, top, bit)
     flipped = (x.to(tl.int32, bitcast=True) ^ (1 << b)).to(tl.float32, bitcast=True)
-    new = tl.where(mode == 0, val, tl.where(mode == 1, x * val, flipped))
+    new = tl.where(mode == _SET, val, tl.where(mode == _SCALE, x * val, flipped))
     return tl.where(hit, new, x)
 
 

@@ -3,10 +3,10 @@
 An entry says where the family's attention is and how its eager attention differs
 (:class:`Wiring`), and how its tiny / small / base configs are built and trained
 (:class:`Family`). Discovery (:mod:`attnchecker.models.registry`), the tiny configs
-(:mod:`attnchecker.models.tiny`), the CLI's choices, the campaigns, the benchmarks and the
-generated contract tests all read it. A model whose ``model_type`` is not here goes through the
-generic rule of the registry (a wiring of this table that fits, and an eager attention the core
-reproduces bitwise on a probe), or is refused by name.
+(:mod:`attnchecker.models.tiny`), the CLI's choices, the campaigns, the SDC boundaries, the
+benchmarks and the generated contract tests all read it. A model whose ``model_type`` is not
+here goes through the generic rule of the registry (a wiring of this table that fits, and an
+eager attention the core reproduces bitwise on a probe), or is refused by name.
 
 Adding a family that dispatches through ``AttentionInterface`` is one entry: its config class,
 its config keys when they are not the common ones, and a :class:`Wiring` when its projections
@@ -66,9 +66,9 @@ _COMMON_KEYS = (
 
 @dataclass(frozen=True)
 class Family:
-    """One supported family: its wiring, and how the tiny / small / base configs build it (its
+    """One supported family: its wiring, how the tiny / small / base configs build it (its
     transformers config class, the config keys of (hidden, layers, heads, positions), what else
-    a size implies) and how it is trained and run by default."""
+    a size implies), how it is trained and run by default, and its blocks' sublayers."""
 
     config: str  # transformers config class
     wiring: Wiring = Wiring()
@@ -78,6 +78,9 @@ class Family:
     sdpa: bool = True  # transformers has an SDPA path for it (the users' default)
     ids: dict[str, int] = field(default_factory=dict)  # special tokens inside the tiny vocab
     positions_extra: int = 0  # BERT-style position tables hold max_len + 2
+    # (attention, MLP): the children of a transformer block that are its attention and its MLP
+    # (models.registry.transformer_blocks; the boundaries the SDC analysis compares)
+    sublayers: tuple[str, str] = ("self_attn", "mlp")
 
     @property
     def generates(self) -> bool:
@@ -100,20 +103,22 @@ _BERT = Wiring(
 )
 _OUT_PROJ = ("q_proj:q", "k_proj:k", "v_proj:v", "out_proj:out")
 _NORMED = Wiring(read_early=("q", "k"))  # q_norm / k_norm read Q and K as soon as projected
+_BERT_SUBLAYERS = ("attention", "output")  # output: the MLP's down projection and its norm
+_FC_SUBLAYERS = ("self_attn", "fc2")  # no MLP module: its last linear layer (OPT, BART)
 
 TABLE: dict[str, Family] = {
     "bert": Family("BertConfig", _BERT, extra=_ffn("intermediate_size"), head="masked",
-                   positions_extra=2),
+                   positions_extra=2, sublayers=_BERT_SUBLAYERS),
     "roberta": Family("RobertaConfig", _BERT, extra=_ffn("intermediate_size"), head="masked",
-                      ids=_TOKENS, positions_extra=2),
+                      ids=_TOKENS, positions_extra=2, sublayers=_BERT_SUBLAYERS),
     "distilbert": Family("DistilBertConfig", Wiring(
         ("q_lin:q", "k_lin:k", "v_lin:v", "out_lin:out"), spec=CoreSpec()),
         keys=("dim", "n_layers", "n_heads", "max_position_embeddings"), extra=_ffn("hidden_dim"),
-        head="masked"),
+        head="masked", sublayers=("attention", "ffn")),
     "gpt2": Family("GPT2Config", Wiring(
         ("c_attn:qkv", "c_proj:out"), cross=("q_attn:q", "c_attn:kv", "c_proj:out"),
         spec=CoreSpec(probs_to_value_dtype=True, contiguous_out=False)),
-        keys=("n_embd", "n_layer", "n_head", "n_positions")),
+        keys=("n_embd", "n_layer", "n_head", "n_positions"), sublayers=("attn", "mlp")),
     "gpt_neo": Family(  # no 1/sqrt(d), fp32 q and k, its own causal / windowed mask buffer
         "GPTNeoConfig", Wiring(_OUT_PROJ, patch=("_attn", gpt_neo_attn), spec=CoreSpec(
             upcast_qk=True, scale=False, probs_to_value_dtype=True, transpose_out=False)),
@@ -124,21 +129,23 @@ TABLE: dict[str, Family] = {
             "window_size": max(4, L // 8),
         },
         sdpa=False,  # no SDPA path in transformers 5.x: eager is its default
+        sublayers=("attn", "mlp"),
     ),
     "gpt_neox": Family("GPTNeoXConfig", Wiring(("query_key_value:qkv", "dense:out"),
                                                interleaved=True),
                        extra=lambda h, nl, n, L: {"intermediate_size": 4 * h, "rope_parameters": {
                            "rope_type": "default", "rope_theta": 10000.0,
-                           "partial_rotary_factor": 0.25}}),  # Pythia's partial rotary
+                           "partial_rotary_factor": 0.25}},  # Pythia's partial rotary
+                       sublayers=("attention", "mlp")),
     "opt": Family("OPTConfig", Wiring(_OUT_PROJ, read_early=("q",)),  # q_proj(x) * scaling
                   extra=lambda h, nl, n, L: {"ffn_dim": 4 * h, "word_embed_proj_dim": h},
-                  ids=_TOKENS),
+                  ids=_TOKENS, sublayers=_FC_SUBLAYERS),
     "bart": Family(  # encoder, causal decoder, decoder cross-attention to the encoder
         "BartConfig", Wiring(_OUT_PROJ, spec=CoreSpec()),
         keys=("d_model", "encoder_layers", "encoder_attention_heads", "max_position_embeddings"),
         extra=lambda h, nl, n, L: {"decoder_layers": nl, "decoder_attention_heads": n,
                                    "encoder_ffn_dim": 4 * h, "decoder_ffn_dim": 4 * h},
-        head="seq2seq"),
+        head="seq2seq", sublayers=_FC_SUBLAYERS),
     "llama": Family("LlamaConfig", extra=_rotary),
     "mistral": Family("MistralConfig", extra=lambda h, nl, n, L: _rotary(h, nl, n, L)
                       | {"sliding_window": max(4, L // 8)}, ids=_TOKENS),

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from attnchecker.attention.core import CORE, attend
+from attnchecker.models.interface import attend_bound
 
 __all__ = ["gpt_neo_attn"]
 
@@ -20,19 +20,10 @@ def gpt_neo_attn(module: nn.Module) -> Callable[..., tuple[Tensor, Tensor]]:
     """The checked ``_attn`` of one GPT-Neo attention module."""
 
     def _attn(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None):
-        spec, state = getattr(module, CORE)
         L, Lk = query.shape[-2], key.shape[-2]
-        return attend(
-            spec,
-            query,
-            key,
-            value,
-            attention_mask,
-            scaling=None,
-            dropout=module.attn_dropout.p,
-            training=module.training,
-            state=state,
-            causal=module.bias[:, :, Lk - L : Lk, :Lk],
-        )
+        return attend_bound(
+            module, query, key, value, attention_mask, scaling=None,
+            dropout=module.attn_dropout.p, causal=module.bias[:, :, Lk - L : Lk, :Lk],
+        )  # fmt: skip
 
     return _attn

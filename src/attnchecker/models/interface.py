@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 
 from torch import Tensor, nn
 
 from attnchecker.attention.core import CORE, attend
 from attnchecker.errors import UnsupportedModelError
 
-__all__ = ["FUSED_NAME", "KEYWORDS", "NAME", "install_interface"]
+__all__ = ["FUSED_NAME", "KEYWORDS", "NAME", "attend_bound", "install_interface"]
 
 NAME = "attnchecker"
 FUSED_NAME = "attnchecker_fused"  # the fused backend: transformers' flash-attention mask (2D)
@@ -74,6 +75,17 @@ def _eager_of(module: nn.Module) -> Callable[..., tuple[Tensor, Tensor]]:
     return fn
 
 
+def attend_bound(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
+    scaling: float | None, dropout: float, **options: object,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The checked core that protection bound to ``module`` (its spec and state), in the
+    module's training mode; ``options``: :func:`~attnchecker.attention.core.attend`'s others."""
+    spec, state = getattr(module, CORE)
+    return attend(spec, query, key, value, mask, scaling=scaling, dropout=dropout,
+                  training=module.training, state=state, **options)  # fmt: skip
+
+
 def _attention(
     module: nn.Module,
     query: Tensor,
@@ -82,66 +94,42 @@ def _attention(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    *,
+    fused: bool = False,
     **kwargs: object,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor | None]:
+    """The function registered as :data:`NAME`, and with ``fused`` as :data:`FUSED_NAME`: then
+    ``attention_mask`` is the 2D key padding mask (or None), causality and the sliding window
+    come from the module and the keywords, as for flash attention."""
     _refuse(kwargs)
-    upcast = bool(getattr(module, "reorder_and_upcast_attn", False))  # GPT-2's option
     bound = getattr(module, CORE, None)
+    upcast = bool(getattr(module, "reorder_and_upcast_attn", False))  # GPT-2's option
+    s = query.size(-1) ** -0.5 if scaling is None else scaling  # the checked core's scaling
+    if fused:
+        from attnchecker.attention.fused import attend_fused, eager_mask
+
+        causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
+        window = int(kwargs.get("sliding_window") or 0)
+        if bound is not None and bound[1] is not None:
+            spec, state = bound
+            return attend_fused(
+                spec, state, query, key, value, attention_mask, scaling=s, dropout=dropout,
+                training=module.training, causal=causal, window=window,
+                softcap=kwargs.get("softcap"), upcast_reordered=upcast,
+            )  # fmt: skip
+        # not protected: the eager math on the eager mask
+        L, Lk = query.shape[-2], key.shape[-2]
+        attention_mask = eager_mask(attention_mask, L, Lk, causal=causal, window=window,
+                                    dtype=query.dtype, device=query.device)  # fmt: skip
     if bound is None:  # not protected: exactly what "eager" would have run
         if upcast:
             return module._upcast_and_reordered_attn(query, key, value, attention_mask)
         return _eager_of(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    spec, state = bound
-    if scaling is None:
-        scaling = query.size(-1) ** -0.5
-    return attend(
-        spec,
-        query,
-        key,
-        value,
-        attention_mask,
-        scaling=scaling,
-        dropout=dropout,
-        training=module.training,
-        state=state,
-        upcast_reordered=upcast,
-        softcap=kwargs.get("softcap"),
-    )
-
-
-def _attention_fused(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: object,
-) -> tuple[Tensor, Tensor | None]:
-    """The fused backend: ``attention_mask`` is the 2D key padding mask (or None), causality
-    and the sliding window come from the module and the keywords, as for flash attention."""
-    from attnchecker.attention.fused import attend_fused, eager_mask
-
-    _refuse(kwargs)
-    causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
-    window = int(kwargs.get("sliding_window") or 0)
-    bound = getattr(module, CORE, None)
-    if bound is None or bound[1] is None:  # not protected: the eager math on the eager mask
-        L, Lk = query.shape[-2], key.shape[-2]
-        mask = eager_mask(attention_mask, L, Lk, causal=causal, window=window,
-                          dtype=query.dtype, device=query.device)  # fmt: skip
-        return _attention(module, query, key, value, mask, scaling, dropout, **kwargs)
-    spec, state = bound
-    return attend_fused(
-        spec, state, query, key, value, attention_mask,
-        scaling=query.size(-1) ** -0.5 if scaling is None else scaling, dropout=dropout,
-        training=module.training, causal=causal, window=window, softcap=kwargs.get("softcap"),
-        upcast_reordered=bool(getattr(module, "reorder_and_upcast_attn", False)),
-    )  # fmt: skip
+    return attend_bound(module, query, key, value, attention_mask, scaling=s, dropout=dropout,
+                        upcast_reordered=upcast, softcap=kwargs.get("softcap"))  # fmt: skip
 
 
 def _fused_mask(
@@ -166,7 +154,7 @@ def install_interface(model: nn.Module, *, fused: bool = False) -> Callable[[], 
 
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, eager_mask)
-    AttentionInterface.register(FUSED_NAME, _attention_fused)
+    AttentionInterface.register(FUSED_NAME, partial(_attention, fused=True))
     AttentionMaskInterface.register(FUSED_NAME, _fused_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation(FUSED_NAME if fused else NAME)

@@ -22,7 +22,7 @@ from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock
 from attnchecker.errors import ConfigError, NoMatchingModuleError
 from attnchecker.models.handle import ProtectionHandle
-from attnchecker.models.registry import AttentionBlock, Discovery, discover, install
+from attnchecker.models.registry import AttentionBlock, Discovery, discover, install, layer_of
 
 __all__ = ["protect_", "unprotect_"]
 
@@ -125,7 +125,7 @@ def _wire(
     if config.scope == "all_linear":
         taken = {id(p.module) for b in chosen for p in b.projections}
         linears = [
-            (name, m, _layer_of(name))
+            (name, m, layer_of(name, m))
             for name, m in model.named_modules()
             if id(m) not in taken and (isinstance(m, nn.Linear) or is_conv1d(m))
         ]
@@ -134,11 +134,6 @@ def _wire(
         undo += more
         unpatched += names_unpatched
     return unpatched
-
-
-def _layer_of(name: str) -> int:
-    """A linear layer's transformer block: the first index in its qualified name (-1: none)."""
-    return next((int(part) for part in name.split(".") if part.isdigit()), -1)
 
 
 def _device(module: nn.Module, default: torch.device | None = None) -> torch.device:

@@ -28,7 +28,15 @@ from attnchecker.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from attnchecker.models.families import Wiring
 
-__all__ = ["AttentionBlock", "Discovery", "ProjectionSpec", "discover", "layer_index"]
+__all__ = [
+    "AttentionBlock",
+    "Discovery",
+    "ProjectionSpec",
+    "TransformerBlock",
+    "discover",
+    "layer_of",
+    "transformer_blocks",
+]
 
 _SITES = {"q": ("q",), "k": ("k",), "v": ("v",), "kv": ("k", "v"), "qkv": ("q", "k", "v"),
           "out": ("out",)}  # fmt: skip
@@ -138,11 +146,8 @@ def _blocks(model: nn.Module, wiring: Wiring) -> list[AttentionBlock]:
             _projection(p, _SITES[s], d, n_out_in, wiring, where)
             for p, (_, _, s) in zip(mods, paths, strict=True)
         )
-        out.append(
-            AttentionBlock(
-                where, layer_index(core, len(out)), core, projections, wiring.spec, wiring.passing
-            )
-        )
+        layer = layer_of(where, core, len(out))
+        out.append(AttentionBlock(where, layer, core, projections, wiring.spec, wiring.passing))
     return out
 
 
@@ -259,14 +264,52 @@ def _width(m: nn.Module, *, inputs: bool) -> int:
     return w.shape[0 if inputs == is_conv1d(m) else 1] if w.dim() == 2 else 0
 
 
-def layer_index(module: nn.Module, position: int) -> int:
-    """The module's own ``layer_idx`` (``layer_id`` in GPT-Neo) when it has one, else its
-    position among the model's attention modules."""
+def layer_of(name: str, module: nn.Module | None = None, default: int = -1) -> int:
+    """The transformer layer of the module called ``name``: the ``module``'s own ``layer_idx``
+    (``layer_id`` in GPT-Neo) when it has one, else the first index in ``name``
+    (``model.layers.3.mlp.down_proj``: 3), else ``default``. The one rule for "which layer":
+    attention blocks (``default``: their position among the attention modules), the linear
+    layers of ``scope="all_linear"`` and the transformer blocks of :func:`transformer_blocks`."""
     for a in ("layer_idx", "layer_id"):
         idx = getattr(module, a, None)
         if isinstance(idx, int):
             return idx
-    return position
+    return next((int(part) for part in name.split(".") if part.isdigit()), default)
+
+
+@dataclass(frozen=True)
+class TransformerBlock:
+    """One transformer block: its attention and its MLP submodules (the family's
+    :attr:`~attnchecker.models.families.Family.sublayers`)."""
+
+    name: str  # qualified name of the block
+    layer: int
+    attention: nn.Module
+    mlp: nn.Module
+
+
+def transformer_blocks(model: nn.Module) -> list[TransformerBlock]:
+    """Every module of ``model`` that has its family's attention and MLP children, in module
+    order; a ``model_type`` not in the table takes the first pair of child names of the table
+    that some of its modules have (the generic rule); [] when none does."""
+    from attnchecker.models.families import TABLE
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in TABLE:
+        candidates = [TABLE[model_type].sublayers]
+    else:
+        candidates = list(dict.fromkeys(f.sublayers for f in TABLE.values()))
+    for attn, mlp in candidates:
+        found = []
+        for name, m in model.named_modules():
+            children = dict(m.named_children())
+            if attn in children and mlp in children:
+                found.append(
+                    TransformerBlock(name, layer_of(name, m), children[attn], children[mlp])
+                )
+        if found:
+            return found
+    return []
 
 
 def install(model: nn.Module, found: Discovery, *, fused: bool = False) -> Callable[[], None]:

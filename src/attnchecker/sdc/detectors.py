@@ -27,7 +27,13 @@ import torch
 
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.sdc.faults import STUDY_NODE, SDCModel
-from attnchecker.sdc.lockstep import LockstepConfig, _batches, _first, _inputs, boundaries
+from attnchecker.sdc.lockstep import (
+    LockstepConfig,
+    batch_inputs,
+    boundaries,
+    output_tensor,
+    token_batches,
+)
 
 __all__ = ["DETECTORS", "DetectorTrial", "run_detectors"]
 
@@ -51,7 +57,7 @@ def _run(trial: DetectorTrial, *, faulty: bool) -> dict[str, int | None]:
     from attnchecker.recovery.checkpoint import NonTrainableDetector
 
     cfg = LockstepConfig(family=trial.family, steps=trial.steps, seed=trial.seed, data=trial.data)
-    blocks = _batches(cfg)
+    blocks = token_batches(cfg)
     base = build(trial.family, seed=trial.seed, vocab_size=blocks.vocab_size, max_len=cfg.seq_len)
     base.config.use_cache = False
     base.train()
@@ -67,7 +73,7 @@ def _run(trial: DetectorTrial, *, faulty: bool) -> dict[str, int | None]:
             sdc.corrupt_(call.tensor, site_rate=sdc.rate, generator=gen)
 
     def at_mlp(module, args, output) -> None:
-        t = _first(output)
+        t = output_tensor(output)
         if t is not None and sdc is not None and sdc.active(state["step"]) and sdc.forward:
             sdc.corrupt_(t.data, site_rate=sdc.mlp_rate, generator=gen)
 
@@ -80,7 +86,7 @@ def _run(trial: DetectorTrial, *, faulty: bool) -> dict[str, int | None]:
 
     def grads_of(step: int) -> tuple[float, torch.Tensor, float]:
         torch.manual_seed(step)
-        loss = model(**_inputs(blocks, step, cfg, trial.seed)).loss
+        loss = model(**batch_inputs(blocks, step, cfg, trial.seed)).loss
         loss.backward()
         g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         opt.zero_grad(set_to_none=True)
@@ -105,7 +111,7 @@ def _run(trial: DetectorTrial, *, faulty: bool) -> dict[str, int | None]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(step)
-        twin(**_inputs(blocks, step, cfg, trial.seed)).loss.backward()
+        twin(**batch_inputs(blocks, step, cfg, trial.seed)).loss.backward()
         opt_twin.step()
         opt_twin.zero_grad(set_to_none=True)
         if step % trial.replica_every == 0:

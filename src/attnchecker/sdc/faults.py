@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from attnchecker.errors import ConfigError
-from attnchecker.inject.kinds import flip_bit
+from attnchecker.faults import flip_bit
 
 __all__ = ["STUDY_NODE", "SDCModel"]
 

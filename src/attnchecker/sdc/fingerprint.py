@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnchecker.sdc.lockstep import _first, boundaries
+from attnchecker.sdc.lockstep import boundaries, output_tensor
 
 __all__ = ["Recorder", "compare", "fingerprint", "record_run"]
 
@@ -70,7 +70,7 @@ class Recorder:
 
     def _hook(self, name: str):
         def hook(module: nn.Module, args: object, output: object) -> None:
-            t = _first(output)
+            t = output_tensor(output)
             if t is None:
                 return
             self._write(name, "forward", t)
@@ -129,19 +129,25 @@ def record_run(
 ) -> Path:  # fmt: skip
     """Train ``steps`` steps (optionally under an SDC model) and record their fingerprints."""
     from attnchecker.models.tiny import build
-    from attnchecker.sdc.lockstep import LockstepConfig, _batches, _corrupting, _inputs, _Replica
+    from attnchecker.sdc.lockstep import (
+        LockstepConfig,
+        Replica,
+        batch_inputs,
+        corrupting,
+        token_batches,
+    )
 
     cfg = LockstepConfig(family=family, size=size, steps=steps, seed=seed, data=data)
     torch.manual_seed(seed)
-    blocks = _batches(cfg)
+    blocks = token_batches(cfg)
     model = build(family, size, seed=seed, vocab_size=blocks.vocab_size, max_len=cfg.seq_len)
     model.config.use_cache = False
     model.train()
-    replica = _Replica(model, cfg.lr)
+    replica = Replica(model, cfg.lr)
     gen = torch.Generator().manual_seed(0 if sdc is None else sdc.seed)
     with Recorder(model, path):
         for step in range(1, steps + 1):
-            hook = None if sdc is None else _corrupting(sdc, step, gen)
-            replica.step(_inputs(blocks, step, cfg, seed), step, hook)
+            hook = None if sdc is None else corrupting(sdc, step, gen)
+            replica.step(batch_inputs(blocks, step, cfg, seed), step, hook)
             replica.update()
     return Path(path)

@@ -34,9 +34,21 @@ from torch import Tensor, nn
 from attnchecker.errors import ConfigError
 from attnchecker.sdc.faults import STUDY_NODE, SDCModel
 
-__all__ = ["LockstepConfig", "boundaries", "run_lockstep", "set_determinism"]
-
-_ATTN, _MLP = ("attention", "attn", "self_attn"), ("mlp", "output", "ffn", "fc2")
+__all__ = [
+    "LockstepConfig",
+    "Replica",
+    "batch_inputs",
+    "boundaries",
+    "corrupting",
+    "mismatch",
+    "mismatch_row",
+    "output_tensor",
+    "prediction_divergence",
+    "run_lockstep",
+    "set_determinism",
+    "setup_run",
+    "token_batches",
+]
 
 
 def set_determinism(seed: int) -> None:
@@ -46,26 +58,24 @@ def set_determinism(seed: int) -> None:
 
 
 def boundaries(model: nn.Module) -> list[tuple[str, int, str, nn.Module]]:
-    """(name, layer, "attention" | "mlp", module) for every transformer block of ``model``."""
+    """(name, layer, "attention" | "mlp", module) for every transformer block of ``model``: its
+    attention and MLP submodules as the family table names them
+    (:func:`attnchecker.models.registry.transformer_blocks`)."""
+    from attnchecker.models.registry import transformer_blocks
+
     out = []
-    for name, block in model.named_modules():
-        parts = name.split(".")
-        if len(parts) < 2 or not parts[-1].isdigit() or parts[-2] not in ("layer", "h", "layers"):
-            continue
-        children = dict(block.named_children())
-        attn = next((children[c] for c in _ATTN if c in children), None)
-        mlp = next((children[c] for c in _MLP if c in children and c != "attention"), None)
-        if attn is not None and mlp is not None:
-            out += [
-                (f"{name}.attn", int(parts[-1]), "attention", attn),
-                (f"{name}.mlp", int(parts[-1]), "mlp", mlp),
-            ]
+    for b in transformer_blocks(model):
+        out += [
+            (f"{b.name}.attn", b.layer, "attention", b.attention),
+            (f"{b.name}.mlp", b.layer, "mlp", b.mlp),
+        ]
     if not out:
         raise ConfigError("found no transformer blocks with an attention and an MLP submodule")
     return out
 
 
-def _first(output: object) -> Tensor | None:
+def output_tensor(output: object) -> Tensor | None:
+    """The tensor a submodule's output holds: itself, or the first element of a tuple / list."""
     if isinstance(output, Tensor):
         return output
     if isinstance(output, tuple | list) and output and isinstance(output[0], Tensor):
@@ -94,7 +104,7 @@ class LockstepConfig:
             raise ConfigError(f"level must be 1, 2 or 3, got {self.level}")
 
 
-class _Replica:
+class Replica:
     """A model, its optimizer and its boundary hooks."""
 
     def __init__(self, model: nn.Module, lr: float) -> None:
@@ -130,7 +140,7 @@ class _Replica:
         self.opt.zero_grad(set_to_none=True)
 
 
-def _mismatch(faulty: Tensor, healthy: Tensor, tol: float = 0.0) -> tuple[int, float]:
+def mismatch(faulty: Tensor, healthy: Tensor, tol: float = 0.0) -> tuple[int, float]:
     """Elements that differ (bitwise, or beyond the stated tolerance; NaN-aware) and their mean
     relative difference."""
     f, h = faulty.detach().float(), healthy.float()
@@ -146,7 +156,7 @@ def _mismatch(faulty: Tensor, healthy: Tensor, tol: float = 0.0) -> tuple[int, f
     return n, float(rel.nan_to_num(float("inf")).mean())
 
 
-def _row(
+def mismatch_row(
     step: int, name: str, layer: int, kind: str, direction: str, elements: int, n: int, sev: float
 ) -> dict:
     return {"step": step, "module": name, "layer": layer, "submodule": kind, "direction": direction,
@@ -154,8 +164,8 @@ def _row(
 
 
 def _level1_step(
-    healthy: _Replica,
-    faulty: _Replica,
+    healthy: Replica,
+    faulty: Replica,
     inputs: dict[str, Tensor],
     rng: int,
     sdc: SDCModel | None,
@@ -169,7 +179,7 @@ def _level1_step(
 
     def keep(name, layer, kind):
         def hook(module, args, output):
-            t = _first(output)
+            t = output_tensor(output)
             if t is not None:
                 kept[name] = t.detach().clone()
                 if t.requires_grad:
@@ -184,13 +194,13 @@ def _level1_step(
         on = sdc is not None and sdc.active(step)
 
         def hook(module, args, output):
-            t = _first(output)
+            t = output_tensor(output)
             if t is None:
                 return
             if on and sdc.forward:
                 sdc.corrupt_(t.data, site_rate=rate, generator=gen)
-            n, sev = _mismatch(t, kept[name], tol)
-            rows.append(_row(step, name, layer, kind, "forward", t.numel(), n, sev))
+            n, sev = mismatch(t, kept[name], tol)
+            rows.append(mismatch_row(step, name, layer, kind, "forward", t.numel(), n, sev))
             t.data.copy_(kept[name])
             if t.requires_grad:
 
@@ -198,8 +208,10 @@ def _level1_step(
                     g = g.clone()
                     if on and sdc.backward:
                         sdc.corrupt_(g, site_rate=rate, generator=gen)
-                    n, sev = _mismatch(g, kept_grad[name], tol)
-                    rows.append(_row(step, name, layer, kind, "backward", g.numel(), n, sev))
+                    n, sev = mismatch(g, kept_grad[name], tol)
+                    rows.append(
+                        mismatch_row(step, name, layer, kind, "backward", g.numel(), n, sev)
+                    )
                     return kept_grad[name]
 
                 t.register_hook(on_grad)
@@ -211,24 +223,24 @@ def _level1_step(
     return loss_h, loss_f, rows
 
 
-def _batches(cfg: LockstepConfig):
+def token_batches(cfg: LockstepConfig):
     from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
 
     corpus = load_corpus(list(cfg.data) if cfg.data else None)
     return TokenBlocks.build(corpus, tokenizer_for(corpus, 2048), cfg.seq_len)
 
 
-def _inputs(blocks, step: int, cfg: LockstepConfig, seed: int) -> dict[str, Tensor]:
+def batch_inputs(blocks, step: int, cfg: LockstepConfig, seed: int) -> dict[str, Tensor]:
     x, _ = blocks.batch(step, cfg.batch, seed)
     return {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}
 
 
-def _setup(cfg: LockstepConfig) -> tuple[Any, torch.nn.Module, torch.Generator]:
+def setup_run(cfg: LockstepConfig) -> tuple[Any, torch.nn.Module, torch.Generator]:
     """Deterministic kernels, the batches, the base model both runs copy, the fault generator."""
     from attnchecker.models.tiny import build
 
     set_determinism(cfg.seed)
-    blocks = _batches(cfg)
+    blocks = token_batches(cfg)
     base = build(
         cfg.family, cfg.size, seed=cfg.seed, vocab_size=blocks.vocab_size, max_len=cfg.seq_len
     )
@@ -241,13 +253,15 @@ def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
     """Run the determinism gate and the chosen level; write ``steps.jsonl`` and ``summary.json``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    blocks, base, gen = _setup(cfg)
+    blocks, base, gen = setup_run(cfg)
 
     # The gate: two healthy replicas, level 1, must not differ in a single bit.
-    a, b = _Replica(copy.deepcopy(base), cfg.lr), _Replica(copy.deepcopy(base), cfg.lr)
+    a, b = Replica(copy.deepcopy(base), cfg.lr), Replica(copy.deepcopy(base), cfg.lr)
     gate = 0
     for step in range(1, cfg.gate_steps + 1):
-        _, _, rows = _level1_step(a, b, _inputs(blocks, step, cfg, cfg.seed), step, None, step, gen)
+        _, _, rows = _level1_step(
+            a, b, batch_inputs(blocks, step, cfg, cfg.seed), step, None, step, gen
+        )
         gate += sum(r["mismatches"] for r in rows)
         a.update(), b.update()
     summary: dict[str, Any] = {
@@ -259,12 +273,12 @@ def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
     if gate:
         summary["note"] = f"not bitwise deterministic: mismatches counted beyond {tol} relative"
 
-    healthy, faulty = _Replica(copy.deepcopy(base), cfg.lr), _Replica(copy.deepcopy(base), cfg.lr)
+    healthy, faulty = Replica(copy.deepcopy(base), cfg.lr), Replica(copy.deepcopy(base), cfg.lr)
     with (out / "steps.jsonl").open("w") as f:
         if cfg.level == 1:
             totals = defaultdict(lambda: [0, 0, 0.0])
             for step in range(1, cfg.steps + 1):
-                inputs = _inputs(blocks, step, cfg, cfg.seed)
+                inputs = batch_inputs(blocks, step, cfg, cfg.seed)
                 _, _, rows = _level1_step(healthy, faulty, inputs, step, cfg.sdc, step, gen, tol)
                 for r in rows:
                     f.write(json.dumps(r) + "\n")
@@ -286,9 +300,9 @@ def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
         elif cfg.level == 2:
             nsr, cos = [], []
             for step in range(1, cfg.steps + 1):
-                inputs, rng = _inputs(blocks, step, cfg, cfg.seed), step
+                inputs, rng = batch_inputs(blocks, step, cfg, cfg.seed), step
                 healthy.step(inputs, rng)
-                faulty.step(inputs, rng, _corrupting(cfg.sdc, step, gen))
+                faulty.step(inputs, rng, corrupting(cfg.sdc, step, gen))
                 gh, gf = healthy.grads(), faulty.grads()
                 nsr.append(float((gf - gh).norm() / gh.norm()))
                 cos.append(float(torch.nn.functional.cosine_similarity(gf, gh, dim=0)))
@@ -305,16 +319,16 @@ def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
                 "min_cosine": min(cos),
             }
         else:
-            control = _Replica(copy.deepcopy(base), cfg.lr)
+            control = Replica(copy.deepcopy(base), cfg.lr)
             losses = defaultdict(list)
             for step in range(1, cfg.steps + 1):
                 arms = [
                     ("healthy", healthy, cfg.seed, None),
                     ("control", control, cfg.control_seed, None),
                 ]
-                arms.append(("faulty", faulty, cfg.seed, _corrupting(cfg.sdc, step, gen)))
+                arms.append(("faulty", faulty, cfg.seed, corrupting(cfg.sdc, step, gen)))
                 for name, rep, seed, hook in arms:
-                    losses[name].append(rep.step(_inputs(blocks, step, cfg, seed), step, hook))
+                    losses[name].append(rep.step(batch_inputs(blocks, step, cfg, seed), step, hook))
                     rep.update()
                 drift = {
                     "drift": _drift(faulty.model, healthy.model),
@@ -324,7 +338,7 @@ def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
                     json.dumps({"step": step, **{k: v[-1] for k, v in losses.items()}, **drift})
                     + "\n"
                 )
-            held = _inputs(blocks, 10_000, cfg, cfg.seed + 99)
+            held = batch_inputs(blocks, 10_000, cfg, cfg.seed + 99)
             summary |= {
                 "final_param_drift": _drift(faulty.model, healthy.model),
                 "control_param_drift": _drift(control.model, healthy.model),
@@ -335,8 +349,10 @@ def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
                     if not x < 10 * max(losses["healthy"][: min(100, len(losses["healthy"]))])
                 ),
                 "final_loss": {k: v[-1] for k, v in losses.items()},
-                "prediction_divergence": _divergence(faulty.model, healthy.model, held),
-                "control_prediction_divergence": _divergence(control.model, healthy.model, held),
+                "prediction_divergence": prediction_divergence(faulty.model, healthy.model, held),
+                "control_prediction_divergence": prediction_divergence(
+                    control.model, healthy.model, held
+                ),
             }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "meta.json").write_text(
@@ -345,12 +361,12 @@ def run_lockstep(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
     return summary
 
 
-def _corrupting(sdc: SDCModel, step: int, gen: torch.Generator):
+def corrupting(sdc: SDCModel, step: int, gen: torch.Generator):
     def hook(name, layer, kind):
         rate = sdc.rate if kind == "attention" else sdc.mlp_rate
 
         def fwd(module, args, output):
-            t = _first(output)
+            t = output_tensor(output)
             if t is None or not sdc.active(step):
                 return
             if sdc.forward:
@@ -390,7 +406,7 @@ def _layer_drift(a: nn.Module, b: nn.Module) -> dict[str, float]:
 
 
 @torch.no_grad()
-def _divergence(a: nn.Module, b: nn.Module, inputs: dict[str, Tensor]) -> float:
+def prediction_divergence(a: nn.Module, b: nn.Module, inputs: dict[str, Tensor]) -> float:
     a.eval(), b.eval()
     pa, pb = a(**inputs).logits.argmax(-1), b(**inputs).logits.argmax(-1)
     a.train(), b.train()

@@ -24,14 +24,14 @@ from torch import Tensor
 
 from attnchecker.sdc.lockstep import (
     LockstepConfig,
-    _corrupting,
-    _divergence,
-    _first,
-    _inputs,
-    _mismatch,
-    _Replica,
-    _row,
-    _setup,
+    Replica,
+    batch_inputs,
+    corrupting,
+    mismatch,
+    mismatch_row,
+    output_tensor,
+    prediction_divergence,
+    setup_run,
 )
 
 __all__ = ["run_twin"]
@@ -50,15 +50,15 @@ def _level1_hooks(rank: int, sdc, step: int, gen: torch.Generator, rows: list):
         on = sdc is not None and sdc.active(step)
 
         def fwd(module, args, output):
-            t = _first(output)
+            t = output_tensor(output)
             if t is None:
                 return
             healthy = _from_rank0(t, rank)
             if rank == 1:
                 if on and sdc.forward:
                     sdc.corrupt_(t.data, site_rate=rate, generator=gen)
-                n, sev = _mismatch(t, healthy)
-                rows.append(_row(step, name, layer, kind, "forward", t.numel(), n, sev))
+                n, sev = mismatch(t, healthy)
+                rows.append(mismatch_row(step, name, layer, kind, "forward", t.numel(), n, sev))
                 t.data.copy_(healthy)
             if t.requires_grad:
 
@@ -69,8 +69,10 @@ def _level1_hooks(rank: int, sdc, step: int, gen: torch.Generator, rows: list):
                     g = g.clone()
                     if on and sdc.backward:
                         sdc.corrupt_(g, site_rate=rate, generator=gen)
-                    n, sev = _mismatch(g, hg)
-                    rows.append(_row(step, name, layer, kind, "backward", g.numel(), n, sev))
+                    n, sev = mismatch(g, hg)
+                    rows.append(
+                        mismatch_row(step, name, layer, kind, "backward", g.numel(), n, sev)
+                    )
                     return hg
 
                 t.register_hook(on_grad)
@@ -88,24 +90,24 @@ def run_twin(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
     rank = dist.get_rank()
     if dist.get_world_size() != 2:
         raise RuntimeError("the two-process lockstep needs exactly 2 ranks")
-    blocks, base, gen = _setup(cfg)
+    blocks, base, gen = setup_run(cfg)
 
     gate_rows: list = []
-    gate = _Replica(copy.deepcopy(base), cfg.lr)
+    gate = Replica(copy.deepcopy(base), cfg.lr)
     for step in range(1, cfg.gate_steps + 1):
         gate.step(
-            _inputs(blocks, step, cfg, cfg.seed),
+            batch_inputs(blocks, step, cfg, cfg.seed),
             step,
             _level1_hooks(rank, None, step, gen, gate_rows),
         )
         gate.update()
-    me = _Replica(copy.deepcopy(base), cfg.lr)
+    me = Replica(copy.deepcopy(base), cfg.lr)
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {}
     if cfg.level == 1:
         for step in range(1, cfg.steps + 1):
             me.step(
-                _inputs(blocks, step, cfg, cfg.seed),
+                batch_inputs(blocks, step, cfg, cfg.seed),
                 step,
                 _level1_hooks(rank, cfg.sdc, step, gen, rows),
             )
@@ -127,8 +129,8 @@ def run_twin(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
     elif cfg.level == 2:
         nsr, cos = [], []
         for step in range(1, cfg.steps + 1):
-            hook = _corrupting(cfg.sdc, step, gen) if rank == 1 else None
-            me.step(_inputs(blocks, step, cfg, cfg.seed), step, hook)
+            hook = corrupting(cfg.sdc, step, gen) if rank == 1 else None
+            me.step(batch_inputs(blocks, step, cfg, cfg.seed), step, hook)
             g = me.grads()
             healthy = g.clone() if rank == 0 else torch.empty_like(g)
             dist.broadcast(healthy, src=0)
@@ -149,13 +151,13 @@ def run_twin(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
                 "min_cosine": min(cos),
             }
     else:
-        control = _Replica(copy.deepcopy(base), cfg.lr) if rank == 0 else None
+        control = Replica(copy.deepcopy(base), cfg.lr) if rank == 0 else None
         for step in range(1, cfg.steps + 1):
-            hook = _corrupting(cfg.sdc, step, gen) if rank == 1 else None
-            loss = me.step(_inputs(blocks, step, cfg, cfg.seed), step, hook)
+            hook = corrupting(cfg.sdc, step, gen) if rank == 1 else None
+            loss = me.step(batch_inputs(blocks, step, cfg, cfg.seed), step, hook)
             me.update()
             if control is not None:
-                control.step(_inputs(blocks, step, cfg, cfg.control_seed), step)
+                control.step(batch_inputs(blocks, step, cfg, cfg.control_seed), step)
                 control.update()
             rows.append({"step": step, "loss": loss})
         theirs = [p.detach().clone() for p in me.model.parameters()]
@@ -167,12 +169,12 @@ def run_twin(cfg: LockstepConfig, out: str | Path) -> dict[str, Any]:
             faulty = copy.deepcopy(me.model)
             for p, t in zip(faulty.parameters(), theirs, strict=True):
                 p.data.copy_(t)
-            held = _inputs(blocks, 10_000, cfg, cfg.seed + 99)
+            held = batch_inputs(blocks, 10_000, cfg, cfg.seed + 99)
             ctrl = torch.cat([p.detach().reshape(-1) for p in control.model.parameters()])
             result = {
                 "final_param_drift": float((other - mine).norm() / mine.norm()),
                 "control_param_drift": float((ctrl - mine).norm() / mine.norm()),
-                "prediction_divergence": _divergence(faulty, me.model, held),
+                "prediction_divergence": prediction_divergence(faulty, me.model, held),
             }
     box = [{"result": result, "rows": rows, "gate": sum(r["mismatches"] for r in gate_rows)}]
     dist.broadcast_object_list(box, src=1)  # rank 1 holds the comparison
