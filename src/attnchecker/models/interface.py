@@ -22,10 +22,10 @@ from torch import Tensor, nn
 from attnchecker.attention.core import CORE, attend
 from attnchecker.errors import UnsupportedModelError
 
-__all__ = ["FUSED_NAME", "KEYWORDS", "NAME", "attend_bound", "install_interface"]
+__all__ = ["KEYWORDS", "NAME", "TRITON_NAME", "attend_bound", "install_interface"]
 
 NAME = "attnchecker"
-FUSED_NAME = "attnchecker_fused"  # the fused backend: transformers' flash-attention mask (2D)
+TRITON_NAME = "attnchecker_triton"  # backend="triton" (the fused kernels): the 2D mask
 
 KEYWORDS: dict[str, str] = {
     # keyword: why the checked core may take it as the family's eager attention does
@@ -98,7 +98,7 @@ def _attention(
     fused: bool = False,
     **kwargs: object,
 ) -> tuple[Tensor, Tensor | None]:
-    """The function registered as :data:`NAME`, and with ``fused`` as :data:`FUSED_NAME`: then
+    """The function registered as :data:`NAME`, and with ``fused`` as :data:`TRITON_NAME`: then
     ``attention_mask`` is the 2D key padding mask (or None), causality and the sliding window
     come from the module and the keywords, as for flash attention."""
     _refuse(kwargs)
@@ -154,8 +154,8 @@ def install_interface(model: nn.Module, *, fused: bool = False) -> Callable[[], 
 
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, eager_mask)
-    AttentionInterface.register(FUSED_NAME, partial(_attention, fused=True))
-    AttentionMaskInterface.register(FUSED_NAME, _fused_mask)
+    AttentionInterface.register(TRITON_NAME, partial(_attention, fused=True))
+    AttentionMaskInterface.register(TRITON_NAME, _fused_mask)
     previous = model.config._attn_implementation
-    model.set_attn_implementation(FUSED_NAME if fused else NAME)
+    model.set_attn_implementation(TRITON_NAME if fused else NAME)
     return lambda: model.set_attn_implementation(previous)
