@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from attnchecker.cli.common import add_backend, add_command
 from attnchecker.inject.campaign import CampaignConfig
@@ -54,29 +53,9 @@ def _campaign(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     """example: attnchecker report runs/camp (writes runs/camp/report.html)"""
-    from pathlib import Path
+    from attnchecker.report import report
 
-    from attnchecker.report import campaign_report
-    from attnchecker.report.training import demo_report, run_report
-
-    out = Path(args.out)
-    if any(out.glob("trials*.jsonl")):
-        print(campaign_report(out))
-    elif (out / "summary.json").exists() and (out / "reference").is_dir():
-        print(demo_report(out))
-    elif (out / "frontier.json").exists():
-        from attnchecker.report.adaptive import rebuild_frontier
-
-        print(rebuild_frontier(out))
-    elif (out / "metrics.jsonl").exists():
-        print(run_report(out))
-    elif (out / "steps.jsonl").exists() and (out / "summary.json").exists():
-        from attnchecker.report.sdc import sdc_report
-
-        print(sdc_report(out))
-    else:
-        print(f"{out}: not a campaign, demo or training run directory", file=sys.stderr)
-        return 2
+    print(report(args.out))
     return 0
 
 
