@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnchecker.errors import CheckpointError
+from attnchecker.errors import CheckpointError, ConfigError
 
 __all__ = ["CheckpointError", "CheckpointManager", "NonTrainableDetector", "save_weights"]
 
@@ -53,7 +53,7 @@ class CheckpointManager:
 
     def __init__(self, directory: str | Path, *, every: int, keep: int = 2) -> None:
         if every < 1 or keep < 1:
-            raise ValueError("every and keep must be >= 1")
+            raise ConfigError(f"every and keep must be >= 1, got every={every}, keep={keep}")
         self.directory, self.every, self.keep = Path(directory), every, keep
         self.directory.mkdir(parents=True, exist_ok=True)
 
