@@ -18,6 +18,11 @@ process group when ``torch.distributed`` is initialised, so every rank skips tog
   taken. Step counters that live on the CPU (non-fused, non-capturable Adam on CUDA) are
   restored the same way, which costs a device-to-host read: prefer ``fused=True``.
 
+Fused SGD with momentum reads the flag on a parameter's first step too: it allocates the
+momentum buffer uninitialised and relies on the step to fill it, so a skipped first step would
+leave garbage for the next one. Fused Adam / AdamW never read it (a skipped first step leaves
+zero moments and a zero step count: the next step is a first step, exactly).
+
 Under ``torch.amp.GradScaler`` (``scaler.step(opt)``, with ``opt`` the guard itself or an
 optimizer whose ``step`` routes through it) either flag skips the step:
 
@@ -70,6 +75,11 @@ class GuardedOptimizer:
         self.fused = isinstance(optimizer, _FUSED) and all(
             g.get("fused") for g in optimizer.param_groups
         )
+        # whose first step leaves state a skipped step must not (see the module docstring)
+        self._reads_first = not self.fused or (
+            isinstance(optimizer, torch.optim.SGD)
+            and any(g.get("momentum", 0) for g in optimizer.param_groups)
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
@@ -86,6 +96,8 @@ class GuardedOptimizer:
         reduced) is set."""
         flag = self.flag() if flag is None else flag
         self.skipped = flag.clone() if self.skipped is None else self.skipped.add_(flag)
+        if self._reads_first and self._first_step() and bool(flag):  # one read, then never
+            return None  # the state a first step creates cannot be masked to "absent"
         if self.fused:
             opt = self.optimizer
             theirs = getattr(opt, "found_inf", None)  # GradScaler's, when it drives this step
@@ -102,11 +114,21 @@ class GuardedOptimizer:
                     opt.found_inf = theirs
         return self._masked_step(flag, closure)
 
+    def _first_step(self) -> bool:
+        """Whether a parameter with a gradient has no optimizer state yet: its first step
+        creates state (momentum buffers, moments; fused SGD allocates its buffer uninitialised
+        and relies on the step to fill it) that a skipped step must not leave behind."""
+        opt = self.optimizer
+        return any(
+            not opt.state.get(p)
+            for g in opt.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        )
+
     def _masked_step(self, flag: Tensor, closure: Any) -> Any:
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        if any(not opt.state.get(p) for p in params) and bool(flag):  # first step: one read
-            return None
         kept = [p.detach().clone() for p in params]
         kept_state = [
             {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, Tensor)} for p in params
