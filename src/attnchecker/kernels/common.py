@@ -154,3 +154,140 @@ def count(COUNTS, check, column):
 def fails(residual, bound):
     """Where |residual| <= bound does not hold (a NaN residual fails)."""
     return ~(tl.abs(residual) <= bound)
+
+
+# The blocks the three attention kernels share, each defined once so that a check, its
+# recomputation and its counters read (and compile) alike in every kernel. A @triton.jit helper
+# is inlined where it is called: no call, no extra live values beyond what it returns.
+
+
+@triton.jit
+def program_block(HEADS, N, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What program (i, j) of a grid (blocks of BLOCK rows of N, batch * HEADS) owns: rows
+    i * BLOCK .. of (batch, head) j (query rows in the forward and dQ kernels, keys in dK/dV).
+    Returns (j, b, h, start, offs (BLOCK,), offs_d (BLOCK_D,), ok (BLOCK,), d_ok (BLOCK_D,),
+    mask (BLOCK, BLOCK_D)); b and h are 64-bit: they scale whole-tensor strides (a tensor may
+    hold more than 2^31 elements)."""
+    start = tl.program_id(0) * BLOCK
+    bh = tl.program_id(1)
+    b = (bh // HEADS).to(tl.int64)
+    h = (bh % HEADS).to(tl.int64)
+    offs = start + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = offs < N
+    d_ok = offs_d < D
+    return bh, b, h, start, offs, offs_d, ok, d_ok, ok[:, None] & d_ok[None, :]
+
+
+@triton.jit
+def key_range(row0, L, LK, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(shift, lo, hi): query i sits at key position i + shift (a KV cache makes LK > L); the
+    key tiles from lo to hi are all that rows row0 .. row0 + BLOCK_M may attend (causal: none
+    past the last row's position; a window: none before the first row's reach)."""
+    shift = LK - L
+    hi = LK
+    if CAUSAL:
+        hi = tl.minimum(LK, row0 + BLOCK_M + shift)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(0, (row0 + shift - window + 1) // BLOCK_N * BLOCK_N)
+    return shift, lo, hi
+
+
+@triton.jit
+def sums(x):
+    """(sum of x's rows, sum of |x|'s rows) in fp32, each (x.shape[1],): the references
+    :func:`tile_check` needs of the operand a program keeps (two vectors, not an |x| tile kept
+    live across the loop: registers)."""
+    x32 = x.to(tl.float32)
+    return tl.sum(x32, 0), tl.sum(tl.abs(x32), 0)
+
+
+@triton.jit
+def accumulate(w, x, acc, fault, code, bh, rows, cols, attempt, on,
+               INJECT: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """acc + w x in fp32 (acc (len(w), x.shape[1]); None: w x alone), GEMM ``code`` of (batch,
+    head) ``bh``, with the fault (:func:`inject`) applied at its global indices ``rows`` x
+    ``cols`` where ``on`` holds: an accumulator is hit once, after the sweep's first tile."""
+    acc = tl.dot(w, x, acc, input_precision=DOT)
+    if INJECT:
+        acc = inject(acc, fault, code, bh, rows, cols, attempt, on)
+    return acc
+
+
+@triton.jit
+def product(a, b, fault, code, bh, rows, cols, attempt, INJECT: tl.constexpr, DOT: tl.constexpr):
+    """a b^T (len(a), len(b)) in fp32: :func:`accumulate` of a tile product, which the fault
+    hits whichever tile it is in."""
+    return accumulate(a, tl.trans(b), None, fault, code, bh, rows, cols, attempt, True, INJECT,
+                      DOT)  # fmt: skip
+
+
+@triton.jit
+def checked_product(a, b, a_src, b_src, a_bar, a_mag, b_ok, tau, fault, code, bh, rows, cols,
+                    attempt, COUNTS, check, CHECK: tl.constexpr, INJECT: tl.constexpr,
+                    UPCAST: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """:func:`product` a b^T, with CHECK its columns checked (:func:`tile_check`: a_bar, a_mag
+    from :func:`sums` of a; b_ok: which rows of b count). A failing product is counted detected
+    (counter row ``check``), recomputed once from a and b re-read from memory (``a_src``,
+    ``b_src``: (pointer, in-tile rows, row stride, columns, column stride, mask), as
+    :func:`tile` read them: :func:`fresh_product`) and checked again: corrected, or still
+    failing and uncorrected (the recomputation is returned either way)."""
+    x = product(a, b, fault, code, bh, rows, cols, attempt, INJECT, DOT)
+    if CHECK and tile_check(x, a_bar, a_mag, b, b_ok, tau) > 0:
+        count(COUNTS, check, 0)
+        a_at, a_rows, a_stride, feats, a_col, a_mask = a_src
+        b_at, b_rows, b_stride, _feats, b_col, b_mask = b_src
+        x = fresh_product(a_at, a_rows, a_stride, a_mask, b_at, b_rows, b_stride, b_mask,
+                          feats, a_col, b_col, UPCAST, DOT)  # fmt: skip
+        if INJECT:  # a recomputation: a transient fault is not in it, a persistent one is
+            x = inject(x, fault, code, bh, rows, cols, 1, True)
+        still = tile_check(x, a_bar, a_mag, b, b_ok, tau) > 0
+        count(COUNTS, check, 1 + still.to(tl.int32))
+    return x
+
+
+@triton.jit
+def carry(c, t, w, w_mag, x):
+    """The checksum c and bound t (len(w),) of a deferred check of acc += w x, one tile on:
+    (c + sum_j w_ij (x_j . 1), t + sum_j w_mag_ij (|x_j| . 1)); w (fp32) as it entered the
+    MMA, w_mag = |w| (or w itself where w >= 0: the bound is then exact and costs no abs)."""
+    x32 = x.to(tl.float32)
+    c = c + tl.sum(w * tl.sum(x32, 1)[None, :], 1)
+    t = t + tl.sum(w_mag * tl.sum(tl.abs(x32), 1)[None, :], 1)
+    return c, t
+
+
+@triton.jit
+def off_rows(acc, c, t, tau, ok):
+    """How many rows of the accumulator acc (R, BLOCK_D), among ``ok`` (R,), sum to other than
+    their carried checksum c (R,) beyond tau times the carried bound t (+ TAU_ABS)."""
+    return tl.sum((fails(tl.sum(acc, 1) - c, tau * t + TAU_ABS) & ok).to(tl.int32), 0)
+
+
+@triton.jit
+def tally(COUNTS, checks, found, attempt, first):
+    """The counters of a program's deferred checks (``checks``: their counter rows, a tuple of
+    constants) whose sweep ``attempt`` (0, or the one re-run) found ``found[i]`` failing rows
+    each: (first: bit i set where check i failed at attempt 0, todo: 1 where any did, so that
+    the loop runs once more; a re-run is idempotent, the inputs read-only). In the re-run a
+    check that failed at first is corrected, or still failing (uncorrected). One branch on
+    ``attempt`` for all the checks: a branch per check cost the dQ kernel up to 24 more
+    registers (measured, ptxas sm_90)."""
+    code = 0
+    for i in tl.static_range(len(checks)):
+        code += (1 << i) * (found[i] > 0).to(tl.int32)
+    todo = 0
+    if attempt == 0:
+        first = code
+        for i in tl.static_range(len(checks)):
+            if found[i] > 0:
+                count(COUNTS, checks[i], 0)
+        if code > 0:
+            todo = 1
+    else:
+        for i in tl.static_range(len(checks)):
+            if (first >> i) % 2 == 1:
+                count(COUNTS, checks[i], 1 + (found[i] > 0).to(tl.int32))
+    return first, todo

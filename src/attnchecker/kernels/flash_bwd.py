@@ -37,16 +37,21 @@ import triton.language as tl
 
 from attnchecker.kernels.common import (
     TAU_ABS,
+    accumulate,
     allowed,
-    count,
+    carry,
+    checked_product,
     fails,
-    fresh_product,
-    inject,
+    key_range,
     load_fault,
+    off_rows,
+    product,
+    program_block,
     row,
     site,
+    sums,
+    tally,
     tile,
-    tile_check,
 )  # fmt: skip
 
 _ST, _DPT, _DV, _DK = row("st"), row("dpt"), row("dv"), row("dk")
@@ -66,28 +71,17 @@ def _bwd_dkdv(
     CHECK_DK: tl.constexpr, INJECT: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
-    b = (bhk // HKV).to(tl.int64)
-    hk = (bhk % HKV).to(tl.int64)
-    col0 = pid_n * BLOCK_N
+    _bhk, b, hk, col0, offs_n, offs_d, key_ok, d_ok, kv_mask = program_block(
+        HKV, LK, D, BLOCK_N, BLOCK_D
+    )
     rows = tl.arange(0, BLOCK_M)  # in-tile offsets
     cols = tl.arange(0, BLOCK_N)
-    offs_n = col0 + cols
-    offs_d = tl.arange(0, BLOCK_D)
-    key_ok = offs_n < LK
-    d_ok = offs_d < D
-    kv_mask = key_ok[:, None] & d_ok[None, :]
     k_at = K + b * skb + hk * skh + tl.cast(col0, tl.int64) * skn
     v_at = V + b * svb + hk * svh + tl.cast(col0, tl.int64) * svn
-    k = tile(k_at, cols, skn, offs_d, skd, kv_mask, UPCAST, False)
+    k = tile(k_at, cols, skn, offs_d, skd, kv_mask, UPCAST, False)  # (BLOCK_N, BLOCK_D)
     v = tile(v_at, cols, svn, offs_d, svd, kv_mask, UPCAST, False)
-    k32 = k.to(tl.float32)
-    v32 = v.to(tl.float32)
-    k_bar = tl.sum(k32, 0)  # (BLOCK_D,): the tile checks' references need only these
-    k_mag = tl.sum(tl.abs(k32), 0)
-    v_bar = tl.sum(v32, 0)
-    v_mag = tl.sum(tl.abs(v32), 0)
+    k_bar, k_mag = sums(k)  # (BLOCK_D,) each: the tile checks' references need only these
+    v_bar, v_mag = sums(v)
     shift = LK - L
     lo = 0
     if CAUSAL:  # query rows before the first key of this block see none of it
@@ -95,20 +89,16 @@ def _bwd_dkdv(
 
     fault = load_fault(FAULT, INJECT)
     CHECK_DEFERRED: tl.constexpr = CHECK_DV or CHECK_DK
+    # read after the loop, so defined before it (Triton); each attempt restarts them
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    c_dk = tl.zeros([BLOCK_N], tl.float32)
-    t_dk = tl.zeros([BLOCK_N], tl.float32)
-    c_dv = tl.zeros([BLOCK_N], tl.float32)
-    t_dv = tl.zeros([BLOCK_N], tl.float32)
-    first_dv = tl.full([], 0, tl.int32)
-    first_dk = tl.full([], 0, tl.int32)
+    first = tl.full([], 0, tl.int32)  # the deferred checks that failed at attempt 0 (bits)
     attempt = 0
     todo = 1
     while todo > 0:
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        c_dk = tl.zeros([BLOCK_N], tl.float32)
+        c_dk = tl.zeros([BLOCK_N], tl.float32)  # the deferred checks' checksums and bounds
         t_dk = tl.zeros([BLOCK_N], tl.float32)
         c_dv = tl.zeros([BLOCK_N], tl.float32)
         t_dv = tl.zeros([BLOCK_N], tl.float32)
@@ -125,75 +115,40 @@ def _bwd_dkdv(
                 do = tile(do_at, rows, sdm, offs_d, sdd, qm, UPCAST, False)
                 lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=0.0)
                 delta = tl.load(DELTA + bh * L + offs_m, mask=row_ok, other=0.0)
-                # S^T (BLOCK_N, BLOCK_M)
-                st = tl.dot(k, tl.trans(q), input_precision=DOT)
-                if INJECT:
-                    st = inject(st, fault, SITE_ST, bh, offs_n, offs_m, attempt, True)
-                if CHECK_ST and tile_check(st, k_bar, k_mag, q, row_ok, tau) > 0:
-                    count(COUNTS, _ST, 0)  # recompute from fresh loads, check again
-                    st = fresh_product(k_at, cols, skn, kv_mask, q_at, rows, sqm, qm, offs_d,
-                                       skd, sqd, UPCAST, DOT)  # fmt: skip
-                    if INJECT:
-                        st = inject(st, fault, SITE_ST, bh, offs_n, offs_m, 1, True)
-                    still = tile_check(st, k_bar, k_mag, q, row_ok, tau) > 0
-                    count(COUNTS, _ST, 1 + still.to(tl.int32))
+                # S^T (BLOCK_N, BLOCK_M), checked (and recomputed) by query columns
+                st = checked_product(k, q, (k_at, cols, skn, offs_d, skd, kv_mask),
+                                     (q_at, rows, sqm, offs_d, sqd, qm), k_bar, k_mag, row_ok,
+                                     tau, fault, SITE_ST, bh, offs_n, offs_m, attempt, COUNTS,
+                                     _ST, CHECK_ST, INJECT, UPCAST, DOT)  # fmt: skip
                 ok = tl.trans(allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
                                        CAUSAL, WINDOW, HAS_MASK))  # fmt: skip
                 pt = tl.where(ok, tl.exp2(st * qk_scale - lse[None, :]), 0.0)
                 pt_lo = pt.to(do.dtype)
-                dv = tl.dot(pt_lo, do, dv, input_precision=DOT)
-                if INJECT:
-                    dv = inject(dv, fault, SITE_DV, bh, offs_n, offs_d, attempt, start == lo)
-                # dP^T (BLOCK_N, BLOCK_M)
-                dpt = tl.dot(v, tl.trans(do), input_precision=DOT)
-                if INJECT:
-                    dpt = inject(dpt, fault, SITE_DPT, bh, offs_n, offs_m, attempt, True)
-                if CHECK_DPT and tile_check(dpt, v_bar, v_mag, do, row_ok, tau) > 0:
-                    count(COUNTS, _DPT, 0)
-                    dpt = fresh_product(v_at, cols, svn, kv_mask, do_at, rows, sdm, qm, offs_d,
-                                        svd, sdd, UPCAST, DOT)  # fmt: skip
-                    if INJECT:
-                        dpt = inject(dpt, fault, SITE_DPT, bh, offs_n, offs_m, 1, True)
-                    still = tile_check(dpt, v_bar, v_mag, do, row_ok, tau) > 0
-                    count(COUNTS, _DPT, 1 + still.to(tl.int32))
+                dv = accumulate(pt_lo, do, dv, fault, SITE_DV, bh, offs_n, offs_d, attempt,
+                                start == lo, INJECT, DOT)  # fmt: skip
+                # dP^T (BLOCK_N, BLOCK_M), checked (and recomputed) by query columns
+                dpt = checked_product(v, do, (v_at, cols, svn, offs_d, svd, kv_mask),
+                                      (do_at, rows, sdm, offs_d, sdd, qm), v_bar, v_mag, row_ok,
+                                      tau, fault, SITE_DPT, bh, offs_n, offs_m, attempt, COUNTS,
+                                      _DPT, CHECK_DPT, INJECT, UPCAST, DOT)  # fmt: skip
                 dst = pt * (dpt - delta[None, :])
                 dst_lo = dst.to(q.dtype)
-                dk = tl.dot(dst_lo, q, dk, input_precision=DOT)
-                if INJECT:
-                    dk = inject(dk, fault, SITE_DK, bh, offs_n, offs_d, attempt, start == lo)
-                if CHECK_DEFERRED:
+                dk = accumulate(dst_lo, q, dk, fault, SITE_DK, bh, offs_n, offs_d, attempt,
+                                start == lo, INJECT, DOT)  # fmt: skip
+                if CHECK_DEFERRED:  # P~ >= 0 is its own magnitude, dS~ is not
                     p32 = pt_lo.to(tl.float32)
-                    do32 = do.to(tl.float32)
-                    c_dv += tl.sum(p32 * tl.sum(do32, 1)[None, :], 1)
-                    t_dv += tl.sum(p32 * tl.sum(tl.abs(do32), 1)[None, :], 1)
+                    c_dv, t_dv = carry(c_dv, t_dv, p32, p32, do)
                     ds32 = dst_lo.to(tl.float32)
-                    q32 = q.to(tl.float32)
-                    c_dk += tl.sum(ds32 * tl.sum(q32, 1)[None, :], 1)
-                    t_dk += tl.sum(tl.abs(ds32) * tl.sum(tl.abs(q32), 1)[None, :], 1)
+                    c_dk, t_dk = carry(c_dk, t_dk, ds32, tl.abs(ds32), q)
         todo = 0
         if CHECK_DEFERRED:
             n_dv = 0
             n_dk = 0
             if CHECK_DV:
-                n_dv = tl.sum((fails(tl.sum(dv, 1) - c_dv, tau_acc * t_dv + TAU_ABS) & key_ok)
-                              .to(tl.int32), 0)  # fmt: skip
+                n_dv = off_rows(dv, c_dv, t_dv, tau_acc, key_ok)
             if CHECK_DK:
-                n_dk = tl.sum((fails(tl.sum(dk, 1) - c_dk, tau_acc * t_dk + TAU_ABS) & key_ok)
-                              .to(tl.int32), 0)  # fmt: skip
-            if attempt == 0:
-                first_dv = n_dv
-                first_dk = n_dk
-                if n_dv > 0:
-                    count(COUNTS, _DV, 0)
-                if n_dk > 0:
-                    count(COUNTS, _DK, 0)
-                if n_dv + n_dk > 0:
-                    todo = 1
-            else:
-                if first_dv > 0:
-                    count(COUNTS, _DV, 1 + (n_dv > 0).to(tl.int32))
-                if first_dk > 0:
-                    count(COUNTS, _DK, 1 + (n_dk > 0).to(tl.int32))
+                n_dk = off_rows(dk, c_dk, t_dk, tau_acc, key_ok)
+            first, todo = tally(COUNTS, (_DV, _DK), (n_dv, n_dk), attempt, first)
         attempt += 1
 
     dk_at = DK + b * skb + hk * skh + tl.cast(col0, tl.int64) * skn
@@ -215,19 +170,10 @@ def _bwd_dq(
     INJECT: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh, b, h, row0, offs_m, offs_d, row_ok, d_ok, qm = program_block(H, L, D, BLOCK_M, BLOCK_D)
     hk = h // GROUP
-    row0 = pid_m * BLOCK_M
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    offs_m = row0 + rows
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < L
-    d_ok = offs_d < D
-    qm = row_ok[:, None] & d_ok[None, :]
     q = tile(Q + b * sqb + h * sqh + tl.cast(row0, tl.int64) * sqm, rows, sqm, offs_d, sqd, qm,
              UPCAST, False)  # fmt: skip
     do = tile(DO + b * sdb + h * sdh + tl.cast(row0, tl.int64) * sdm, rows, sdm, offs_d, sdd, qm,
@@ -236,34 +182,23 @@ def _bwd_dq(
     lse = tl.load(LSE + at_rows, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + at_rows, mask=row_ok, other=0.0)
     delta_abs = tl.load(DELTA_ABS + at_rows, mask=row_ok, other=0.0)
-    shift = LK - L
-    hi = LK
-    if CAUSAL:
-        hi = tl.minimum(LK, row0 + BLOCK_M + shift)
-    lo = 0
-    if WINDOW:
-        lo = tl.maximum(0, (row0 + shift - window + 1) // BLOCK_N * BLOCK_N)
+    shift, lo, hi = key_range(row0, L, LK, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     k_at = K + b * skb + hk * skh
     v_at = V + b * svb + hk * svh
 
     fault = load_fault(FAULT, INJECT)
     CHECK_ANY: tl.constexpr = CHECK_P or CHECK_DS or CHECK_DQ
+    # read after the loop, so defined before it (Triton); each attempt restarts it
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    p_sum = tl.zeros([BLOCK_M], tl.float32)
-    ds_sum = tl.zeros([BLOCK_M], tl.float32)
-    ds_mag = tl.zeros([BLOCK_M], tl.float32)
-    c_dq = tl.zeros([BLOCK_M], tl.float32)
-    t_dq = tl.zeros([BLOCK_M], tl.float32)
-    n_valid = tl.zeros([BLOCK_M], tl.float32)
-    first = tl.full([], 0, tl.int32)
+    first = tl.full([], 0, tl.int32)  # the checks that failed at attempt 0 (bits)
     attempt = 0
     todo = 1
     while todo > 0:
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        p_sum = tl.zeros([BLOCK_M], tl.float32)
+        p_sum = tl.zeros([BLOCK_M], tl.float32)  # the invariants' sums, each row's keys
         ds_sum = tl.zeros([BLOCK_M], tl.float32)
         ds_mag = tl.zeros([BLOCK_M], tl.float32)
-        c_dq = tl.zeros([BLOCK_M], tl.float32)
+        c_dq = tl.zeros([BLOCK_M], tl.float32)  # the dQ check's checksum and bound
         t_dq = tl.zeros([BLOCK_M], tl.float32)
         n_valid = tl.zeros([BLOCK_M], tl.float32)
         for start in range(lo, hi, BLOCK_N):
@@ -273,29 +208,23 @@ def _bwd_dq(
                      False)  # fmt: skip
             v = tile(v_at + tl.cast(start, tl.int64) * svn, cols, svn, offs_d, svd, kv_mask, UPCAST,
                      False)  # fmt: skip
-            s = tl.dot(q, tl.trans(k), input_precision=DOT)
-            if INJECT:
-                s = inject(s, fault, SITE_SQ, bh, offs_m, offs_n, attempt, True)
+            # S and dP (BLOCK_M, BLOCK_N): no tile check, the invariants below guard them
+            s = product(q, k, fault, SITE_SQ, bh, offs_m, offs_n, attempt, INJECT, DOT)
             ok = allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
                           CAUSAL, WINDOW, HAS_MASK)  # fmt: skip
             p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT)
-            if INJECT:
-                dp = inject(dp, fault, SITE_DP, bh, offs_m, offs_n, attempt, True)
+            dp = product(do, v, fault, SITE_DP, bh, offs_m, offs_n, attempt, INJECT, DOT)
             ds = p * (dp - delta[:, None])
             ds_lo = ds.to(k.dtype)
-            dq = tl.dot(ds_lo, k, dq, input_precision=DOT)
-            if INJECT:
-                dq = inject(dq, fault, SITE_DQ, bh, offs_m, offs_d, attempt, start == lo)
+            dq = accumulate(ds_lo, k, dq, fault, SITE_DQ, bh, offs_m, offs_d, attempt, start == lo,
+                            INJECT, DOT)  # fmt: skip
             if CHECK_ANY:
                 p_sum += tl.sum(p, 1)
                 ds_sum += tl.sum(ds, 1)
                 ds_mag += tl.sum(tl.abs(p * dp), 1)
                 n_valid += tl.sum(ok.to(tl.float32), 1)
                 ds32 = ds_lo.to(tl.float32)
-                k32 = k.to(tl.float32)
-                c_dq += tl.sum(ds32 * tl.sum(k32, 1)[None, :], 1)
-                t_dq += tl.sum(tl.abs(ds32) * tl.sum(tl.abs(k32), 1)[None, :], 1)
+                c_dq, t_dq = carry(c_dq, t_dq, ds32, tl.abs(ds32), k)
         todo = 0
         if CHECK_ANY:
             any_key = n_valid > 0
@@ -309,28 +238,8 @@ def _bwd_dq(
                 tol_ds = tau_acc * (ds_mag + tl.abs(delta)) + tau_out * delta_abs + TAU_ABS
                 n_ds = tl.sum((any_key & fails(ds_sum, tol_ds)).to(tl.int32), 0)
             if CHECK_DQ:
-                n_dq = tl.sum((row_ok & fails(tl.sum(dq, 1) - c_dq, tau_acc * t_dq + TAU_ABS))
-                              .to(tl.int32), 0)  # fmt: skip
-            code = (
-                (n_p > 0).to(tl.int32) + 2 * (n_ds > 0).to(tl.int32) + 4 * (n_dq > 0).to(tl.int32)
-            )
-            if attempt == 0:
-                first = code
-                if n_p > 0:
-                    count(COUNTS, _P_SUM, 0)
-                if n_ds > 0:
-                    count(COUNTS, _DS_SUM, 0)
-                if n_dq > 0:
-                    count(COUNTS, _DQ, 0)
-                if code > 0:
-                    todo = 1
-            else:
-                if first % 2 == 1:
-                    count(COUNTS, _P_SUM, 1 + (n_p > 0).to(tl.int32))
-                if (first // 2) % 2 == 1:
-                    count(COUNTS, _DS_SUM, 1 + (n_ds > 0).to(tl.int32))
-                if first // 4 == 1:
-                    count(COUNTS, _DQ, 1 + (n_dq > 0).to(tl.int32))
+                n_dq = off_rows(dq, c_dq, t_dq, tau_acc, row_ok)
+            first, todo = tally(COUNTS, (_P_SUM, _DS_SUM, _DQ), (n_p, n_ds, n_dq), attempt, first)
         attempt += 1
 
     dq_at = DQ + b * sqb + h * sqh + tl.cast(row0, tl.int64) * sqm

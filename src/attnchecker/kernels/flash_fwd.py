@@ -43,17 +43,19 @@ import triton
 import triton.language as tl
 
 from attnchecker.kernels.common import (
-    TAU_ABS,
+    accumulate,
     allowed,
-    count,
-    fails,
-    fresh_product,
-    inject,
+    carry,
+    checked_product,
+    key_range,
     load_fault,
+    off_rows,
+    program_block,
     row,
     site,
+    sums,
+    tally,
     tile,
-    tile_check,
 )  # fmt: skip
 
 _S, _PV, _SM = row("s"), row("pv"), row("softmax")
@@ -70,50 +72,31 @@ def _fwd(
     INJECT: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh, b, h, row0, offs_m, offs_d, row_ok, d_ok, q_mask = program_block(H, L, D, BLOCK_M, BLOCK_D)
     hk = h // GROUP  # the K/V head of this query head (GQA / MQA)
-    row0 = pid_m * BLOCK_M
     rows = tl.arange(0, BLOCK_M)  # in-tile offsets
     cols = tl.arange(0, BLOCK_N)
-    offs_m = row0 + rows
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < L
-    d_ok = offs_d < D
-    q_mask = row_ok[:, None] & d_ok[None, :]
     q_at = Q + b * sqb + h * sqh + tl.cast(row0, tl.int64) * sqm
     k_at = K + b * skb + hk * skh
     v_at = V + b * svb + hk * svh
-    q = tile(q_at, rows, sqm, offs_d, sqd, q_mask, UPCAST, False)
-    q32 = q.to(tl.float32)
-    q_bar = tl.sum(q32, 0)  # (BLOCK_D,): the S check's references need only these
-    q_mag = tl.sum(tl.abs(q32), 0)
-    shift = LK - L  # query i sits at key position i + shift (a KV cache makes LK > L)
-    hi = LK
-    if CAUSAL:
-        hi = tl.minimum(LK, row0 + BLOCK_M + shift)
-    lo = 0
-    if WINDOW:
-        lo = tl.maximum(0, (row0 + shift - window + 1) // BLOCK_N * BLOCK_N)
+    q = tile(q_at, rows, sqm, offs_d, sqd, q_mask, UPCAST, False)  # (BLOCK_M, BLOCK_D)
+    q_bar, q_mag = sums(q)  # (BLOCK_D,) each: the S check's references need only these
+    shift, lo, hi = key_range(row0, L, LK, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
 
     fault = load_fault(FAULT, INJECT)
     CHECK_DEFERRED: tl.constexpr = CHECK_PV or CHECK_SM
+    # read after the loop, so defined before it (Triton); each attempt restarts them
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    c_i = tl.zeros([BLOCK_M], tl.float32)
-    t_i = tl.zeros([BLOCK_M], tl.float32)
-    first_pv = tl.full([], 0, tl.int32)  # rows that failed each deferred check at attempt 0
-    first_sm = tl.full([], 0, tl.int32)
+    first = tl.full([], 0, tl.int32)  # the deferred checks that failed at attempt 0 (bits)
     attempt = 0
     todo = 1
     while todo > 0:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of its exponentials
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        c_i = tl.zeros([BLOCK_M], tl.float32)
+        c_i = tl.zeros([BLOCK_M], tl.float32)  # the PV check's checksum and bound
         t_i = tl.zeros([BLOCK_M], tl.float32)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + cols
@@ -123,17 +106,11 @@ def _fwd(
             k = tile(k_tile, cols, skn, offs_d, skd, kv_mask, UPCAST, False)
             v = tile(v_at + tl.cast(start, tl.int64) * svn, cols, svn, offs_d, svd, kv_mask, UPCAST,
                      False)  # fmt: skip
-            s = tl.dot(q, tl.trans(k), input_precision=DOT)  # (BLOCK_M, BLOCK_N) fp32
-            if INJECT:
-                s = inject(s, fault, SITE_S, bh, offs_m, offs_n, attempt, True)
-            if CHECK_S and tile_check(s, q_bar, q_mag, k, key_ok, tau) > 0:
-                count(COUNTS, _S, 0)  # recompute the tile from fresh loads, check again
-                s = fresh_product(q_at, rows, sqm, q_mask, k_tile, cols, skn, kv_mask, offs_d, sqd,
-                                  skd, UPCAST, DOT)  # fmt: skip
-                if INJECT:
-                    s = inject(s, fault, SITE_S, bh, offs_m, offs_n, 1, True)
-                still = tile_check(s, q_bar, q_mag, k, key_ok, tau) > 0
-                count(COUNTS, _S, 1 + still.to(tl.int32))
+            # S (BLOCK_M, BLOCK_N) fp32, checked (and recomputed) by key columns
+            s = checked_product(q, k, (q_at, rows, sqm, offs_d, sqd, q_mask),
+                                (k_tile, cols, skn, offs_d, skd, kv_mask), q_bar, q_mag, key_ok,
+                                tau, fault, SITE_S, bh, offs_m, offs_n, attempt, COUNTS, _S,
+                                CHECK_S, INJECT, UPCAST, DOT)  # fmt: skip
             valid = allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb, CAUSAL, WINDOW,
                             HAS_MASK)  # fmt: skip
             z = tl.where(valid, s * qk_scale, float("-inf"))
@@ -143,39 +120,22 @@ def _fwd(
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             p_lo = p.to(v.dtype)  # what enters the MMA
-            acc = tl.dot(p_lo, v, acc * alpha[:, None], input_precision=DOT)
-            if INJECT:
-                acc = inject(acc, fault, SITE_PV, bh, offs_m, offs_d, attempt, start == lo)
-            if CHECK_PV:
+            acc = accumulate(p_lo, v, acc * alpha[:, None], fault, SITE_PV, bh, offs_m, offs_d,
+                             attempt, start == lo, INJECT, DOT)  # fmt: skip
+            if CHECK_PV:  # p >= 0: p is its own magnitude
                 p32 = p_lo.to(tl.float32)
-                v32 = v.to(tl.float32)
-                c_i = c_i * alpha + tl.sum(p32 * tl.sum(v32, 1)[None, :], 1)
-                t_i = t_i * alpha + tl.sum(p32 * tl.sum(tl.abs(v32), 1)[None, :], 1)
+                c_i, t_i = carry(c_i * alpha, t_i * alpha, p32, p32, v)
             m_i = m_new
         todo = 0
         if CHECK_DEFERRED:
             n_pv = 0
             n_sm = 0
             if CHECK_PV:
-                n_pv = tl.sum((fails(tl.sum(acc, 1) - c_i, tau_acc * t_i + TAU_ABS) & row_ok)
-                              .to(tl.int32), 0)  # fmt: skip
+                n_pv = off_rows(acc, c_i, t_i, tau_acc, row_ok)
             if CHECK_SM:  # rows with a key (m_i finite or NaN): 1 <= l_i <= keys swept
                 in_range = (l_i >= 1.0 - tau_acc) & (l_i <= (hi - lo) * (1.0 + tau_acc))
                 n_sm = tl.sum((~(m_i == float("-inf")) & ~in_range & row_ok).to(tl.int32), 0)
-            if attempt == 0:
-                first_pv = n_pv
-                first_sm = n_sm
-                if n_pv > 0:
-                    count(COUNTS, _PV, 0)
-                if n_sm > 0:
-                    count(COUNTS, _SM, 0)
-                if n_pv + n_sm > 0:
-                    todo = 1  # re-run the loop once
-            else:  # the re-run: corrected, or still failing (uncorrected)
-                if first_pv > 0:
-                    count(COUNTS, _PV, 1 + (n_pv > 0).to(tl.int32))
-                if first_sm > 0:
-                    count(COUNTS, _SM, 1 + (n_sm > 0).to(tl.int32))
+            first, todo = tally(COUNTS, (_PV, _SM), (n_pv, n_sm), attempt, first)
         attempt += 1
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)

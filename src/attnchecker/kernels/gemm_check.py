@@ -51,57 +51,64 @@ def _tile(P, r, c, s_r, s_c, rmask, cmask):
 
 
 @triton.jit
+def _span(start, n, BLOCK: tl.constexpr):
+    """(start + 0 .. BLOCK - 1 as 64-bit offsets (BLOCK,), which of them are below n)."""
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    return offs, offs < n
+
+
+@triton.jit
+def _norms(GIVEN, offs, mask, sq, lost, FRO_AT, HAS_GIVEN: tl.constexpr):
+    """The norms (len(offs),) of rows or columns: GIVEN's (precomputed by the caller), or the
+    square roots of the sums of squares sq plus the rounding they lost; their squares are
+    added to the Frobenius norm's square at FRO_AT."""
+    if HAS_GIVEN:  # noqa: SIM108 (a static branch)
+        norms = tl.load(GIVEN + offs, mask=mask, other=0.0)
+    else:
+        norms = tl.sqrt(sq) + lost
+    tl.atomic_add(FRO_AT, tl.sum(tl.where(mask, norms * norms, 0.0), 0))
+    return norms
+
+
+@triton.jit
 def _rows_pass(OUT, X, XROWS, RS, XN, XSUM, CSUM, FRO, M, N, K,
                so_m, so_n, sx_m, sx_k, lost_x,
                HAS_XROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)  # (BM,), 64-bit offsets
-    rmask = rows < M
+    rows, rmask = _span(tl.program_id(0).to(tl.int64) * BM, M, BM)  # (BM,)
     rs = tl.zeros([BM], dtype=tl.float32)
     for n0 in range(0, N, BN):
-        cols = n0 + tl.arange(0, BN).to(tl.int64)
-        cmask = cols < N
+        cols, cmask = _span(n0, N, BN)
         t = _tile(OUT, rows, cols, so_m, so_n, rmask, cmask)
         rs += tl.sum(t, 1)
         tl.atomic_add(CSUM + cols, tl.sum(t, 0), mask=cmask)
     sq = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK).to(tl.int64)
-        kmask = ks < K
+        ks, kmask = _span(k0, K, BK)
         t = _tile(X, rows, ks, sx_m, sx_k, rmask, kmask)
         tl.atomic_add(XSUM + ks, tl.sum(t, 0), mask=kmask)
         if not HAS_XROWS:
             sq += tl.sum(t * t, 1)
-    if HAS_XROWS:  # noqa: SIM108 (a static branch)
-        xn = tl.load(XROWS + rows, mask=rmask, other=0.0)
-    else:
-        xn = tl.sqrt(sq) + lost_x
+    xn = _norms(XROWS, rows, rmask, sq, lost_x, FRO, HAS_XROWS)
     tl.store(RS + rows, rs, mask=rmask)
     tl.store(XN + rows, xn, mask=rmask)
-    tl.atomic_add(FRO, tl.sum(tl.where(rmask, xn * xn, 0.0), 0))
 
 
 @triton.jit
 def _cols_pass(Y, YCOLS, XSUM, CSUM, Y1, FRO, EXC_C, N, K, sy_k, sy_n, lost_y, floor_c, c_c,
                HAS_YCOLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    cols = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)  # (BN,)
-    cmask = cols < N
+    cols, cmask = _span(tl.program_id(0).to(tl.int64) * BN, N, BN)  # (BN,)
     ref = tl.zeros([BN], dtype=tl.float32)
     sq = tl.zeros([BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK).to(tl.int64)
-        kmask = ks < K
+        ks, kmask = _span(k0, K, BK)
         t = _tile(Y, ks, cols, sy_k, sy_n, kmask, cmask)
         xs = tl.load(XSUM + ks, mask=kmask, other=0.0)
         ref += tl.sum(t * xs[:, None], 0)
         tl.atomic_add(Y1 + ks, tl.sum(t, 1), mask=kmask)
         if not HAS_YCOLS:
             sq += tl.sum(t * t, 0)
-    if HAS_YCOLS:  # noqa: SIM108 (a static branch)
-        yn = tl.load(YCOLS + cols, mask=cmask, other=0.0)
-    else:
-        yn = tl.sqrt(sq) + lost_y
-    tl.atomic_add(FRO + 1, tl.sum(tl.where(cmask, yn * yn, 0.0), 0))
+    yn = _norms(YCOLS, cols, cmask, sq, lost_y, FRO + 1, HAS_YCOLS)
     x_fro = tl.sqrt(tl.load(FRO))  # complete: the rows pass has finished
     res = tl.load(CSUM + cols, mask=cmask, other=0.0) - ref
     tl.store(EXC_C + cols, tl.abs(res) - floor_c + c_c * yn * x_fro, mask=cmask)
@@ -110,12 +117,10 @@ def _cols_pass(Y, YCOLS, XSUM, CSUM, Y1, FRO, EXC_C, N, K, sy_k, sy_n, lost_y, f
 @triton.jit
 def _rows_ref(X, Y1, RS, XN, FRO, REF, RES, EXC_R, M, K, sx_m, sx_k, floor_r, c_r,
               BM: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)  # (BM,), 64-bit offsets
-    rmask = rows < M
+    rows, rmask = _span(tl.program_id(0).to(tl.int64) * BM, M, BM)  # (BM,)
     ref = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK).to(tl.int64)
-        kmask = ks < K
+        ks, kmask = _span(k0, K, BK)
         t = _tile(X, rows, ks, sx_m, sx_k, rmask, kmask)
         y1 = tl.load(Y1 + ks, mask=kmask, other=0.0)
         ref += tl.sum(t * y1[None, :], 1)
