@@ -151,6 +151,7 @@ class ProtectionHandle:
         self.skip_requested = False
         self._causes = {"fault": 0, "numerics": 0}  # detections by cause since protection
         self._engines_logged: set[str] | None = None  # fallback reasons logged; None: none yet
+        self.unprotected: str | None = None  # why the model's attention is not protected
 
     @property
     def modules(self) -> list[str]:
@@ -308,6 +309,9 @@ class ProtectionHandle:
         where = here(self._clock.count.device)
         return {
             "modules": self.modules,
+            # None, or why the attention is not checked (scope="all_linear" on a model whose
+            # attention protect_ cannot find: its linear layers alone are)
+            "attention": self.unprotected,
             "ops": list(self.config.ops)
             if self.config.schedule is None
             else sorted({op for _, op, _ in self.config.schedule}, key=ALL_OPS.index),

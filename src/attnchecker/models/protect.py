@@ -20,7 +20,7 @@ from attnchecker.attention.fused import choose_engine
 from attnchecker.attention.projection import is_conv1d, protect_attention, protect_linears
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock
-from attnchecker.errors import ConfigError, NoMatchingModuleError
+from attnchecker.errors import ConfigError, NoMatchingModuleError, UnsupportedModelError
 from attnchecker.models.handle import ProtectionHandle
 from attnchecker.models.registry import AttentionBlock, Discovery, discover, install, layer_of
 
@@ -34,6 +34,9 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
 
     Raises :class:`~attnchecker.errors.UnsupportedModelError` for an unknown family and
     :class:`~attnchecker.errors.NoMatchingModuleError` when ``config.layers`` selects nothing.
+    With ``scope="all_linear"``, a model whose attention protect_ cannot find (any PyTorch
+    model) has its linear layers checked, with a warning that names why its attention is not;
+    ``handle.summary()["attention"]`` says the same.
     """
     config = ABFTConfig() if config is None else config
     if not isinstance(config, ABFTConfig):
@@ -42,7 +45,18 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
         raise ConfigError(
             "the model is already protected; call attnchecker.unprotect_(model) first"
         )
-    found = discover(model)
+    try:
+        found, unprotected = discover(model), None
+    except UnsupportedModelError as e:
+        if config.scope != "all_linear":
+            raise
+        found, unprotected = None, str(e)
+        if config.layers is not None or config.schedule is not None:
+            raise ConfigError(
+                f"layers and a schedule select attention layers, and protect_ finds none in "
+                f"this model ({unprotected}); use scope='all_linear' without them"
+            ) from e
+        return _protect_linears_only(model, config, unprotected)
     blocks = found.blocks
     layers = config.layers  # a schedule wires every layer: its sites stay addressable
     chosen = [b for b in blocks if layers is None or b.layer in layers]
@@ -88,6 +102,42 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
             stacklevel=2,
         )
     handle = ProtectionHandle(config, states, clock, schedule, undo=undo)
+    setattr(model, _HANDLE, handle)
+    undo.append(lambda: delattr(model, _HANDLE))
+    return handle
+
+
+def _protect_linears_only(
+    model: nn.Module, config: ABFTConfig, unprotected: str
+) -> ProtectionHandle:
+    """``scope="all_linear"`` on a model without attention protect_ knows: every Linear /
+    Conv1D checked, forward and backward, and the attention left out said loudly."""
+    # backend="triton" has no attention to run here: refused by name (eager / auto: nothing)
+    choose_engine(config, _device(model), family=type(model).__name__, interface=False)
+    clock = Clock(torch.zeros(1, dtype=torch.float64, device=_device(model)))
+    schedule = Schedule.of(config)
+    linears = [
+        (name, m, layer_of(name, m))
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) or is_conv1d(m)
+    ]
+    if not linears:
+        raise UnsupportedModelError(f"{unprotected}; and it has no linear layer to check")
+    states, undo, unpatched = protect_linears(linears, config, clock, schedule)
+
+    def tick(module: nn.Module, *_: object) -> None:
+        clock.tick(_device(module, clock.count.device))
+
+    undo.append(model.register_forward_pre_hook(tick).remove)
+    warnings.warn(
+        f"attnchecker: scope='all_linear' checks the {len(states)} linear layer(s) of "
+        f"{type(model).__name__}, not its attention: {unprotected}"
+        + (f"; their backward is not checked in {', '.join(unpatched)}" if unpatched else ""),
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    handle = ProtectionHandle(config, states, clock, schedule, undo=undo)
+    handle.unprotected = unprotected
     setattr(model, _HANDLE, handle)
     undo.append(lambda: delattr(model, _HANDLE))
     return handle
