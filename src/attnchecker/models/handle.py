@@ -141,6 +141,7 @@ class ProtectionHandle:
         schedule: Schedule | None = None,
         *,
         undo: list[Callable[[], None]] | None = None,
+        unprotected: str | None = None,
     ) -> None:
         self.config = config
         self._states = states
@@ -151,7 +152,7 @@ class ProtectionHandle:
         self.skip_requested = False
         self._causes = {"fault": 0, "numerics": 0}  # detections by cause since protection
         self._engines_logged: set[str] | None = None  # fallback reasons logged; None: none yet
-        self.unprotected: str | None = None  # why the model's attention is not protected
+        self.unprotected = unprotected  # why the model's attention is not checked, or None
 
     @property
     def modules(self) -> list[str]:
@@ -200,28 +201,27 @@ class ProtectionHandle:
 
         return _Detach(detach)
 
-    def _read(self) -> tuple[list[list[dict[str, float]]], int]:
+    def _read(self) -> list[list[dict[str, float]]]:
         """Every module's records (:meth:`Records.rows`, a dict of :data:`RECORD_FIELDS` per
-        row) and the step, as Python values: one device transfer."""
+        row) as Python values: one device transfer."""
         states = list(self._states.values())
         if not states:
-            return [], self._clock.step
+            return []
         dev = self._clock.count.device
         rows = [st.records.rows(self._clock.count).to(dev) for st in states]
-        flat = torch.cat([*(r.flatten() for r in rows), self._clock.count.to(torch.float64)])
-        values, at, out = flat.tolist(), 0, []
+        values, at, out = torch.cat([r.flatten() for r in rows]).tolist(), 0, []
         width = len(RECORD_FIELDS)
         for r in rows:
             out.append([dict(zip(RECORD_FIELDS, values[at + i * width : at + (i + 1) * width],
                                  strict=True)) for i in range(r.shape[0])])  # fmt: skip
             at += r.numel()
-        return out, int(values[at])
+        return out
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Totals per op since protection (checkpointing replays where they found something the
         first pass did not), and per fused-kernel check (:data:`attnchecker.kernels.CHECKS`)."""
         out = {op: dict(c) for op, c in self._totals.items()}
-        records, _ = self._read()
+        records = self._read()
         for st, recs in zip(self._states.values(), records, strict=True):
             for op, rec in zip(st.records.names, recs, strict=True):
                 _count(out, op, rec)
@@ -250,7 +250,7 @@ class ProtectionHandle:
             settle(st)  # projections whose group never completed (eager only)
         self.skip_requested = False
         self._log_engines()
-        records, _ = self._read()
+        records = self._read()
         self.schedule.advance()
         events = []
         for (name, st), recs in zip(self._states.items(), records, strict=True):

@@ -50,14 +50,61 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
     except UnsupportedModelError as e:
         if config.scope != "all_linear":
             raise
-        found, unprotected = None, str(e)
+        found, unprotected = None, str(e)  # its linear layers alone are checked
         if config.layers is not None or config.schedule is not None:
             raise ConfigError(
                 f"layers and a schedule select attention layers, and protect_ finds none in "
                 f"this model ({unprotected}); use scope='all_linear' without them"
             ) from e
-        return _protect_linears_only(model, config, unprotected)
-    blocks = found.blocks
+    chosen = [] if found is None else _chosen(found.blocks, config)
+    device = _device(model)
+    engine, note = choose_engine(  # backend="triton" without attention is refused by name
+        config, device, family=type(model).__name__ if found is None else found.model_type,
+        interface=found is not None and not found.wiring.patch,
+    )  # fmt: skip
+    clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
+    schedule = Schedule.of(config)
+    states: dict[str, AttentionState] = {}
+    undo: list[Callable[[], None]] = []
+    try:
+        unpatched = _wire(model, found, chosen, config, clock, schedule, engine, note, states, undo)
+        if found is not None:
+            undo.append(install(model, found, fused=engine == "triton"))
+        elif not states:
+            raise UnsupportedModelError(f"{unprotected}; and it has no linear layer to check")
+
+        def tick(module: nn.Module, *_: object) -> None:
+            clock.tick(_device(module, clock.count.device))
+
+        undo.append(model.register_forward_pre_hook(tick).remove)
+    except BaseException:  # nothing half-installed is left behind
+        for fn in reversed(undo):
+            fn()
+        raise
+    if unprotected is not None:
+        warnings.warn(
+            f"attnchecker: scope='all_linear' checks the {len(states)} linear layer(s) of "
+            f"{type(model).__name__}, not its attention: {unprotected}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if unpatched:
+        warnings.warn(
+            f"attnchecker: {len(unpatched)} linear layer(s) have a forward of their own (a "
+            f"subclass, a quantized layer, or a hook that replaced forward, e.g. accelerate's): "
+            f"their backward GEMMs (dx, dw) are not checked: {', '.join(unpatched)}; "
+            f"handle.summary()['per_module'] lists what is checked where",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    handle = ProtectionHandle(config, states, clock, schedule, undo=undo, unprotected=unprotected)
+    setattr(model, _HANDLE, handle)
+    undo.append(lambda: delattr(model, _HANDLE))
+    return handle
+
+
+def _chosen(blocks: list[AttentionBlock], config: ABFTConfig) -> list[AttentionBlock]:
+    """The blocks ``config.layers`` selects; a schedule's layers must all exist."""
     layers = config.layers  # a schedule wires every layer: its sites stay addressable
     chosen = [b for b in blocks if layers is None or b.layer in layers]
     if not chosen:
@@ -72,80 +119,12 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
                 f"the schedule names layers {missing}; the model's attention layers are "
                 f"{sorted(have)}"
             )
-    device = _device(model)
-    engine, note = choose_engine(
-        config, device, family=found.model_type, interface=not found.wiring.patch
-    )
-    clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
-    schedule = Schedule.of(config)
-    states: dict[str, AttentionState] = {}
-    undo: list[Callable[[], None]] = []
-    try:
-        unpatched = _wire(model, found, chosen, config, clock, schedule, engine, note, states, undo)
-        undo.append(install(model, found, fused=engine == "triton"))
-
-        def tick(module: nn.Module, *_: object) -> None:
-            clock.tick(_device(module, clock.count.device))
-
-        undo.append(model.register_forward_pre_hook(tick).remove)
-    except BaseException:  # nothing half-installed is left behind
-        for fn in reversed(undo):
-            fn()
-        raise
-    if unpatched:
-        warnings.warn(
-            f"attnchecker: {len(unpatched)} linear layer(s) have a forward of their own (a "
-            f"subclass, a quantized layer, or a hook that replaced forward, e.g. accelerate's): "
-            f"their backward GEMMs (dx, dw) are not checked: {', '.join(unpatched)}; "
-            f"handle.summary()['per_module'] lists what is checked where",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    handle = ProtectionHandle(config, states, clock, schedule, undo=undo)
-    setattr(model, _HANDLE, handle)
-    undo.append(lambda: delattr(model, _HANDLE))
-    return handle
-
-
-def _protect_linears_only(
-    model: nn.Module, config: ABFTConfig, unprotected: str
-) -> ProtectionHandle:
-    """``scope="all_linear"`` on a model without attention protect_ knows: every Linear /
-    Conv1D checked, forward and backward, and the attention left out said loudly."""
-    # backend="triton" has no attention to run here: refused by name (eager / auto: nothing)
-    choose_engine(config, _device(model), family=type(model).__name__, interface=False)
-    clock = Clock(torch.zeros(1, dtype=torch.float64, device=_device(model)))
-    schedule = Schedule.of(config)
-    linears = [
-        (name, m, layer_of(name, m))
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) or is_conv1d(m)
-    ]
-    if not linears:
-        raise UnsupportedModelError(f"{unprotected}; and it has no linear layer to check")
-    states, undo, unpatched = protect_linears(linears, config, clock, schedule)
-
-    def tick(module: nn.Module, *_: object) -> None:
-        clock.tick(_device(module, clock.count.device))
-
-    undo.append(model.register_forward_pre_hook(tick).remove)
-    warnings.warn(
-        f"attnchecker: scope='all_linear' checks the {len(states)} linear layer(s) of "
-        f"{type(model).__name__}, not its attention: {unprotected}"
-        + (f"; their backward is not checked in {', '.join(unpatched)}" if unpatched else ""),
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    handle = ProtectionHandle(config, states, clock, schedule, undo=undo)
-    handle.unprotected = unprotected
-    setattr(model, _HANDLE, handle)
-    undo.append(lambda: delattr(model, _HANDLE))
-    return handle
+    return chosen
 
 
 def _wire(
     model: nn.Module,
-    found: Discovery,
+    found: Discovery | None,
     chosen: list[AttentionBlock],
     config: ABFTConfig,
     clock: Clock,
@@ -169,9 +148,10 @@ def _wire(
         states[b.name] = st
         undo += more
         unpatched += [names.get(id(m), "?") for m in unwired]
-    for b in found.blocks:
+    blocks = [] if found is None else found.blocks  # None: no attention protect_ knows
+    for b in blocks:
         setattr(b.core, CORE, (b.spec, states.get(b.name)))
-    undo.append(lambda: [delattr(b.core, CORE) for b in found.blocks if hasattr(b.core, CORE)])
+    undo.append(lambda: [delattr(b.core, CORE) for b in blocks if hasattr(b.core, CORE)])
     if config.scope == "all_linear":
         taken = {id(p.module) for b in chosen for p in b.projections}
         linears = [
