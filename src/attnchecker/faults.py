@@ -63,7 +63,7 @@ _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.floa
 
 def _int_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in _INT_VIEW:
-        raise ValueError(f"bit flips support float32, bfloat16 and float16, not {dtype}")
+        raise ConfigError(f"bit flips support float32, bfloat16 and float16, not {dtype}")
     return _INT_VIEW[dtype]
 
 
@@ -72,7 +72,7 @@ def flip_bit(x: Tensor, bit: int | Tensor) -> Tensor:
     idt = _int_dtype(x.dtype)
     width = torch.iinfo(idt).bits
     if isinstance(bit, int) and not 0 <= bit < width:
-        raise ValueError(f"bit must be in [0, {width}) for {x.dtype}, got {bit}")
+        raise ConfigError(f"bit must be in [0, {width}) for {x.dtype}, got {bit}")
     one = torch.ones((), dtype=idt, device=x.device)
     mask = torch.bitwise_left_shift(one, torch.as_tensor(bit, dtype=idt, device=x.device))
     return torch.bitwise_xor(x.contiguous().view(idt), mask).view(x.dtype)
@@ -119,7 +119,7 @@ class Kind:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
+            raise ConfigError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
 
     def parameter(
         self,
@@ -170,7 +170,7 @@ def edit(
     spec = KINDS[kind]
     if spec.mode == "bit":
         if bit is None:
-            raise ValueError(f"a {kind} fault needs bit=")
+            raise ConfigError(f"a {kind} fault needs bit=")
         return flip_bit(old, bit)
     if spec.mode == "exponent":
         return exponent_flip(old)
