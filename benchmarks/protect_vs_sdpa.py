@@ -39,11 +39,14 @@ from attnchecker.models.tiny import build
 from attnchecker.testing import count_ops, inductor_kernels, region_kernels
 
 ATTENTION = ("self_attn", "attn", "attention")  # how transformers' layers name their attention
-ARMS = {  # the protected arms: the forward's checks, + the backward's (default), + every linear
+ALL_ARMS = {  # the protected arms: the forward's checks, + the backward's (default), + every
+    # linear; and the default config on the fused Triton kernels (CUDA, or the interpreter)
     "forward": ABFTConfig(ops=OPS),
     "protected": ABFTConfig(),
     "all_linear": ABFTConfig(scope="all_linear"),
+    "triton": ABFTConfig(backend="triton"),
 }
+ARMS = {k: ALL_ARMS[k] for k in ("forward", "protected", "all_linear")}  # --arms
 
 
 def _sync(device: str) -> None:
@@ -225,11 +228,12 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
         "compiles (bf16 on a CPU) counted as their kernels (`attnchecker.testing.region_kernels`); "
         "kernels per step are what inductor's output code calls in one compiled training step "
         "(its fused kernels, GEMMs and aten fallbacks; `attnchecker.testing.inductor_kernels`) "
-        "for sdpa / forward / protected / all_linear.",
+        f"for sdpa / {' / '.join(ARMS)}. `triton`: the default config with "
+        '`backend="triton"` (the fused kernels).',
         "",
-        "| family | L | dtype | mode | sdpa ms | forward | protected | all_linear | "
-        "launching ops forward / protected / all_linear | as run | kernels per step (compiled) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| family | L | dtype | mode | sdpa ms | {' | '.join(ARMS)} | "
+        f"launching ops {' / '.join(ARMS)} | as run | kernels per step (compiled) |",
+        "|---|---|---|---|---|" + "---|" * len(ARMS) + "---|---|---|",
         *(
             f"| {r['family']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['step_sdpa_ms']:.1f} | "
             + " | ".join(_pct(r.get(f"{k}_vs_sdpa")) for k in ARMS)
@@ -248,7 +252,8 @@ def _markdown(rows: list[dict], env: dict, cmd: str) -> str:
         "",
         f"`{cmd}`; torch {env['torch']}, {env['threads']} threads, {env['processor']}, "
         f"{env['date']}. {WIDTH[ARGS.size]}, {ARGS.layers} layers, batch 8 at "
-        "L = 128 (8 * 128 / L sequences beyond), train mode, AdamW. Five copies (sdpa, eager and the three protected arms) stepped "
+        "L = 128 (8 * 128 / L sequences beyond), train mode, AdamW. "
+        f"{2 + len(ARMS)} copies (sdpa, eager and the protected arms) stepped "
         "alternately in one process; overhead = median of per-pair time ratios - 1; nothing "
         "subtracted. Ops: aten ops of one eager training step per attention module beyond the "
         "SDPA model (all / launching, i.e. without views). Check ranges: ms of one protected "
@@ -285,7 +290,7 @@ ARGS = argparse.Namespace(layers=2, lengths=[128], size="base")
 
 
 def main() -> None:
-    global ARGS
+    global ARGS, ARMS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--families", nargs="+", default=["gpt2", "bert", "llama"])
@@ -305,11 +310,14 @@ def main() -> None:
                     help="model width (attnchecker.models.tiny: hidden 32 / 256 / 768)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--tag", default="", help="suffix of the result files (a focused rerun)")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ALL_ARMS),
+                    help="protected arms beside sdpa and eager (protected is always measured)")  # fmt: skip
     ARGS = parse(
         ap,
         quick={"families": ["gpt2"], "lengths": [128], "dtypes": ["fp32", "bf16"],
                "compile": ["eager"], "layers": 1, "size": "tiny", "reps": 1},
     )  # fmt: skip
+    ARMS = {k: ALL_ARMS[k] for k in ALL_ARMS if k in ARGS.arms or k == "protected"}
     limit = ARGS.compile_max_len or (128 if ARGS.device == "cpu" else max(ARGS.lengths))
     env = environment()
     rows = []

@@ -1,34 +1,30 @@
 #!/usr/bin/env bash
-# The GPU check, in one command of at most 6 minutes, on a machine with CUDA torch and
-# transformers preinstalled and no package registry (nothing is installed here):
+# The GPU check, in one command of about 6 minutes, on a machine with CUDA torch, triton and
+# transformers preinstalled and no package registry:
 #
 #   bash scripts/gpu_check.sh            # from the repo root (it cds there itself)
 #
-# 1. the `gpu` tests (tests/integration/test_gpu.py) and the fused kernels' tests
-#    (tests/unit/kernels: compiled for the GPU, no interpreter) with the system python, failing
-#    when any of them is skipped (they must really run on the GPU),
-# 2. benchmarks/protect_vs_sdpa.py on CUDA and
-# 3. benchmarks/flash_kernels.py (checked vs unchecked kernels vs SDPA, and the false-alarm
-#    count on real MMAs) and
-# 4. benchmarks/kernel_false_alarms.py: clean forward + backward of the kernels over bf16 (the
-#    native bf16 path, never run by the interpreter), fp16, fp32 with TF32 off and on, scales
-#    0.1 .. 30: every check's alarms must be 0 (the calibration of the derived tolerances),
-# 5. benchmarks/gemm_check.py --device cuda: one checked GEMM eager, as a compiled region and
-#    as the Triton kernels of check_impl="triton";
-#    all write under benchmarks/results/. (tests/unit/kernels/test_compile.py is a CPU-side
-#    check of the compiled code for triton 3.7.1 and is not run here.)
+# Stages, each under `timeout` inside an overall budget (GPU_CHECK_BUDGET seconds, 360 by
+# default); every stage runs even when an earlier one fails, and the exit status is 0 only
+# when all succeeded:
+# 1. tests: the `gpu` tests (tests/integration/test_gpu.py) and the fused kernels' tests
+#    (tests/unit/kernels, compiled for the GPU, no interpreter) with the system python, failing
+#    when any of them is skipped (they must really run on the GPU);
+# 2. alarms: benchmarks/kernel_false_alarms.py, clean forward + backward of the kernels over
+#    bf16 (the native path the interpreter never runs), fp16, fp32 with TF32 off and on: every
+#    check's alarms must be 0 (the calibration of the derived tolerances);
+# 3. kernels: benchmarks/flash_kernels.py, checked vs unchecked kernels vs SDPA;
+# 4. benchmark: benchmarks/protect_vs_sdpa.py on CUDA, eager, with the fused kernels' arm;
+# 5. gemm: benchmarks/gemm_check.py, one checked GEMM eager, compiled and as Triton kernels;
+# 6. compiled: protect_vs_sdpa.py under torch.compile (llama, L 1024).
+# (tests/unit/kernels/test_compile.py is a CPU-side check of the compiled code and is not run.)
 #
-# Every stage runs even when an earlier one fails; the exit status is 0 only when all succeeded.
-# Each stage runs under `timeout`, inside an overall budget (GPU_CHECK_BUDGET seconds, 360 by
-# default), so the whole script ends within 6 minutes. When $OUT is set (the device runner's
-# output folder), the files the benchmark wrote under benchmarks/results/ (same relative paths)
-# and the two stages' logs and junit report (gpu_check_*) are copied there. The benchmark writes
-# its results only when it finishes; its per-row lines are in gpu_check_benchmark.log even if
-# the timeout stops it.
+# Wheels in .whl/ (a newer transformers than the machine's, say) are installed first into a
+# temporary folder put on PYTHONPATH. When $OUT is set (the device runner's output folder), the
+# results written under benchmarks/results/ and every stage's log go into $OUT/gpu_check.tgz.
 #
-# Environment: PYTHON (default: python3 on PATH), GPU_CHECK_TEST_TIMEOUT (110),
-# GPU_CHECK_BENCH_TIMEOUT (90), GPU_CHECK_KERNEL_TIMEOUT (80), GPU_CHECK_ALARM_TIMEOUT (60),
-# GPU_CHECK_GEMM_TIMEOUT (45), GPU_CHECK_BUDGET (360), OUT (optional).
+# Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (360), GPU_CHECK_WORKERS (8),
+# GPU_CHECK_{TEST,ALARM,KERNEL,BENCH,GEMM,COMPILED}_TIMEOUT (120, 50, 60, 80, 40, 90), OUT.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -39,23 +35,30 @@ if [[ -z "$PY" ]]; then
     echo "gpu_check: no python3 or python on PATH" >&2
     exit 2
 fi
-TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-110}
-BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-90}
-KERNEL_TIMEOUT=${GPU_CHECK_KERNEL_TIMEOUT:-80}
-ALARM_TIMEOUT=${GPU_CHECK_ALARM_TIMEOUT:-60}
-GEMM_TIMEOUT=${GPU_CHECK_GEMM_TIMEOUT:-45}
+TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-120}
+ALARM_TIMEOUT=${GPU_CHECK_ALARM_TIMEOUT:-50}
+KERNEL_TIMEOUT=${GPU_CHECK_KERNEL_TIMEOUT:-60}
+BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-80}
+GEMM_TIMEOUT=${GPU_CHECK_GEMM_TIMEOUT:-40}
+COMPILED_TIMEOUT=${GPU_CHECK_COMPILED_TIMEOUT:-90}
 BUDGET=${GPU_CHECK_BUDGET:-360}
 OUT_DIR=${OUT:-}
-
-export PYTHONPATH="$PWD/src"  # the package from the source tree, not an installed copy
-export HF_HUB_OFFLINE=1
-export TRANSFORMERS_OFFLINE=1
-export PYTHONDONTWRITEBYTECODE=1
-export PYTHONUNBUFFERED=1
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 touch "$work/stamp"
+
+site=""
+if compgen -G ".whl/*.whl" >/dev/null; then
+    site="$work/site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" .whl/*.whl || echo "gpu_check: installing .whl/ failed"
+fi
+export PYTHONPATH="$PWD/src${site:+:$site}"  # the package from the source tree
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export PYTHONDONTWRITEBYTECODE=1
+export PYTHONUNBUFFERED=1
 
 left() { echo $((BUDGET - SECONDS)); }
 cap() { # cap SECONDS: the stage limit, no more than the budget left (less 10 s of slack)
@@ -91,21 +94,41 @@ import attnchecker
 print("attnchecker from", attnchecker.__file__)
 EOF
 
+
 status=0
+results=()
+
+# stage NAME LIMIT CMD...: run CMD under `timeout` (LIMIT, or less when the budget is short),
+# its output in $work/NAME.log; a failure marks the run failed and the next stage still runs
+stage() {
+    local name=$1 limit rc=0
+    limit=$(cap "$2")
+    shift 2
+    if ((limit < 20)); then
+        echo "gpu_check: no time left for $name (${limit}s)"
+        results+=("$name: no time")
+        status=1
+        return
+    fi
+    echo "== $name (timeout ${limit}s)"
+    timeout -k 5 "$limit" "$@" 2>&1 | tee "$work/$name.log" || rc=$?
+    if ((rc == 124 || rc == 137)); then echo "gpu_check: $name TIMED OUT after ${limit}s"; fi
+    if ((rc != 0)); then
+        echo "gpu_check: $name FAILED (rc $rc)"
+        status=1
+    fi
+    results+=("$name: rc $rc")
+}
 
 # ---------------------------------------------------------------- 1. the gpu tests
-# --noconftest keeps tests/conftest.py (it needs hypothesis, which may be absent here, and would
-# set TRITON_INTERPRET without CUDA) out: this script exports the offline variables it sets.
-# -p no:timeout: pytest-timeout may be absent, the outer timeout rules.
-t=$(cap "$TEST_TIMEOUT")
-echo "== tests (timeout ${t}s)"
-test_rc=0
-timeout -k 5 "$t" "$PY" -m pytest -q -m "not slow" tests/integration/test_gpu.py tests/unit/kernels \
-    --ignore=tests/unit/kernels/test_compile.py -p no:cacheprovider -p no:timeout --noconftest -rfEs \
-    --junitxml="$work/junit.xml" 2>&1 | tee "$work/pytest.log" || test_rc=$?
-if ((test_rc == 124 || test_rc == 137)); then
-    echo "gpu_check: tests TIMED OUT after ${t}s"
-fi
+# --noconftest keeps tests/conftest.py (it would set TRITON_INTERPRET without CUDA) out: this
+# script exports the offline variables it sets. -p no:timeout: the outer timeout rules. With
+# pytest-xdist, GPU_CHECK_WORKERS processes compile the kernels side by side.
+xdist=()
+if "$PY" -c "import xdist" 2>/dev/null; then xdist=(-n "${GPU_CHECK_WORKERS:-8}"); fi
+stage tests "$TEST_TIMEOUT" "$PY" -m pytest -q -m "not slow" "${xdist[@]}" \
+    tests/integration/test_gpu.py tests/unit/kernels --ignore=tests/unit/kernels/test_compile.py \
+    -p no:cacheprovider -p no:timeout --noconftest -rfEs --junitxml="$work/junit.xml"
 # the tests must have run: none skipped, none failed, at least one passed
 if ! "$PY" - "$work/junit.xml" <<'EOF'; then
 import sys
@@ -128,110 +151,48 @@ if n["failures"] or n["errors"] or passed <= 0:
     print("gpu_check: gpu tests did not all pass")
     sys.exit(1)
 EOF
-    if ((test_rc == 0)); then test_rc=1; fi
-fi
-if ((test_rc != 0)); then
-    echo "gpu_check: TESTS FAILED (rc $test_rc)"
     status=1
-else
-    echo "gpu_check: tests passed"
+    results+=("tests: not all passed")
 fi
 
-# ---------------------------------------------------------------- 2. the benchmark
-bench_rc=0
-t=$(cap "$BENCH_TIMEOUT")
-if [[ ! -f benchmarks/protect_vs_sdpa.py ]]; then
-    echo "gpu_check: benchmarks/protect_vs_sdpa.py is missing"
-    bench_rc=2
-elif ((t < 20)); then
-    echo "gpu_check: no time left for the benchmark (${t}s)"
-    bench_rc=124
-else
-    echo "== benchmark (timeout ${t}s)"
-    timeout -k 5 "$t" "$PY" benchmarks/protect_vs_sdpa.py --device cuda \
-        --families gpt2 llama --lengths 128 1024 4096 --dtypes bf16 \
-        --compile eager compiled --compile-max-len 128 --reps 5 2>&1 | tee "$work/benchmark.log" || bench_rc=$?
-    if ((bench_rc == 124 || bench_rc == 137)); then
-        echo "gpu_check: benchmark TIMED OUT after ${t}s"
-    fi
-fi
-if ((bench_rc != 0)); then
-    echo "gpu_check: BENCHMARK FAILED (rc $bench_rc)"
-    status=1
-else
-    echo "gpu_check: benchmark done"
-fi
+# ---------------------------------------------------------------- 2. the false-alarm sweep
+# clean forward + backward of the kernels over bf16 / fp16 / fp32 / fp32+TF32; rc 1: alarms
+stage alarms "$ALARM_TIMEOUT" "$PY" benchmarks/kernel_false_alarms.py --lengths 1024 4096 \
+    --dims 64 128
 
 # ---------------------------------------------------------------- 3. the kernels' benchmark
-kernel_rc=0
-t=$(cap "$KERNEL_TIMEOUT")
-if ((t < 20)); then
-    echo "gpu_check: no time left for the kernels' benchmark (${t}s)"
-    kernel_rc=124
-else
-    echo "== kernels' benchmark (timeout ${t}s)"
-    (cd benchmarks && timeout -k 5 "$t" "$PY" flash_kernels.py --lengths 1024 4096 16384 \
-        --dims 64 128) 2>&1 | tee "$work/kernels.log" || kernel_rc=$?
-fi
-if ((kernel_rc != 0)); then
-    echo "gpu_check: KERNELS' BENCHMARK FAILED (rc $kernel_rc)"
-    status=1
-else
-    echo "gpu_check: kernels' benchmark done"
-fi
+stage kernels "$KERNEL_TIMEOUT" "$PY" benchmarks/flash_kernels.py --lengths 1024 4096 16384 \
+    --dims 64 128
 
-# ---------------------------------------------------------------- 4. the false-alarm sweep
-alarm_rc=0
-t=$(cap "$ALARM_TIMEOUT")
-if ((t < 20)); then
-    echo "gpu_check: no time left for the false-alarm sweep (${t}s)"
-    alarm_rc=124
-else
-    echo "== kernels' false alarms, bf16 / fp16 / fp32 / fp32+tf32 (timeout ${t}s)"
-    (cd benchmarks && timeout -k 5 "$t" "$PY" kernel_false_alarms.py --lengths 1024 4096 \
-        --dims 64 128) 2>&1 | tee "$work/alarms.log" || alarm_rc=$?
-fi
-if ((alarm_rc != 0)); then
-    echo "gpu_check: FALSE-ALARM SWEEP FAILED (rc $alarm_rc: 1 means alarms on clean data)"
-    status=1
-else
-    echo "gpu_check: false-alarm sweep done, 0 alarms"
-fi
+# ---------------------------------------------------------------- 4. protect_ vs SDPA, eager
+stage benchmark "$BENCH_TIMEOUT" "$PY" benchmarks/protect_vs_sdpa.py --device cuda \
+    --families gpt2 llama --lengths 1024 4096 --dtypes bf16 --compile eager \
+    --arms forward protected all_linear triton --reps 5
 
 # ---------------------------------------------------------------- 5. one checked GEMM
 # the backward's GEMM check eager, as an inductor region and as the hand-written Triton kernels
 # (check_impl="triton"), against the GEMM it checks
-gemm_rc=0
-t=$(cap "$GEMM_TIMEOUT")
-if ((t < 20)); then
-    echo "gpu_check: no time left for the GEMM check's benchmark (${t}s)"
-    gemm_rc=124
-else
-    echo "== one checked GEMM: eager / compiled / triton (timeout ${t}s)"
-    (cd benchmarks && timeout -k 5 "$t" "$PY" gemm_check.py --device cuda --reps 50 --dtypes bf16 \
-        --tokens 8192) 2>&1 | tee "$work/gemm.log" || gemm_rc=$?
-fi
-if ((gemm_rc != 0)); then
-    echo "gpu_check: GEMM CHECK BENCHMARK FAILED (rc $gemm_rc)"
-    status=1
-else
-    echo "gpu_check: GEMM check benchmark done"
-fi
+stage gemm "$GEMM_TIMEOUT" "$PY" benchmarks/gemm_check.py --device cuda --reps 50 --dtypes bf16 \
+    --tokens 8192
+
+# ---------------------------------------------------------------- 6. protect_ vs SDPA, compiled
+stage compiled "$COMPILED_TIMEOUT" "$PY" benchmarks/protect_vs_sdpa.py --device cuda \
+    --families llama --lengths 1024 --dtypes bf16 --compile compiled --arms protected triton \
+    --reps 5 --tag compiled
 
 # ---------------------------------------------------------------- results
 new=$(find benchmarks/results -type f -newer "$work/stamp" 2>/dev/null || true)
 echo "== files written under benchmarks/results:"
 echo "${new:-  (none)}"
 if [[ -n "$OUT_DIR" && -d "$OUT_DIR" ]]; then
-    if [[ -n "$new" ]]; then
-        while IFS= read -r f; do cp --parents "$f" "$OUT_DIR/"; done <<<"$new"
-    fi
-    for f in junit.xml pytest.log benchmark.log kernels.log alarms.log gemm.log; do
-        if [[ -f "$work/$f" ]]; then cp "$work/$f" "$OUT_DIR/gpu_check_$f"; fi
-    done
-    echo "gpu_check: copied to $OUT_DIR"
+    # the device runner brings back at most 8 files: one archive holds the results and logs
+    mkdir -p "$work/gpu_check"
+    cp "$work"/*.log "$work/gpu_check/" 2>/dev/null || true
+    cp "$work/junit.xml" "$work/gpu_check/" 2>/dev/null || true
+    # shellcheck disable=SC2086  # $new: one path per word
+    tar -czf "$OUT_DIR/gpu_check.tgz" $new -C "$work" gpu_check
+    echo "gpu_check: results and logs in $OUT_DIR/gpu_check.tgz"
 fi
 
-echo "== gpu_check: tests rc $test_rc, benchmark rc $bench_rc, kernels rc $kernel_rc," \
-    "alarms rc $alarm_rc, ${SECONDS}s"
+echo "== gpu_check: ${results[*]}; ${SECONDS}s"
 exit "$status"
