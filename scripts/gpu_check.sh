@@ -23,7 +23,8 @@
 # temporary folder put on PYTHONPATH. When $OUT is set (the device runner's output folder), the
 # results written under benchmarks/results/ and every stage's log go into $OUT/gpu_check.tgz.
 #
-# Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (360), GPU_CHECK_WORKERS (8),
+# Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (360), GPU_CHECK_WORKERS (16),
+# GPU_CHECK_ALARM_ARMS (all four),
 # GPU_CHECK_{TEST,ALARM,KERNEL,BENCH,GEMM,COMPILED}_TIMEOUT (120, 50, 60, 80, 40, 90), OUT.
 set -euo pipefail
 
@@ -111,7 +112,8 @@ stage() {
         return
     fi
     echo "== $name (timeout ${limit}s)"
-    timeout -k 5 "$limit" "$@" 2>&1 | tee "$work/$name.log" || rc=$?
+    # SIGINT first: pytest and the benchmarks then print what they have before they stop
+    timeout -s INT -k 15 "$limit" "$@" 2>&1 | tee "$work/$name.log" || rc=$?
     if ((rc == 124 || rc == 137)); then echo "gpu_check: $name TIMED OUT after ${limit}s"; fi
     if ((rc != 0)); then
         echo "gpu_check: $name FAILED (rc $rc)"
@@ -125,8 +127,9 @@ stage() {
 # script exports the offline variables it sets. -p no:timeout: the outer timeout rules. With
 # pytest-xdist, GPU_CHECK_WORKERS processes compile the kernels side by side.
 xdist=()
-if "$PY" -c "import xdist" 2>/dev/null; then xdist=(-n "${GPU_CHECK_WORKERS:-8}"); fi
-stage tests "$TEST_TIMEOUT" "$PY" -m pytest -q -m "not slow" "${xdist[@]}" \
+if "$PY" -c "import xdist" 2>/dev/null; then xdist=(-n "${GPU_CHECK_WORKERS:-16}"); fi
+# -v: each test's outcome as it ends (a run cut short still names what failed)
+stage tests "$TEST_TIMEOUT" "$PY" -m pytest -v --tb=short -m "not slow" "${xdist[@]}" \
     tests/integration/test_gpu.py tests/unit/kernels --ignore=tests/unit/kernels/test_compile.py \
     -p no:cacheprovider -p no:timeout --noconftest -rfEs --junitxml="$work/junit.xml"
 # the tests must have run: none skipped, none failed, at least one passed
@@ -158,7 +161,7 @@ fi
 # ---------------------------------------------------------------- 2. the false-alarm sweep
 # clean forward + backward of the kernels over bf16 / fp16 / fp32 / fp32+TF32; rc 1: alarms
 stage alarms "$ALARM_TIMEOUT" "$PY" benchmarks/kernel_false_alarms.py --lengths 1024 4096 \
-    --dims 64 128
+    --dims 64 128 ${GPU_CHECK_ALARM_ARMS:+--arms $GPU_CHECK_ALARM_ARMS}
 
 # ---------------------------------------------------------------- 3. the kernels' benchmark
 stage kernels "$KERNEL_TIMEOUT" "$PY" benchmarks/flash_kernels.py --lengths 1024 4096 16384 \

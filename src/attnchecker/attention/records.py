@@ -116,8 +116,8 @@ class Records:
         ops = tuple(o for names, _ in self._noted for o in names)
         noted = [r for _, r in self._noted]
         self._noted = []
-        if self.log.device != noted[0].device:  # the model moved after protect_
-            self.log = self.log.to(noted[0].device)
+        if self.log.device != noted[0].device:  # moved without a root forward (a layer alone)
+            self.to(noted[0].device)
         first, replay = None, in_replay()  # eager only (compiled code does not replay Python)
         if replay:
             first = self._first.get(ops)
@@ -176,6 +176,22 @@ class Records:
         if kern is not None:
             total = total + kern[:, 2].sum().to(total.device)
         return total
+
+    def to(self, device: torch.device) -> None:
+        """Follow the model to ``device`` (moved after protect_), records kept: the log and
+        the forward kernels' counters are copied, the backward's sinks are new leaves there
+        (an autograd function returns its records' gradient on its inputs' device) that carry
+        what they had collected."""
+        self.log = self.log.to(device)
+        if self.kernel is not None:
+            self.kernel = self.kernel.to(device)
+        for name in ("sink", "kernel_sink"):
+            old = getattr(self, name)
+            if old is not None:
+                new = old.detach().to(device).requires_grad_()
+                new.grad = None if old.grad is None else old.grad.to(device)
+                setattr(self, name, new)
+        self._first.clear()  # a replay's first pass is compared on the device it ran on
 
     def reset(self) -> None:
         """Forget what was read (a drain)."""

@@ -74,7 +74,11 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
             raise UnsupportedModelError(f"{unprotected}; and it has no linear layer to check")
 
         def tick(module: nn.Module, *_: object) -> None:
-            clock.tick(_device(module, clock.count.device))
+            device = _device(module, clock.count.device)
+            if clock.count.device != device:  # moved after protect_ (a guard, not a sync)
+                for state in states.values():
+                    state.records.to(device)
+            clock.tick(device)
 
         undo.append(model.register_forward_pre_hook(tick).remove)
     except BaseException:  # nothing half-installed is left behind

@@ -59,3 +59,21 @@ def test_the_kernels_counters_read_as_rows_of_the_same_layout():
     assert float(r.lost()) == 1.0
     r.reset()
     assert int(r.kernel.sum()) == 0
+
+
+def test_records_follow_the_model_to_another_device_with_what_they_hold():
+    """A model moved after protect_: the root hook moves every store (here to the same device
+    type, the path a .cuda() takes; tests/integration/test_gpu.py moves to a GPU): the log and
+    what the backward had collected are kept, and the sink is a new leaf that collects again."""
+    r = Records(OPS, GRAD_OPS, new_log(torch.device("cpu")), backward=True)
+    r.note(("q",), torch.tensor([[1.0, 0.0, math.inf, 0.0, 0.0]]))
+    r.commit(STEP, "eager")
+    grad = torch.zeros(len(GRAD_OPS), len(RECORD_FIELDS), dtype=torch.float64)
+    grad[GRAD_OPS.index("dv"), 0] = 3.0
+    (r.sink * grad).sum().backward()
+    before, old_sink = r.rows(STEP), r.sink
+    r.to(torch.device("cpu"))
+    assert r.sink is not old_sink and r.sink.is_leaf and r.sink.requires_grad
+    assert torch.equal(r.rows(STEP), before)
+    (r.sink * grad).sum().backward()  # collects on top of what it carried
+    assert float(r.rows(STEP)[r.names.index("dv"), 0]) == 6.0
