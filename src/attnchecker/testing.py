@@ -46,6 +46,9 @@ SYNCING_OPS = frozenset(
         "aten.nonzero",  # data-dependent shapes synchronise on accelerators
         "aten.masked_select",
         "aten.is_nonzero",
+        # a tensor built from host data (torch.tensor / as_tensor): on CUDA a copy from
+        # pageable host memory, which waits for the stream (CUDA's sync detector flags it)
+        "aten.lift_fresh",
     }
 )
 """Ops that make the host wait for the device."""

@@ -203,10 +203,20 @@ def bf16_q_row_fault(faulty: nn.Module, ref: nn.Module, inputs: dict[str, Tensor
 
 
 def sync_counts(model, inputs) -> dict[str, int]:
-    """Host-synchronising aten ops of one forward + backward (attnchecker.testing)."""
+    """Host-synchronising aten ops of one forward + backward (attnchecker.testing), after one
+    uncounted step (one-off setup, such as cached index constants, is not counted)."""
     from attnchecker.testing import count_ops
 
+    model(**inputs).loss.backward()
     return count_ops(lambda: model(**inputs).loss.backward()).syncs
+
+
+def added_syncs(protected, plain, inputs) -> dict[str, int]:
+    """The host-synchronising ops a protected step runs more often than the plain model's
+    (empty when protection adds none; it may run fewer: GPT-Neo's own attention builds a
+    tensor from host data per layer, which the checked attention replaces)."""
+    mine, theirs = sync_counts(protected, inputs), sync_counts(plain, inputs)
+    return {op: n - theirs.get(op, 0) for op, n in mine.items() if n > theirs.get(op, 0)}
 
 
 def step_and_drain(run, opt, handle, detach=None) -> list:

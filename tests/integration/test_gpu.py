@@ -31,7 +31,7 @@ from .helpers import (
     fault_matrix,
     max_diff,
     models,
-    sync_counts,
+    added_syncs,
     train_step,
 )
 
@@ -161,13 +161,13 @@ def test_protection_adds_no_host_sync_on_cuda(family):
     protected, plain = cuda_models(family)
     protect_(protected)
     inputs = cuda_batch(family)
-    assert sync_counts(protected, inputs) == sync_counts(plain, inputs)
+    assert added_syncs(protected, plain, inputs) == {}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_protection_adds_no_cuda_synchronisation(family):
-    """CUDA's own sync detector (``torch.cuda.set_sync_debug_mode``) sees as many synchronising
-    calls (device-to-host copies, stream syncs, ...) in a protected forward + backward as in the
+    """CUDA's own sync detector (``torch.cuda.set_sync_debug_mode``) sees no more synchronising
+    calls (device-to-host copies, stream syncs, ...) in a protected forward + backward than in the
     plain model's. One step of each runs first, so one-off setup (cached index tensors, cuBLAS
     handles) is not counted."""
     protected, plain = cuda_models(family)
@@ -189,7 +189,7 @@ def test_protection_adds_no_cuda_synchronisation(family):
             counts.append([str(w.message) for w in seen if "synchroniz" in str(w.message)])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(counts[1]) == len(counts[0]), counts[1]
+    assert len(counts[1]) <= len(counts[0]), counts[1]  # GPT-Neo's own attention syncs more
 
 
 def test_model_moved_after_protect_runs_on_cuda():

@@ -12,17 +12,19 @@ from attnchecker.attention.config import OPS
 from attnchecker.models.families import FAMILIES
 from attnchecker.models.tiny import build
 
-from .helpers import KINDS, batch, bf16_q_row_fault, max_diff, models, sync_counts, train_step
+from .helpers import KINDS, batch, bf16_q_row_fault, max_diff, models, added_syncs, train_step
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_protection_adds_no_host_sync(family):
-    """A clean protected forward + backward synchronises exactly as often as the plain model
-    (transformers itself may synchronise, e.g. while building masks; protection adds nothing)."""
+    """A clean protected forward + backward synchronises no more often than the plain model
+    (transformers itself may synchronise, e.g. while building masks; protection adds nothing).
+    A tensor built from host data counts (on CUDA it waits for the stream): the backward's
+    records index was one per check until the GPU's sync detector saw it."""
     protected, plain = models(family)
     protect_(protected)
     inputs = batch(family)
-    assert sync_counts(protected, inputs) == sync_counts(plain, inputs)
+    assert added_syncs(protected, plain, inputs) == {}
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])

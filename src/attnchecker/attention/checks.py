@@ -225,6 +225,19 @@ def row_floor(items: list[tuple[Projection, Tensor]]) -> float:
 _SEGMENTS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
 
 
+def index_constant(values: tuple[int, ...], device: torch.device) -> Tensor:
+    """(len(values),) int64 ``values`` on ``device``, made once per device: a copy from host
+    memory synchronises a CUDA stream, so never one per call (under torch.compile a constant of
+    the graph)."""
+    key = (("index", *values), device)
+    if key not in _SEGMENTS:
+        t = torch.tensor(values, device=device)
+        if torch.compiler.is_compiling():
+            return t
+        _SEGMENTS[key] = t
+    return _SEGMENTS[key]
+
+
 def _segments(sizes: tuple[int, ...], device: torch.device) -> Tensor:
     """(sum(sizes), len(sizes)) float32 indicator of consecutive segments (a cached constant in
     eager; under torch.compile a constant of the graph)."""
@@ -305,13 +318,7 @@ def _worst_columns(ratio: Tensor, widths: list[int]) -> tuple[Tensor, Tensor]:
 def _offsets(widths: list[int], device: torch.device) -> Tensor:
     """(P,) int64 start of each segment (a cached constant in eager, a graph constant under
     torch.compile)."""
-    key = (("offsets", *widths), device)
-    if key not in _SEGMENTS:
-        t = torch.tensor([0, *itertools.accumulate(widths)][:-1], device=device)
-        if torch.compiler.is_compiling():
-            return t
-        _SEGMENTS[key] = t
-    return _SEGMENTS[key]
+    return index_constant(tuple([0, *itertools.accumulate(widths)][:-1]), device)
 
 
 def _count(flags: Tensor, sizes: tuple[int, ...]) -> Tensor:

@@ -45,7 +45,7 @@ from attnchecker.abft.tolerance import (
     underflow_floor,
     unit_roundoff,
 )
-from attnchecker.attention.checks import detected, log_rows, record
+from attnchecker.attention.checks import detected, index_constant, log_rows, record
 from attnchecker.attention.ops import CORE_GRAD_OPS, GRAD_OPS
 from attnchecker.attention.records import new_records_sink
 from attnchecker.kernels import gemm_check_kernels
@@ -172,7 +172,7 @@ def _sink_grad(
     rec = torch.cat(recs)
     rows = log_rows(rec, detected(rec), step)  # (n, 7)
     grad = torch.zeros(shape, dtype=torch.float64, device=step.device)
-    return grad.index_copy_(0, torch.tensor(index, device=step.device), rows)
+    return grad.index_copy_(0, index_constant(index, step.device), rows)
 
 
 def _linear_grad_region(

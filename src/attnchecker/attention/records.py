@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from attnchecker.abft import regions
-from attnchecker.attention.checks import detected, log_rows
+from attnchecker.attention.checks import detected, index_constant, log_rows
 from attnchecker.attention.ops import OPS
 from attnchecker.attention.sites import in_replay
 
@@ -93,7 +93,6 @@ class Records:
         # the records of the last first pass (not a replay) per committed op tuple: what a
         # checkpointing replay's records are compared with (eager only)
         self._first: dict[tuple[str, ...], Tensor] = {}
-        self._indices: dict[tuple[tuple[str, ...], torch.device], Tensor] = {}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -129,14 +128,8 @@ class Records:
         self.log.index_add_(0, self._index(ops, recs.device), rows)
 
     def _index(self, ops: tuple[str, ...], device: torch.device) -> Tensor:
-        """The log rows of ``ops``, made once per op tuple (not a host-to-device copy a step)."""
-        key = (ops, device)
-        if key in self._indices:
-            return self._indices[key]
-        index = torch.tensor([self._row[o] for o in ops], device=device)
-        if not torch.compiler.is_compiling():
-            self._indices[key] = index
-        return index
+        """The log rows of ``ops`` (a cached constant: not a host-to-device copy a step)."""
+        return index_constant(tuple(self._row[o] for o in ops), device)
 
     def kernel_counts(self) -> Tensor | None:
         """The fused kernels' counters so far, forward and backward (int32, on the device)."""
