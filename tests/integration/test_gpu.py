@@ -26,12 +26,12 @@ from .helpers import (
     KINDS,
     PATTERNS,
     SITES,
+    added_syncs,
     batch,
     bf16_q_row_fault,
     fault_matrix,
     max_diff,
     models,
-    added_syncs,
     train_step,
 )
 

@@ -12,7 +12,7 @@ from attnchecker.attention.config import OPS
 from attnchecker.models.families import FAMILIES
 from attnchecker.models.tiny import build
 
-from .helpers import KINDS, batch, bf16_q_row_fault, max_diff, models, added_syncs, train_step
+from .helpers import KINDS, added_syncs, batch, bf16_q_row_fault, max_diff, models, train_step
 
 
 @pytest.mark.parametrize("family", FAMILIES)

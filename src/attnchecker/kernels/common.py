@@ -68,6 +68,15 @@ def load_fault(FAULT, INJECT: tl.constexpr):
 
 
 @triton.jit
+def transposed(fault):
+    """The fault as a transposed tile (S^T, dP^T: keys by queries) takes it: its row is a
+    query and its column a key (:class:`~attnchecker.kernels.flash.KernelFault`), which index
+    that tile's columns and rows."""
+    f_site, f_bh, f_row, f_col, f_val, f_keep, f_mode, f_bit = fault
+    return f_site, f_bh, f_col, f_row, f_val, f_keep, f_mode, f_bit
+
+
+@triton.jit
 def at(offs, index):
     """Which of ``offs`` the fault's row or column ``index`` selects (-1: all)."""
     return (index == -1) | (offs == index)

@@ -18,6 +18,7 @@ limit; ``benchmarks/results/kernel_ptxas_*.md``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -51,10 +52,10 @@ KERNEL_FLAGS = {
 """Each kernel's constexpr switch of each of its checks (:data:`CHECKS`)."""
 
 TAU_P_LOGITS = 1e-3
-"""The part of the dQ program's probability invariant (|sum_j P_ij - 1|) that is not rounding
-of the sum: the backward recomputes each logit, which may round differently from the forward's
-(another tile shape or order); 1e-3 allows a base-2 logit difference of 1e-3 in every key of a
-row."""
+"""The part of the dQ program's probability invariant (|sum_j P_ij - 1|) that is neither
+rounding of the sum nor the recomputed logits' rounding (bounded per row from |q_i| and the
+keys' norms, ``flash_bwd``): exp2's approximation and the forward's log-sum-exp; 1e-3 allows a
+base-2 logit difference of 1e-3 in every key of a row."""
 
 
 @dataclass(frozen=True)
@@ -334,9 +335,11 @@ def flash_backward(
     go = _settings("dq", q, L, Lk, check)
     tau_acc = _tau(q, inner=Lk, length=d, scale=tol)
     tau_p = tol * (TAU_P_LOGITS + kernel_factor(q.dtype, inner=Lk, length=Lk, tf32=_tf32(q)))
+    tau_logit = tol * 2 * math.log(2) * qk_scale * _tau(q, inner=d, length=0, scale=1.0)
     tau_out = tol * 2 * torch.finfo(out.dtype).eps
     bwd._bwd_dq[(triton.cdiv(L, go["BLOCK_M"]), B * H)](
         q, k, v, grad, lse, delta, delta_abs, dq, mask, counts, code, *strides,
-        H, L, Lk, d, group, qk_scale, scale, window, tau_acc, tau_p, tau_out, **flags, **go,
+        H, L, Lk, d, group, qk_scale, scale, window, tau_acc, tau_p, tau_logit, tau_out,
+        **flags, **go,
     )  # fmt: skip
     return dq, dk, dv

@@ -26,8 +26,11 @@ two invariants guard its S and dP without per-tile checksums:
 A deferred failure re-runs the program's loop once (every input is read-only); a tile check
 recomputes the tile. Counters, 64-bit offsets and tolerances as the forward's (``flash_fwd``:
 ``tau`` for tiles, ``tau_acc`` for the deferred checks and the dS invariant); ``tau_p`` for
-the probability invariant (the forward normalised fp32 P over the same keys; the recompute
-may round S differently by a few ulps of |q||k|, and exp2 is approximate on a GPU).
+the probability invariant (the forward normalised fp32 P over the same keys; exp2 is
+approximate on a GPU), plus ``tau_logit`` |q_i| sum_j min(P_ij, 1) |k_j| for the recomputed
+logits, which may round differently from the forward's by a few ulps of |q_i||k_j| (another
+tile shape or order: the H200's first run saw sum_j P_ij off 1 by more than tau_p at input
+scale 100, never in the interpreter, which computes both alike).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from attnchecker.kernels.common import (
     sums,
     tally,
     tile,
+    transposed,
 )  # fmt: skip
 
 _ST, _DPT, _DV, _DK = row("st"), row("dpt"), row("dv"), row("dk")
@@ -88,6 +92,7 @@ def _bwd_dkdv(
         lo = tl.maximum(0, col0 - shift) // BLOCK_M * BLOCK_M
 
     fault = load_fault(FAULT, INJECT)
+    fault_t = transposed(fault)  # S^T and dP^T tiles: keys by queries
     CHECK_DEFERRED: tl.constexpr = CHECK_DV or CHECK_DK
     # read after the loop, so defined before it (Triton); each attempt restarts them
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -118,7 +123,7 @@ def _bwd_dkdv(
                 # S^T (BLOCK_N, BLOCK_M), checked (and recomputed) by query columns
                 st = checked_product(k, q, (k_at, cols, skn, offs_d, skd, kv_mask),
                                      (q_at, rows, sqm, offs_d, sqd, qm), k_bar, k_mag, row_ok,
-                                     tau, fault, SITE_ST, bh, offs_n, offs_m, attempt, COUNTS,
+                                     tau, fault_t, SITE_ST, bh, offs_n, offs_m, attempt, COUNTS,
                                      _ST, CHECK_ST, INJECT, UPCAST, DOT)  # fmt: skip
                 ok = tl.trans(allowed(offs_m, offs_n, L, LK, shift, window, KMASK, b, smb,
                                        CAUSAL, WINDOW, HAS_MASK))  # fmt: skip
@@ -129,7 +134,7 @@ def _bwd_dkdv(
                 # dP^T (BLOCK_N, BLOCK_M), checked (and recomputed) by query columns
                 dpt = checked_product(v, do, (v_at, cols, svn, offs_d, svd, kv_mask),
                                       (do_at, rows, sdm, offs_d, sdd, qm), v_bar, v_mag, row_ok,
-                                      tau, fault, SITE_DPT, bh, offs_n, offs_m, attempt, COUNTS,
+                                      tau, fault_t, SITE_DPT, bh, offs_n, offs_m, attempt, COUNTS,
                                       _DPT, CHECK_DPT, INJECT, UPCAST, DOT)  # fmt: skip
                 dst = pt * (dpt - delta[None, :])
                 dst_lo = dst.to(q.dtype)
@@ -164,7 +169,7 @@ def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, DELTA_ABS, DQ, KMASK, COUNTS, FAULT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdb, sdh, sdm, sdd, smb,
-    H, L, LK, D, GROUP, qk_scale, scale, window, tau_acc, tau_p, tau_out,
+    H, L, LK, D, GROUP, qk_scale, scale, window, tau_acc, tau_p, tau_logit, tau_out,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
     CHECK_P: tl.constexpr, CHECK_DS: tl.constexpr, CHECK_DQ: tl.constexpr,
     INJECT: tl.constexpr, DOT: tl.constexpr,
@@ -188,6 +193,8 @@ def _bwd_dq(
 
     fault = load_fault(FAULT, INJECT)
     CHECK_ANY: tl.constexpr = CHECK_P or CHECK_DS or CHECK_DQ
+    q32 = q.to(tl.float32)
+    q_norm = tl.sqrt(tl.sum(q32 * q32, 1))  # (BLOCK_M,): |q_i|, for the logits' rounding
     # read after the loop, so defined before it (Triton); each attempt restarts it
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     first = tl.full([], 0, tl.int32)  # the checks that failed at attempt 0 (bits)
@@ -201,6 +208,7 @@ def _bwd_dq(
         c_dq = tl.zeros([BLOCK_M], tl.float32)  # the dQ check's checksum and bound
         t_dq = tl.zeros([BLOCK_M], tl.float32)
         n_valid = tl.zeros([BLOCK_M], tl.float32)
+        k_reach = tl.zeros([BLOCK_M], tl.float32)  # sum_j min(P_ij, 1) |k_j|
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + cols
             kv_mask = (offs_n < LK)[:, None] & d_ok[None, :]
@@ -223,6 +231,10 @@ def _bwd_dq(
                 ds_sum += tl.sum(ds, 1)
                 ds_mag += tl.sum(tl.abs(p * dp), 1)
                 n_valid += tl.sum(ok.to(tl.float32), 1)
+                k32 = k.to(tl.float32)
+                k_norm = tl.sqrt(tl.sum(k32 * k32, 1))  # (BLOCK_N,)
+                # P capped at 1 (a correct P is): a faulty huge P cannot widen its own bound
+                k_reach += tl.sum(tl.minimum(p, 1.0) * k_norm[None, :], 1)
                 ds32 = ds_lo.to(tl.float32)
                 c_dq, t_dq = carry(c_dq, t_dq, ds32, tl.abs(ds32), k)
         todo = 0
@@ -231,11 +243,16 @@ def _bwd_dq(
             n_p = 0
             n_ds = 0
             n_dq = 0
+            # the recomputed logits round differently from the forward's (another tile shape
+            # or order on the MMA): |S^b_ij - S^f_ij| <= 2 f |q_i| |k_j| moves sum_j P_ij by
+            # at most ln 2 qk_scale of that, P-weighted (tau_logit = 2 ln 2 qk_scale f)
+            logit_err = tau_logit * q_norm * k_reach
             if CHECK_P:
-                n_p = tl.sum((any_key & fails(p_sum - 1.0, tau_p)).to(tl.int32), 0)
+                n_p = tl.sum((any_key & fails(p_sum - 1.0, tau_p + logit_err)).to(tl.int32), 0)
             if CHECK_DS:
                 # Delta comes from O as stored (rounded to its dtype): tau_out sum_d |dO O| of it
                 tol_ds = tau_acc * (ds_mag + tl.abs(delta)) + tau_out * delta_abs + TAU_ABS
+                tol_ds += tl.abs(delta) * logit_err  # Delta sum_j P_ij, sum_j P_ij off 1
                 n_ds = tl.sum((any_key & fails(ds_sum, tol_ds)).to(tl.int32), 0)
             if CHECK_DQ:
                 n_dq = off_rows(dq, c_dq, t_dq, tau_acc, row_ok)
