@@ -1,7 +1,9 @@
-"""``scope="all_linear"`` on any PyTorch model: a nanoGPT-style GPT written here (no
-transformers config, attention by ``F.scaled_dot_product_attention`` on a fused ``c_attn``)
-has every linear layer checked, forward and backward, corrected in the same step; its
-attention is said to be unchecked, never silently; the default scope refuses by name."""
+"""``scope="all_linear"`` on a PyTorch model whose attention protect_ cannot check: a
+nanoGPT-style GPT written here (no transformers config) whose attention is written by hand
+(q @ k^T, softmax, @ v: no ``F.scaled_dot_product_attention`` to route) has every linear layer
+checked, forward and backward, corrected in the same step; its attention is said to be
+unchecked, never silently; the default scope refuses by name. (The same GPT with SDPA has its
+attention checked: tests/integration/test_protect_sdpa.py.)"""
 
 import math
 
@@ -26,7 +28,9 @@ class Block(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(C // self.heads)  # (B, nh, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        y = scores.masked_fill(~causal, -math.inf).softmax(-1) @ v  # (B, nh, T, hd)
         x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, C))
         return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
 
@@ -62,8 +66,10 @@ IDX = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
 
 
 def test_the_default_scope_refuses_a_model_it_cannot_find_attention_in():
-    with pytest.raises(UnsupportedModelError, match="not a transformers model"):
+    with pytest.raises(UnsupportedModelError, match=r"not a transformers model.*calls no scaled"):
         protect_(_gpt())
+    with pytest.raises(UnsupportedModelError, match=r"by hand .* h\.0, h\.1"):
+        protect_(_gpt(), example=(IDX,))
 
 
 def test_all_linear_checks_every_linear_layer_and_says_attention_is_not():

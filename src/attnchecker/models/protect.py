@@ -23,19 +23,27 @@ from attnchecker.attention.state import AttentionState, Clock
 from attnchecker.errors import ConfigError, NoMatchingModuleError, UnsupportedModelError
 from attnchecker.models.handle import ProtectionHandle
 from attnchecker.models.registry import AttentionBlock, Discovery, discover, install, layer_of
+from attnchecker.models.sdpa import discover_sdpa
 
 __all__ = ["protect_", "unprotect_"]
 
 _HANDLE = "_attnchecker_handle"
 
 
-def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHandle:
-    """Protect every attention layer of a supported Hugging Face model in place.
+def protect_(
+    model: nn.Module, config: ABFTConfig | None = None, *, example: tuple | dict | None = None
+) -> ProtectionHandle:
+    """Protect every attention layer of ``model`` in place: a supported Hugging Face model by
+    the family table, any other PyTorch model at its ``F.scaled_dot_product_attention`` calls
+    (:mod:`attnchecker.models.sdpa`: found by one forward on ``example``, positional arguments
+    or a dict of keyword arguments, else from the modules' sources; their projections are
+    checked as linear layers with ``scope="all_linear"``).
 
-    Raises :class:`~attnchecker.errors.UnsupportedModelError` for an unknown family and
+    Raises :class:`~attnchecker.errors.UnsupportedModelError` for a model whose attention it
+    cannot check (hand-written attention is named) and
     :class:`~attnchecker.errors.NoMatchingModuleError` when ``config.layers`` selects nothing.
-    With ``scope="all_linear"``, a model whose attention protect_ cannot find (any PyTorch
-    model) has its linear layers checked, with a warning that names why its attention is not;
+    With ``scope="all_linear"``, a model whose attention protect_ cannot find has its linear
+    layers checked, with a warning that names why its attention is not;
     ``handle.summary()["attention"]`` says the same.
     """
     config = ABFTConfig() if config is None else config
@@ -46,7 +54,7 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
             "the model is already protected; call attnchecker.unprotect_(model) first"
         )
     try:
-        found, unprotected = discover(model), None
+        found, unprotected = _discover(model, example), None
     except UnsupportedModelError as e:
         if config.scope != "all_linear":
             raise
@@ -105,6 +113,16 @@ def protect_(model: nn.Module, config: ABFTConfig | None = None) -> ProtectionHa
     setattr(model, _HANDLE, handle)
     undo.append(lambda: delattr(model, _HANDLE))
     return handle
+
+
+def _discover(model: nn.Module, example: tuple | dict | None) -> Discovery:
+    """The family table's discovery, else (not a transformers model) the SDPA calls'."""
+    try:
+        return discover(model)
+    except UnsupportedModelError as e:
+        if isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
+            raise  # a transformers model the table refuses: its reason stands
+        return discover_sdpa(model, example, str(e))
 
 
 def _chosen(blocks: list[AttentionBlock], config: ABFTConfig) -> list[AttentionBlock]:

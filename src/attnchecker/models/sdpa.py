@@ -1,0 +1,268 @@
+"""Any PyTorch model that calls ``F.scaled_dot_product_attention``: its attention cores checked.
+
+``F.scaled_dot_product_attention`` is ``torch._C._nn.scaled_dot_product_attention``, which
+honours :class:`torch.overrides.TorchFunctionMode`: a mode sees every call however the function
+was imported, including calls inside ``sdpa_kernel(...)`` blocks, and under ``torch.compile``
+it is traced into the graph. Protection enters :class:`CheckedSDPA` inside the forward of each
+module that calls it (so a compiled model stays one graph) and routes the call to the checked
+eager core (:func:`~attnchecker.attention.core.attend`). The mode holds no value that changes
+from call to call: the module's state lives in tensors, as for the Hugging Face families.
+
+Which modules call it: :func:`sdpa_modules` runs one forward on an example input and records
+the innermost module around each call; without an example, the modules whose class source
+names ``scaled_dot_product_attention`` (and ``nn.MultiheadAttention``, whose functional path
+calls it). A module whose forward multiplies, takes a softmax and multiplies again without
+SDPA (hand-written attention, timm with fused attention off) is named too: protect_ refuses
+it rather than leave it silently unchecked. The projections are not identified here: their
+GEMMs are checked as linear layers with ``scope="all_linear"``.
+
+``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``) is refused by name for now:
+its SDPA call is inside ``F.multi_head_attention_forward``, whose own torch-function dispatch
+runs its body with the mode off.
+
+SDPA's arguments are honoured: ``attn_mask`` (bool: True attends, or an additive float mask,
+broadcast), ``is_causal`` (top-left aligned, as SDPA), ``dropout_p`` (its draw kept for the
+repair), ``scale`` and ``enable_gqa``; a nested tensor or a mask with ``is_causal`` is refused
+by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from attnchecker.attention.core import CORE, CoreSpec, attend
+from attnchecker.errors import UnsupportedModelError
+
+__all__ = ["SPEC", "CheckedSDPA", "Found", "checked_sdpa", "discover_sdpa", "sdpa_modules"]
+
+SPEC = CoreSpec(transpose_out=False)
+"""SDPA's math: scores scaled, softmax in the operands' dtype, output (B, H, L, d)."""
+
+_SDPA = F.scaled_dot_product_attention
+_PRODUCTS = frozenset({torch.matmul, torch.bmm, torch.einsum, Tensor.matmul, Tensor.__matmul__})
+_SOFTMAX = frozenset({torch.softmax, F.softmax, Tensor.softmax})
+_KINDS = {_SDPA: "sdpa", F.multi_head_attention_forward: "mha"}
+
+
+def checked_sdpa(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention``'s result by the checked core bound to ``module``
+    (q (..., H, L, E), k and v (..., Hkv, Lk, E)); raises
+    :class:`~attnchecker.errors.UnsupportedModelError` for what it does not implement."""
+    if any(t.is_nested for t in (query, key, value)):
+        raise UnsupportedModelError(
+            f"{type(module).__name__} calls scaled_dot_product_attention on nested tensors, "
+            f"which the checked attention does not implement; protect_ refuses"
+        )
+    if query.dim() != 4:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} calls scaled_dot_product_attention with {query.dim()}-D "
+            f"operands; the checked attention takes (batch, heads, length, dim)"
+        )
+    if attn_mask is not None and is_causal:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} gives scaled_dot_product_attention both attn_mask and "
+            f"is_causal, which SDPA itself rejects"
+        )
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads != kv_heads and (not enable_gqa or heads % kv_heads):
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: {heads} query heads over {kv_heads} key heads "
+            f"(enable_gqa={enable_gqa}); SDPA would refuse it"
+        )
+    L, Lk = query.shape[-2], key.shape[-2]
+    mask = _additive(attn_mask, is_causal, L, Lk, query.dtype, query.device)
+    scaling = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    spec, state = getattr(module, CORE)
+    out, _ = attend(spec, query, key, value, mask, scaling=scaling, dropout=dropout_p,
+                    training=dropout_p > 0, state=state)  # fmt: skip
+    return out
+
+
+def _additive(
+    attn_mask: Tensor | None, causal: bool, L: int, Lk: int, dtype: torch.dtype, device
+) -> Tensor | None:
+    """SDPA's mask as the additive mask the eager core takes (a boolean False, or a position
+    past the causal diagonal, is ``finfo.min``: a row with no key gives uniform probabilities
+    where SDPA gives NaN, as transformers' eager attention)."""
+    if causal:
+        attn_mask = torch.ones(L, Lk, dtype=torch.bool, device=device).tril()
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return attn_mask
+    low = torch.finfo(dtype).min
+    return torch.zeros(attn_mask.shape, dtype=dtype, device=device).masked_fill_(~attn_mask, low)
+
+
+class CheckedSDPA(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` to :func:`checked_sdpa` for ``module``; every
+    other function runs as it is. One instance per module, entered in its forward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.routed = 0  # calls routed in eager (never counted in a compiled graph)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            if not torch.compiler.is_compiling():
+                self.routed += 1
+            return checked_sdpa(self.module, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def wrap_forward(module: nn.Module) -> Callable[..., object]:
+    """The module's forward run inside its :class:`CheckedSDPA` (for ``Wiring.patch``). A
+    module found by its source whose eager forward then calls no SDPA (another code path, such
+    as attention by hand) is warned about once: its attention ran unchecked."""
+    mode, forward, warned = CheckedSDPA(module), type(module).forward, []
+
+    def checked_forward(*args: object, **kwargs: object) -> object:
+        before = mode.routed
+        with mode:
+            out = forward(module, *args, **kwargs)
+        if mode.routed == before and not warned and not torch.compiler.is_compiling():
+            warned.append(True)
+            warnings.warn(
+                f"attnchecker: {type(module).__name__} ran without calling "
+                f"scaled_dot_product_attention: its attention is NOT checked (give protect_ an "
+                f"example input to find attention written by hand, which it refuses)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return out
+
+    return checked_forward
+
+
+@dataclass(frozen=True)
+class Found:
+    """The modules of a model around its attention calls: ``sdpa`` (qualified names, in call
+    order), ``handwritten`` (a product, a softmax and a product again, without SDPA) and
+    ``functional`` (``nn.MultiheadAttention``: its SDPA call sits inside
+    ``F.multi_head_attention_forward``, a function with its own torch-function dispatch, inside
+    which a mode is off, so the call cannot be routed: refused by name, not yet supported)."""
+
+    sdpa: tuple[str, ...]
+    handwritten: tuple[str, ...]
+    functional: tuple[str, ...] = ()
+
+
+class _Recorder(TorchFunctionMode):
+    """Records, per innermost running module, the attention-like functions it calls."""
+
+    def __init__(self, stack: list[str]) -> None:
+        super().__init__()
+        self.stack, self.calls = stack, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.stack and (func in _KINDS or func in _PRODUCTS or func in _SOFTMAX):
+            kind = _KINDS.get(func) or ("softmax" if func in _SOFTMAX else "product")
+            self.calls.setdefault(self.stack[-1], []).append(kind)
+        return func(*args, **(kwargs or {}))
+
+
+def sdpa_modules(model: nn.Module, example: tuple | dict | None = None) -> Found:
+    """Where ``model`` calls attention: by one forward on ``example`` (positional arguments,
+    or keyword arguments as a dict), else by reading the modules' class sources."""
+    if example is None:
+        return _by_source(model)
+    stack: list[str] = []  # the running modules, innermost last
+
+    def enter(name: str) -> Callable[..., None]:
+        return lambda *_: stack.append(name)
+
+    def leave(*_: object) -> None:  # (a forward hook's non-None return replaces the output)
+        stack.pop()
+
+    handles = []
+    for name, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(enter(name)))
+        handles.append(m.register_forward_hook(leave))
+    recorder = _Recorder(stack)
+    try:
+        with torch.no_grad(), recorder:
+            model(**example) if isinstance(example, dict) else model(*example)
+    finally:
+        for h in handles:
+            h.remove()
+    sdpa = tuple(n for n, calls in recorder.calls.items() if "sdpa" in calls)
+    hand = tuple(n for n, calls in recorder.calls.items() if n not in sdpa and _looks(calls))
+    mha = tuple(n for n, calls in recorder.calls.items() if "mha" in calls)
+    return Found(sdpa, hand, mha)
+
+
+def _looks(calls: list[str]) -> bool:
+    """A product, then a softmax, then a product: attention written by hand."""
+    seq = "".join({"product": "p", "softmax": "s", "sdpa": "a", "mha": "m"}[c] for c in calls)
+    i = seq.find("p")
+    j = seq.find("s", i + 1) if i >= 0 else -1
+    return j >= 0 and seq.find("p", j + 1) >= 0
+
+
+def _by_source(model: nn.Module) -> Found:
+    sdpa, mha = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.MultiheadAttention):
+            mha.append(name)
+            continue
+        try:
+            source = inspect.getsource(type(m))
+        except (OSError, TypeError):
+            continue
+        if "scaled_dot_product_attention" in source and type(m).__module__ != "torch.nn.functional":
+            sdpa.append(name)
+    inner = [n for n in sdpa if not any(o != n and o.startswith(f"{n}.") for o in sdpa)]
+    return Found(tuple(inner), (), tuple(mha))
+
+
+def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str):
+    """The :class:`~attnchecker.models.registry.Discovery` of a model outside the family table
+    (``why``: what the table said) whose attention is SDPA; raises
+    :class:`~attnchecker.errors.UnsupportedModelError` naming hand-written attention, or when
+    there is no SDPA call at all."""
+    from attnchecker.models.families import Wiring
+    from attnchecker.models.registry import AttentionBlock, Discovery, layer_of
+
+    found = sdpa_modules(model, example)
+    if found.functional:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has nn.MultiheadAttention modules "
+            f"({', '.join(found.functional)}), whose attention runs inside "
+            f"F.multi_head_attention_forward, where protect_ cannot route it yet; it refuses "
+            f"rather than leave it unchecked (scope='all_linear' checks the other linear layers)"
+        )
+    if found.handwritten:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} computes attention by hand (a product, a softmax and a "
+            f"product, no scaled_dot_product_attention) in {', '.join(found.handwritten)}; "
+            f"protect_ checks SDPA calls only and refuses rather than leave it unchecked"
+        )
+    if not found.sdpa:
+        how = "in a forward on the example" if example is not None else "in any module's source"
+        raise UnsupportedModelError(f"{why}; and it calls no scaled_dot_product_attention {how}")
+    modules = dict(model.named_modules())
+    blocks = [
+        AttentionBlock(n, layer_of(n, modules[n], default=i), modules[n], (), SPEC, passing=False)
+        for i, n in enumerate(found.sdpa)
+    ]
+    wiring = Wiring(projections=(), spec=SPEC, patch=("forward", wrap_forward))
+    return Discovery(type(model).__name__, blocks, wiring, generic=True)

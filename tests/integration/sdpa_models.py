@@ -1,0 +1,186 @@
+"""Look-alikes of models written outside transformers, each calling
+``F.scaled_dot_product_attention`` the way its library does (written here: those libraries are
+not installed, or, like timm, do not import with the CPU torch), plus two that protect_ must
+refuse: attention by hand (timm with fused attention off) and ``nn.TransformerEncoderLayer``.
+
+Every model maps token ids (B, T) to logits (B, T, VOCAB), so one training step fits all."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB, D, HEADS, T = 64, 32, 4, 16
+
+
+def rope(x: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (B, H, T, hd), rotate-half form."""
+    hd, t = x.shape[-1], x.shape[-2]
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    ang = torch.outer(torch.arange(t, dtype=torch.float32), inv)  # (T, hd/2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class NanoGPTAttention(nn.Module):
+    """nanoGPT: one fused c_attn split contiguously into Q | K | V, causal SDPA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T_, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T_, HEADS, C // HEADS).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T_, C))
+
+
+class LitGPTAttention(nn.Module):
+    """litgpt: one fused qkv, contiguous Q | K | V with 2 KV heads (GQA), RoPE, enable_gqa."""
+
+    KV = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hd = D // HEADS
+        self.qkv = nn.Linear(D, (HEADS + 2 * self.KV) * self.hd, bias=False)
+        self.proj = nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T_, _ = x.shape
+        q, k, v = self.qkv(x).split((HEADS * self.hd, self.KV * self.hd, self.KV * self.hd), -1)
+        q = q.view(B, T_, HEADS, self.hd).transpose(1, 2)
+        k, v = (t.view(B, T_, self.KV, self.hd).transpose(1, 2) for t in (k, v))
+        y = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T_, D))
+
+
+class TitanAttention(nn.Module):
+    """torchtitan: wq / wk / wv, RoPE, K and V repeated to the query heads by hand, a scale."""
+
+    KV = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hd = D // HEADS
+        self.wq = nn.Linear(D, D, bias=False)
+        self.wk = nn.Linear(D, self.KV * self.hd, bias=False)
+        self.wv = nn.Linear(D, self.KV * self.hd, bias=False)
+        self.wo = nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T_, _ = x.shape
+        q = self.wq(x).view(B, T_, HEADS, self.hd).transpose(1, 2)
+        k, v = (w(x).view(B, T_, self.KV, self.hd).transpose(1, 2) for w in (self.wk, self.wv))
+        rep = HEADS // self.KV
+        k, v = (t.repeat_interleave(rep, 1) for t in (rope(k), v))
+        y = F.scaled_dot_product_attention(rope(q), k, v, is_causal=True, scale=0.3)
+        return self.wo(y.transpose(1, 2).reshape(B, T_, D))
+
+
+class TimmAttention(nn.Module):
+    """timm's ViT: qkv reshaped (B, N, 3, H, hd) and unbound, no mask (bidirectional); with
+    ``fused=False`` the hand-written path, q @ k^T, softmax, @ v."""
+
+    def __init__(self, fused: bool = True) -> None:
+        super().__init__()
+        self.fused = fused
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:
+            attn = (q * (C // HEADS) ** -0.5) @ k.transpose(-2, -1)
+            y = attn.softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(B, N, C))
+
+
+class XTransformersAttention(nn.Module):
+    """x-transformers (attn_flash=True): to_q / to_k / to_v, SDPA inside a separate Attend
+    module with a boolean key padding mask (True attends) broadcast over heads and queries."""
+
+    class Attend(nn.Module):
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.to_out = nn.Linear(D, D)
+        self.attend = self.Attend()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T_, _ = x.shape
+        q, k, v = (
+            w(x).view(B, T_, HEADS, D // HEADS).transpose(1, 2)
+            for w in (self.to_q, self.to_k, self.to_v)
+        )
+        keep = torch.ones(B, T_, dtype=torch.bool)
+        keep[:, -3:] = False  # the last three tokens are padding
+        y = self.attend(q, k, v, keep.to(x.device))
+        return self.to_out(y.transpose(1, 2).reshape(B, T_, D))
+
+
+class Block(nn.Module):
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = attn
+        self.fc, self.proj = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+class LM(nn.Module):
+    """Embeddings, ``layers`` blocks of the given attention, a head."""
+
+    def __init__(self, attention: type[nn.Module], layers: int = 2, **kw) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(T, D)
+        self.h = nn.ModuleList(Block(attention(**kw)) for _ in range(layers))
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(x)
+
+
+class EncoderLM(nn.Module):
+    """PyTorch's own nn.TransformerEncoder (nn.MultiheadAttention inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, D)
+        layer = nn.TransformerEncoderLayer(D, HEADS, 4 * D, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.lm_head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.encoder(self.wte(idx)))
+
+
+LAYOUTS = {
+    "nanogpt": NanoGPTAttention,
+    "litgpt": LitGPTAttention,
+    "torchtitan": TitanAttention,
+    "timm": TimmAttention,
+    "x_transformers": XTransformersAttention,
+}
+"""Each layout's attention module, by the library it imitates."""
+
+
+def build(layout: str, seed: int = 0, **kw) -> nn.Module:
+    torch.manual_seed(seed)
+    return LM(LAYOUTS[layout], **kw)

@@ -1,0 +1,161 @@
+"""protect_ on PyTorch models outside transformers that call F.scaled_dot_product_attention
+(attnchecker.models.sdpa): five layouts (nanoGPT, litgpt with GQA and RoPE, torchtitan with
+a scale and K/V repeated by hand, timm's reshape(..., 3, H, hd), x-transformers' separate
+Attend module with a boolean padding mask). For each: the clean step is the model's own
+within fp32 rounding (the checked core is eager math, SDPA's CPU kernel sums in another order),
+a fault in every GEMM of the attention core, forward and backward, is corrected in the same
+step, and the compiled model is one graph pair with no recompile. Attention by hand and
+nn.MultiheadAttention are refused by name."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from attnchecker import ABFTConfig, protect_, unprotect_
+from attnchecker.attention.ops import CORE_GRAD_OPS
+from attnchecker.errors import UnsupportedModelError
+
+from .sdpa_models import LAYOUTS, VOCAB, EncoderLM, T, TimmAttention, build
+
+IDX = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(1))
+CORE_SITES = ("scores", "probs", "context", *CORE_GRAD_OPS)
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # the eager core against SDPA's CPU kernel, fp32
+
+
+def _step(model, run=None):
+    model.zero_grad()
+    logits = (model if run is None else run)(IDX)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), IDX[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _close(got, want) -> None:
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    for a, b in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def _inf(call) -> None:
+    call.tensor.view(-1)[5] = math.inf
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_core_gemm_fault_is_corrected_in_each_layout(layout):
+    want = _step(build(layout))
+    model = build(layout)
+    handle = protect_(model)
+    assert len(handle.modules) == 2  # one attention module per block
+    _close(_step(model), want)  # clean: the model's own step
+    assert handle.drain() == []
+    for site in CORE_SITES:
+        detach = handle.attach(_inf, sites=(site,), modules=(handle.modules[0],))
+        got = _step(model)
+        detach.remove()
+        _close(got, want)
+        events = handle.drain()
+        assert [(e.module, e.op, e.action) for e in events] == [
+            (handle.modules[0], site, "corrected")
+        ], site
+    unprotect_(model)
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_an_example_input_finds_the_same_modules_as_the_sources():
+    by_source = protect_(build("x_transformers")).modules
+    by_forward = protect_(build("x_transformers"), example=(IDX,)).modules
+    assert by_source == by_forward == ["h.0.attn.attend", "h.1.attn.attend"]
+
+
+def test_all_linear_adds_every_linear_layer_projections_included():
+    model = build("nanogpt")
+    handle = protect_(model, ABFTConfig(scope="all_linear"))
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(handle.modules) == sorted(["h.0.attn", "h.1.attn", *linears])
+    want = _step(build("nanogpt"))
+    detach = handle.attach(_inf, sites=("y",), modules=("h.0.attn.c_attn",))
+    got = _step(model)
+    detach.remove()
+    _close(got, want)
+    assert [(e.module, e.op) for e in handle.drain()] == [("h.0.attn.c_attn", "y")]
+
+
+@pytest.mark.parametrize(
+    ("layout", "fault"), [("nanogpt", False), pytest.param("litgpt", True, marks=pytest.mark.slow)]
+)  # each compile is ~30 s on 2 cores; a fault's hook is one more
+def test_compiled_fullgraph_without_recompiles(layout, fault):
+    """fullgraph=True: the mode is traced into the graph; clean steps compile nothing more
+    (an attached fault hook is traced in: one recompilation, as for the families)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build(layout)
+    handle = protect_(model)
+    run = torch.compile(model, fullgraph=True)
+    want = _step(build(layout))
+    frames = []
+    for _ in range(3):
+        _close(_step(model, run), want)
+        frames.append(counters["frames"]["total"])
+    assert frames[1:] == frames[:1] * 2, f"recompiled: {frames}"
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert handle.drain() == []
+    if fault:
+        detach = handle.attach(_inf, sites=("scores",), modules=("h.1.attn",))
+        _close(_step(model, run), want)
+        detach.remove()
+        assert [(e.op, e.action) for e in handle.drain()] == [("scores", "corrected")]
+    torch._dynamo.reset()
+
+
+def test_no_false_alarm_over_500_clean_training_steps():
+    """AdamW on a repeating corpus of random tokens, litgpt layout (GQA, RoPE)."""
+    model = build("litgpt")
+    handle = protect_(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, VOCAB, (8, 4, T), generator=g)
+    first = last = None
+    for step in range(500):
+        idx = data[step % 8]
+        logits = model(idx)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        first = float(loss.detach()) if first is None else first
+        last = float(loss.detach())
+    assert handle.drain() == []
+    assert last < first  # it trained
+
+
+def test_attention_by_hand_is_refused_by_name():
+    model = build("timm", fused=False)
+    with pytest.raises(UnsupportedModelError, match=r"by hand .* h\.0\.attn, h\.1\.attn"):
+        protect_(model, example=(IDX,))
+
+
+def test_a_module_found_by_its_source_that_calls_no_sdpa_is_warned_about():
+    model = build("timm", fused=False)  # its class names SDPA; this instance never calls it
+    assert isinstance(model.h[0].attn, TimmAttention)
+    protect_(model)
+    with pytest.warns(RuntimeWarning, match="NOT checked"):
+        model(IDX)
+
+
+def test_multihead_attention_is_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match=r"encoder\.layers\.0\.self_attn"):
+        protect_(EncoderLM())
+    with pytest.raises(UnsupportedModelError, match="MultiheadAttention"):
+        protect_(EncoderLM(), example=(IDX,))
+
+
+def test_a_model_without_attention_is_refused():
+    with pytest.raises(UnsupportedModelError, match="calls no scaled_dot_product_attention"):
+        protect_(torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)))
