@@ -23,7 +23,7 @@
 # temporary folder put on PYTHONPATH. When $OUT is set (the device runner's output folder), the
 # results written under benchmarks/results/ and every stage's log go into $OUT/gpu_check.tgz.
 #
-# Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (360), GPU_CHECK_WORKERS (16),
+# Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (480), GPU_CHECK_WORKERS (16),
 # GPU_CHECK_ALARM_ARMS (all four),
 # GPU_CHECK_{TEST,ALARM,KERNEL,BENCH,GEMM,COMPILED}_TIMEOUT (150, 100, 75, 90, 40, 60), OUT.
 # Measured on an H200 (2026-12-04): tests 111 s with 16 workers, the alarm sweep ~90 s, the
