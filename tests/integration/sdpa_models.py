@@ -1,7 +1,8 @@
 """Look-alikes of models written outside transformers, each calling
 ``F.scaled_dot_product_attention`` the way its library does (written here: those libraries are
-not installed, or, like timm, do not import with the CPU torch), plus two that protect_ must
-refuse: attention by hand (timm with fused attention off) and ``nn.TransformerEncoderLayer``.
+not installed, or, like timm, do not import with the CPU torch), PyTorch's own
+``nn.TransformerEncoder`` (``nn.MultiheadAttention``), and attention by hand (timm with fused
+attention off), which protect_ must refuse.
 
 Every model maps token ids (B, T) to logits (B, T, VOCAB), so one training step fits all."""
 
@@ -182,5 +183,11 @@ LAYOUTS = {
 
 
 def build(layout: str, seed: int = 0, **kw) -> nn.Module:
+    """The model of ``layout`` (:data:`LAYOUTS`, or ``"torch_encoder"``: :class:`EncoderLM`)."""
     torch.manual_seed(seed)
+    if layout == "torch_encoder":
+        return EncoderLM()
     return LM(LAYOUTS[layout], **kw)
+
+
+MODELS = (*LAYOUTS, "torch_encoder")

@@ -1,11 +1,12 @@
 """protect_ on PyTorch models outside transformers that call F.scaled_dot_product_attention
 (attnchecker.models.sdpa): five layouts (nanoGPT, litgpt with GQA and RoPE, torchtitan with
 a scale and K/V repeated by hand, timm's reshape(..., 3, H, hd), x-transformers' separate
-Attend module with a boolean padding mask). For each: the clean step is the model's own
-within fp32 rounding (the checked core is eager math, SDPA's CPU kernel sums in another order),
-a fault in every GEMM of the attention core, forward and backward, is corrected in the same
-step, and the compiled model is one graph pair with no recompile. Attention by hand and
-nn.MultiheadAttention are refused by name."""
+Attend module with a boolean padding mask) and PyTorch's nn.TransformerEncoder
+(nn.MultiheadAttention, routed at F.multi_head_attention_forward). For each: the clean step
+is the model's own within fp32 rounding (the checked core is eager math, SDPA's CPU kernel
+sums in another order), a fault in every GEMM of the attention core, forward and backward, is
+corrected in the same step, and the compiled model is one graph pair with no recompile.
+Attention by hand is refused by name."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from attnchecker import ABFTConfig, protect_, unprotect_
 from attnchecker.attention.ops import CORE_GRAD_OPS
 from attnchecker.errors import UnsupportedModelError
 
-from .sdpa_models import LAYOUTS, VOCAB, EncoderLM, T, TimmAttention, build
+from .sdpa_models import MODELS, VOCAB, T, TimmAttention, build
 
 IDX = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(1))
 CORE_SITES = ("scores", "probs", "context", *CORE_GRAD_OPS)
@@ -44,7 +45,7 @@ def _inf(call) -> None:
     call.tensor.view(-1)[5] = math.inf
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", sorted(MODELS))
 def test_every_core_gemm_fault_is_corrected_in_each_layout(layout):
     want = _step(build(layout))
     model = build(layout)
@@ -149,11 +150,35 @@ def test_a_module_found_by_its_source_that_calls_no_sdpa_is_warned_about():
         model(IDX)
 
 
-def test_multihead_attention_is_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match=r"encoder\.layers\.0\.self_attn"):
-        protect_(EncoderLM())
-    with pytest.raises(UnsupportedModelError, match="MultiheadAttention"):
-        protect_(EncoderLM(), example=(IDX,))
+def test_multihead_attention_as_pytorch_computes_it_weights_and_padding_included():
+    """nn.MultiheadAttention called directly (need_weights=True, the default: averaged weights),
+    with a key padding mask (True masks out) and batch_first; its out_proj is checked with
+    all_linear (the in-projection is a Parameter, in_proj_weight: not a linear layer)."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    x = torch.randn(2, 8, 32)
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[:, -2:] = True
+    want = mha(x, x, x, key_padding_mask=pad)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = mha
+
+        def forward(self, x):
+            return self.attn(x, x, x, key_padding_mask=pad)
+
+    model = Wrapper()
+    handle = protect_(model, ABFTConfig(scope="all_linear"))
+    assert handle.modules == ["attn", "attn.out_proj"]
+    got = model(x)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    detach = handle.attach(_inf, sites=("y",), modules=("attn.out_proj",))
+    torch.testing.assert_close(model(x)[0], want[0], **TOL)
+    detach.remove()
+    assert [(e.module, e.action) for e in handle.drain()] == [("attn.out_proj", "corrected")]
 
 
 def test_a_model_without_attention_is_refused():

@@ -16,9 +16,11 @@ SDPA (hand-written attention, timm with fused attention off) is named too: prote
 it rather than leave it silently unchecked. The projections are not identified here: their
 GEMMs are checked as linear layers with ``scope="all_linear"``.
 
-``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``) is refused by name for now:
-its SDPA call is inside ``F.multi_head_attention_forward``, whose own torch-function dispatch
-runs its body with the mode off.
+``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``) calls SDPA inside
+``F.multi_head_attention_forward``, whose own torch-function dispatch runs its body with the
+mode off: the mode routes that function instead (:func:`checked_mha`: the same in-projection,
+the checked core, the module's ``out_proj``). Its inference fast path
+(``torch._native_multi_head_attention``, taken without gradients in eval) is not routed.
 
 SDPA's arguments are honoured: ``attn_mask`` (bool: True attends, or an additive float mask,
 broadcast), ``is_causal`` (top-left aligned, as SDPA), ``dropout_p`` (its draw kept for the
@@ -42,7 +44,15 @@ from torch.overrides import TorchFunctionMode
 from attnchecker.attention.core import CORE, CoreSpec, attend
 from attnchecker.errors import UnsupportedModelError
 
-__all__ = ["SPEC", "CheckedSDPA", "Found", "checked_sdpa", "discover_sdpa", "sdpa_modules"]
+__all__ = [
+    "SPEC",
+    "CheckedSDPA",
+    "Found",
+    "checked_mha",
+    "checked_sdpa",
+    "discover_sdpa",
+    "sdpa_modules",
+]
 
 SPEC = CoreSpec(transpose_out=False)
 """SDPA's math: scores scaled, softmax in the operands' dtype, output (B, H, L, d)."""
@@ -97,6 +107,90 @@ def checked_sdpa(
     return out
 
 
+def checked_mha(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: Tensor | None,
+    in_proj_bias: Tensor | None,
+    bias_k: Tensor | None,
+    bias_v: Tensor | None,
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: Tensor,
+    out_proj_bias: Tensor | None,
+    training: bool = True,
+    key_padding_mask: Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: Tensor | None = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: Tensor | None = None,
+    k_proj_weight: Tensor | None = None,
+    v_proj_weight: Tensor | None = None,
+    static_k: Tensor | None = None,
+    static_v: Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``F.multi_head_attention_forward`` (as ``nn.MultiheadAttention`` calls it: query (L, N,
+    E), key and value (S, N, E)) with its attention by the checked core bound to ``module``
+    and its output projection by ``module.out_proj`` (checked with ``scope="all_linear"``); the
+    in-projection is ``in_proj_weight``, a Parameter, not a linear layer: not checked. Masks as
+    ``nn.MultiheadAttention`` reads them (a boolean True masks out), weights averaged over the
+    heads when asked."""
+    if query.dim() != 3 or any(x is not None for x in (bias_k, bias_v, static_k, static_v)):
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: the checked attention implements batched inputs without "
+            f"bias_k / bias_v / static keys; protect_ refuses"
+        )
+    if add_zero_attn:
+        raise UnsupportedModelError(f"{type(module).__name__}: add_zero_attn is not implemented")
+    L, N, E = query.shape
+    S, hd = key.shape[0], E // num_heads
+    if use_separate_proj_weight:
+        b_q, b_k, b_v = (None,) * 3 if in_proj_bias is None else in_proj_bias.chunk(3)
+        q, k, v = (F.linear(x, w, b) for x, w, b in ((query, q_proj_weight, b_q),
+                   (key, k_proj_weight, b_k), (value, v_proj_weight, b_v)))  # fmt: skip
+    else:
+        q, k, v = F._in_projection_packed(query, key, value, in_proj_weight, in_proj_bias)
+    q = q.view(L, N * num_heads, hd).transpose(0, 1).view(N, num_heads, L, hd)
+    k, v = (t.view(S, N * num_heads, hd).transpose(0, 1).view(N, num_heads, S, hd) for t in (k, v))
+    mask = _masked_out(attn_mask, q.dtype)
+    if mask is not None:
+        mask = mask.view(1, 1, L, S) if mask.dim() == 2 else mask.view(N, num_heads, L, S)
+    elif is_causal:
+        mask = _additive(None, True, L, S, q.dtype, q.device)
+    padding = _masked_out(key_padding_mask, q.dtype)
+    if padding is not None:
+        padding = padding.view(N, 1, 1, S)
+        mask = padding if mask is None else mask + padding
+    spec, state = getattr(module, CORE)
+    p = dropout_p if training else 0.0
+    out, probs = attend(spec, q, k, v, mask, scaling=hd**-0.5, dropout=p, training=training,
+                        state=state)  # fmt: skip
+    out = out.permute(2, 0, 1, 3).reshape(L, N, E)
+    proj = getattr(module, "out_proj", None)
+    if proj is not None and proj.weight is out_proj_weight and proj.bias is out_proj_bias:
+        out = proj(out)
+    else:
+        out = F.linear(out, out_proj_weight, out_proj_bias)
+    if not need_weights:
+        return out, None
+    return out, probs.mean(1) if average_attn_weights else probs
+
+
+def _masked_out(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """nn.MultiheadAttention's mask (a boolean True masks out, or additive) as additive."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        mask, torch.finfo(dtype).min
+    )
+
+
 def _additive(
     attn_mask: Tensor | None, causal: bool, L: int, Lk: int, dtype: torch.dtype, device
 ) -> Tensor | None:
@@ -111,9 +205,14 @@ def _additive(
     return torch.zeros(attn_mask.shape, dtype=dtype, device=device).masked_fill_(~attn_mask, low)
 
 
+_ROUTES = {_SDPA: checked_sdpa, F.multi_head_attention_forward: checked_mha}
+
+
 class CheckedSDPA(TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` to :func:`checked_sdpa` for ``module``; every
-    other function runs as it is. One instance per module, entered in its forward."""
+    """Routes ``F.scaled_dot_product_attention`` to :func:`checked_sdpa` and
+    ``F.multi_head_attention_forward`` (whose own SDPA call a mode cannot see: it runs its body
+    with the mode off) to :func:`checked_mha`, for ``module``; every other function runs as it
+    is. One instance per module, entered in its forward."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -122,11 +221,12 @@ class CheckedSDPA(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA:
-            if not torch.compiler.is_compiling():
-                self.routed += 1
-            return checked_sdpa(self.module, *args, **kwargs)
-        return func(*args, **kwargs)
+        route = _ROUTES.get(func)
+        if route is None:
+            return func(*args, **kwargs)
+        if not torch.compiler.is_compiling():
+            self.routed += 1
+        return route(self.module, *args, **kwargs)
 
 
 def wrap_forward(module: nn.Module) -> Callable[..., object]:
@@ -156,14 +256,11 @@ def wrap_forward(module: nn.Module) -> Callable[..., object]:
 @dataclass(frozen=True)
 class Found:
     """The modules of a model around its attention calls: ``sdpa`` (qualified names, in call
-    order), ``handwritten`` (a product, a softmax and a product again, without SDPA) and
-    ``functional`` (``nn.MultiheadAttention``: its SDPA call sits inside
-    ``F.multi_head_attention_forward``, a function with its own torch-function dispatch, inside
-    which a mode is off, so the call cannot be routed: refused by name, not yet supported)."""
+    order: SDPA's callers and ``nn.MultiheadAttention`` modules) and ``handwritten`` (a
+    product, a softmax and a product again, without SDPA)."""
 
     sdpa: tuple[str, ...]
     handwritten: tuple[str, ...]
-    functional: tuple[str, ...] = ()
 
 
 class _Recorder(TorchFunctionMode):
@@ -204,10 +301,9 @@ def sdpa_modules(model: nn.Module, example: tuple | dict | None = None) -> Found
     finally:
         for h in handles:
             h.remove()
-    sdpa = tuple(n for n, calls in recorder.calls.items() if "sdpa" in calls)
+    sdpa = tuple(n for n, calls in recorder.calls.items() if {"sdpa", "mha"} & set(calls))
     hand = tuple(n for n, calls in recorder.calls.items() if n not in sdpa and _looks(calls))
-    mha = tuple(n for n, calls in recorder.calls.items() if "mha" in calls)
-    return Found(sdpa, hand, mha)
+    return Found(sdpa, hand)
 
 
 def _looks(calls: list[str]) -> bool:
@@ -219,10 +315,10 @@ def _looks(calls: list[str]) -> bool:
 
 
 def _by_source(model: nn.Module) -> Found:
-    sdpa, mha = [], []
+    sdpa = []
     for name, m in model.named_modules():
         if isinstance(m, nn.MultiheadAttention):
-            mha.append(name)
+            sdpa.append(name)
             continue
         try:
             source = inspect.getsource(type(m))
@@ -231,7 +327,7 @@ def _by_source(model: nn.Module) -> Found:
         if "scaled_dot_product_attention" in source and type(m).__module__ != "torch.nn.functional":
             sdpa.append(name)
     inner = [n for n in sdpa if not any(o != n and o.startswith(f"{n}.") for o in sdpa)]
-    return Found(tuple(inner), (), tuple(mha))
+    return Found(tuple(inner), ())
 
 
 def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str):
@@ -243,13 +339,6 @@ def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str):
     from attnchecker.models.registry import AttentionBlock, Discovery, layer_of
 
     found = sdpa_modules(model, example)
-    if found.functional:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} has nn.MultiheadAttention modules "
-            f"({', '.join(found.functional)}), whose attention runs inside "
-            f"F.multi_head_attention_forward, where protect_ cannot route it yet; it refuses "
-            f"rather than leave it unchecked (scope='all_linear' checks the other linear layers)"
-        )
     if found.handwritten:
         raise UnsupportedModelError(
             f"{type(model).__name__} computes attention by hand (a product, a softmax and a "
