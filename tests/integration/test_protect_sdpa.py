@@ -184,3 +184,16 @@ def test_multihead_attention_as_pytorch_computes_it_weights_and_padding_included
 def test_a_model_without_attention_is_refused():
     with pytest.raises(UnsupportedModelError, match="calls no scaled_dot_product_attention"):
         protect_(torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)))
+
+
+class _FlexAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v)
+
+
+def test_flex_attention_is_refused_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _FlexAttention())
+    with pytest.raises(UnsupportedModelError, match=r"1 \(flex_attention\)"):
+        protect_(model)

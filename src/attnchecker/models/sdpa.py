@@ -12,9 +12,10 @@ Which modules call it: :func:`sdpa_modules` runs one forward on an example input
 the innermost module around each call; without an example, the modules whose class source
 names ``scaled_dot_product_attention`` (and ``nn.MultiheadAttention``, whose functional path
 calls it). A module whose forward multiplies, takes a softmax and multiplies again without
-SDPA (hand-written attention, timm with fused attention off) is named too: protect_ refuses
-it rather than leave it silently unchecked. The projections are not identified here: their
-GEMMs are checked as linear layers with ``scope="all_linear"``.
+SDPA (hand-written attention, timm with fused attention off) is named too, and so is one whose
+source names ``flex_attention``, ``flash_attn_func`` or varlen attention (not SDPA calls):
+protect_ refuses them rather than leave them silently unchecked. The projections are not
+identified here: their GEMMs are checked as linear layers with ``scope="all_linear"``.
 
 ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``) calls SDPA inside
 ``F.multi_head_attention_forward``, whose own torch-function dispatch runs its body with the
@@ -314,17 +315,37 @@ def _looks(calls: list[str]) -> bool:
     return j >= 0 and seq.find("p", j + 1) >= 0
 
 
+_UNROUTED = ("flex_attention", "flash_attn_func", "flash_attn_varlen", "varlen_attn")
+"""Attention functions that are not SDPA calls: a module whose class source names one is
+refused by name (a mode cannot route them to the checked core)."""
+
+
+def _source(m: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(m))
+    except (OSError, TypeError):
+        return ""
+
+
+def unrouted(model: nn.Module) -> list[str]:
+    """``name (function)`` of each module whose class source names an attention function of
+    :data:`_UNROUTED` and not SDPA (one that names both is protected, and warned about if a
+    forward then calls no SDPA: :func:`wrap_forward`)."""
+    out = []
+    for name, m in model.named_modules():
+        src = _source(m)
+        if "scaled_dot_product_attention" not in src:
+            out += [f"{name or type(m).__name__} ({f})" for f in _UNROUTED if f in src][:1]
+    return out
+
+
 def _by_source(model: nn.Module) -> Found:
     sdpa = []
     for name, m in model.named_modules():
         if isinstance(m, nn.MultiheadAttention):
             sdpa.append(name)
             continue
-        try:
-            source = inspect.getsource(type(m))
-        except (OSError, TypeError):
-            continue
-        if "scaled_dot_product_attention" in source and type(m).__module__ != "torch.nn.functional":
+        if "scaled_dot_product_attention" in _source(m):
             sdpa.append(name)
     inner = [n for n in sdpa if not any(o != n and o.startswith(f"{n}.") for o in sdpa)]
     return Found(tuple(inner), ())
@@ -338,6 +359,11 @@ def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str):
     from attnchecker.models.families import Wiring
     from attnchecker.models.registry import AttentionBlock, Discovery, layer_of
 
+    if names := unrouted(model):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} calls attention that is not scaled_dot_product_attention "
+            f"in {', '.join(names)}; protect_ cannot route it to the checked core and refuses"
+        )
     found = sdpa_modules(model, example)
     if found.handwritten:
         raise UnsupportedModelError(
