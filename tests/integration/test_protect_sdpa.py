@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from attnchecker import ABFTConfig, protect_, unprotect_
 from attnchecker.attention.ops import CORE_GRAD_OPS
 from attnchecker.errors import UnsupportedModelError
+from attnchecker.models.sdpa import sdpa_modules
 
 from .sdpa_models import MODELS, VOCAB, T, TimmAttention, build
 
@@ -64,6 +65,44 @@ def test_every_core_gemm_fault_is_corrected_in_each_layout(layout):
         ], site
     unprotect_(model)
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+PROJECTION_SITES = ("q", "k", "v", "out", "dx.q", "dw.q", "dx.out", "dw.out")
+PROJECTIONS = {  # what the traced forward finds: each layer and the sites its output holds
+    "nanogpt": {"c_attn": ("q", "k", "v"), "c_proj": ("out",)},
+    "litgpt": {"qkv": ("q", "k", "v"), "proj": ("out",)},
+    "torchtitan": {"wq": ("q",), "wk": ("k",), "wv": ("v",), "wo": ("out",)},
+    "timm": {"qkv": ("q", "k", "v"), "proj": ("out",)},
+    "x_transformers": {"to_q": ("q",), "to_k": ("k",), "to_v": ("v",), "to_out": ("out",)},
+}
+
+
+def _inf_row(call) -> None:  # a projection's site is a column slice: index, never view
+    call.tensor[(0,) * (call.tensor.dim() - 1) + (5,)] = math.inf
+
+
+@pytest.mark.parametrize("layout", sorted(PROJECTIONS))
+def test_a_traced_forward_finds_the_projections_and_their_faults_are_corrected(layout):
+    """protect_(model, example=...): the projections of each SDPA call found through the
+    autograd graph (fused Q | K | V split contiguously, GQA widths, RoPE in between, the
+    output projection in the parent module) and checked as the families' are."""
+    fresh = build(layout)
+    block = sdpa_modules(fresh, (IDX,)).sdpa[0]
+    parent = fresh.get_submodule(block.removesuffix(".attend"))  # x-transformers: Attend's
+    names = {id(m): n for n, m in parent.named_children()}
+    found = {names[id(p.module)]: p.sites for p in sdpa_modules(fresh, (IDX,)).projections[block]}
+    assert found == PROJECTIONS[layout]
+    want = _step(build(layout))
+    model = build(layout)
+    handle = protect_(model, example=(IDX,))
+    _close(_step(model), want)
+    assert handle.drain() == []
+    for site in PROJECTION_SITES:
+        detach = handle.attach(_inf_row, sites=(site,), modules=(block,))
+        got = _step(model)
+        detach.remove()
+        _close(got, want)
+        assert [(e.op, e.action) for e in handle.drain()] == [(site, "corrected")], site
 
 
 def test_an_example_input_finds_the_same_modules_as_the_sources():

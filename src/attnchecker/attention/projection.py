@@ -26,6 +26,7 @@ from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.grads import checked_linear
 from attnchecker.attention.handoff import Handoff
 from attnchecker.attention.ops import CORE_GRAD_OPS, GRAD_OPS, LINEAR_OPS
+from attnchecker.attention.ops import op as table_op
 from attnchecker.attention.records import new_log, ranged
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock
@@ -278,7 +279,11 @@ def protect_attention(
         kernel_checks=CHECKS if fused else (),
     )  # fmt: skip
     st.coverage.engine, st.coverage.note = engine, note
-    wired = {*st.ops, *(() if fused else CORE_GRAD_OPS)}  # the sites this module has
+    # the sites this module has: a projection's only where one was found (an SDPA caller may
+    # have none: its projections are then plain linear layers)
+    provided = {s for p in projections for s in p.sites}
+    wired = {o for o in st.ops if table_op(o).part != "projection" or o in provided}
+    wired.update(() if fused else CORE_GRAD_OPS)
     undo: list[Undo] = []
     unwired = []
     for p in projections:

@@ -35,11 +35,13 @@ __all__ = [
     "TransformerBlock",
     "discover",
     "layer_of",
+    "projection_spec",
     "transformer_blocks",
 ]
 
-_SITES = {"q": ("q",), "k": ("k",), "v": ("v",), "kv": ("k", "v"), "qkv": ("q", "k", "v"),
+SITES = {"q": ("q",), "k": ("k",), "v": ("v",), "kv": ("k", "v"), "qkv": ("q", "k", "v"),
           "out": ("out",)}  # fmt: skip
+"""What a projection's output holds, by the names of the family table's wiring."""
 _HEAD_DIM = ("head_dim", "head_size", "attention_head_size")  # the core's attribute names
 _CANDIDATES = (CoreSpec(softmax_fp32=True), CoreSpec(), CoreSpec(probs_to_value_dtype=True))
 
@@ -143,7 +145,7 @@ def _blocks(model: nn.Module, wiring: Wiring) -> list[AttentionBlock]:
         out_mod = next(p for p, (_, _, s) in zip(mods, paths, strict=True) if s == "out")
         n_out_in = _width(out_mod, inputs=True) // d  # query heads: the output projection's input
         projections = tuple(
-            _projection(p, _SITES[s], d, n_out_in, wiring, where)
+            projection_spec(p, SITES[s], d, n_out_in, wiring, where)
             for p, (_, _, s) in zip(mods, paths, strict=True)
         )
         layer = layer_of(where, core, len(out))
@@ -151,9 +153,13 @@ def _blocks(model: nn.Module, wiring: Wiring) -> list[AttentionBlock]:
     return out
 
 
-def _projection(
+def projection_spec(
     m: nn.Module, sites: tuple[str, ...], d: int, nh: int, wiring: Wiring, where: str
 ) -> ProjectionSpec:
+    """The :class:`ProjectionSpec` of linear layer ``m`` holding ``sites`` of heads of size
+    ``d``, ``nh`` query heads (a fused Q|K|V with fewer K/V heads split after them), as
+    ``wiring`` lays it out (``interleaved``, ``read_early``); ``where`` names the block in
+    errors."""
     conv1d = is_conv1d(m)
     width = _width(m, inputs=False)
     if width % d:

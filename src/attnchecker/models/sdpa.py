@@ -35,7 +35,6 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from attnchecker.attention.core import CORE, CoreSpec, attend
 from attnchecker.errors import UnsupportedModelError
+from attnchecker.models.sdpa_trace import Found, trace
 
 __all__ = [
     "SPEC",
@@ -59,9 +59,6 @@ SPEC = CoreSpec(transpose_out=False)
 """SDPA's math: scores scaled, softmax in the operands' dtype, output (B, H, L, d)."""
 
 _SDPA = F.scaled_dot_product_attention
-_PRODUCTS = frozenset({torch.matmul, torch.bmm, torch.einsum, Tensor.matmul, Tensor.__matmul__})
-_SOFTMAX = frozenset({torch.softmax, F.softmax, Tensor.softmax})
-_KINDS = {_SDPA: "sdpa", F.multi_head_attention_forward: "mha"}
 
 
 def checked_sdpa(
@@ -254,65 +251,11 @@ def wrap_forward(module: nn.Module) -> Callable[..., object]:
     return checked_forward
 
 
-@dataclass(frozen=True)
-class Found:
-    """The modules of a model around its attention calls: ``sdpa`` (qualified names, in call
-    order: SDPA's callers and ``nn.MultiheadAttention`` modules) and ``handwritten`` (a
-    product, a softmax and a product again, without SDPA)."""
-
-    sdpa: tuple[str, ...]
-    handwritten: tuple[str, ...]
-
-
-class _Recorder(TorchFunctionMode):
-    """Records, per innermost running module, the attention-like functions it calls."""
-
-    def __init__(self, stack: list[str]) -> None:
-        super().__init__()
-        self.stack, self.calls = stack, {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.stack and (func in _KINDS or func in _PRODUCTS or func in _SOFTMAX):
-            kind = _KINDS.get(func) or ("softmax" if func in _SOFTMAX else "product")
-            self.calls.setdefault(self.stack[-1], []).append(kind)
-        return func(*args, **(kwargs or {}))
-
-
 def sdpa_modules(model: nn.Module, example: tuple | dict | None = None) -> Found:
-    """Where ``model`` calls attention: by one forward on ``example`` (positional arguments,
-    or keyword arguments as a dict), else by reading the modules' class sources."""
-    if example is None:
-        return _by_source(model)
-    stack: list[str] = []  # the running modules, innermost last
-
-    def enter(name: str) -> Callable[..., None]:
-        return lambda *_: stack.append(name)
-
-    def leave(*_: object) -> None:  # (a forward hook's non-None return replaces the output)
-        stack.pop()
-
-    handles = []
-    for name, m in model.named_modules():
-        handles.append(m.register_forward_pre_hook(enter(name)))
-        handles.append(m.register_forward_hook(leave))
-    recorder = _Recorder(stack)
-    try:
-        with torch.no_grad(), recorder:
-            model(**example) if isinstance(example, dict) else model(*example)
-    finally:
-        for h in handles:
-            h.remove()
-    sdpa = tuple(n for n, calls in recorder.calls.items() if {"sdpa", "mha"} & set(calls))
-    hand = tuple(n for n, calls in recorder.calls.items() if n not in sdpa and _looks(calls))
-    return Found(sdpa, hand)
-
-
-def _looks(calls: list[str]) -> bool:
-    """A product, then a softmax, then a product: attention written by hand."""
-    seq = "".join({"product": "p", "softmax": "s", "sdpa": "a", "mha": "m"}[c] for c in calls)
-    i = seq.find("p")
-    j = seq.find("s", i + 1) if i >= 0 else -1
-    return j >= 0 and seq.find("p", j + 1) >= 0
+    """Where ``model`` calls attention: by one traced forward on ``example`` (positional
+    arguments, or keyword arguments as a dict: :func:`~.sdpa_trace.trace`, which also finds
+    the projections), else by reading the modules' class sources."""
+    return _by_source(model) if example is None else trace(model, example)
 
 
 _UNROUTED = ("flex_attention", "flash_attn_func", "flash_attn_varlen", "varlen_attn")
@@ -375,9 +318,9 @@ def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str):
         how = "in a forward on the example" if example is not None else "in any module's source"
         raise UnsupportedModelError(f"{why}; and it calls no scaled_dot_product_attention {how}")
     modules = dict(model.named_modules())
-    blocks = [
-        AttentionBlock(n, layer_of(n, modules[n], default=i), modules[n], (), SPEC, passing=False)
-        for i, n in enumerate(found.sdpa)
-    ]
+    blocks = []
+    for i, n in enumerate(found.sdpa):
+        m, projections = modules[n], found.projections.get(n, ())
+        blocks.append(AttentionBlock(n, layer_of(n, m, i), m, projections, SPEC, passing=False))
     wiring = Wiring(projections=(), spec=SPEC, patch=("forward", wrap_forward))
     return Discovery(type(model).__name__, blocks, wiring, generic=True)
