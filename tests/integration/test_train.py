@@ -295,6 +295,66 @@ def test_cli_train_on_the_users_own_config(tmp_path, data):
         from_file(str(tmp_path / "missing.json"))
 
 
+FACTORY = """
+from torch import nn
+from torch.nn import functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class LM(nn.Module):
+    def __init__(self, vocab, d=32):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.layers = nn.ModuleList(Attention(d, 4) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def build(vocab_size, seq_len):
+    return LM(vocab_size)
+"""
+
+
+def test_cli_train_on_the_users_own_pytorch_model(tmp_path, data, monkeypatch, capsys):
+    """`attnchecker train --model package.module:function`: a PyTorch model of the user's own
+    (SDPA on a fused qkv), its projections found by a traced forward, faults at a projection
+    and in the backward's attention core corrected by module name; a bad factory is refused."""
+    from attnchecker import cli
+
+    (tmp_path / "my_lm.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plan = FaultPlan.builder().at(1).site("v", layer=1).kind("inf").add()
+    plan = plan.at(2).site("dk", layer=0).kind("nan").add().build()
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    args = ["train", "--out", str(tmp_path / "run"), "--model", "my_lm:build", "--steps", "3"]
+    args += ["--batch", "2", "--seq-len", "32", "--data", *data, "--protect"]
+    assert cli.main([*args, "--faults", str(tmp_path / "plan.json")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["faults_injected"] == summary["faults_corrected"] == 2
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    assert {e.get("module") for e in events if e.get("action") == "corrected"} == {
+        "model.layers.0",
+        "model.layers.1",
+    }, events
+    assert cli.main(["train", "--out", str(tmp_path / "bad"), "--model", "my_lm:nothing"]) == 2
+    assert "cannot load the model factory 'my_lm:nothing'" in capsys.readouterr().err
+
+
 def test_cli_train_on_the_fused_backend(tmp_path, data):
     """`attnchecker train --backend triton`: the fused kernels train the model; a fault plan
     at a kernel GEMM of the backward is corrected."""

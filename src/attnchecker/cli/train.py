@@ -65,9 +65,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--family", default="gpt2", choices=FAMILIES)
     tr.add_argument(
         "--model",
-        metavar="CONFIG_OR_DIR",
-        help="your own model: a transformers config.json or a directory with one (randomly "
-        "initialised, nothing downloaded); used instead of --family/--size",
+        metavar="FACTORY_OR_CONFIG",
+        help="your own model: package.module:function (called with vocab_size= and seq_len=, "
+        "returning a model from token ids to logits, or (model, loss)), or a transformers "
+        "config.json or a directory with one (randomly initialised, nothing downloaded); used "
+        "instead of --family/--size",
     )
     tr.add_argument("--size", default="tiny", choices=SIZES)
     tr.add_argument("--task", default="lm", choices=TASKS)

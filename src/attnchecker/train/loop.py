@@ -76,7 +76,7 @@ RECOVERIES = ("none", "checkpoint")  # the checkpoint/restore baseline, or none
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     family: str = "gpt2"
-    model: str | None = None  # the user's config.json (or a directory with one): used over family
+    model: str | None = None  # package.module:factory, or a config.json (or its directory)
     size: str = "tiny"
     task: str = "lm"  # lm: causal LM (decoders) / masked LM (BERT, RoBERTa); cls: tragedy or not
     steps: int = 50
@@ -245,6 +245,7 @@ class TrainState:
         optimizer and checkpoints; write ``meta.json``; seed the global generator."""
         import transformers
 
+        from attnchecker.models.factory import OwnModel
         from attnchecker.models.protect import protect_
         from attnchecker.recovery.checkpoint import NonTrainableDetector
         from attnchecker.recovery.guard import guard
@@ -266,7 +267,11 @@ class TrainState:
         sched = None
         if cfg.warmup > 0:
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
-        handle = protect_(model, cfg.abft or ABFTConfig(policy="warn")) if cfg.protect else None
+        handle = None
+        if cfg.protect:  # a model of the user's own: one traced forward finds its projections
+            own = isinstance(model, OwnModel)
+            example = (blocks.batch(0, 1, cfg.seed)[0],) if own else None
+            handle = protect_(model, cfg.abft or ABFTConfig(policy="warn"), example=example)
         skips = handle is not None and handle.config.policy == "skip_step"
         net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
         if rank != cfg.fault_rank:
@@ -293,9 +298,17 @@ class TrainState:
 
 
 def _model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
-    """The user's config (``cfg.model``) or the family preset, in training mode, no KV cache."""
+    """The user's model (``cfg.model``: a Python factory or a transformers config) or the
+    family preset, in training mode, no KV cache."""
+    from attnchecker.models.factory import is_factory, load_factory
     from attnchecker.models.tiny import build, from_file
 
+    if cfg.model is not None and is_factory(cfg.model):
+        if cfg.task != "lm":
+            raise ConfigError("a model from a factory trains task 'lm' (next-token prediction)")
+        model = load_factory(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len, seed=cfg.seed)
+        model.train()
+        return model
     if cfg.model is not None:
         model = from_file(cfg.model, task=cfg.task, seed=cfg.seed, vocab_size=vocab_size)
     else:
