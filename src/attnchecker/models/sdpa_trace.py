@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from attnchecker.attention.projection import ProjectionSpec
+from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.families import Wiring
 from attnchecker.models.registry import SITES, projection_spec
 
@@ -190,13 +191,18 @@ def _projections(
                 return _unknown(where, f"{name}'s outputs split into {sites} in no known layout")
             interleaved = layout == "heads"
         wiring = Wiring(projections=(), interleaved=interleaved)
-        specs.append(projection_spec(modules[name], SITES[sites], d, nh, wiring, where))
+        try:
+            specs.append(projection_spec(modules[name], SITES[sites], d, nh, wiring, where))
+        except UnsupportedModelError as e:
+            return _unknown(where, str(e))
     if out.grad_fn is not None:
         taken = set(by_layer)
         outs = [n for n, (x, _) in io.items() if n not in taken and _reaches(x, out.grad_fn)]
-        if outs:
-            wiring = Wiring(projections=())
-            specs.append(projection_spec(modules[outs[0]], SITES["out"], d, nh, wiring, where))
+        if outs:  # its columns grouped by head size where they divide (x-transformers: not)
+            m = modules[outs[0]]
+            width = m.weight.shape[0]
+            groups = width // d if width % d == 0 else nh if width % nh == 0 else 1
+            specs.append(ProjectionSpec(SITES["out"], m, groups))
     return tuple(specs)
 
 
