@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/flash_kernels.py $(if $(QUICK),--quick)
 	$(BIN)/python benchmarks/kernel_false_alarms.py $(if $(QUICK),--quick)
 	$(BIN)/python benchmarks/protect_vs_sdpa.py $(if $(QUICK),--quick,--lengths 128 --compile eager --reps 10 --tag regions_l128)
+	$(BIN)/python benchmarks/own_model.py $(if $(QUICK),--quick)
 	$(BIN)/python benchmarks/recovery_cost.py $(if $(QUICK),--quick)
 	$(BIN)/python benchmarks/sdc_detectors.py $(if $(QUICK),--quick)
 
