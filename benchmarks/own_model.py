@@ -1,6 +1,8 @@
 """protect_ on a model of one's own (a nanoGPT-style GPT written here, attention by
 ``F.scaled_dot_product_attention`` on a fused ``c_attn``) against a Hugging Face GPT-2 of the
-same width, depth, heads, vocabulary and batch: is there a cost for being generic?
+same width, depth, heads, vocabulary and batch (its dropouts off: the GPT has none, and a
+dropout's time in the baseline would shrink the relative overhead): is there a cost for being
+generic?
 
 Four models per row, stepped alternately in one process (forward, backward, AdamW): each of
 the two plain (SDPA) and protected with the default config (the GPT with ``example=``, so its
@@ -100,7 +102,7 @@ def measure(L: int) -> dict:
         for p in specs
     )
     hf = build("gpt2", "tiny", n_embd=d, n_head=heads, n_layer=layers, vocab_size=vocab,
-               n_positions=L)  # fmt: skip
+               n_positions=L, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
     hf.config.use_cache = False
     hf.train()
     hf.set_attn_implementation("sdpa")
@@ -135,8 +137,8 @@ def _markdown(rows: list[dict], env: dict) -> str:
     lines = [
         "# protect_ on a model of one's own vs a Hugging Face model of the same width",
         "",
-        f"A nanoGPT-style GPT (SDPA on a fused c_attn) and transformers' GPT-2 (SDPA), both "
-        f"hidden {ARGS.width}, {ARGS.heads} heads, {ARGS.layers} layers, vocabulary "
+        f"A nanoGPT-style GPT (SDPA on a fused c_attn) and transformers' GPT-2 (SDPA, its "
+        f"dropouts 0 as the GPT has none), both hidden {ARGS.width}, {ARGS.heads} heads, {ARGS.layers} layers, vocabulary "
         f"{ARGS.vocab}, batch 8 at L = 128 (8 * 128 / L beyond), train mode, AdamW; each "
         f"protected with the default config (the GPT with `example=`: projections found and "
         f"checked). Four models stepped alternately in one process, {ARGS.reps} rounds; "

@@ -128,15 +128,16 @@ def test_all_linear_adds_every_linear_layer_projections_included():
     ("layout", "fault"), [("nanogpt", False), pytest.param("litgpt", True, marks=pytest.mark.slow)]
 )  # each compile is ~30 s on 2 cores; a fault's hook is one more
 def test_compiled_fullgraph_without_recompiles(layout, fault):
-    """fullgraph=True: the mode is traced into the graph; clean steps compile nothing more
-    (an attached fault hook is traced in: one recompilation, as for the families)."""
+    """fullgraph=True, projections and core checked: the mode is traced into the graph; clean
+    steps compile nothing more (an attached fault hook is traced in: one recompilation, as for
+    the families)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     model = build(layout)
-    handle = protect_(model)
+    handle = protect_(model, example=(IDX,))  # projections too
     run = torch.compile(model, fullgraph=True)
     want = _step(build(layout))
     frames = []
@@ -154,10 +155,18 @@ def test_compiled_fullgraph_without_recompiles(layout, fault):
     torch._dynamo.reset()
 
 
-def test_no_false_alarm_over_500_clean_training_steps():
-    """AdamW on a repeating corpus of random tokens, litgpt layout (GQA, RoPE)."""
-    model = build("litgpt")
-    handle = protect_(model)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        m if m in ("litgpt", "torch_encoder") else pytest.param(m, marks=pytest.mark.slow)
+        for m in sorted(MODELS)
+    ],
+)  # ~8 s each: the default run takes GQA + RoPE and nn.MultiheadAttention, the slow set all
+def test_no_false_alarm_over_500_clean_training_steps(layout):
+    """AdamW on a repeating set of random-token batches, every check on (the projections found
+    by a traced forward, the core, forward and backward): no alarm, and the loss falls."""
+    model = build(layout)
+    handle = protect_(model, example=(IDX,))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(2)
     data = torch.randint(0, VOCAB, (8, 4, T), generator=g)
