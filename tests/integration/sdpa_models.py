@@ -145,11 +145,13 @@ class Block(nn.Module):
 class LM(nn.Module):
     """Embeddings, ``layers`` blocks of the given attention, a head."""
 
-    def __init__(self, attention: type[nn.Module], layers: int = 2, **kw) -> None:
+    def __init__(
+        self, attention: type[nn.Module], layers: int = 2, vocab: int = VOCAB, length: int = T, **kw
+    ) -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(T, D)
+        self.wte, self.wpe = nn.Embedding(vocab, D), nn.Embedding(length, D)
         self.h = nn.ModuleList(Block(attention(**kw)) for _ in range(layers))
-        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.lm_head = nn.Linear(D, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
@@ -191,3 +193,8 @@ def build(layout: str, seed: int = 0, **kw) -> nn.Module:
 
 
 MODELS = (*LAYOUTS, "torch_encoder")
+
+
+def nanogpt(vocab_size: int, seq_len: int) -> nn.Module:
+    """A factory as ``attnchecker train / campaign`` take one (``package.module:function``)."""
+    return LM(NanoGPTAttention, vocab=vocab_size, length=seq_len)

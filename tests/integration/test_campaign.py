@@ -103,6 +103,21 @@ def test_cli_campaign_runs_the_new_families(tmp_path):
         assert rows[family]["unprotected"]["outcome"] == "non_trainable"
 
 
+def test_a_campaign_on_a_model_of_ones_own(tmp_path):
+    """A factory (package.module:function) as a campaign's family: its projections found by a
+    traced forward; faults at a projection and in the core kill the unprotected run and are
+    corrected in the protected one."""
+    factory = "tests.integration.sdpa_models:nanogpt"
+    args = ["campaign", "--out", str(tmp_path), "--families", factory, "--sites", "v", "scores",
+            "--kinds", "nan", "--steps", "2"]  # fmt: skip
+    assert cli.main(args) == 0
+    rows = load_trials(tmp_path)
+    assert {r["site"] for r in rows} == {"v", "scores"} and {r["family"] for r in rows} == {factory}
+    for r in rows:
+        assert r["unprotected"]["outcome"] == "non_trainable", r
+        assert r["protected"]["outcome"] == "masked" and r["protected"]["result"] == "corrected", r
+
+
 def test_cli_takes_its_shard_from_torchrun_env(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")

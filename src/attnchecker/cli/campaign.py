@@ -68,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     camp.add_argument(
         "--families", nargs="+", default=list(CampaignConfig.families),
         help=f"model types of the family table (default: ATTNChecker's four); any of "
-        f"{', '.join(FAMILIES)}",
+        f"{', '.join(FAMILIES)}; or your own PyTorch model as package.module:function (called "
+        f"with vocab_size= and seq_len=, as attnchecker train --model takes it)",
     )  # fmt: skip
     camp.add_argument("--sites", nargs="+", default=list(CampaignConfig.sites))
     camp.add_argument(

@@ -48,6 +48,7 @@ class TrialSetup:
     ref_params: dict[str, Tensor]
     ref_seen: dict[str, Tensor]  # clean tensors at the observed places, step 1
     backend: str = "eager"  # the attention backend of every arm (ABFTConfig.backend)
+    example: tuple[Tensor, ...] | None = None  # protect_'s traced forward (a model of one's own)
 
 
 def _train(model: nn.Module, batches: list[dict[str, Tensor]], lr: float, seed: int) -> list[float]:
@@ -146,7 +147,7 @@ def run_arm(
 
     model = copy.deepcopy(setup.model)
     config = ABFTConfig(policy="warn") if protected else ABFTConfig(ops=())
-    handle = protect_(model, config.replace(backend=setup.backend))
+    handle = protect_(model, config.replace(backend=setup.backend), example=setup.example)
     plan = FaultPlan((fault,), seed)
     seen: dict[str, Tensor] = {}
     with Injector(model, plan) as inj:
@@ -208,10 +209,12 @@ def reference(
     backend: str = "eager",
 ) -> TrialSetup:
     """Run the fault-free training once (on ``backend``) and keep what trials compare against."""
+    from attnchecker.models.factory import OwnModel
     from attnchecker.models.protect import protect_, unprotect_
 
+    example = (batches[0]["input_ids"][:1],) if isinstance(model, OwnModel) else None
     probe = copy.deepcopy(model)
-    handle = protect_(probe, ABFTConfig(ops=(), backend=backend))
+    handle = protect_(probe, ABFTConfig(ops=(), backend=backend), example=example)
     seen: dict[str, Tensor] = {}
     detach = _observe(probe, handle, layer, seen)
     losses = _train(probe, batches, lr, seed=0)
@@ -219,4 +222,4 @@ def reference(
         d.remove()
     unprotect_(probe)
     params = {n: p.detach().clone() for n, p in probe.named_parameters()}
-    return TrialSetup(family, model, batches, lr, losses, params, seen, backend)
+    return TrialSetup(family, model, batches, lr, losses, params, seen, backend, example)

@@ -1,8 +1,10 @@
 """The user's own PyTorch model from a Python factory, ``package.module:function``, for the
-training loop (``attnchecker train --model package.module:function``).
+training loop and campaigns (``attnchecker train --model package.module:function``,
+``attnchecker campaign --families package.module:function``).
 
-The factory is called as ``function(vocab_size=..., seq_len=...)`` (the loop's tokenizer and
-block length; the global generator seeded first) and returns a model that maps token ids
+The module is imported from the path, else from the working directory. The factory is called
+as ``function(vocab_size=..., seq_len=...)`` (the loop's tokenizer and block length; the
+global generator seeded first) and returns a model that maps token ids
 (B, T) to logits (B, T, V) (or an output with ``.logits``), or ``(model, loss)`` with
 ``loss(logits, labels)`` its own loss (default: next-token cross-entropy). :class:`OwnModel`
 wraps it so the loop calls it as a transformers model: ``(input_ids, attention_mask, labels)``
@@ -12,6 +14,8 @@ to an output with ``.loss``.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -56,12 +60,25 @@ class OwnModel(nn.Module):
         return Output(loss, logits)
 
 
+def _import(module: str):
+    """``module``, imported from the path or, as uvicorn's ``module:app``, from the working
+    directory (a console script does not put it on the path)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError:
+        cwd = os.getcwd()
+        if cwd in sys.path:
+            raise
+        sys.path.insert(0, cwd)
+        return importlib.import_module(module)
+
+
 def load_factory(spec: str, *, vocab_size: int, seq_len: int, seed: int) -> OwnModel:
     """The model that ``spec``'s factory builds, wrapped; raises
     :class:`~attnchecker.errors.ConfigError` naming what is wrong with it."""
     module, _, name = spec.partition(":")
     try:
-        factory = getattr(importlib.import_module(module), name)
+        factory = getattr(_import(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"cannot load the model factory {spec!r}: {e}") from None
     torch.manual_seed(seed)
