@@ -104,6 +104,22 @@ class TimmAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, N, C))
 
 
+class NeoXAttention(nn.Module):
+    """GPT-NeoX's layout in a model of one's own: one fused query_key_value whose outputs are
+    interleaved per head, [q_h | k_h | v_h], RoPE on Q and K."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query_key_value, self.dense = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T_, _ = x.shape
+        qkv = self.query_key_value(x).view(B, T_, HEADS, 3 * (D // HEADS)).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        y = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
+        return self.dense(y.transpose(1, 2).reshape(B, T_, D))
+
+
 class XTransformersAttention(nn.Module):
     """x-transformers (attn_flash=True): to_q / to_k / to_v, SDPA inside a separate Attend
     module with a boolean key padding mask (True attends) broadcast over heads and queries."""
@@ -180,6 +196,7 @@ LAYOUTS = {
     "torchtitan": TitanAttention,
     "timm": TimmAttention,
     "x_transformers": XTransformersAttention,
+    "neox": NeoXAttention,
 }
 """Each layout's attention module, by the library it imitates."""
 

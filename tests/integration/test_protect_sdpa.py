@@ -1,7 +1,8 @@
 """protect_ on PyTorch models outside transformers that call F.scaled_dot_product_attention
 (attnchecker.models.sdpa): five layouts (nanoGPT, litgpt with GQA and RoPE, torchtitan with
 a scale and K/V repeated by hand, timm's reshape(..., 3, H, hd), x-transformers' separate
-Attend module with a boolean padding mask) and PyTorch's nn.TransformerEncoder
+Attend module with a boolean padding mask, GPT-NeoX's Q|K|V interleaved per head) and
+PyTorch's nn.TransformerEncoder
 (nn.MultiheadAttention, routed at F.multi_head_attention_forward). For each: the clean step
 is the model's own within fp32 rounding (the checked core is eager math, SDPA's CPU kernel
 sums in another order), a fault in every GEMM of the attention core, forward and backward, is
@@ -74,6 +75,7 @@ PROJECTIONS = {  # what the traced forward finds: each layer and the sites its o
     "torchtitan": {"wq": ("q",), "wk": ("k",), "wv": ("v",), "wo": ("out",)},
     "timm": {"qkv": ("q", "k", "v"), "proj": ("out",)},
     "x_transformers": {"to_q": ("q",), "to_k": ("k",), "to_v": ("v",), "to_out": ("out",)},
+    "neox": {"query_key_value": ("q", "k", "v"), "dense": ("out",)},
 }
 
 
@@ -246,3 +248,64 @@ def test_flex_attention_is_refused_by_name():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), _FlexAttention())
     with pytest.raises(UnsupportedModelError, match=r"1 \(flex_attention\)"):
         protect_(model)
+
+
+@pytest.mark.parametrize(
+    ("layout", "sites"),
+    [
+        ("nanogpt", ("s", "dq")),  # strided slices of a fused Q|K|V (the dQ overrun it found)
+        *(
+            pytest.param(m, ("s", "pv", "st", "dq"), marks=pytest.mark.slow)
+            for m in ("nanogpt", "litgpt", "x_transformers", "timm", "torchtitan")
+        ),
+    ],
+)  # fmt: skip  ~3 s a step in the interpreter
+def test_the_fused_kernels_run_the_sdpa_calls_and_correct_their_faults(layout, sites):
+    """backend="triton" (the interpreter on a CPU): each SDPA call runs the checked flash
+    kernels (causal, GQA, a key padding mask), the step equals the model's own, and a NaN in
+    a GEMM of each kernel (S, P V, the backward's S^T, dQ) is corrected: the step is bitwise
+    the clean fused step."""
+    from attnchecker.kernels import available
+    from attnchecker.kernels.flash import KernelFault
+
+    if not available():
+        pytest.skip("needs triton (CUDA or the interpreter)")
+    want = _step(build(layout))
+    model = build(layout)
+    handle = protect_(model, ABFTConfig(backend="triton"), example=(IDX,))
+    clean = _step(model)
+    _close(clean, want)
+    state = handle.state(handle.modules[0])
+    assert state.coverage.engine == "triton" and not state.coverage.fallbacks
+    assert handle.drain() == []
+    for site in sites:
+        state.kernel_fault = KernelFault(site, 0, 1, 5, 3, math.nan)
+        got = _step(model)
+        state.kernel_fault = None
+        assert torch.equal(got[0], clean[0]) and all(
+            torch.equal(a, b) for a, b in zip(got[1], clean[1], strict=True)
+        ), site
+        assert [(e.op, e.action) for e in handle.drain()] == [(site, "corrected")], site
+
+
+def test_an_sdpa_mask_the_kernels_do_not_take_runs_the_eager_core_and_says_so():
+    """A float attn_mask (an ALiBi-like bias): the call runs the checked eager core, and the
+    module's summary names why."""
+    from attnchecker.kernels import available
+
+    if not available():
+        pytest.skip("needs triton (CUDA or the interpreter)")
+
+    class Biased(torch.nn.Module):
+        def forward(self, q, k, v):
+            bias = -torch.arange(q.shape[-2], dtype=q.dtype).abs()[None, None, None, :]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    model = Biased()
+    q, k, v = (
+        torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
+    want = model(q, k, v)
+    handle = protect_(model, ABFTConfig(backend="triton"))
+    torch.testing.assert_close(model(q, k, v), want, **TOL)
+    assert "an additive float attn_mask" in " ".join(handle.state("").coverage.fallbacks)

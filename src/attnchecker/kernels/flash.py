@@ -319,9 +319,9 @@ def flash_backward(
     prod = grad.float() * out.float()
     delta = prod.sum(-1).contiguous()  # (B, H, L): sum_j P dP of each row
     delta_abs = prod.abs_().sum(-1).contiguous()
-    dq = torch.empty_like(q)
-    dk = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device)
-    dv = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    # the kernels write each gradient with its input's strides (q's, k's, v's)
+    dq, dk, dv = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                  for t in (q, k, v))  # fmt: skip
     mask, code, flags = _launch(q, k, v, key_mask, fault, causal, window)
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad.stride(), mask.stride(0))
     qk_scale, group, tol = scale * LOG2E, H // Hkv, tolerance_scale
@@ -342,4 +342,13 @@ def flash_backward(
         H, L, Lk, d, group, qk_scale, scale, window, tau_acc, tau_p, tau_logit, tau_out,
         **flags, **go,
     )  # fmt: skip
-    return dq, dk, dv
+    return _dense(dq), _dense(dk), _dense(dv)
+
+
+def _dense(grad: Tensor) -> Tensor:
+    """``grad`` in the layout ``empty_like`` gives its input (the custom op's fake says so):
+    itself where the input was dense (a permutation of a contiguous tensor), else a copy. An
+    input with gaps, a slice of a fused Q|K|V projection (GPT-2, nanoGPT), gets contiguous
+    gradients: writing them with its strides into ``empty_like``'s buffer overran it."""
+    like = torch.empty_like(grad)
+    return grad if like.stride() == grad.stride() else like.copy_(grad)

@@ -54,6 +54,9 @@ class Wiring:
     # (method, factory): the core's method replaced on the instance by factory(core), for a
     # family that does not dispatch through AttentionInterface (GPT-Neo's _attn)
     patch: tuple[str, Callable[[Any], Callable[..., Any]]] | None = None
+    # the core is reached at F.scaled_dot_product_attention calls (models.sdpa: a patch of the
+    # caller's forward), where the fused kernels can run it as through the interface
+    sdpa: bool = False
 
 
 _COMMON_KEYS = (

@@ -68,7 +68,7 @@ def protect_(
     device = _device(model)
     engine, note = choose_engine(  # backend="triton" without attention is refused by name
         config, device, family=type(model).__name__ if found is None else found.model_type,
-        interface=found is not None and not found.wiring.patch,
+        interface=found is not None and (not found.wiring.patch or found.wiring.sdpa),
     )  # fmt: skip
     clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
     schedule = Schedule.of(config)

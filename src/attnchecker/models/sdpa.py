@@ -42,6 +42,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from attnchecker.attention.core import CORE, CoreSpec, attend
+from attnchecker.attention.fused import attend_fused
 from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.sdpa_trace import Found, trace
 
@@ -97,12 +98,35 @@ def checked_sdpa(
             f"(enable_gqa={enable_gqa}); SDPA would refuse it"
         )
     L, Lk = query.shape[-2], key.shape[-2]
-    mask = _additive(attn_mask, is_causal, L, Lk, query.dtype, query.device)
     scaling = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     spec, state = getattr(module, CORE)
+    if state is not None and state.coverage.engine == "triton":
+        key_mask, why = _key_padding(attn_mask, query.shape[0], Lk)
+        if is_causal and query.shape[-2] != Lk:
+            why = "is_causal with fewer queries than keys (SDPA aligns it top-left)"
+        if why is None:
+            out, _ = attend_fused(spec, state, query, key, value, key_mask, scaling=scaling,
+                                  dropout=dropout_p, training=dropout_p > 0, causal=is_causal,
+                                  window=0)  # fmt: skip
+            return out
+        if not torch.compiler.is_compiling():  # summary() names it
+            state.coverage.fallbacks.add(why)
+    mask = _additive(attn_mask, is_causal, L, Lk, query.dtype, query.device)
     out, _ = attend(spec, query, key, value, mask, scaling=scaling, dropout=dropout_p,
                     training=dropout_p > 0, state=state)  # fmt: skip
     return out
+
+
+def _key_padding(attn_mask: Tensor | None, B: int, Lk: int) -> tuple[Tensor | None, str | None]:
+    """SDPA's mask as the fused kernels take it, a (B, Lk) boolean key mask (True attends),
+    or why it is not one (then the checked eager core runs the call)."""
+    if attn_mask is None:
+        return None, None
+    if attn_mask.dtype != torch.bool:
+        return None, "an additive float attn_mask (the kernels take a boolean key mask)"
+    if attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[2] != 1:
+        return None, "an attn_mask per query (the kernels take a mask per key)"
+    return attn_mask.reshape(attn_mask.shape[0], Lk).expand(B, Lk), None
 
 
 def checked_mha(
@@ -322,5 +346,5 @@ def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str):
     for i, n in enumerate(found.sdpa):
         m, projections = modules[n], found.projections.get(n, ())
         blocks.append(AttentionBlock(n, layer_of(n, m, i), m, projections, SPEC, passing=False))
-    wiring = Wiring(projections=(), spec=SPEC, patch=("forward", wrap_forward))
+    wiring = Wiring(projections=(), spec=SPEC, patch=("forward", wrap_forward), sdpa=True)
     return Discovery(type(model).__name__, blocks, wiring, generic=True)

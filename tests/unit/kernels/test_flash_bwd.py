@@ -130,3 +130,25 @@ def test_the_probability_invariant_allows_logits_rounded_otherwise_by_the_forwar
     flash_backward(q, k, v, out, lse64.float().contiguous(), torch.randn_like(out),
                    causal=True, counts=counts)  # fmt: skip
     assert counts.sum() == 0, dict(zip(CHECKS, counts.tolist(), strict=True))
+
+
+def test_slices_of_a_fused_projection_get_their_gradients_in_bounds():
+    """q, k, v as GPT-2 and nanoGPT make them: slices of one fused Q|K|V output, viewed per
+    head (strides with gaps). The dQ kernel writes with q's strides; its buffer was empty_like(q)
+    (contiguous), which it overran (wrong gradients, or a crash freeing the heap). Now the
+    fused output's gradient equals SDPA's."""
+    B, H, L, d = 2, 2, 40, 16
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(B, L, 3 * H * d, generator=g).to(DEVICE)
+    grad = torch.randn(B, H, L, d, generator=g).to(DEVICE)
+
+    def fused_grad(attention) -> torch.Tensor:
+        fused = base.clone().requires_grad_()
+        q, k, v = (t.view(B, L, H, d).transpose(1, 2) for t in fused.split(H * d, dim=-1))
+        assert q.stride(2) == 3 * H * d  # gaps between rows: not dense
+        attention(q, k, v).backward(grad)
+        return fused.grad
+
+    got = fused_grad(lambda q, k, v: flash_attention(q, k, v, causal=True))
+    want = fused_grad(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
