@@ -297,3 +297,54 @@ def test_triton_gemm_check_kernels_match_the_eager_check_on_cuda(dtype):
             assert res[0] == (0 if bad is None else 1), (tx, ty, bad, res)
             assert torch.isfinite(out).all()
             assert torch.allclose(out.float(), want_out.float(), rtol=1e-2, atol=1e-2)
+
+
+# ------------------------------------------------------------------ models of one's own (SDPA)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("layout", ["nanogpt", "litgpt"])
+def test_a_model_of_ones_own_is_protected_on_cuda(layout, backend):
+    """A nanoGPT / litgpt look-alike (tests/integration/sdpa_models.py) on the GPU, protected at
+    its F.scaled_dot_product_attention calls with its projections found: a clean step equals
+    its own (SDPA's CUDA kernels sum in another order: fp32 tolerance), and a NaN in the scores
+    (eager) or in the fused kernels' S tile (triton) is corrected, with no host sync added."""
+    import math
+
+    import torch.nn.functional as F
+
+    from attnchecker.kernels.flash import KernelFault
+
+    from .sdpa_models import VOCAB, T
+    from .sdpa_models import build as build_own
+
+    idx = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def step(model):
+        model.zero_grad()
+        logits = model(idx)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want = step(build_own(layout).cuda())
+    model = build_own(layout).cuda()
+    handle = protect_(model, ABFTConfig(backend=backend), example=(idx,))
+    got = step(model)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert max(float((a - b).abs().max()) for a, b in zip(got[1], want[1], strict=True)) <= 1e-4
+    assert handle.drain() == []
+    block = handle.modules[0]
+    if backend == "triton":
+        handle.state(block).kernel_fault = KernelFault("s", 0, 1, 5, 3, math.nan)
+        step(model)
+        handle.state(block).kernel_fault = None
+        site = "s"
+    else:
+        detach = handle.attach(
+            lambda c: c.tensor[0, 1, 2, 3].fill_(math.nan), sites=("scores",), modules=(block,)
+        )
+        step(model)
+        detach.remove()
+        site = "scores"
+    assert [(e.op, e.action) for e in handle.drain()] == [(site, "corrected")]
