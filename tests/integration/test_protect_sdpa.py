@@ -309,3 +309,22 @@ def test_an_sdpa_mask_the_kernels_do_not_take_runs_the_eager_core_and_says_so():
     handle = protect_(model, ABFTConfig(backend="triton"))
     torch.testing.assert_close(model(q, k, v), want, **TOL)
     assert "an additive float attn_mask" in " ".join(handle.state("").coverage.fallbacks)
+
+
+def test_strict_false_protects_the_sdpa_calls_and_names_the_rest():
+    """One block with SDPA, one with attention by hand: refused by default; with strict=False
+    the SDPA block is protected (a fault corrected) and the other is named in a warning and in
+    summary()["attention"]."""
+    torch.manual_seed(0)
+    model = build("timm")
+    model.h[1].attn.fused = False  # attention by hand in block 1
+    with pytest.raises(UnsupportedModelError, match=r"h\.1\.attn.*strict=False"):
+        protect_(model, example=(IDX,))
+    with pytest.warns(RuntimeWarning, match=r"by hand .* h\.1\.attn;.*NOT checked"):
+        handle = protect_(model, ABFTConfig(strict=False), example=(IDX,))
+    assert handle.modules == ["h.0.attn"]
+    assert "h.1.attn" in handle.summary()["attention"]
+    detach = handle.attach(_inf, sites=("scores",), modules=("h.0.attn",))
+    _step(model)
+    detach.remove()
+    assert [(e.op, e.action) for e in handle.drain()] == [("scores", "corrected")]

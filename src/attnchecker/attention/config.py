@@ -69,6 +69,10 @@ class ABFTConfig:
       unless the environment
       variable ``ATTNCHECKER_CHECK_IMPL`` says otherwise (:mod:`attnchecker.abft.regions`).
       Same checks, same results; inside a model the user compiles they are traced inline.
+    - ``strict``: a model of one's own with attention protect_ cannot route (written by hand,
+      ``flex_attention``, ...; :mod:`attnchecker.models.sdpa`) is refused (True), or protected
+      at the SDPA calls it has, with a warning and ``summary()["attention"]`` naming the rest
+      (False).
     """
 
     ops: tuple[str, ...] = ALL_OPS
@@ -82,6 +86,7 @@ class ABFTConfig:
     backend: str = "eager"
     check_impl: str = "auto"
     schedule: tuple[tuple[int, str, int], ...] | None = None
+    strict: bool = True
 
     @property
     def period(self) -> int:

@@ -54,11 +54,11 @@ def protect_(
             "the model is already protected; call attnchecker.unprotect_(model) first"
         )
     try:
-        found, unprotected = _discover(model, example), None
+        (found, left), unprotected = _discover(model, example, config.strict), None
     except UnsupportedModelError as e:
         if config.scope != "all_linear":
             raise
-        found, unprotected = None, str(e)  # its linear layers alone are checked
+        (found, left), unprotected = (None, None), str(e)  # its linear layers alone checked
         if config.layers is not None or config.schedule is not None:
             raise ConfigError(
                 f"layers and a schedule select attention layers, and protect_ finds none in "
@@ -100,6 +100,8 @@ def protect_(
             RuntimeWarning,
             stacklevel=2,
         )
+    if left is not None:
+        warnings.warn(f"attnchecker: {left}", RuntimeWarning, stacklevel=2)
     if unpatched:
         warnings.warn(
             f"attnchecker: {len(unpatched)} linear layer(s) have a forward of their own (a "
@@ -109,20 +111,25 @@ def protect_(
             RuntimeWarning,
             stacklevel=2,
         )
-    handle = ProtectionHandle(config, states, clock, schedule, undo=undo, unprotected=unprotected)
+    handle = ProtectionHandle(
+        config, states, clock, schedule, undo=undo, unprotected=unprotected or left
+    )
     setattr(model, _HANDLE, handle)
     undo.append(lambda: delattr(model, _HANDLE))
     return handle
 
 
-def _discover(model: nn.Module, example: tuple | dict | None) -> Discovery:
-    """The family table's discovery, else (not a transformers model) the SDPA calls'."""
+def _discover(
+    model: nn.Module, example: tuple | dict | None, strict: bool
+) -> tuple[Discovery, str | None]:
+    """The family table's discovery, else (not a transformers model) the SDPA calls', and the
+    attention it leaves unchecked (``strict=False``), named."""
     try:
-        return discover(model)
+        return discover(model), None
     except UnsupportedModelError as e:
         if isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
             raise  # a transformers model the table refuses: its reason stands
-        return discover_sdpa(model, example, str(e))
+        return discover_sdpa(model, example, str(e), strict=strict)
 
 
 def _chosen(blocks: list[AttentionBlock], config: ABFTConfig) -> list[AttentionBlock]:

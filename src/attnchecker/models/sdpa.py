@@ -318,25 +318,33 @@ def _by_source(model: nn.Module) -> Found:
     return Found(tuple(inner), ())
 
 
-def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str):
+def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str, *, strict: bool = True):
     """The :class:`~attnchecker.models.registry.Discovery` of a model outside the family table
-    (``why``: what the table said) whose attention is SDPA; raises
-    :class:`~attnchecker.errors.UnsupportedModelError` naming hand-written attention, or when
-    there is no SDPA call at all."""
+    (``why``: what the table said) whose attention is SDPA, and what it leaves unchecked (None,
+    or with ``strict=False`` the attention it cannot route, named); raises
+    :class:`~attnchecker.errors.UnsupportedModelError` naming attention it cannot route
+    (``strict``), or when there is no SDPA call at all."""
     from attnchecker.models.families import Wiring
     from attnchecker.models.registry import AttentionBlock, Discovery, layer_of
 
-    if names := unrouted(model):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} calls attention that is not scaled_dot_product_attention "
-            f"in {', '.join(names)}; protect_ cannot route it to the checked core and refuses"
-        )
     found = sdpa_modules(model, example)
+    refused = []
+    if names := unrouted(model):
+        refused.append(
+            f"{type(model).__name__} calls attention that is not scaled_dot_product_attention "
+            f"in {', '.join(names)}; protect_ cannot route it to the checked core"
+        )
     if found.handwritten:
-        raise UnsupportedModelError(
+        refused.append(
             f"{type(model).__name__} computes attention by hand (a product, a softmax and a "
             f"product, no scaled_dot_product_attention) in {', '.join(found.handwritten)}; "
-            f"protect_ checks SDPA calls only and refuses rather than leave it unchecked"
+            f"protect_ checks SDPA calls only"
+        )
+    if refused and (strict or not found.sdpa):
+        raise UnsupportedModelError(
+            "; ".join(refused)
+            + " and refuses rather than leave it unchecked"
+            + (" (ABFTConfig(strict=False) protects the rest)" if found.sdpa else "")
         )
     if not found.sdpa:
         how = "in a forward on the example" if example is not None else "in any module's source"
@@ -347,4 +355,5 @@ def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str):
         m, projections = modules[n], found.projections.get(n, ())
         blocks.append(AttentionBlock(n, layer_of(n, m, i), m, projections, SPEC, passing=False))
     wiring = Wiring(projections=(), spec=SPEC, patch=("forward", wrap_forward), sdpa=True)
-    return Discovery(type(model).__name__, blocks, wiring, generic=True)
+    left = "; ".join(refused) + " (strict=False: NOT checked)" if refused else None
+    return Discovery(type(model).__name__, blocks, wiring, generic=True), left
