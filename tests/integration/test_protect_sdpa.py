@@ -160,11 +160,8 @@ def test_compiled_fullgraph_without_recompiles(layout, projections):
 
 @pytest.mark.parametrize(
     "layout",
-    [
-        m if m in ("litgpt", "torch_encoder") else pytest.param(m, marks=pytest.mark.slow)
-        for m in sorted(MODELS)
-    ],
-)  # ~8 s each: the default run takes GQA + RoPE and nn.MultiheadAttention, the slow set all
+    [m if m == "litgpt" else pytest.param(m, marks=pytest.mark.slow) for m in sorted(MODELS)],
+)  # ~8 s each: the default run takes GQA + RoPE, the slow set every layout
 def test_no_false_alarm_over_500_clean_training_steps(layout):
     """AdamW on a repeating set of random-token batches, every check on (the projections found
     by a traced forward, the core, forward and backward): no alarm, and the loss falls."""
