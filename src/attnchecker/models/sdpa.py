@@ -205,7 +205,9 @@ def checked_mha(
 
 
 def _masked_out(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """nn.MultiheadAttention's mask (a boolean True masks out, or additive) as additive."""
+    """A mask as the eager core adds it: a boolean True masks out (``finfo.min``: a row with no
+    key gives uniform probabilities where SDPA gives NaN, as transformers' eager attention);
+    an additive mask as it is."""
     if mask is None or mask.dtype != torch.bool:
         return None if mask is None else mask.to(dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
@@ -213,18 +215,26 @@ def _masked_out(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     )
 
 
+_CAUSAL: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
+
+
 def _additive(
     attn_mask: Tensor | None, causal: bool, L: int, Lk: int, dtype: torch.dtype, device
 ) -> Tensor | None:
-    """SDPA's mask as the additive mask the eager core takes (a boolean False, or a position
-    past the causal diagonal, is ``finfo.min``: a row with no key gives uniform probabilities
-    where SDPA gives NaN, as transformers' eager attention)."""
-    if causal:
-        attn_mask = torch.ones(L, Lk, dtype=torch.bool, device=device).tril()
-    if attn_mask is None or attn_mask.dtype != torch.bool:
-        return attn_mask
-    low = torch.finfo(dtype).min
-    return torch.zeros(attn_mask.shape, dtype=dtype, device=device).masked_fill_(~attn_mask, low)
+    """SDPA's mask (a boolean True attends; ``is_causal`` top-left aligned) as the additive mask
+    the eager core takes; the causal one made once per shape (a graph constant under
+    torch.compile), not two L x L tensors per call."""
+    if not causal:
+        if attn_mask is None or attn_mask.dtype != torch.bool:
+            return attn_mask
+        return _masked_out(~attn_mask, dtype)
+    key = (L, Lk, dtype, torch.device(device))
+    if key in _CAUSAL:
+        return _CAUSAL[key]
+    mask = _masked_out(~torch.ones(L, Lk, dtype=torch.bool, device=device).tril(), dtype)
+    if not torch.compiler.is_compiling():
+        _CAUSAL[key] = mask
+    return mask
 
 
 _ROUTES = {_SDPA: checked_sdpa, F.multi_head_attention_forward: checked_mha}

@@ -129,35 +129,36 @@ def _linear_at(fn, weights: dict[int, str]) -> str | None:
     return None
 
 
-def _feeding(t: Tensor, weights: dict[int, str]) -> set[str]:
-    """The linear layers nearest upstream of ``t`` on each path of its autograd graph."""
-    found: set[str] = set()
-    todo, seen = [t.grad_fn], set()
-    while todo and len(seen) < _WALK:
-        fn = todo.pop(0)
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        hit = _linear_at(fn, weights)
-        if hit is not None:
-            found.add(hit)
-            continue
-        todo += [c for c, _ in fn.next_functions]
-    return found
-
-
-def _reaches(t: Tensor, target, limit: int = 60) -> bool:
-    """Whether autograd node ``target`` is upstream of ``t`` within ``limit`` nodes."""
+def _upstream(t: Tensor, limit: int, stop: Callable[[object], bool] = lambda fn: False):
+    """The autograd nodes upstream of ``t``, breadth first, at most ``limit``; the nodes above
+    one that ``stop`` accepts are not walked."""
     todo, seen = [t.grad_fn], set()
     while todo and len(seen) < limit:
         fn = todo.pop(0)
         if fn is None or fn in seen:
             continue
-        if fn is target:
-            return True
         seen.add(fn)
-        todo += [c for c, _ in fn.next_functions]
-    return False
+        yield fn
+        if not stop(fn):
+            todo += [c for c, _ in fn.next_functions]
+
+
+def _feeding(t: Tensor, weights: dict[int, str]) -> set[str]:
+    """The linear layers nearest upstream of ``t`` on each path of its autograd graph."""
+    hits: dict[object, str | None] = {}
+
+    def stop(fn) -> bool:  # at a linear layer: this path ends there
+        hits[fn] = _linear_at(fn, weights)
+        return hits[fn] is not None
+
+    for _ in _upstream(t, _WALK, stop):
+        pass
+    return {h for h in hits.values() if h is not None}
+
+
+def _reaches(t: Tensor, target, limit: int = 60) -> bool:
+    """Whether autograd node ``target`` is upstream of ``t`` within ``limit`` nodes."""
+    return any(fn is target for fn in _upstream(t, limit))
 
 
 def _projections(
