@@ -337,8 +337,9 @@ def flash_backward(
     tau_p = tol * (TAU_P_LOGITS + kernel_factor(q.dtype, inner=Lk, length=Lk, tf32=_tf32(q)))
     tau_logit = tol * 2 * math.log(2) * qk_scale * _tau(q, inner=d, length=0, scale=1.0)
     tau_out = tol * 2 * torch.finfo(out.dtype).eps
+    q_norm, k_norm = (t.float().norm(dim=-1).contiguous() for t in (q, k))  # (B, H|Hkv, L)
     bwd._bwd_dq[(triton.cdiv(L, go["BLOCK_M"]), B * H)](
-        q, k, v, grad, lse, delta, delta_abs, dq, mask, counts, code, *strides,
+        q, k, v, grad, lse, delta, delta_abs, q_norm, k_norm, dq, mask, counts, code, *strides,
         H, L, Lk, d, group, qk_scale, scale, window, tau_acc, tau_p, tau_logit, tau_out,
         **flags, **go,
     )  # fmt: skip

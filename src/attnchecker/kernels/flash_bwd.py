@@ -166,7 +166,7 @@ def _bwd_dkdv(
 
 @triton.jit
 def _bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DELTA_ABS, DQ, KMASK, COUNTS, FAULT,
+    Q, K, V, DO, LSE, DELTA, DELTA_ABS, Q_NORM, K_NORM, DQ, KMASK, COUNTS, FAULT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdb, sdh, sdm, sdd, smb,
     H, L, LK, D, GROUP, qk_scale, scale, window, tau_acc, tau_p, tau_logit, tau_out,
@@ -193,8 +193,9 @@ def _bwd_dq(
 
     fault = load_fault(FAULT, INJECT)
     CHECK_ANY: tl.constexpr = CHECK_P or CHECK_DS or CHECK_DQ
-    q32 = q.to(tl.float32)
-    q_norm = tl.sqrt(tl.sum(q32 * q32, 1))  # (BLOCK_M,): |q_i|, for the logits' rounding
+    # |q_i| and |k_j|, for the logits' rounding: read, not kept as fp32 tiles (registers)
+    q_norm = tl.load(Q_NORM + at_rows, mask=row_ok, other=0.0)
+    k_norm_at = K_NORM + (b * (H // GROUP) + hk) * LK
     # read after the loop, so defined before it (Triton); each attempt restarts it
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     first = tl.full([], 0, tl.int32)  # the checks that failed at attempt 0 (bits)
@@ -231,8 +232,7 @@ def _bwd_dq(
                 ds_sum += tl.sum(ds, 1)
                 ds_mag += tl.sum(tl.abs(p * dp), 1)
                 n_valid += tl.sum(ok.to(tl.float32), 1)
-                k32 = k.to(tl.float32)
-                k_norm = tl.sqrt(tl.sum(k32 * k32, 1))  # (BLOCK_N,)
+                k_norm = tl.load(k_norm_at + offs_n, mask=offs_n < LK, other=0.0)  # (BLOCK_N,)
                 # P capped at 1 (a correct P is): a faulty huge P cannot widen its own bound
                 k_reach += tl.sum(tl.minimum(p, 1.0) * k_norm[None, :], 1)
                 ds32 = ds_lo.to(tl.float32)
