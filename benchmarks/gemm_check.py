@@ -46,6 +46,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled arm")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (adds the Triton kernels' arm)")
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="also each arm under torch.profiler: kernels per call, their device time per call "
+        "(against the wall time: launch-bound where it is far below) and the top kernels",
+    )  # fmt: skip
     args = parse(ap, quick={"reps": 3, "tokens": 128, "dtypes": ["fp32"]})
     K, N = (768, 2304) if not args.quick else (96, 288)
     rows = []
@@ -69,6 +74,11 @@ def main() -> None:
                 arms["triton"] = lambda c=check: c(impl="triton")
             times = alternate(arms, args.reps)
             row |= {f"{k}_ms": median_ms(v) for k, v in times.items()}
+            if args.profile:
+                try:
+                    row["profile"] = {k: _profile(f, args.device) for k, f in arms.items()}
+                except Exception as e:  # the profiler's event API differs between versions
+                    print(f"profile failed: {type(e).__name__}: {e}")
             rows.append(row)
             print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
     lines = [
@@ -94,7 +104,41 @@ def main() -> None:
             f"{share(r, 'compiled')} | {share(r, 'triton')} | {r['ops']} | "
             f"{r.get('kernels', '-')} |"
         )
+    for r in rows:
+        for arm, p in r.get("profile", {}).items():
+            top = ", ".join(f"{name[:60]} {ms:.3f}" for name, ms in p["top"])
+            lines.append(
+                f"\n- profile {r['case']} {r['dtype']} {arm}: {p['kernels']:.0f} kernels, "
+                f"{p['device_ms']:.3f} ms on the device per call (wall {r[f'{arm}_ms']:.3f} ms); "
+                f"top: {top}"
+            )
     write("gemm_check", {"env": environment(), "rows": rows}, "\n".join(lines) + "\n")
+
+
+def _profile(fn, device: str, calls: int = 10) -> dict[str, object]:
+    """Kernels (device ops) per call of ``fn``, their time per call in ms, the top five."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    fn()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:  # device-side events: the kernels themselves
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        per = {}
+        for e in kernels:
+            per[e.name] = per.get(e.name, 0.0) + e.device_time_total / 1e3 / calls
+    else:  # aten ops' own CPU time
+        kernels = [e for e in prof.events() if e.name.startswith("aten::")]
+        per = {}
+        for e in kernels:
+            per[e.name] = per.get(e.name, 0.0) + e.self_cpu_time_total / 1e3 / calls
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:5]
+    return {"kernels": len(kernels) / calls, "device_ms": sum(per.values()), "top": top}
 
 
 if __name__ == "__main__":

@@ -5,27 +5,31 @@
 #   bash scripts/gpu_check.sh            # from the repo root (it cds there itself)
 #
 # Stages, each under `timeout` inside an overall budget (GPU_CHECK_BUDGET seconds, 480 by
-# default); every stage runs even when an earlier one fails, and the exit status is 0 only
-# when all succeeded:
-# 1. tests: the `gpu` tests (tests/integration/test_gpu.py) and the fused kernels' tests
-#    (tests/unit/kernels, compiled for the GPU, no interpreter) with the system python, failing
-#    when any of them is skipped (they must really run on the GPU);
-# 2. alarms: benchmarks/kernel_false_alarms.py, clean forward + backward of the kernels over
-#    bf16 (the native path the interpreter never runs), fp16, fp32 with TF32 off and on: every
-#    check's alarms must be 0 (the calibration of the derived tolerances);
-# 3. kernels: benchmarks/flash_kernels.py, checked vs unchecked kernels vs SDPA;
-# 4. benchmark: benchmarks/protect_vs_sdpa.py on CUDA, eager, with the fused kernels' arm;
-# 5. gemm: benchmarks/gemm_check.py, one checked GEMM eager, compiled and as Triton kernels;
-# 6. compiled: protect_vs_sdpa.py under torch.compile (llama, L 1024).
+# default), run in the order GPU_CHECK_STAGES gives (default: all, most telling first); every
+# stage runs even when an earlier one fails, and the exit status is 0 only when all succeeded:
+# - tests: the `gpu` tests (tests/integration/test_gpu.py) and the fused kernels' tests
+#   (tests/unit/kernels, compiled for the GPU, no interpreter) with the system python, failing
+#   when any of them is skipped (they must really run on the GPU);
+# - tune: benchmarks/tune_launch.py, the kernels' launch settings timed over a grid;
+# - benchmark: benchmarks/protect_vs_sdpa.py on CUDA, eager model, checks as eager ops, with the
+#   fused kernels' arm;
+# - gemm: benchmarks/gemm_check.py, one checked GEMM eager, compiled and as Triton kernels,
+#   profiled;
+# - auto: protect_vs_sdpa.py with the default check_impl (compiled check regions);
+# - alarms: benchmarks/kernel_false_alarms.py, clean forward + backward of the kernels over
+#   bf16, fp16, fp32 with TF32 off and on: every check's alarms must be 0;
+# - kernels: benchmarks/flash_kernels.py, checked vs unchecked kernels vs SDPA;
+# - compiled: protect_vs_sdpa.py under torch.compile (llama, L 1024).
 # (tests/unit/kernels/test_compile.py is a CPU-side check of the compiled code and is not run.)
 #
 # Wheels in .whl/ (a newer transformers than the machine's, say) are installed first into a
 # temporary folder put on PYTHONPATH. When $OUT is set (the device runner's output folder), the
 # results written under benchmarks/results/ and every stage's log go into $OUT/gpu_check.tgz.
 #
-# Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (480), GPU_CHECK_WORKERS (16),
-# GPU_CHECK_ALARM_ARMS (all four),
-# GPU_CHECK_{TEST,ALARM,KERNEL,BENCH,GEMM,COMPILED}_TIMEOUT (150, 100, 75, 90, 40, 60), OUT.
+# Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (480), GPU_CHECK_STAGES,
+# GPU_CHECK_WORKERS (16), GPU_CHECK_ALARM_ARMS (all four),
+# GPU_CHECK_{TEST,TUNE,BENCH,GEMM,AUTO,ALARM,KERNEL,COMPILED}_TIMEOUT
+# (150, 150, 70, 40, 100, 100, 75, 60), OUT.
 # Measured on an H200 (2026-12-04): tests 111 s with 16 workers, the alarm sweep ~90 s, the
 # kernels' benchmark ~60 s; the protect_vs_sdpa rows build 4 base-width models each.
 set -euo pipefail
@@ -41,9 +45,11 @@ fi
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-150}
 ALARM_TIMEOUT=${GPU_CHECK_ALARM_TIMEOUT:-100}
 KERNEL_TIMEOUT=${GPU_CHECK_KERNEL_TIMEOUT:-75}
-BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-90}
+BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-70}
 GEMM_TIMEOUT=${GPU_CHECK_GEMM_TIMEOUT:-40}
 COMPILED_TIMEOUT=${GPU_CHECK_COMPILED_TIMEOUT:-60}
+TUNE_TIMEOUT=${GPU_CHECK_TUNE_TIMEOUT:-150}
+AUTO_TIMEOUT=${GPU_CHECK_AUTO_TIMEOUT:-100}
 BUDGET=${GPU_CHECK_BUDGET:-480}
 OUT_DIR=${OUT:-}
 
@@ -124,18 +130,24 @@ stage() {
     results+=("$name: rc $rc")
 }
 
-# ---------------------------------------------------------------- 1. the gpu tests
-# --noconftest keeps tests/conftest.py (it would set TRITON_INTERPRET without CUDA) out: this
-# script exports the offline variables it sets. -p no:timeout: the outer timeout rules. With
-# pytest-xdist, GPU_CHECK_WORKERS processes compile the kernels side by side.
-xdist=()
-if "$PY" -c "import xdist" 2>/dev/null; then xdist=(-n "${GPU_CHECK_WORKERS:-16}"); fi
-# -v: each test's outcome as it ends (a run cut short still names what failed)
-stage tests "$TEST_TIMEOUT" "$PY" -m pytest -v --tb=short -m "not slow" "${xdist[@]}" \
-    tests/integration/test_gpu.py tests/unit/kernels --ignore=tests/unit/kernels/test_compile.py \
-    -p no:cacheprovider -p no:timeout --noconftest -rfEs --junitxml="$work/junit.xml"
-# the tests must have run: none skipped, none failed, at least one passed
-if ! "$PY" - "$work/junit.xml" <<'EOF'; then
+# ---------------------------------------------------------------- the stages
+# each a function; GPU_CHECK_STAGES names those to run, in order (default: all, most telling
+# first; a stage the budget has no room for is reported as "no time")
+
+# the gpu tests and the kernels' tests, compiled for the device. --noconftest keeps
+# tests/conftest.py (it would set TRITON_INTERPRET without CUDA) out: this script exports the
+# offline variables it sets. -p no:timeout: the outer timeout rules. With pytest-xdist,
+# GPU_CHECK_WORKERS processes compile the kernels side by side; -v: each test's outcome as it
+# ends (a run cut short still names what failed).
+run_tests() {
+    local xdist=()
+    if "$PY" -c "import xdist" 2>/dev/null; then xdist=(-n "${GPU_CHECK_WORKERS:-16}"); fi
+    stage tests "$TEST_TIMEOUT" "$PY" -m pytest -v --tb=short -m "not slow" "${xdist[@]}" \
+        tests/integration/test_gpu.py tests/unit/kernels \
+        --ignore=tests/unit/kernels/test_compile.py \
+        -p no:cacheprovider -p no:timeout --noconftest -rfEs --junitxml="$work/junit.xml"
+    # the tests must have run: none skipped, none failed, at least one passed
+    if ! "$PY" - "$work/junit.xml" <<'EOF2'; then
 import sys
 import xml.etree.ElementTree as ET
 
@@ -155,35 +167,68 @@ if n["skipped"]:
 if n["failures"] or n["errors"] or passed <= 0:
     print("gpu_check: gpu tests did not all pass")
     sys.exit(1)
-EOF
-    status=1
-    results+=("tests: not all passed")
-fi
+EOF2
+        status=1
+        results+=("tests: not all passed")
+    fi
+}
 
-# ---------------------------------------------------------------- 2. the false-alarm sweep
+# the launch settings of the fused kernels: a grid of candidates timed on the device
+run_tune() {
+    stage tune "$TUNE_TIMEOUT" "$PY" benchmarks/tune_launch.py --dims 64 128 --length 4096 \
+        --jobs "${GPU_CHECK_WORKERS:-16}" --budget $(($(cap "$TUNE_TIMEOUT") * 4 / 5))
+}
+
+# protect_ vs SDPA on CUDA, eager model, the checks as eager ops (no compilation to wait for)
+# and the default config on the fused kernels
+run_benchmark() {
+    ATTNCHECKER_CHECK_IMPL=eager stage benchmark "$BENCH_TIMEOUT" "$PY" \
+        benchmarks/protect_vs_sdpa.py --device cuda --families llama gpt2 --lengths 1024 \
+        --dtypes bf16 --compile eager --arms protected triton --reps 5 --tag eager_checks
+}
+
+# one checked GEMM: the backward's check eager, as an inductor region and as the hand-written
+# Triton kernels (check_impl="triton"), against the GEMM it checks, each arm profiled
+run_gemm() {
+    stage gemm "$GEMM_TIMEOUT" "$PY" benchmarks/gemm_check.py --device cuda --reps 50 \
+        --dtypes bf16 --tokens 8192 --profile
+}
+
+# protect_ vs SDPA with the default check_impl ("auto": compiled check regions); inductor
+# compiles in this process (run 2's worker pool failed in a subprocess)
+run_auto() {
+    TORCHINDUCTOR_COMPILE_THREADS=1 stage auto "$AUTO_TIMEOUT" "$PY" \
+        benchmarks/protect_vs_sdpa.py --device cuda --families llama --lengths 1024 \
+        --dtypes bf16 --compile eager --arms protected --reps 5 --tag auto_checks
+}
+
 # clean forward + backward of the kernels over bf16 / fp16 / fp32 / fp32+TF32; rc 1: alarms
-stage alarms "$ALARM_TIMEOUT" "$PY" benchmarks/kernel_false_alarms.py --lengths 1024 4096 \
-    --dims 64 128 ${GPU_CHECK_ALARM_ARMS:+--arms $GPU_CHECK_ALARM_ARMS}
+run_alarms() {
+    stage alarms "$ALARM_TIMEOUT" "$PY" benchmarks/kernel_false_alarms.py --lengths 1024 4096 \
+        --dims 64 128 ${GPU_CHECK_ALARM_ARMS:+--arms $GPU_CHECK_ALARM_ARMS}
+}
 
-# ---------------------------------------------------------------- 3. the kernels' benchmark
-stage kernels "$KERNEL_TIMEOUT" "$PY" benchmarks/flash_kernels.py --lengths 1024 4096 16384 \
-    --dims 64 128
+# checked vs unchecked kernels vs SDPA
+run_kernels() {
+    stage kernels "$KERNEL_TIMEOUT" "$PY" benchmarks/flash_kernels.py --lengths 1024 4096 \
+        16384 --dims 64 128
+}
 
-# ---------------------------------------------------------------- 4. protect_ vs SDPA, eager
-stage benchmark "$BENCH_TIMEOUT" "$PY" benchmarks/protect_vs_sdpa.py --device cuda \
-    --families llama gpt2 --lengths 1024 4096 --dtypes bf16 --compile eager \
-    --arms protected triton --reps 5
+# protect_ vs SDPA under torch.compile (llama, L 1024)
+run_compiled() {
+    stage compiled "$COMPILED_TIMEOUT" "$PY" benchmarks/protect_vs_sdpa.py --device cuda \
+        --families llama --lengths 1024 --dtypes bf16 --compile compiled --arms protected \
+        triton --reps 5 --tag compiled
+}
 
-# ---------------------------------------------------------------- 5. one checked GEMM
-# the backward's GEMM check eager, as an inductor region and as the hand-written Triton kernels
-# (check_impl="triton"), against the GEMM it checks
-stage gemm "$GEMM_TIMEOUT" "$PY" benchmarks/gemm_check.py --device cuda --reps 50 --dtypes bf16 \
-    --tokens 8192
-
-# ---------------------------------------------------------------- 6. protect_ vs SDPA, compiled
-stage compiled "$COMPILED_TIMEOUT" "$PY" benchmarks/protect_vs_sdpa.py --device cuda \
-    --families llama --lengths 1024 --dtypes bf16 --compile compiled --arms protected triton \
-    --reps 5 --tag compiled
+for name in ${GPU_CHECK_STAGES:-tests tune benchmark gemm auto alarms kernels compiled}; do
+    if ! declare -F "run_$name" >/dev/null; then
+        echo "gpu_check: no stage $name"
+        status=1
+        continue
+    fi
+    "run_$name"
+done
 
 # ---------------------------------------------------------------- results
 new=$(find benchmarks/results -type f -newer "$work/stamp" 2>/dev/null || true)
