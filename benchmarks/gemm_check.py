@@ -23,6 +23,7 @@ import torch
 from _common import alternate, environment, median_ms, parse, write
 from attnchecker.attention.grads import product_check_
 from attnchecker.kernels import available as kernels_available
+from attnchecker.kernels import gemm_check_kernels
 from attnchecker.testing import count_ops, inductor_kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,7 +60,10 @@ def main() -> None:
             out = x @ y
 
             def check(out=out, x=x, y=y, impl="eager"):
-                product_check_(out, x, y, max_rows=8, scale=1.0, impl=impl)
+                # "triton": the GEMM check's own kernels, as the linear layers' backward
+                # passes them (region=); without it gemm_check_ runs its compiled region
+                region = gemm_check_kernels(impl, out)
+                product_check_(out, x, y, max_rows=8, scale=1.0, impl=impl, region=region)
 
             arms = {"gemm": lambda x=x, y=y: x @ y, "eager": check}
             row = {"case": case, "dtype": dname, "ops": count_ops(check).launching}

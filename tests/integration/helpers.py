@@ -204,10 +204,12 @@ def bf16_q_row_fault(faulty: nn.Module, ref: nn.Module, inputs: dict[str, Tensor
 
 def sync_counts(model, inputs) -> dict[str, int]:
     """Host-synchronising aten ops of one forward + backward (attnchecker.testing), after one
-    uncounted step (one-off setup, such as cached index constants, is not counted)."""
+    uncounted step (one-off setup, such as cached index constants, is not counted). The
+    uncounted step runs under the counter too: under a dispatch mode the check regions run as
+    eager ops, whose cached constants a step of compiled regions (CUDA) would not have made."""
     from attnchecker.testing import count_ops
 
-    model(**inputs).loss.backward()
+    count_ops(lambda: model(**inputs).loss.backward())
     return count_ops(lambda: model(**inputs).loss.backward()).syncs
 
 

@@ -108,10 +108,12 @@ def _table(arch: int, kind: str, rows: dict) -> dict:
     return {(kernel, arch, block_d, kind): Launch(*go) for (kernel, block_d), go in rows.items()}
 
 
-_HALF = {  # fp16 / bf16 operands on sm_90: (block_m, block_n, warps, stages)
-    ("fwd", 64): (64, 32, 4, 2), ("fwd", 128): (64, 32, 8, 2),
-    ("dkdv", 64): (32, 32, 8, 1), ("dkdv", 128): (32, 32, 8, 1),
-    ("dq", 64): (64, 32, 4, 2), ("dq", 128): (64, 32, 8, 1),
+_HALF = {  # fp16 / bf16 operands on sm_90: (block_m, block_n, warps, stages), timed on an
+    # H200 (benchmarks/tune_launch.py, checked, causal, bf16, B 2 x H 16 x L 4096; results/
+    # launch_tuning_cuda_2026-12-04.md): the fastest of 48 (fwd) / 32 candidates without alarms
+    ("fwd", 64): (128, 32, 4, 2), ("fwd", 128): (128, 64, 8, 3),
+    ("dkdv", 64): (32, 64, 4, 1), ("dkdv", 128): (32, 128, 8, 2),
+    ("dq", 64): (64, 32, 4, 2), ("dq", 128): (64, 32, 4, 2),
 }  # fmt: skip
 _HALF_80 = {  # fp16 / bf16 on sm_80 (mma.sync keeps more of the tiles in registers)
     ("fwd", 64): (32, 32, 8, 1), ("fwd", 128): (32, 32, 8, 1),

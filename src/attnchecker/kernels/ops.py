@@ -119,6 +119,19 @@ def _backward(ctx, grad_out, grad_lse, grad_counts):
 flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _operands(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        low = torch.get_autocast_dtype(device)
+        q, k, v = (t.to(low) if t.dtype == torch.float32 else t for t in (q, k, v))
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k and v must share one dtype (or run under autocast): got {q.dtype}, "
+            f"{k.dtype}, {v.dtype}"
+        )
+    return q, k, v
+
+
 def flash_attention(
     q: Tensor,
     k: Tensor,
@@ -139,7 +152,10 @@ def flash_attention(
     backward's accumulate in ``sink.grad`` (:func:`new_sink`). A
     ``fault`` at a backward site is injected in the backward, at a forward site in the
     forward. ``check=False`` runs the kernels without their checks (an unprotected arm), a set
-    of :data:`CHECKS` names runs those."""
+    of :data:`CHECKS` names runs those. The operands are taken as SDPA takes them: under
+    autocast fp32 ones are cast to its dtype (a model's RoPE can leave q and k in fp32 while v
+    is bf16); otherwise they must share one dtype."""
+    q, k, v = _operands(q, k, v)
     code_f = code_b = None
     if fault is not None:
         code = fault.encode(q.shape[1], q.device)

@@ -152,3 +152,23 @@ def test_slices_of_a_fused_projection_get_their_gradients_in_bounds():
     got = fused_grad(lambda q, k, v: flash_attention(q, k, v, causal=True))
     want = fused_grad(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_operands_of_mixed_dtypes_are_taken_as_sdpa_takes_them():
+    """Llama's RoPE under bf16 autocast leaves q and k in fp32 and v in bf16; SDPA (on autocast's
+    low-precision list) casts them all to bf16, and so must the kernels: the backward's dP^T
+    multiplied bf16 V by an fp32 output gradient and did not compile (H200, 2026-12-04). Under
+    autocast the result equals the kernels on bf16 operands bitwise; without autocast mixed
+    dtypes are an error, as in SDPA."""
+    q, k, v = _operands(1, 2, 2, 32, 32, 16, "fp32")
+    grad = torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(1))
+    grad = grad.to(DEVICE, torch.bfloat16)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got, found = _grads(q, k, v.bfloat16(), grad, causal=True)
+    want, _ = _grads(q.bfloat16(), k.bfloat16(), v.bfloat16(), grad, causal=True)
+    assert got[0].dtype == torch.bfloat16
+    for a, b in zip(got, want, strict=True):  # dq and dk: fp32, as autocast's cast returns them
+        assert torch.equal(a.to(b.dtype), b)
+    assert int(found.sum()) == 0
+    with pytest.raises(ValueError, match="share one dtype"):
+        flash_attention(q, k, v.bfloat16())
