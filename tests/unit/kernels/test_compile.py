@@ -1,9 +1,9 @@
 """The fused kernels compiled for real GPUs (sm_90, sm_80) on this CPU, as ``flash.py`` launches
 them (``attnchecker.kernels.aot``: the launcher's own arguments, ptxas from the triton wheel, no
 GPU): every configuration compiles (the interpreter accepts code the compiler rejects: module
-globals read inside a kernel, for one); no register spills in the forward and dQ kernels for
-fp16 / bf16 at d <= 128 on sm_90 and at most 256 B in dK/dV (and in the builds that inject
-faults); no sm_80 stack frame above 256 B;
+globals read inside a kernel, for one); at most 1 KB of register spills per kernel for
+fp16 / bf16 at d <= 128 on sm_90 (the timed launch settings spill a little); no sm_80 stack
+frame above 256 B;
 shared memory within each target's limit; every ``tl.dot`` survives the TTIR passes (a
 recomputation the compiler merged with the first GEMM would "correct" a fault in the matrix
 unit with the same faulty value); no tensor argument offset in 32 bits. The GEMM check's three
@@ -68,12 +68,21 @@ def test_every_configuration_compiles(reports, case, kernel):
     assert None not in (rep.registers, rep.spill_stores, rep.stack)  # ptxas reported
 
 
+SPILL_LIMIT = {False: 1024, True: 2048}
+"""Spill bytes allowed per kernel for fp16 / bf16 at d <= 128 on sm_90, in the production
+builds and in the fault-injecting ones (tests, campaigns). The launch settings there were timed
+on an H200 (``benchmarks/tune_launch.py``): the fastest spill a little (up to 800 B with
+masks and GQA, 1,072 B when injecting too) and beat the settings chosen for zero spills by
+23-67%, so spills are no longer the criterion; a kernel spilling more than this means a change
+grew its live state (the dQ bound of 2026-12-04 took it to 7 KB): time it again before
+accepting it."""
+
+
 def _spill_limit(case: Case, kernel: str) -> int | None:
-    """Spill bytes allowed: none in the production forward and dQ kernels for fp16 / bf16 at
-    d <= 128 on sm_90, 256 in dK/dV and in the fault-injecting builds (tests, campaigns)."""
+    """Spill bytes allowed (:data:`SPILL_LIMIT`; None: not asserted)."""
     if case.arch != 90 or case.dtype == "fp32" or case.d > 128 or not launched(case):
         return None
-    return 256 if kernel == "dkdv" or case.inject else 0
+    return SPILL_LIMIT[case.inject]
 
 
 @pytest.mark.parametrize(("case", "kernel"), PAIRS, ids=_ids(PAIRS))
