@@ -1,10 +1,12 @@
 """The adaptive-protection flow on a tiny GPT-2, through the CLI as a user runs it: a campaign
 (vulnerability profile), ``bench`` (cost profile), ``plan`` (the choice, accepted by protect_
-and ``train --plan``), and ``validate``'s simulation: the count of non-trainable steps under
-sampled faults falls inside the controller's predicted interval, unprotected and protected."""
+and ``train --plan``), and ``validate``: the counts of non-trainable steps under sampled
+faults fall in the controller's predictive intervals, and a wrong vulnerability or cost model
+makes it fail."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +14,8 @@ import pytest
 from attnchecker import protect_
 from attnchecker.adaptive.controller import FaultRate, choose
 from attnchecker.adaptive.profile import CostProfile, VulnerabilityProfile
-from attnchecker.adaptive.simulate import Simulation, simulate
+from attnchecker.adaptive.simulate import Condition
+from attnchecker.adaptive.validate import Validation, validate
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.cli import main
 from attnchecker.inject.campaign import load_trials
@@ -86,23 +89,77 @@ def test_plan_writes_a_config_that_protect_and_train_accept(flow, tmp_path, caps
     assert refused in err and "no schedule meets" in err
 
 
-def test_simulated_non_trainable_counts_fall_in_the_predicted_intervals(flow, tmp_path):
+def _validate(vuln, cost, budgets, **kw):
+    kw = {"seeds": 3, "steps": 100, "held_out": (), "with_baselines": False,
+          "timing_reps": 3, **kw}  # fmt: skip
+    return validate(vuln, cost, RATE, budgets, **kw)
+
+
+RATE = FaultRate(1.0, "step", {"nan": 1.0})  # ~0.15 faults per step at the profiled sites
+
+
+def test_validation_counts_fall_in_their_predictive_intervals(flow, tmp_path):
+    """The right model: no check and everything checked, three seeds each (their own fault
+    plans), a baseline and a held-out row (Shakespeare text, row and block patterns); the
+    counts fall in the 90% predictive intervals, the baselines are paired with the
+    controller's runs, and the report is rebuilt from its JSON."""
     vuln = VulnerabilityProfile.load(flow / "vulnerability-gpt2.json")
     cost = CostProfile.load(flow / "cost-gpt2.json")
-    rate = FaultRate(1.0, "step", {"nan": 1.0})  # ~0.15 faults per step at the profiled sites
-    results = {}
-    for name, budget in (("none", None), ("full", 10.0)):
-        choice = (choose(vuln, cost, FaultRate(0.0), budget=0.0) if budget is None
-                  else choose(vuln, cost, rate, budget=budget))  # fmt: skip
-        results[name] = simulate(vuln, cost, rate, choice, steps=120, timing_reps=3)
-    none, full = results["none"], results["full"]
-    assert none.faults > 5 and none.events > 5  # the rate is high enough to see events
-    assert none.inside, none.to_dict()
-    assert full.inside and full.events == 0, full.to_dict()
-    assert len(full.checks) == len(SITES) * 2 and full.overhead.point == full.overhead.point
+    held = (Condition("Shakespeare text", data="shakespeare", patterns=("1R", "2D")),)
+    val = _validate(vuln, cost, [10.0], held_out=held, with_baselines=True)
+    none, full = val.rows[0], val.rows[1]
+    assert [r.kind for r in val.rows][:2] == ["in-sample"] * 2 and none.name == "none"
+    assert all(r.faults > 5 for r in none.runs) and sum(r.events for r in none.runs) > 10
+    assert len({r.faults for r in none.runs}) > 1  # each seed its own plan
+    for row in (none, full):
+        assert row.count_verdict == "inside", row.to_dict()
+    assert all(r.events == 0 for r in full.runs) and len(full.checks) == len(SITES) * 2
+    assert full.predicted.mean < none.predicted.mean / 3  # (2 trials a cell: wide posteriors)
+    held_row = next(r for r in val.rows if r.kind == "held-out")
+    assert held_row.condition.data == "shakespeare" and held_row.count_verdict == "inside"
+    assert val.gains and all(len(g.differences) == 3 for g in val.gains)
+    inside, n = val.coverage()
+    assert n == 3 * sum(r.judged for r in val.rows) and inside >= n - 2
+    assert not [m for m in val.misses() if "counts" in m]
     out = tmp_path / "frontier"
-    frontier_report([none, full], out, {"family": "gpt2", "rate": "1 per step"})
+    frontier_report(val, out, {"family": "gpt2", "rate": "1 per step"})
     assert main(["report", str(out)]) == 0  # rebuilt from frontier.json alone
     assert (out / "frontier.png").stat().st_size > 0
     assert "| none |" in (out / "frontier.md").read_text()
-    assert Simulation.from_dict(none.to_dict()) == none
+    assert Validation.from_dict(val.to_dict()) == val
+
+
+def test_validation_fails_on_a_vulnerability_model_that_halves_the_fatal_rates(flow):
+    """The same runs judged against a profile whose unprotected non-trainable rates are half
+    the campaign's (each cell's trials doubled, its events kept): the counts with no check are
+    ABOVE their interval and validate's status is 1."""
+    vuln = VulnerabilityProfile.load(flow / "vulnerability-gpt2.json")
+    cost = CostProfile.load(flow / "cost-gpt2.json")
+
+    def halve(c):  # as many events in twice the trials: the rest masked
+        more = {arm: {**getattr(c, arm), "masked": getattr(c, arm).get("masked", 0) + c.trials}
+                for arm in ("unprotected", "protected")}  # fmt: skip
+        return dataclasses.replace(c, trials=2 * c.trials, **more)
+
+    halved = dataclasses.replace(vuln, cells=tuple(halve(c) for c in vuln.cells))
+    val = _validate(halved, cost, [10.0])
+    assert val.rows[0].count_verdict == "ABOVE", val.rows[0].to_dict()
+    assert val.status == 1 and any(m.startswith("none: counts ABOVE") for m in val.misses())
+
+
+def test_validation_fails_on_a_cost_model_ten_times_too_cheap(flow):
+    """A cost profile whose every cost is a tenth of the measured one lets the controller put
+    every check into half of what they really cost: the measured overhead is over the budget
+    (the contract broke) and validate's status is 1."""
+    vuln = VulnerabilityProfile.load(flow / "vulnerability-gpt2.json")
+    cost = CostProfile.load(flow / "cost-gpt2.json")
+    real = choose(vuln, cost, RATE, budget=100.0)
+    cheap = dataclasses.replace(
+        cost, engine=cost.engine.scaled(0.1),
+        ops=tuple(dataclasses.replace(o, cost=o.cost.scaled(0.1)) for o in cost.ops))  # fmt: skip
+    budget = real.overhead.point / 2
+    val = _validate(vuln, cheap, [budget], seeds=1, steps=20, timing_reps=9)
+    row = val.rows[1]
+    assert len(row.checks) == len(real.checks)  # everything fits, as priced
+    assert row.overhead_verdict == "OVER BUDGET", row.to_dict()
+    assert val.status == 1

@@ -28,7 +28,10 @@ with E what leaving SDPA for the checked engine costs and c_i the op's measured 
 both fractions of the plain step (:mod:`attnchecker.adaptive.bench`). Minimising L under
 C <= budget (or C under L <= target) is a knapsack: items are taken in order of risk removed
 per cost, lambda_i (v_i - w_i) / c_i, every step while they fit and then every k steps, for each
-k of :data:`PERIODS` (one k per schedule), keeping the best.
+k of :data:`PERIODS` (one k per schedule), keeping the best. A budget is a contract: a schedule
+fits when the upper end of its cost interval (E and every c_i at their high ends) does, so the
+measured overhead stays within the budget unless the cost profile itself was wrong
+(``attnchecker validate`` checks that).
 
 Intervals: each rate's Wilson interval enters L at its ends, so L's interval is the sum of
 the ends (wider than its stated confidence); decisions use the upper end (``estimate="high"``),
@@ -71,6 +74,7 @@ __all__ = [
     "choose",
     "load_plan",
     "parse_kinds",
+    "priced",
     "risk_of",
     "save_plan",
     "sites",
@@ -324,23 +328,50 @@ def choose(
         if not order:
             f = {}
         else:
-            cheapest = min(ss[i].cost.point for i in order) / PERIODS[-1]
-            if budget < cost.engine.point + cheapest:
+            cheapest = min(max(ss[i].cost.high, 0.0) for i in order) / PERIODS[-1]
+            if budget < cost.engine.high + cheapest:
                 raise ConfigError(
                     f"a budget of {budget:.1%} is below the cheapest check: leaving SDPA for the "
-                    f"checked engine costs {cost.engine.point:.1%} and the cheapest check "
-                    f"{cheapest:.2%} (every {PERIODS[-1]} steps); raise the budget or leave the "
-                    f"model unprotected"
+                    f"checked engine costs up to {cost.engine.high:.1%} and the cheapest check "
+                    f"{cheapest:.2%} (every {PERIODS[-1]} steps; upper ends of the measured "
+                    f"costs); raise the budget or leave the model unprotected"
                 )
-            f = _for_budget(ss, order, budget - cost.engine.point, end)
+            f = _for_budget(ss, order, budget - cost.engine.high, end)
     if not order:
         notes += ("no check removes risk at this fault rate: nothing to check",)
     checks = tuple(sorted(((ss[i].layer, ss[i].op, round(1 / v)) for i, v in f.items() if v),
                           key=lambda c: (c[0], ALL_OPS.index(c[1]))))  # fmt: skip
+    return _choice(ss, f, checks, cost, base, goal, notes, policy)
+
+
+def _choice(ss, f, checks, cost, base, goal, notes, policy) -> Choice:
     config = ABFTConfig(schedule=checks, policy=policy) if checks else ABFTConfig(ops=())
     launches = (cost.engine_launches + sum(v * ss[i].launches for i, v in f.items())) if f else 0
     return Choice(config, checks, _risk(ss, f), overhead=_overhead(ss, f, cost.engine),
                   launches=launches, goal=goal, notes=notes, **base)  # fmt: skip
+
+
+def priced(
+    vuln: VulnerabilityProfile,
+    cost: CostProfile,
+    rate: FaultRate,
+    checks: tuple[tuple[int, str, int], ...],
+    *,
+    goal: str,
+    policy: str = "skip_step",
+) -> Choice:
+    """The :class:`Choice` of a schedule chosen otherwise (a naive baseline): its ``checks``
+    ((layer, op, every)) with the risk and overhead the controller would predict for them."""
+    ss = sites(vuln, cost, rate)
+    at = {(s.layer, s.op): i for i, s in enumerate(ss)}
+    if unknown := [(layer, op) for layer, op, _ in checks if (layer, op) not in at]:
+        raise ConfigError(f"checks at sites the profiles do not share: {unknown}")
+    f = {at[layer, op]: 1 / every for layer, op, every in checks}
+    everything = {i: 1.0 for i in range(len(ss))}
+    base = dict(unprotected=_risk(ss, {}), full=_risk(ss, everything),
+                full_overhead=_overhead(ss, everything, cost.engine),
+                coverage=sum(cost.macs_of(s.layer, s.op) for s in ss) / cost.step_macs)  # fmt: skip
+    return _choice(ss, f, tuple(checks), cost, base, goal, (), policy)
 
 
 def _for_target(ss: list[Site], order: list[int], target: float, end: int) -> dict | None:
@@ -366,18 +397,21 @@ def _for_target(ss: list[Site], order: list[int], target: float, end: int) -> di
 
 
 def _for_budget(ss: list[Site], order: list[int], room: float, end: int) -> dict:
-    """The schedule with the least risk whose checks cost at most ``room``, greedily."""
+    """The schedule with the least risk whose checks cost at most ``room`` at the upper ends of
+    their cost intervals, greedily."""
     best, best_risk = {}, float("inf")
     for k in (1, *PERIODS):
         f: dict[int, float] = {}
         left = room
-        for i in order:  # every step while they fit
-            if ss[i].cost.point <= left:
-                f[i], left = 1.0, left - max(ss[i].cost.point, 0.0)
+        for i in order:  # every step while they fit (at the upper ends of their costs)
+            c = max(ss[i].cost.high, 0.0)
+            if c <= left:
+                f[i], left = 1.0, left - c
         if k > 1:
             for i in order:  # then every k steps
-                if i not in f and ss[i].cost.point / k <= left:
-                    f[i], left = 1 / k, left - max(ss[i].cost.point, 0.0) / k
+                c = max(ss[i].cost.high, 0.0) / k
+                if i not in f and c <= left:
+                    f[i], left = 1 / k, left - c
         risk = sum(s.risk(f.get(i, 0.0), end) for i, s in enumerate(ss))
         if risk < best_risk - 1e-18:
             best, best_risk = f, risk

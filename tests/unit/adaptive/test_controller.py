@@ -16,7 +16,7 @@ from attnchecker.adaptive.profile import (
     VulnerabilityProfile,
     wilson,
 )
-from attnchecker.adaptive.simulate import count_interval, poisson_interval
+from attnchecker.adaptive.simulate import count_interval
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.errors import ConfigError
 
@@ -58,11 +58,8 @@ def test_wilson_interval_contains_the_rate_and_is_sensible_at_zero():
 def test_median_and_poisson_intervals():
     e = median_interval([5.0, 1.0, 3.0, 2.0, 4.0, 9.0, 0.0])
     assert e.point == 3.0 and e.low <= 1.0 and e.high >= 5.0
-    assert poisson_interval(0.0, 0.0) == (0, 0)
     assert count_interval(0)[1] == pytest.approx(3.689, abs=1e-3)  # the exact 95% bounds
     assert count_interval(10) == pytest.approx((4.795, 18.390), abs=1e-3)
-    lo, hi = poisson_interval(100.0, 100.0)
-    assert 75 < lo < 85 and 115 < hi < 125
 
 
 def test_exposure_follows_the_rate_unit():
@@ -79,18 +76,21 @@ def test_a_larger_budget_never_leaves_more_risk_and_stays_within_it():
     vuln, cost = _vuln(), _cost()
     rate = FaultRate(1.0)
     risks = []
-    for budget in (0.06, 0.08, 0.15, 0.3, 1.0):
+    for budget in (0.08, 0.1, 0.15, 0.3, 1.0):
         c = choose(vuln, cost, rate, budget=budget)
-        assert c.overhead.point <= budget + 1e-12
+        assert c.overhead.high <= budget + 1e-12  # the contract: the cost's upper end fits
         risks.append(c.risk.high)
         ABFTConfig.from_dict(c.config.to_dict())  # what protect_ accepts, round trip
     assert risks == sorted(risks, reverse=True) and risks[-1] < risks[0]
     full = choose(vuln, cost, rate, budget=1.0)
     assert len(full.checks) == 6 and full.risk.point == 0
     # per layer: scores removes 1.0 of risk per fault for 0.05, dk 0.1 for 0.01, context 0.5
-    # for 0.05: the scores of one layer is the best buy
-    first = choose(vuln, cost, rate, budget=0.10)
+    # for 0.05: the scores of one layer is the best buy; at the upper ends (engine 7.5%, scores
+    # 6% per layer) it takes 13.5%, and a point-cost decision would have taken it at 10%
+    first = choose(vuln, cost, rate, budget=0.1351)
     assert [(op, every) for _, op, every in first.checks] == [("scores", 1)]
+    at_10 = choose(vuln, cost, rate, budget=0.10).checks
+    assert ("scores", 1) not in {(op, every) for _, op, every in at_10}
 
 
 def test_the_choice_carries_its_config():

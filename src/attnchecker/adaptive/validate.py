@@ -1,0 +1,402 @@
+"""Check the controller's claims, so that they can fail: ``attnchecker validate``.
+
+Each *row* is a schedule trained under sampled faults (:mod:`.simulate`) for several seeds, each
+seed its own fault plan and the same plans in every row (paired): the controller's choice at
+each budget and with no check (in-sample), naive baselines at a budget, and the choice under
+held-out conditions (another init seed, Shakespeare text, a trained checkpoint, other fault
+patterns, kinds and rates, sites the campaign never faulted).
+
+Counts. A row's predicted count is a *predictive interval* at a stated level (default 90%): a
+parametric bootstrap of the controller's model. Each draw takes every cell's unprotected and
+protected non-trainable probabilities from their Beta posteriors (Jeffreys prior, the
+campaign's counts), forms the expected count mu = steps * sum_i lambda_i * sum_k pi_k * (f_i w_ik
++ (1 - f_i) v_ik) (:mod:`.controller`) and draws a Poisson count of mean mu; the interval is the
+counts' quantiles. Calibrated, about ``level`` of the seeds' counts fall inside. A set of counts
+*misses* when fewer fall inside than the level allows (one-sided binomial test at 5%): ABOVE
+when most misses lie above (more events than claimed), BELOW when most lie below (the model
+is wrong on the safe side: still wrong). Tested per row and pooled over the judged rows.
+
+Overhead. Measured once per row (alternated clean steps against the plain model with SDPA,
+median and its interval): the budget is a contract, so a row whose measured overhead is above
+its budget misses (OVER BUDGET), as does one outside its predicted interval (ABOVE / BELOW).
+
+Baselines. At one budget: every check every k steps, the forward's checks only (every k
+steps), and a random subset of checks, each the largest of its kind whose predicted cost fits
+the budget at the upper ends, as the controller's does. The controller's gain over each is the
+paired difference of the seeds' counts (baseline minus controller), with a t interval.
+
+Exit status (``Validation.status``): 0 when nothing misses, 1 when a count or an overhead is
+above its claim or a budget is exceeded, 3 when the only misses are below their claims.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attnchecker.adaptive.controller import (
+    PERIODS,
+    Choice,
+    FaultRate,
+    choose,
+    priced,
+    sites,
+)
+from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
+from attnchecker.adaptive.simulate import Condition, Run, measure_overhead, run
+from attnchecker.attention.config import OPS
+from attnchecker.errors import ConfigError
+
+__all__ = [
+    "HELD_OUT",
+    "Gain",
+    "Prediction",
+    "Row",
+    "Validation",
+    "baselines",
+    "binomial_miss",
+    "predict",
+    "validate",
+]
+
+ALPHA = 0.05  # the binomial test's level
+HELD_OUT = (
+    Condition("init seed 7", model_seed=7),
+    Condition("Shakespeare text", data="shakespeare"),
+    Condition("checkpoint after 300 clean steps", pretrain=300),
+    Condition("patterns 1R / 1C / 2D", patterns=("1R", "1C", "2D")),
+    Condition("unseen kinds: -inf, bit flips", kinds={"-inf": 0.5, "bit_flip": 0.5}),
+    Condition("rate x 0.5", rate_scale=0.5),
+    Condition("rate x 2", rate_scale=2.0),
+    Condition("unprofiled sites only", unprofiled=True, judged=False),
+)
+"""The held-out rows: what the campaign (and so the prediction) never saw. Faults at the sites
+the campaign did not fault are not in the prediction at all (it is 0 there): that row shows
+what the stated coverage leaves, and is reported, not judged."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The predicted count of non-trainable events in a run: its mean and the ``level``
+    predictive interval [low, high]."""
+
+    mean: float
+    low: int
+    high: int
+    level: float
+
+
+def predict(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
+            checks: tuple[tuple[int, str, int], ...], steps: int, *, level: float = 0.9,
+            draws: int = 4000, seed: int = 0) -> Prediction:  # fmt: skip
+    """The predictive interval of a run's count (module docstring)."""
+    if not 0 < level < 1:
+        raise ConfigError(f"level must be in (0, 1), got {level!r}")
+    ss = sites(vuln, cost, rate)
+    every = {(layer, op): 1 / k for layer, op, k in checks}
+    kinds = rate.kinds or {k: 1 / len(vuln.kinds) for k in vuln.kinds}
+    index: dict[tuple, int] = {}  # one posterior per cell (a pooled cell: one for its layers)
+    alpha, beta, terms = [], [], []  # per posterior; (weight, unchecked index, checked index)
+    for s in ss:
+        f = every.get((s.layer, s.op), 0.0)
+        for kind, p in kinds.items():
+            cell, pooled = vuln.cell(s.op, s.layer, kind)
+            key = (cell.op, "pooled" if pooled else cell.layer, kind)
+            ids = []
+            for arm in ("unprotected", "protected"):
+                if (key, arm) not in index:
+                    k = getattr(cell, arm).get("non_trainable", 0)
+                    index[key, arm] = len(alpha)
+                    alpha.append(k + 0.5)
+                    beta.append(cell.trials - k + 0.5)
+                ids.append(index[key, arm])
+            w = steps * s.faults * p
+            terms += [(w * (1 - f), ids[0]), (w * f, ids[1])]
+    if not terms:
+        return Prediction(0.0, 0, 0, level)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        probs = torch.distributions.Beta(
+            torch.tensor(alpha, dtype=torch.float64), torch.tensor(beta, dtype=torch.float64)
+        ).sample((draws,))
+        weights = torch.zeros(len(alpha), dtype=torch.float64)
+        for w, i in terms:
+            weights[i] += w
+        mu = probs @ weights  # (draws,)
+        counts = torch.poisson(mu)
+    low = torch.quantile(counts, (1 - level) / 2, interpolation="lower")
+    high = torch.quantile(counts, (1 + level) / 2, interpolation="higher")
+    return Prediction(float(mu.mean()), int(low), int(high), level)
+
+
+def binomial_miss(inside: int, n: int, level: float, alpha: float = ALPHA) -> bool:
+    """Whether ``inside`` of ``n`` counts in their ``level`` intervals is too few: P(X <= inside)
+    < alpha for X ~ Binomial(n, level)."""
+    if n == 0:
+        return False
+    p = sum(math.comb(n, j) * level**j * (1 - level) ** (n - j) for j in range(inside + 1))
+    return p < alpha
+
+
+def _side(runs, pred: Prediction) -> str:
+    above = sum(r.events > pred.high for r in runs)
+    below = sum(r.events < pred.low for r in runs)
+    return "ABOVE" if above >= below else "BELOW"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One schedule trained under faults for several seeds, against its predictions."""
+
+    name: str
+    kind: str  # "in-sample", "baseline" or "held-out"
+    budget: float | None
+    checks: tuple[tuple[int, str, int], ...]
+    condition: Condition
+    steps: int
+    runs: tuple[Run, ...]
+    predicted: Prediction
+    overhead: Estimate  # measured, fraction of the plain step
+    predicted_overhead: Estimate
+    seconds: float
+
+    @property
+    def judged(self) -> bool:
+        return self.condition.judged
+
+    @property
+    def inside(self) -> int:
+        return sum(self.predicted.low <= r.events <= self.predicted.high for r in self.runs)
+
+    @property
+    def count_verdict(self) -> str:
+        """inside, or ABOVE / BELOW when too few counts fall in the interval."""
+        if not binomial_miss(self.inside, len(self.runs), self.predicted.level):
+            return "inside"
+        return _side(self.runs, self.predicted)
+
+    @property
+    def overhead_verdict(self) -> str:
+        """inside, OVER BUDGET (measured above the budget: the contract broke), ABOVE / BELOW
+        the predicted interval."""
+        o, q = self.overhead.point, self.predicted_overhead
+        if self.budget is not None and self.checks and o > self.budget:
+            return "OVER BUDGET"
+        if o > q.high:
+            return "ABOVE"
+        return "BELOW" if o < q.low else "inside"
+
+    def misses(self) -> list[str]:
+        """This row's misses, worded (empty: none, or not judged)."""
+        if not self.judged:
+            return []
+        out = []
+        if (v := self.count_verdict) != "inside":
+            out.append(f"{self.name}: counts {v} the {self.predicted.level:.0%} interval "
+                       f"[{self.predicted.low}, {self.predicted.high}] ({self.inside} of "
+                       f"{len(self.runs)} inside: {[r.events for r in self.runs]})")  # fmt: skip
+        if (v := self.overhead_verdict) != "inside":
+            q = self.predicted_overhead
+            out.append(f"{self.name}: overhead {self.overhead.point:+.1%} {v} "
+                       + (f"(budget {self.budget:.0%})" if v == "OVER BUDGET" else
+                          f"the predicted [{q.low:+.1%}, {q.high:+.1%}]"))  # fmt: skip
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "budget": self.budget,
+                "checks": self.checks, "condition": self.condition.to_dict(),
+                "steps": self.steps, "runs": [vars(r) for r in self.runs],
+                "predicted": vars(self.predicted), "overhead": self.overhead,
+                "predicted_overhead": self.predicted_overhead, "seconds": self.seconds,
+                "inside": self.inside, "count_verdict": self.count_verdict,
+                "overhead_verdict": self.overhead_verdict}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Row:
+        return cls(d["name"], d["kind"], d["budget"], tuple(tuple(c) for c in d["checks"]),
+                   Condition(**{k: tuple(v) if k == "patterns" and v else v
+                                for k, v in d["condition"].items()}),
+                   d["steps"], tuple(Run(**r) for r in d["runs"]), Prediction(**d["predicted"]),
+                   Estimate(*d["overhead"]), Estimate(*d["predicted_overhead"]),
+                   d["seconds"])  # fmt: skip
+
+
+_T975 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Gain:
+    """The controller's gain over a baseline at equal budget: the paired differences of the
+    seeds' counts (baseline - controller; > 0: the controller lost fewer steps), their mean
+    and its 95% t interval."""
+
+    baseline: str
+    differences: tuple[int, ...]
+
+    @property
+    def mean(self) -> Estimate:
+        d = self.differences
+        m = sum(d) / len(d)
+        if len(d) < 2:
+            return Estimate(m, math.nan, math.nan)
+        sd = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1))
+        half = _T975.get(len(d) - 1, 1.96) * sd / math.sqrt(len(d))
+        return Estimate(m, m - half, m + half)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"baseline": self.baseline, "differences": self.differences, "mean": self.mean}
+
+
+@dataclass(frozen=True)
+class Validation:
+    rows: tuple[Row, ...]
+    gains: tuple[Gain, ...]
+    level: float
+
+    def coverage(self, kind: str | None = None) -> tuple[int, int]:
+        """(counts inside their intervals, counts) over the judged rows (of ``kind``)."""
+        rows = [r for r in self.rows if r.judged and (kind is None or r.kind == kind)]
+        return sum(r.inside for r in rows), sum(len(r.runs) for r in rows)
+
+    def misses(self) -> list[str]:
+        out = [m for r in self.rows for m in r.misses()]
+        inside, n = self.coverage()
+        if binomial_miss(inside, n, self.level):
+            judged = [r for r in self.rows if r.judged]
+            above = sum(x.events > r.predicted.high for r in judged for x in r.runs)
+            below = sum(x.events < r.predicted.low for r in judged for x in r.runs)
+            side = "ABOVE" if above >= below else "BELOW"
+            out.append(f"pooled: {inside} of {n} counts inside their {self.level:.0%} intervals "
+                       f"({above} above, {below} below): {side}")  # fmt: skip
+        return out
+
+    @property
+    def status(self) -> int:
+        """0: no miss; 1: a claim broken upwards (more events, more overhead, over budget);
+        3: misses only below the claims."""
+        misses = self.misses()
+        if not misses:
+            return 0
+        return 1 if any("ABOVE" in m or "OVER BUDGET" in m for m in misses) else 3
+
+    def to_dict(self) -> dict[str, Any]:
+        inside, n = self.coverage()
+        return {"level": self.level, "coverage": [inside, n], "status": self.status,
+                "misses": self.misses(), "rows": [r.to_dict() for r in self.rows],
+                "gains": [g.to_dict() for g in self.gains]}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Validation:
+        return cls(tuple(Row.from_dict(r) for r in d["rows"]),
+                   tuple(Gain(g["baseline"], tuple(g["differences"])) for g in d["gains"]),
+                   d["level"])  # fmt: skip
+
+
+def baselines(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, budget: float,
+              *, seed: int = 0) -> list[tuple[str, Choice]]:  # fmt: skip
+    """The naive schedules at ``budget`` (module docstring), each the largest of its kind whose
+    predicted cost fits at the upper ends; a kind that cannot fit is left out."""
+    ss = sites(vuln, cost, rate)
+    room = budget - cost.engine.high
+
+    def fits(group) -> bool:
+        return sum(max(s.cost.high, 0.0) / k for s, k in group) <= room + 1e-12
+
+    def periodic(name: str, chosen) -> tuple[str, Choice] | None:
+        for k in (1, *PERIODS):
+            group = [(s, k) for s in chosen]
+            if chosen and fits(group):
+                checks = tuple((s.layer, s.op, k) for s in chosen)
+                return f"{name} (every {k})" if k > 1 else name, priced(
+                    vuln, cost, rate, checks, goal=f"{name} at {budget:.0%}"
+                )
+        return None
+
+    out = [periodic("every check", ss), periodic("forward only", [s for s in ss if s.op in OPS])]
+    order = list(ss)
+    random.Random(seed).shuffle(order)
+    picked, left = [], room
+    for s in order:
+        if max(s.cost.high, 0.0) <= left:
+            picked.append(s)
+            left -= max(s.cost.high, 0.0)
+    if picked:
+        checks = tuple((s.layer, s.op, 1) for s in picked)
+        out.append(("random subset", priced(vuln, cost, rate, checks,
+                                            goal=f"random subset at {budget:.0%}")))  # fmt: skip
+    return [b for b in out if b is not None]
+
+
+def _row(name, kind, budget, choice: Choice, condition: Condition, vuln, cost, rate, *, steps,
+         seeds, level, timing_reps) -> Row:  # fmt: skip
+    t0 = time.perf_counter()
+    scaled = FaultRate(rate.value * condition.rate_scale, rate.per, rate.kinds)
+    if condition.unprofiled:  # the prediction covers the profiled sites only: 0 here
+        pred = Prediction(0.0, 0, 0, level)
+    else:
+        pred = predict(vuln, cost, scaled, choice.checks, steps, level=level)
+    runs, model = [], None
+    for seed in seeds:
+        r, m = run(vuln, cost, rate, choice, steps=steps, seed=seed, condition=condition)
+        runs.append(r)
+        model = model or m
+    overhead = measure_overhead(vuln, model, choice, reps=timing_reps, seed=seeds[0])
+    return Row(name, kind, budget, choice.checks, condition, steps, tuple(runs), pred, overhead,
+               choice.overhead, time.perf_counter() - t0)  # fmt: skip
+
+
+def validate(
+    vuln: VulnerabilityProfile,
+    cost: CostProfile,
+    rate: FaultRate,
+    budgets: list[float],
+    *,
+    seeds: int = 5,
+    steps: int = 200,
+    level: float = 0.9,
+    at: float | None = None,
+    held_out: tuple[Condition, ...] = HELD_OUT,
+    with_baselines: bool = True,
+    timing_reps: int = 9,
+    seed: int = 0,
+    progress: bool = False,
+) -> Validation:
+    """Every row of the module docstring: no check and each budget's choice (in-sample); the
+    naive baselines and the ``held_out`` conditions at budget ``at`` (default: the middle of
+    ``budgets``), ``seeds`` seeds each."""
+    from attnchecker.inject.campaign import Progress
+
+    if seeds < 1 or not budgets:
+        raise ConfigError("validate needs at least one seed and one budget")
+    at = sorted(budgets)[len(budgets) // 2] if at is None else at
+    choices = {b: choose(vuln, cost, rate, budget=b) for b in {*budgets, at}}
+    plan: list[tuple[str, str, float | None, Choice, Condition]] = [
+        ("none", "in-sample", None, priced(vuln, cost, rate, (), goal="none"), Condition()),
+        *(
+            (f"budget {b:.0%}", "in-sample", b, choices[b], Condition())
+            for b in [*budgets, *([at] if at not in budgets else [])]
+        ),
+    ]
+    base = baselines(vuln, cost, rate, at, seed=seed) if with_baselines else []
+    plan += [(f"{name} at {at:.0%}", "baseline", at, c, Condition()) for name, c in base]
+    plan += [(f"{c.name} at {at:.0%}", "held-out", at, choices[at], c) for c in held_out]
+    rows = []
+    kw = dict(steps=steps, seeds=[seed + i for i in range(seeds)], level=level,
+              timing_reps=timing_reps)  # fmt: skip
+    with Progress(len(plan), progress) as advance:
+        for name, kind, budget, choice, condition in plan:
+            rows.append(_row(name, kind, budget, choice, condition, vuln, cost, rate, **kw))
+            advance()
+    mine = next(r for r in rows if r.kind == "in-sample" and r.budget == at)
+    gains = tuple(
+        Gain(r.name, tuple(b.events - c.events for b, c in zip(r.runs, mine.runs, strict=True)))
+        for r in rows
+        if r.kind == "baseline"
+    )
+    return Validation(tuple(rows), gains, level)
