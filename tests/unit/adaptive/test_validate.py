@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnchecker.adaptive.controller import FaultRate, choose
+from attnchecker.adaptive.controller import FaultRate, choose, priced
 from attnchecker.adaptive.profile import Estimate
 from attnchecker.adaptive.simulate import Condition, Run
 from attnchecker.adaptive.validate import (
@@ -19,6 +19,7 @@ from attnchecker.adaptive.validate import (
     binomial_miss,
     predict,
 )
+from attnchecker.errors import ConfigError
 
 from .test_controller import _cost, _vuln
 
@@ -104,7 +105,5 @@ def test_the_baselines_fit_the_budget_at_the_upper_ends_and_gains_are_paired():
     gain = Gain("every check", (3, 5, 4))
     assert gain.mean.point == 4 and gain.mean.low < 4 < gain.mean.high
     assert Gain("x", (2, 2, 2)).mean == Estimate(2, 2, 2)
-    with pytest.raises(Exception, match="do not share"):
-        from attnchecker.adaptive.controller import priced
-
+    with pytest.raises(ConfigError, match="do not share"):
         priced(vuln, cost, rate, ((5, "scores", 1),), goal="x")
