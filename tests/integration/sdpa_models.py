@@ -18,8 +18,9 @@ VOCAB, D, HEADS, T = 64, 32, 4, 16
 def rope(x: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x (B, H, T, hd), rotate-half form."""
     hd, t = x.shape[-1], x.shape[-2]
-    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    ang = torch.outer(torch.arange(t, dtype=torch.float32), inv)  # (T, hd/2)
+    f32 = {"dtype": torch.float32, "device": x.device}
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, **f32) / hd))
+    ang = torch.outer(torch.arange(t, **f32), inv)  # (T, hd/2)
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     x1, x2 = x.chunk(2, -1)
     return x * cos + torch.cat([-x2, x1], -1) * sin
@@ -120,6 +121,61 @@ class NeoXAttention(nn.Module):
         return self.dense(y.transpose(1, 2).reshape(B, T_, D))
 
 
+class MegatronAttention(nn.Module):
+    """Megatron-LM's linear_qkv (torchtitan's wqkv): one fused projection whose outputs are
+    interleaved per KV group, [the query heads of group g | k_g | v_g], 2 KV groups of 2 query
+    heads (GQA with enable_gqa), RoPE on Q and K."""
+
+    KV = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hd = D // HEADS
+        self.linear_qkv = nn.Linear(D, (HEADS + 2 * self.KV) * self.hd)
+        self.linear_proj = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T_, _ = x.shape
+        r = HEADS // self.KV  # query heads a group
+        qkv = self.linear_qkv(x).view(B, T_, self.KV, (r + 2) * self.hd)
+        q, k, v = qkv.split((r * self.hd, self.hd, self.hd), -1)
+        q = q.reshape(B, T_, HEADS, self.hd).transpose(1, 2)  # query head g * r + i
+        k, v = (t.transpose(1, 2) for t in (k, v))  # (B, KV, T, hd)
+        y = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+        return self.linear_proj(y.transpose(1, 2).reshape(B, T_, D))
+
+
+class ParallelScalingBlock(nn.Module):
+    """timm's ParallelScalingBlock (ViT-22B style), a whole block: one in_proj whose outputs are
+    [MLP input | Q | K | V], split with torch.split; LayerNorm on Q and K per head (qk_norm);
+    bidirectional SDPA; the attention's and the MLP's output projections summed into the
+    residual."""
+
+    whole_block = True  # LM takes it as a block, not as the attention of one
+
+    def __init__(self, mlp_ratio: int = 4) -> None:
+        super().__init__()
+        self.hd, hidden = D // HEADS, mlp_ratio * D
+        self.in_split = [hidden, D, D, D]
+        self.in_norm = nn.LayerNorm(D)
+        self.in_proj = nn.Linear(D, hidden + 3 * D)
+        self.q_norm, self.k_norm = nn.LayerNorm(self.hd), nn.LayerNorm(self.hd)
+        self.attn_out_proj = nn.Linear(D, D)
+        self.mlp_act = nn.GELU()
+        self.mlp_out_proj = nn.Linear(hidden, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        x_mlp, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
+        q = self.q_norm(q.view(B, N, HEADS, self.hd)).transpose(1, 2)
+        k = self.k_norm(k.view(B, N, HEADS, self.hd)).transpose(1, 2)
+        v = v.view(B, N, HEADS, self.hd).transpose(1, 2)
+        x_attn = F.scaled_dot_product_attention(q, k, v)
+        x_attn = self.attn_out_proj(x_attn.transpose(1, 2).reshape(B, N, C))
+        x_mlp = self.mlp_out_proj(self.mlp_act(x_mlp))
+        return x + x_attn + x_mlp
+
+
 class XTransformersAttention(nn.Module):
     """x-transformers (attn_flash=True): to_q / to_k / to_v, SDPA inside a separate Attend
     module with a boolean key padding mask (True attends) broadcast over heads and queries."""
@@ -159,14 +215,18 @@ class Block(nn.Module):
 
 
 class LM(nn.Module):
-    """Embeddings, ``layers`` blocks of the given attention, a head."""
+    """Embeddings, ``layers`` blocks of the given attention (or of the block itself, one with
+    ``whole_block``), a head."""
 
     def __init__(
         self, attention: type[nn.Module], layers: int = 2, vocab: int = VOCAB, length: int = T, **kw
     ) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, D), nn.Embedding(length, D)
-        self.h = nn.ModuleList(Block(attention(**kw)) for _ in range(layers))
+        whole = getattr(attention, "whole_block", False)
+        self.h = nn.ModuleList(
+            attention(**kw) if whole else Block(attention(**kw)) for _ in range(layers)
+        )
         self.lm_head = nn.Linear(D, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -197,6 +257,8 @@ LAYOUTS = {
     "timm": TimmAttention,
     "x_transformers": XTransformersAttention,
     "neox": NeoXAttention,
+    "megatron": MegatronAttention,
+    "timm_parallel": ParallelScalingBlock,
 }
 """Each layout's attention module, by the library it imitates."""
 

@@ -1,13 +1,14 @@
 """protect_ on PyTorch models outside transformers that call F.scaled_dot_product_attention
-(attnchecker.models.sdpa): five layouts (nanoGPT, litgpt with GQA and RoPE, torchtitan with
+(attnchecker.models.sdpa): eight layouts (nanoGPT, litgpt with GQA and RoPE, torchtitan with
 a scale and K/V repeated by hand, timm's reshape(..., 3, H, hd), x-transformers' separate
-Attend module with a boolean padding mask, GPT-NeoX's Q|K|V interleaved per head) and
-PyTorch's nn.TransformerEncoder
-(nn.MultiheadAttention, routed at F.multi_head_attention_forward). For each: the clean step
-is the model's own within fp32 rounding (the checked core is eager math, SDPA's CPU kernel
-sums in another order), a fault in every GEMM of the attention core, forward and backward, is
-corrected in the same step, and the compiled model is one graph pair with no recompile.
-Attention by hand is refused by name."""
+Attend module with a boolean padding mask, GPT-NeoX's Q|K|V interleaved per head, Megatron-LM's
+linear_qkv interleaved per KV group with GQA and RoPE, timm's ParallelScalingBlock whose in_proj
+makes the MLP's input and Q|K|V) and PyTorch's nn.TransformerEncoder (nn.MultiheadAttention,
+routed at F.multi_head_attention_forward, its in_proj_weight checked as a projection). For
+each: the clean step is the model's own within fp32 rounding (the checked core is eager math,
+SDPA's CPU kernel sums in another order), a fault in every GEMM of the attention core and of
+its projections, forward and backward, is corrected in the same step, and the compiled model
+is one graph pair with no recompile. Attention by hand is refused by name."""
 
 from __future__ import annotations
 
@@ -76,6 +77,9 @@ PROJECTIONS = {  # what the traced forward finds: each layer and the sites its o
     "timm": {"qkv": ("q", "k", "v"), "proj": ("out",)},
     "x_transformers": {"to_q": ("q",), "to_k": ("k",), "to_v": ("v",), "to_out": ("out",)},
     "neox": {"query_key_value": ("q", "k", "v"), "dense": ("out",)},
+    "megatron": {"linear_qkv": ("q", "k", "v"), "linear_proj": ("out",)},  # per KV group
+    "timm_parallel": {"in_proj": ("q", "k", "v"), "attn_out_proj": ("out",)},  # after the MLP's
+    "torch_encoder": {"in_proj_weight": ("q", "k", "v"), "out_proj": ("out",)},  # a Parameter
 }
 
 
@@ -86,13 +90,18 @@ def _inf_row(call) -> None:  # a projection's site is a column slice: index, nev
 @pytest.mark.parametrize("layout", sorted(PROJECTIONS))
 def test_a_traced_forward_finds_the_projections_and_their_faults_are_corrected(layout):
     """protect_(model, example=...): the projections of each SDPA call found through the
-    autograd graph (fused Q | K | V split contiguously, GQA widths, RoPE in between, the
-    output projection in the parent module) and checked as the families' are."""
+    autograd graph (fused Q | K | V split contiguously, at an offset after the MLP's input, or
+    interleaved per head or per KV group; GQA widths, RoPE and norms in between, the output
+    projection in the parent module; nn.MultiheadAttention's in_proj_weight) and checked as
+    the families' are."""
     fresh = build(layout)
     block = sdpa_modules(fresh, (IDX,)).sdpa[0]
     parent = fresh.get_submodule(block.removesuffix(".attend"))  # x-transformers: Attend's
     names = {id(m): n for n, m in parent.named_children()}
-    found = {names[id(p.module)]: p.sites for p in sdpa_modules(fresh, (IDX,)).projections[block]}
+    found = {
+        p.params[0] if p.params else names[id(p.module)]: p.sites
+        for p in sdpa_modules(fresh, (IDX,)).projections[block]
+    }
     assert found == PROJECTIONS[layout]
     want = _step(build(layout))
     model = build(layout)
@@ -105,6 +114,61 @@ def test_a_traced_forward_finds_the_projections_and_their_faults_are_corrected(l
         detach.remove()
         _close(got, want)
         assert [(e.op, e.action) for e in handle.drain()] == [(site, "corrected")], site
+
+
+def _sites_of(layout, y):
+    """The (Q, K, V) outputs of fused projection output y (B, L, N) as the layout's own code
+    reads them, each (B, L, heads * hd) in head order."""
+    B, L, _ = y.shape
+    hd = 8
+    if layout == "megatron":  # per KV group g: [q heads of g | k_g | v_g]
+        g = y.view(B, L, 2, 4, hd)
+        return g[..., :2, :].reshape(B, L, -1), g[..., 2, :].flatten(-2), g[..., 3, :].flatten(-2)
+    if layout == "neox":  # per head h: [q_h | k_h | v_h]
+        return tuple(y.view(B, L, 4, 3, hd)[..., i, :].flatten(-2) for i in range(3))
+    return tuple(y[..., 128:].split(32, -1))  # timm_parallel: [MLP input | Q | K | V]
+
+
+@pytest.mark.parametrize("layout", ["megatron", "neox", "timm_parallel"])
+def test_the_sites_of_a_fused_projection_are_its_layouts_q_k_and_v(layout):
+    """What each site shows (and what a fault there edits) is Q, K or V as the model's own code
+    reads them from the fused output: strided per KV group or per head, or after the MLP's
+    input features."""
+    model = build(layout)
+    handle = protect_(model, example=(IDX,))
+    block = handle.modules[0]
+    name = next(n for n, sites in PROJECTIONS[layout].items() if sites == ("q", "k", "v"))
+    fused = model.get_submodule(f"{block}.{name}")
+    seen, outs = {}, []
+    detach = handle.attach(
+        lambda call: seen.setdefault(call.site, call.tensor.clone()), sites=("q", "k", "v"),
+        modules=(block,),
+    )  # fmt: skip
+    hook = fused.register_forward_hook(lambda m, a, y: outs.append(y.detach().clone()))
+    model(IDX)
+    detach.remove()
+    hook.remove()
+    want = _sites_of(layout, outs[0])
+    for site, w in zip("qkv", want, strict=True):
+        assert torch.equal(seen[site], w), site
+
+
+def test_a_fault_in_the_mlp_features_of_a_parallel_block_in_proj_is_corrected():
+    """timm's ParallelScalingBlock: the in_proj GEMM makes the MLP's input and Q | K | V at
+    once; a fault in the MLP's part (no site of its own) is caught by the same check, counted
+    for ``q`` (the GEMM's first site, as its backward's dx.q / dw.q), and corrected."""
+    want = _step(build("timm_parallel"))
+    model = build("timm_parallel")
+    handle = protect_(model, example=(IDX,))
+
+    def fault(module, args, y):
+        y.data[1, 3, 17] = math.inf  # an MLP input feature (the first 128 outputs)
+
+    hook = model.h[1].in_proj.register_forward_hook(fault, prepend=True)  # before the check
+    got = _step(model)
+    hook.remove()
+    _close(got, want)
+    assert [(e.module, e.op, e.action) for e in handle.drain()] == [("h.1", "q", "corrected")]
 
 
 def test_an_example_input_finds_the_same_modules_as_the_sources():
@@ -128,12 +192,19 @@ def test_all_linear_adds_every_linear_layer_projections_included():
 
 @pytest.mark.parametrize(
     ("layout", "projections"),
-    [("nanogpt", False), pytest.param("litgpt", True, marks=pytest.mark.slow)],
+    [
+        ("nanogpt", False),
+        *(
+            pytest.param(m, True, marks=pytest.mark.slow)
+            for m in ("litgpt", "torch_encoder", "megatron", "timm_parallel")
+        ),
+    ],
 )  # the core alone compiles in ~20 s on 2 cores, with the projections ~50 s, a fault's hook more
 def test_compiled_fullgraph_without_recompiles(layout, projections):
-    """fullgraph=True (the core checked; in the slow set the projections too, and a fault): the
-    mode is traced into the graph; clean steps compile nothing more (an attached fault hook is
-    traced in: one recompilation, as for the families)."""
+    """fullgraph=True (the core checked; in the slow set the projections too, the rows of
+    nn.MultiheadAttention's in_proj_weight among them, and a fault): the mode is traced into
+    the graph; clean steps compile nothing more (an attached fault hook is traced in: one
+    recompilation, as for the families)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -151,7 +222,7 @@ def test_compiled_fullgraph_without_recompiles(layout, projections):
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert handle.drain() == []
     if projections:  # and a fault, in the slow set
-        detach = handle.attach(_inf, sites=("scores",), modules=("h.1.attn",))
+        detach = handle.attach(_inf, sites=("scores",), modules=(handle.modules[1],))
         _close(_step(model, run), want)
         detach.remove()
         assert [(e.op, e.action) for e in handle.drain()] == [("scores", "corrected")]
@@ -200,8 +271,9 @@ def test_a_module_found_by_its_source_that_calls_no_sdpa_is_warned_about():
 
 def test_multihead_attention_as_pytorch_computes_it_weights_and_padding_included():
     """nn.MultiheadAttention called directly (need_weights=True, the default: averaged weights),
-    with a key padding mask (True masks out) and batch_first; its out_proj is checked with
-    all_linear (the in-projection is a Parameter, in_proj_weight: not a linear layer)."""
+    with a key padding mask (True masks out) and batch_first; found by its source (no
+    example=), its out_proj is checked with all_linear (the in-projection, in_proj_weight, is
+    a Parameter and not a linear layer: with example= it is checked as a projection)."""
     torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
     x = torch.randn(2, 8, 32)
@@ -229,6 +301,55 @@ def test_multihead_attention_as_pytorch_computes_it_weights_and_padding_included
     assert [(e.module, e.action) for e in handle.drain()] == [("attn.out_proj", "corrected")]
 
 
+class _CrossAttention(torch.nn.Module):
+    """nn.MultiheadAttention over a memory: key is value (``split="q|kv"``, as
+    nn.TransformerDecoderLayer's multihead_attn) or three inputs (``"q|k|v"``)."""
+
+    def __init__(self, split: str) -> None:
+        super().__init__()
+        self.split = split
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x, mem):
+        value = mem if self.split == "q|kv" else mem.flip(1)
+        return self.attn(x, mem, value, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("split", ["q|kv", "q|k|v"])
+def test_multihead_attention_in_projection_over_a_memory_is_checked_per_gemm(split):
+    """An nn.MultiheadAttention whose key and query differ: its in-projection is two GEMMs of
+    in_proj_weight's rows (Q; K | V) or three, each checked as a projection of its own input
+    (sites q, k, v; dx / dw of each GEMM under its first site) and a fault in each corrected:
+    the loss and every gradient equal PyTorch's own."""
+    g = torch.Generator().manual_seed(3)
+    x, mem = (torch.randn(2, n, 32, generator=g).requires_grad_() for n in (8, 6))  # dX too
+
+    def step(model):
+        model.zero_grad()
+        x.grad = mem.grad = None
+        loss = model(x, mem).square().sum()
+        loss.backward()
+        return loss.detach(), [t.grad.clone() for t in (*model.parameters(), x, mem)]
+
+    torch.manual_seed(0)
+    want = step(_CrossAttention(split))
+    torch.manual_seed(0)
+    model = _CrossAttention(split)
+    specs = sdpa_modules(model, (x, mem)).projections["attn"]
+    assert ["".join(p.sites) for p in specs] == [*split.split("|"), "out"]
+    handle = protect_(model, example=(x, mem))
+    _close(step(model), want)
+    assert handle.drain() == []
+    gemms = [s[0] for s in split.split("|")]  # each GEMM's backward: under its first site
+    sites = ("q", "k", "v", "out", *(f"{g}.{s}" for s in (*gemms, "out") for g in ("dx", "dw")))
+    for site in sites:
+        detach = handle.attach(_inf_row, sites=(site,), modules=("attn",))
+        got = step(model)
+        detach.remove()
+        _close(got, want)
+        assert [(e.op, e.action) for e in handle.drain()] == [(site, "corrected")], site
+
+
 def test_a_model_without_attention_is_refused():
     with pytest.raises(UnsupportedModelError, match="calls no scaled_dot_product_attention"):
         protect_(torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)))
@@ -253,7 +374,15 @@ def test_flex_attention_is_refused_by_name():
         ("nanogpt", ("s", "dq")),  # strided slices of a fused Q|K|V (the dQ overrun it found)
         *(
             pytest.param(m, ("s", "pv", "st", "dq"), marks=pytest.mark.slow)
-            for m in ("nanogpt", "litgpt", "x_transformers", "timm", "torchtitan")
+            for m in (
+                "nanogpt",
+                "litgpt",
+                "x_transformers",
+                "timm",
+                "torchtitan",
+                "megatron",
+                "timm_parallel",
+            )
         ),
     ],
 )  # fmt: skip  ~3 s a step in the interpreter

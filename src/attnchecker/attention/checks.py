@@ -119,24 +119,57 @@ def log_rows(rec: Tensor, det: Tensor, step: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class Projection:
     """A projection y = x W^T + b as the check sees it: its parameters, its weight layout and how
-    its N outputs split into sites (P parts, e.g. Q|K|V of a fused projection) and head groups."""
+    its N outputs split into sites (P parts, e.g. Q|K|V of a fused projection) and head groups:
+    contiguous, or ``interleaved`` in one block per K/V group, [the query heads of group g | k_g
+    | v_g] (Megatron-LM's ``linear_qkv``; GPT-NeoX's [q_h | k_h | v_h]: one query head a group).
+    ``lead`` / ``trail`` head groups before / after the sites hold features no site names
+    (timm's ``ParallelScalingBlock``: the MLP's input): the same GEMM, checked with the sites and
+    counted with the first (as the backward GEMMs are named by it, ``dx.q`` / ``dw.q``)."""
 
     weight: Tensor  # (N, K); (K, N) for GPT-2's Conv1D
     bias: Tensor | None  # (N,)
     conv1d: bool
     sites: tuple[str, ...]
-    groups: int  # head groups over the N outputs, a multiple of len(sites)
+    groups: int  # head groups over the N outputs (the sites', lead and trail)
     site_groups: tuple[int, ...] = ()  # groups of each site when not equal (Phi-3's Q|K|V, GQA)
-    interleaved: bool = False  # the sites alternate per head: [q_h | k_h | v_h] (GPT-NeoX)
+    interleaved: bool = False
+    lead: int = 0
+    trail: int = 0
 
     @property
     def per_site(self) -> tuple[int, ...]:
         """Head groups of each site: equal parts unless ``site_groups`` says otherwise."""
-        return self.site_groups or (self.groups // len(self.sites),) * len(self.sites)
+        inner = self.groups - self.lead - self.trail
+        return self.site_groups or (inner // len(self.sites),) * len(self.sites)
+
+    @property
+    def counted(self) -> tuple[int, ...]:
+        """Head groups each site's record counts: the first site's with ``lead`` and ``trail``."""
+        return (self.per_site[0] + self.lead + self.trail, *self.per_site[1:])
+
+    @property
+    def blocks(self) -> int:
+        """The interleaved sites' blocks (K/V groups: every site's heads divide into them)."""
+        return math.gcd(*self.per_site) if self.interleaved else 1
 
     def site_widths(self, n: int) -> tuple[int, ...]:
         """Output features of each site, of the n outputs."""
         return tuple(g * (n // self.groups) for g in self.per_site)
+
+    def group_order(self) -> tuple[int, ...] | None:
+        """The head groups in the order of :attr:`counted` (each site's heads in order), or None
+        when that is their own order."""
+        if not self.interleaved and not self.trail:
+            return None
+        per, n = self.per_site, self.blocks
+        size = [g // n for g in per]  # heads of each site in one block
+        order = list(range(self.lead))
+        for s, g in enumerate(per):
+            at = self.lead + sum(size[:s])  # where site s starts in the first block
+            order += [at + (j // size[s]) * sum(size) + j % size[s] for j in range(g)]
+            if s == 0:
+                order += range(self.lead + sum(per), self.groups)  # the trail
+        return tuple(order)
 
     def rows(self, x: Tensor) -> Tensor:
         """Output rows for input rows x (R, K), with the module's op (same dtype under autocast)."""
@@ -267,32 +300,25 @@ def _per_site(flags: Tensor, sizes: tuple[int, ...]) -> Tensor:
 def _site_order(
     projs: Sequence[Projection], widths: Sequence[int], device: torch.device
 ) -> tuple[Tensor, Tensor] | None:
-    """Index permutations of the stacked head groups (sum G,) and outputs (sum N,) that put
-    every interleaved projection's in site order (all of Q's heads, then K's, then V's), for
-    the per-site counts; None when no projection is interleaved (a cached constant)."""
-    if not any(p.interleaved for p in projs):
+    """Index permutations of the stacked head groups (sum G,) and outputs (sum N,) into the
+    order the records count them (:meth:`Projection.group_order`), for the per-site counts;
+    None where that is theirs (a cached constant)."""
+    orders = [p.group_order() for p in projs]
+    if all(o is None for o in orders):
         return None
-    layout = tuple(
-        (p.groups, len(p.sites), p.interleaved, n) for p, n in zip(projs, widths, strict=True)
-    )
-    key = (("order", *layout), device)
-    if key in _SEGMENTS:
-        return _SEGMENTS[key], _SEGMENTS[(("cols", *key[0]), device)]
-    g_order, n_order, g0, n0 = [], [], 0, 0
-    for p, n in zip(projs, widths, strict=True):
-        S, w = len(p.sites), n // p.groups
-        heads = p.groups // S
-        seq = (
-            [h * S + s for s in range(S) for h in range(heads)] if p.interleaved
-            else list(range(p.groups))
-        )  # fmt: skip
-        g_order += [g0 + g for g in seq]
-        n_order += [n0 + g * w + j for g in seq for j in range(w)]
-        g0, n0 = g0 + p.groups, n0 + n
-    orders = torch.tensor(g_order, device=device), torch.tensor(n_order, device=device)
-    if not torch.compiler.is_compiling():
-        _SEGMENTS[key], _SEGMENTS[(("cols", *key[0]), device)] = orders
-    return orders
+    key = (("order", *zip([p.groups for p in projs], orders, widths, strict=True)), device)
+    if key not in _SEGMENTS:
+        g_order, n_order, g0, n0 = [], [], 0, 0
+        for p, o, n in zip(projs, orders, widths, strict=True):
+            w, seq = n // p.groups, range(p.groups) if o is None else o
+            g_order += [g0 + g for g in seq]
+            n_order += [n0 + g * w + j for g in seq for j in range(w)]
+            g0, n0 = g0 + p.groups, n0 + n
+        if torch.compiler.is_compiling():  # a graph constant
+            return torch.tensor(g_order, device=device), torch.tensor(n_order, device=device)
+        _SEGMENTS[key] = torch.tensor(g_order, device=device)
+        _SEGMENTS[(("cols", *key[0]), device)] = torch.tensor(n_order, device=device)
+    return _SEGMENTS[key], _SEGMENTS[(("cols", *key[0]), device)]
 
 
 def _columns(weight: Tensor, bias: Tensor | None, conv1d: bool, x: Tensor, f: Tensor) -> Tensor:
@@ -372,8 +398,9 @@ def _projection_region(
     x2 = x.reshape(T, K)
     f32 = torch.float32
     G = sum(p.groups for p in projs)
-    groups = tuple(g for p in projs for g in p.per_site)  # per site
-    widths = tuple(w for p, y in zip(projs, ys, strict=True) for w in p.site_widths(y.shape[-1]))
+    groups = tuple(g for p in projs for g in p.counted)  # counted by each site's record
+    widths = tuple(g * (y.shape[-1] // p.groups) for p, y in zip(projs, ys, strict=True)
+                   for g in p.counted)  # fmt: skip
     weight, bias = _stacked(projs)
     ws = weight_sums(weight, bias, conv1d=projs[0].conv1d, groups=G, floor=floor)
     cat = (lambda ts, dim: ts[0]) if len(ys) == 1 else torch.cat

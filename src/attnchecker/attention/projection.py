@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
 from attnchecker.attention.config import ABFTConfig
@@ -40,6 +41,7 @@ __all__ = [
     "is_conv1d",
     "linear_hook",
     "patch_backward",
+    "project",
     "projection_hook",
     "protect_attention",
     "protect_linears",
@@ -51,7 +53,13 @@ Undo = Callable[[], None]
 
 @dataclass(frozen=True)
 class ProjectionSpec:
-    """A projection submodule: its sites (three for a fused Q|K|V), output groups (heads)."""
+    """A projection submodule: its sites (three for a fused Q|K|V), output groups (heads), and
+    how its outputs hold the sites (:class:`~attnchecker.attention.checks.Projection`).
+
+    ``params``: the projection is no forward of ``module`` but a packed Q|K|V Parameter of it
+    that the module's attention function multiplies itself (``("in_proj_weight",
+    "in_proj_bias")`` of ``nn.MultiheadAttention``), the rows of ``sites`` of it (Q, K and V
+    equal parts); that function runs it through :func:`project`."""
 
     sites: tuple[str, ...]
     module: nn.Module
@@ -59,20 +67,33 @@ class ProjectionSpec:
     conv1d: bool = False  # GPT-2's Conv1D: weight stored (in, out), y = addmm(b, x, W)
     last: bool = True  # the last projection of its input (V after Q and K): check them now
     site_groups: tuple[int, ...] = ()  # groups of each site when not equal (fused Q|K|V + GQA)
-    interleaved: bool = False  # sites alternate per head group (GPT-NeoX's [q_h | k_h | v_h])
+    interleaved: bool = False  # sites alternate per K/V group ([q heads of g | k_g | v_g])
+    lead: int = 0  # head groups before the sites (timm's ParallelScalingBlock: the MLP input)
+    trail: int = 0  # head groups after the sites
+    params: tuple[str, str] = ()  # (weight, bias) attribute names of a packed Parameter
 
     @property
     def heads(self) -> dict[str, int]:
         """Head groups of each site."""
-        per = self.site_groups or (self.groups // len(self.sites),) * len(self.sites)
-        return dict(zip(self.sites, per, strict=True))
+        return dict(zip(self.sites, self.projection().per_site, strict=True))
+
+    @property
+    def ops(self) -> tuple[str, str]:
+        """Its backward GEMMs' ops: one dX and one dW GEMM, named by its first site."""
+        return f"dx.{self.sites[0]}", f"dw.{self.sites[0]}"
 
     def projection(self) -> Projection:
         """What the check sees, with the module's parameters as they are now (read per call:
         FSDP and optimizers may replace them)."""
         m = self.module
-        return Projection(m.weight, m.bias, self.conv1d, self.sites, self.groups,
-                          self.site_groups, self.interleaved)  # fmt: skip
+        names = self.params or ("weight", "bias")
+        weight, bias = getattr(m, names[0]), getattr(m, names[1])
+        if self.params and len(self.sites) < 3:  # the sites' rows of a packed Q | K | V
+            n, first = weight.shape[0] // 3, "qkv".index(self.sites[0])
+            rows = slice(first * n, (first + len(self.sites)) * n)
+            weight, bias = weight[rows], None if bias is None else bias[rows]
+        return Projection(weight, bias, self.conv1d, self.sites, self.groups, self.site_groups,
+                          self.interleaved, self.lead, self.trail)  # fmt: skip
 
 
 def is_conv1d(m: nn.Module) -> bool:
@@ -89,23 +110,48 @@ def projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[...
     """The forward hook of a projection: its sites on the output, then its check queued."""
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
-        proj, start = spec.projection(), 0
-        if spec.interleaved:  # (..., heads, sites, d): a site is a strided slice, edited as a copy
-            parts = y.unflatten(-1, (spec.groups // len(spec.sites), len(spec.sites), -1))
-            for i, site in enumerate(spec.sites):
-                if state.hooks[site]:
-                    part = parts[..., i, :]
-                    edited = part.flatten(-2)  # (..., heads * d)
-                    state.site(site, edited)
-                    part.data.copy_(edited.unflatten(-1, part.shape[-2:]))
-        else:
-            for site, width in zip(spec.sites, proj.site_widths(y.shape[-1]), strict=True):
-                state.site(site, y[..., start : start + width])
-                start += width
-        if any(state.checks(s) for s in spec.sites):  # per call: the schedule switches it
-            defer(state, proj, args[0], y, last=spec.last)
+        _sites_and_check(state, spec, spec.projection(), args[0], y)
 
     return hook
+
+
+def project(state: AttentionState, spec: ProjectionSpec, x: Tensor) -> Tensor:
+    """y = x W^T + b of a projection that is no module's forward (``spec.params``:
+    ``nn.MultiheadAttention``'s ``in_proj_weight``, or the rows of it of the sites), made and
+    checked as a hooked projection is: ``F.linear`` (its backward checked as
+    :func:`patch_backward` checks a module's), then its sites and its check."""
+    proj = spec.projection()
+    y = _linear(state, x, proj.weight, proj.bias, False, *spec.ops,
+                lambda: F.linear(x, proj.weight, proj.bias))  # fmt: skip
+    _sites_and_check(state, spec, proj, x, y)
+    return y
+
+
+def _sites_and_check(
+    state: AttentionState, spec: ProjectionSpec, proj: Projection, x: Tensor, y: Tensor
+) -> None:
+    """Run the sites of projection output y (..., N) = proj(x), then queue its check."""
+    body = y  # the sites' outputs
+    if proj.lead or proj.trail:
+        w = y.shape[-1] // proj.groups
+        body = y[..., proj.lead * w : y.shape[-1] - proj.trail * w]
+    if proj.interleaved:  # (..., blocks, block): a site is a strided slice, edited as a copy
+        n, start = proj.blocks, 0
+        parts = body.view(*body.shape[:-1], n, -1)  # (not unflatten: dynamo under the mode)
+        for site, width in zip(spec.sites, proj.site_widths(y.shape[-1]), strict=True):
+            part = parts[..., start : start + width // n]  # (..., blocks, width / blocks)
+            start += width // n
+            if state.hooks[site]:
+                edited = part.flatten(-2)  # (..., width): the site's heads in order
+                state.site(site, edited)
+                part.data.copy_(edited.view(part.shape))
+    else:
+        start = 0
+        for site, width in zip(spec.sites, proj.site_widths(y.shape[-1]), strict=True):
+            state.site(site, body[..., start : start + width])
+            start += width
+    if any(state.checks(s) for s in spec.sites):  # per call: the schedule switches it
+        defer(state, proj, x, y, last=spec.last)
 
 
 def defer(state: AttentionState, proj: Projection, x: Tensor, y: Tensor, *, last: bool) -> None:
@@ -184,6 +230,7 @@ def _leave(
     B, L = x.shape[:2]
     offset = 0
     for p, _ in pairs:
+        offset += p.lead
         for site, width in zip(p.sites, p.per_site, strict=True):
             if site == "v" and state.checks("v") and not p.interleaved:  # V's heads contiguous
                 cut = slice(offset, offset + width)
@@ -191,6 +238,7 @@ def _leave(
                     ref[:, cut].view(B, L, width), tol[:, cut].view(B, L, width)
                 )
             offset += width
+        offset += p.trail
 
 
 def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
@@ -231,23 +279,33 @@ def patch_backward(
     kind = Conv1D if conv1d else nn.Linear
     if type(module).forward is not kind.forward or "forward" in vars(module):
         return None
-    ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
-    config = state.config
 
     def forward(x: Tensor) -> Tensor:
-        hook = state.grad_hook()
-        check = (state.checks(dx), state.checks(dw))  # per call: the schedule switches them
-        sink = state.grads
-        if sink is None or not torch.is_grad_enabled() or not (any(check) or hook):
-            return kind.forward(module, x)
-        return checked_linear(
-            x, module.weight, module.bias, sink, state.clock.count, ops=ops, check=check,
-            conv1d=conv1d, max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,
-            impl=config.check_impl,
-        )  # fmt: skip
+        return _linear(state, x, module.weight, module.bias, conv1d, dx, dw,
+                       lambda: kind.forward(module, x))  # fmt: skip
 
     module.forward = forward
     return lambda: delattr(module, "forward")
+
+
+def _linear(
+    state: AttentionState, x: Tensor, weight: Tensor, bias: Tensor | None, conv1d: bool,
+    dx: str, dw: str, plain: Callable[[], Tensor],
+) -> Tensor:  # fmt: skip
+    """y = x W^T + b (``conv1d``: x W + b) by :func:`checked_linear` where the schedule checks
+    its dX (op ``dx``) or dW (op ``dw``) or a hook waits at their sites, else by ``plain()``."""
+    hook = state.grad_hook()
+    check = (state.checks(dx), state.checks(dw))  # per call: the schedule switches them
+    sink = state.grads
+    if sink is None or not torch.is_grad_enabled() or not (any(check) or hook):
+        return plain()
+    config = state.config
+    ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
+    return checked_linear(
+        x, weight, bias, sink, state.clock.count, ops=ops, check=check, conv1d=conv1d,
+        max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,
+        impl=config.check_impl,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- wiring
@@ -286,9 +344,13 @@ def protect_attention(
     wired.update(() if fused else CORE_GRAD_OPS)
     undo: list[Undo] = []
     unwired = []
+    st.inline = tuple(p for p in projections if p.params)  # the attention function's own
     for p in projections:
+        ops = p.ops  # a fused Q|K|V: one GEMM each
+        if p.params:  # run by project(), from the module's attention function
+            wired.update(ops)
+            continue
         undo += [p.module.register_forward_hook(projection_hook(st, p)).remove]
-        ops = (f"dx.{p.sites[0]}", f"dw.{p.sites[0]}")  # a fused Q|K|V: one GEMM each
         patched = patch_backward(p.module, p.conv1d, st, *ops)
         if patched is not None:
             undo.append(patched)

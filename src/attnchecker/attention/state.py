@@ -97,6 +97,9 @@ class AttentionState:
                                kernel_checks=kernel_checks)  # fmt: skip
         self.pending: list = []  # projection checks waiting for their group
         self.handoff: object | None = None  # what the projection checks leave for the core
+        # projections the module's attention function computes itself (projection.project:
+        # nn.MultiheadAttention's in_proj_weight), as ProjectionSpecs
+        self.inline: tuple = ()
         self.coverage = Coverage()
 
     # -- what the engines ask

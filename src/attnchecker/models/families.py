@@ -43,7 +43,9 @@ class Wiring:
     cross: tuple[str, ...] = ()
     core: str = ""  # the submodule that calls the attention function ("" = the module itself)
     spec: CoreSpec = _LLAMA  # what its eager attention does
-    interleaved: bool = False  # a fused Q|K|V laid out per head, [q_h | k_h | v_h] (GPT-NeoX)
+    # a fused Q|K|V laid out per K/V group, [q heads of g | k_g | v_g]; per head (one query
+    # head a group), [q_h | k_h | v_h], in GPT-NeoX
+    interleaved: bool = False
     # sites the module reads before V is projected (q_norm / k_norm, OPT's q * scaling): they
     # are checked as soon as they are projected; the others wait for V, the checks of one input
     # sharing one pass over it

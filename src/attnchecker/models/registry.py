@@ -154,12 +154,21 @@ def _blocks(model: nn.Module, wiring: Wiring) -> list[AttentionBlock]:
 
 
 def projection_spec(
-    m: nn.Module, sites: tuple[str, ...], d: int, nh: int, wiring: Wiring, where: str
+    m: nn.Module,
+    sites: tuple[str, ...],
+    d: int,
+    nh: int,
+    wiring: Wiring,
+    where: str,
+    *,
+    lead: int = 0,
+    trail: int = 0,
 ) -> ProjectionSpec:
     """The :class:`ProjectionSpec` of linear layer ``m`` holding ``sites`` of heads of size
-    ``d``, ``nh`` query heads (a fused Q|K|V with fewer K/V heads split after them), as
-    ``wiring`` lays it out (``interleaved``, ``read_early``); ``where`` names the block in
-    errors."""
+    ``d``, ``nh`` query heads (a fused Q|K|V with fewer K/V heads split after them, or
+    interleaved per K/V group), as ``wiring`` lays it out (``interleaved``, ``read_early``);
+    ``lead`` / ``trail``: head groups of outputs before / after the sites that no site names
+    (timm's ``ParallelScalingBlock``); ``where`` names the block in errors."""
     conv1d = is_conv1d(m)
     width = _width(m, inputs=False)
     if width % d:
@@ -167,19 +176,23 @@ def projection_spec(
             f"{where}: a projection of {width} outputs does not split into heads of {d}"
         )
     groups = width // d
+    inner = groups - lead - trail  # the sites' head groups
+    interleaved = wiring.interleaved and len(sites) > 1
     per_site: tuple[int, ...] = ()
-    if sites == ("q", "k", "v") and groups != 3 * nh:  # fused Q|K|V with grouped K/V heads
-        rest = groups - nh
-        if rest <= 0 or rest % 2 or wiring.interleaved:
+    if sites == ("q", "k", "v") and inner != 3 * nh:  # fused Q|K|V with grouped K/V heads
+        rest = inner - nh
+        if rest <= 0 or rest % 2 or (interleaved and nh % (rest // 2)):
             raise UnsupportedModelError(
-                f"{where}: cannot split a fused projection of {groups} heads into Q ({nh} "
-                f"heads), K and V"
+                f"{where}: cannot split a fused projection of {inner} heads into Q ({nh} "
+                f"heads), K and V" + (" per K/V group" if interleaved else "")
             )
         per_site = (nh, rest // 2, rest // 2)
+    elif inner < 0 or inner % len(sites):
+        raise UnsupportedModelError(
+            f"{where}: cannot split a projection of {inner} heads into {', '.join(sites)}"
+        )
     last = "v" in sites or sites == ("out",) or any(s in wiring.read_early for s in sites)
-    return ProjectionSpec(
-        sites, m, groups, conv1d, last, per_site, wiring.interleaved and len(sites) > 1
-    )
+    return ProjectionSpec(sites, m, groups, conv1d, last, per_site, interleaved, lead, trail)
 
 
 def _probe_spec(block: AttentionBlock, model_type: str) -> CoreSpec:

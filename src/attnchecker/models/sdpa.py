@@ -14,13 +14,15 @@ names ``scaled_dot_product_attention`` (and ``nn.MultiheadAttention``, whose fun
 calls it). A module whose forward multiplies, takes a softmax and multiplies again without
 SDPA (hand-written attention, timm with fused attention off) is named too, and so is one whose
 source names ``flex_attention``, ``flash_attn_func`` or varlen attention (not SDPA calls):
-protect_ refuses them rather than leave them silently unchecked. The projections are not
-identified here: their GEMMs are checked as linear layers with ``scope="all_linear"``.
+protect_ refuses them rather than leave them silently unchecked. The projections are found by
+the traced forward (:mod:`~attnchecker.models.sdpa_trace`); without an example their GEMMs are
+checked as linear layers with ``scope="all_linear"`` only.
 
 ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``) calls SDPA inside
 ``F.multi_head_attention_forward``, whose own torch-function dispatch runs its body with the
 mode off: the mode routes that function instead (:func:`checked_mha`: the same in-projection,
-the checked core, the module's ``out_proj``). Its inference fast path
+checked as a projection where a traced forward found it, the checked core, the module's
+``out_proj``). Its inference fast path
 (``torch._native_multi_head_attention``, taken without gradients in eval) is not routed.
 
 SDPA's arguments are honoured: ``attn_mask`` (bool: True attends, or an additive float mask,
@@ -43,8 +45,10 @@ from torch.overrides import TorchFunctionMode
 
 from attnchecker.attention.core import CORE, CoreSpec, attend
 from attnchecker.attention.fused import attend_fused
+from attnchecker.attention.projection import project
+from attnchecker.attention.state import AttentionState
 from attnchecker.errors import UnsupportedModelError
-from attnchecker.models.sdpa_trace import Found, trace
+from attnchecker.models.sdpa_trace import Found, mha_split, trace
 
 __all__ = [
     "SPEC",
@@ -159,8 +163,12 @@ def checked_mha(
 ) -> tuple[Tensor, Tensor | None]:
     """``F.multi_head_attention_forward`` (as ``nn.MultiheadAttention`` calls it: query (L, N,
     E), key and value (S, N, E)) with its attention by the checked core bound to ``module``
-    and its output projection by ``module.out_proj`` (checked with ``scope="all_linear"``); the
-    in-projection is ``in_proj_weight``, a Parameter, not a linear layer: not checked. Masks as
+    and its output projection by ``module.out_proj``. Where a traced forward found the
+    projections (``example=``), the in-projection's GEMMs (rows of ``in_proj_weight``, a
+    Parameter, not a linear layer) run through :func:`_in_projection`, checked as a projection's
+    (sites ``q``, ``k``, ``v``, ``dx.q``, ``dw.q``), and ``out_proj`` as the output projection;
+    otherwise the in-projection is not checked and ``out_proj`` only with
+    ``scope="all_linear"``. Masks as
     ``nn.MultiheadAttention`` reads them (a boolean True masks out), weights averaged over the
     heads when asked."""
     if query.dim() != 3 or any(x is not None for x in (bias_k, bias_v, static_k, static_v)):
@@ -172,12 +180,13 @@ def checked_mha(
         raise UnsupportedModelError(f"{type(module).__name__}: add_zero_attn is not implemented")
     L, N, E = query.shape
     S, hd = key.shape[0], E // num_heads
+    spec, state = getattr(module, CORE)
     if use_separate_proj_weight:
         b_q, b_k, b_v = (None,) * 3 if in_proj_bias is None else in_proj_bias.chunk(3)
         q, k, v = (F.linear(x, w, b) for x, w, b in ((query, q_proj_weight, b_q),
                    (key, k_proj_weight, b_k), (value, v_proj_weight, b_v)))  # fmt: skip
     else:
-        q, k, v = F._in_projection_packed(query, key, value, in_proj_weight, in_proj_bias)
+        q, k, v = _in_projection(module, state, query, key, value, in_proj_weight, in_proj_bias)
     q = q.view(L, N * num_heads, hd).transpose(0, 1).view(N, num_heads, L, hd)
     k, v = (t.view(S, N * num_heads, hd).transpose(0, 1).view(N, num_heads, S, hd) for t in (k, v))
     mask = _masked_out(attn_mask, q.dtype)
@@ -189,7 +198,6 @@ def checked_mha(
     if padding is not None:
         padding = padding.view(N, 1, 1, S)
         mask = padding if mask is None else mask + padding
-    spec, state = getattr(module, CORE)
     p = dropout_p if training else 0.0
     out, probs = attend(spec, q, k, v, mask, scaling=hd**-0.5, dropout=p, training=training,
                         state=state)  # fmt: skip
@@ -202,6 +210,45 @@ def checked_mha(
     if not need_weights:
         return out, None
     return out, probs.mean(1) if average_attn_weights else probs
+
+
+def _in_projection(
+    module: nn.Module,
+    state: AttentionState | None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``F._in_projection_packed``'s q, k, v (L or S, N, E): each GEMM by
+    :func:`~attnchecker.attention.projection.project` (checked as a projection, forward and
+    backward) where the traced forward found the module's in-projection with this split, the
+    same ops in the same layouts; as it is, unchecked, where it did not (no ``example=``)."""
+    split = mha_split(query, key, value)
+    specs = {} if state is None else {"".join(p.sites): p for p in state.inline}
+    if not specs or any(s not in specs for s in split) or weight is not module.in_proj_weight:
+        if specs and not torch.compiler.is_compiling():
+            warnings.warn(
+                f"attnchecker: {state.name}: its in-projection is called as {split}, not as "
+                f"the traced forward found it ({tuple(specs)}): NOT checked",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return F._in_projection_packed(query, key, value, weight, bias)
+    inputs = {"q": query, "k": key, "v": value}
+    out: list[Tensor] = []
+    for sites in split:
+        y = project(state, specs[sites], inputs[sites[0]])  # (L or S, N, len(sites) E)
+        if len(sites) == 1:
+            out.append(y)
+            continue
+        E = query.shape[-1]  # (len(sites), L, N, E), made contiguous as PyTorch does
+        y = y.unflatten(-1, (len(sites), E)).unsqueeze(0).transpose(0, -2).squeeze(-2)
+        y = y.contiguous()
+        out += [y[i] for i in range(len(sites))]
+    q, k, v = out
+    return q, k, v
 
 
 def _masked_out(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:

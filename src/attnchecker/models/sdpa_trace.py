@@ -8,9 +8,24 @@ call. Gradients are on for that forward, so each operand's autograd graph leads 
 linear layers that made it: the nearest linear weight on every path (through views, splits,
 rotary embeddings, norms) names the projection of Q, of K and of V; a layer whose input's
 graph reaches the attention output is its output projection. One layer that makes all of Q, K
-and V is a fused projection, split Q | K | V contiguously (nanoGPT, litgpt, timm's
-``reshape(..., 3, H, D)``) or per head (GPT-NeoX): which one is read from V, compared bitwise
-with the layer's output under each layout (neither: no projections, with a warning).
+and V (or K and V) is a fused projection, in one of the layouts the checks implement
+(:class:`~attnchecker.attention.checks.Projection`):
+
+- Q | K | V contiguous over the whole output, GQA widths included (nanoGPT, litgpt, timm's
+  ``reshape(..., 3, H, D)``);
+- interleaved per K/V group, [the nh / n_kv query heads of group g | k_g | v_g] (Megatron-LM's
+  ``linear_qkv``, torchtitan's ``wqkv``; GPT-NeoX's per-head [q_h | k_h | v_h] is one query
+  head a group);
+- Q | K | V contiguous at an offset, features no site names around them (timm's
+  ``ParallelScalingBlock``: [MLP input | Q | K | V]; those features are the same GEMM, checked
+  with the sites and counted with Q).
+
+Which one is read from V, compared bitwise with the layer's output under each layout (none: no
+projections, with a warning). ``nn.MultiheadAttention`` has no linear layer for its
+in-projection: the rows of its ``in_proj_weight`` that each of its GEMMs uses (one for
+self-attention, Q and K | V when key is value, else three: as the traced call splits them) are
+its projections, run and checked by ``models.sdpa.checked_mha``, and ``out_proj`` its output
+projection.
 """
 
 from __future__ import annotations
@@ -29,7 +44,7 @@ from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.families import Wiring
 from attnchecker.models.registry import SITES, projection_spec
 
-__all__ = ["Found", "trace"]
+__all__ = ["Found", "mha_split", "trace"]
 
 _SDPA = F.scaled_dot_product_attention
 _PRODUCTS = frozenset({torch.matmul, torch.bmm, torch.einsum, Tensor.matmul, Tensor.__matmul__})
@@ -56,6 +71,7 @@ class _Recorder(TorchFunctionMode):
         self.stack = stack
         self.calls: dict[str, list[str]] = {}
         self.operands: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # q, k, v, out
+        self.mha: dict[str, tuple[str, ...]] = {}  # its in-projection's GEMMs (mha_split)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -64,6 +80,8 @@ class _Recorder(TorchFunctionMode):
             self.calls.setdefault(self.stack[-1], []).append(kind)
             if kind == "sdpa" and len(args) >= 3:
                 self.operands.setdefault(self.stack[-1], (*args[:3], out))
+            if kind == "mha" and len(args) >= 3:
+                self.mha.setdefault(self.stack[-1], mha_split(*args[:3]))
         return out
 
 
@@ -109,7 +127,44 @@ def trace(model: nn.Module, example: tuple | dict) -> Found:
         for n in sdpa
         if n in recorder.operands
     }
+    for n, split in recorder.mha.items():
+        if isinstance(modules[n], nn.MultiheadAttention):
+            projections[n] = _mha_projections(n, modules[n], split)
     return Found(sdpa, hand, projections)
+
+
+def mha_split(query: Tensor, key: Tensor, value: Tensor) -> tuple[str, ...]:
+    """The GEMMs of ``nn.MultiheadAttention``'s packed in-projection for these inputs, by the
+    sites each makes, as ``F._in_projection_packed`` splits them: ``("qkv",)`` for
+    self-attention (one input), ``("q", "kv")`` when key is value, else ``("q", "k", "v")``."""
+    if key is value:
+        return ("qkv",) if query is key else ("q", "kv")
+    return ("q", "k", "v")
+
+
+_IN_PROJ = ("in_proj_weight", "in_proj_bias")
+
+
+def _mha_projections(
+    where: str, m: nn.MultiheadAttention, split: tuple[str, ...]
+) -> tuple[ProjectionSpec, ...]:
+    """An ``nn.MultiheadAttention``'s projections: the rows of ``in_proj_weight`` of each GEMM of
+    ``split`` (:func:`mha_split`, as its first call runs them; ``checked_mha`` runs them through
+    ``attention.projection.project``) and ``out_proj``. Separate Q, K and V weights (``kdim`` or
+    ``vdim`` not ``embed_dim``) are not checked, with a warning."""
+    nh = m.num_heads
+    specs = [ProjectionSpec(SITES["out"], m.out_proj, nh)]
+    if m.in_proj_weight is None:
+        warnings.warn(
+            f"attnchecker: {where}: its in-projection (q/k/v_proj_weight: kdim or vdim not "
+            f"embed_dim) is not checked; its out_proj is",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return tuple(specs)
+    inner = [ProjectionSpec(SITES[sites], m, nh * len(sites), last=i == len(split) - 1,
+                            params=_IN_PROJ) for i, sites in enumerate(split)]  # fmt: skip
+    return (*inner, *specs)
 
 
 def _looks(calls: list[str]) -> bool:
@@ -185,15 +240,16 @@ def _projections(
     for name, sites in by_layer.items():
         if sites not in SITES:
             return _unknown(where, f"{name} makes {sites}")
-        interleaved = False
+        interleaved, lead, trail = False, 0, 0
         if len(sites) > 1:
-            layout = _layout(io[name][1], v, d, nh, len(sites))
+            layout = _layout(io[name][1], v, d, nh, sites)
             if layout is None:
                 return _unknown(where, f"{name}'s outputs split into {sites} in no known layout")
-            interleaved = layout == "heads"
+            interleaved, lead, trail = layout
         wiring = Wiring(projections=(), interleaved=interleaved)
         try:
-            specs.append(projection_spec(modules[name], SITES[sites], d, nh, wiring, where))
+            specs.append(projection_spec(modules[name], SITES[sites], d, nh, wiring, where,
+                                         lead=lead, trail=trail))  # fmt: skip
         except UnsupportedModelError as e:
             return _unknown(where, str(e))
     if out.grad_fn is not None:
@@ -207,24 +263,42 @@ def _projections(
     return tuple(specs)
 
 
-def _layout(y: Tensor, v: Tensor, d: int, nh: int, n_sites: int) -> str | None:
-    """How a fused projection's output y (..., width) holds V: ``"contiguous"`` (Q | K | V),
-    ``"heads"`` (per head, [q_h | k_h | v_h]) or None, read by comparing V (B, Hv, L, d; K/V
-    heads repeated by hand are compared at their first copy) bitwise."""
-    if y.dim() != 3:
+def _layout(y: Tensor, v: Tensor, d: int, nh: int, sites: str) -> tuple[bool, int, int] | None:
+    """How a fused projection's output y (B, L, width) holds ``sites`` (``"qkv"``, or ``"kv"``):
+    (interleaved, lead, trail), the last two in heads of d before and after the sites, or None.
+
+    Read by finding V (B, Hv, L, d; K/V heads repeated by hand compared at their first copy)
+    bitwise among y's heads, for each K/V head count n_kv that divides Hv (most first), in
+    this order: Q | K | V contiguous over the whole output (nanoGPT, litgpt, timm's
+    ``reshape(..., 3, H, D)``); interleaved per K/V group, [the nh / n_kv query heads of group
+    g | k_g | v_g] (Megatron-LM, torchtitan's ``wqkv``; GPT-NeoX: one query head a group);
+    Q | K | V contiguous at an offset of whole heads, features no site names around them (timm's
+    ``ParallelScalingBlock``: the MLP's input first). Only V is compared: rotary embeddings and
+    norms change Q and K, which are taken where the layout puts them."""
+    if y.dim() != 3 or y.shape[-1] % d:
         return None
     B, L, width = y.shape
-    n_kv = (width // d - nh) // 2 if n_sites == 3 else width // d // 2
-    if n_kv <= 0 or v.shape[1] % n_kv or v.shape[0] != B or v.shape[2] != L:
+    Hv, heads = v.shape[1], width // d
+    if v.shape[0] != B or v.shape[2] != L or v.shape[3] != d:
         return None
-    first = v[:, :: v.shape[1] // n_kv]  # (B, n_kv, L, d)
-    tail = y[..., width - n_kv * d :].unflatten(-1, (n_kv, d)).transpose(1, 2)
-    if torch.equal(tail, first):
-        return "contiguous"
-    if width == n_sites * nh * d and n_kv == nh:
-        per_head = y.unflatten(-1, (nh, n_sites, d))[..., -1, :].transpose(1, 2)
-        if torch.equal(per_head, first):
-            return "heads"
+    yh = y.unflatten(-1, (heads, d)).transpose(1, 2)  # (B, heads, L, d)
+    nq = nh if sites == "qkv" else 0
+    counts = [n for n in range(Hv, 0, -1) if Hv % n == 0 and nq + 2 * n <= heads]
+    for n in counts:  # the sites fill the output
+        first = v[:, :: Hv // n]  # (B, n, L, d)
+        span = nq + 2 * n
+        if span != heads:
+            continue
+        if torch.equal(yh[:, span - n :], first):
+            return False, 0, 0
+        # interleaved: (B, n, span / n, L, d), V last in each K/V group
+        if nq % n == 0 and torch.equal(yh.unflatten(1, (n, span // n))[:, :, -1], first):
+            return True, 0, 0
+    for n in counts:  # the sites at an offset
+        first, span = v[:, :: Hv // n], nq + 2 * n
+        for lead in range(heads - span + 1):
+            if torch.equal(yh[:, lead + span - n : lead + span], first):
+                return False, lead, heads - span - lead
     return None
 
 

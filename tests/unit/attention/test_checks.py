@@ -53,14 +53,23 @@ LAYOUTS = {
     "fused": (("q", "k", "v"),),
     "fused_gqa": (("q", "k", "v"),),  # Phi-3: Q | K | V of heads, heads / 2, heads / 2
     "interleaved": (("q", "k", "v"),),  # GPT-NeoX: [q_h | k_h | v_h] for every head h
+    # Megatron-LM's linear_qkv: per KV group g, [q heads of g | k_g | v_g]
+    "interleaved_gqa": (("q", "k", "v"),),
+    # features no site names around Q | K | V (timm's ParallelScalingBlock: the MLP's first)
+    "outside": (("q", "k", "v"),),
     "separate": (("q",), ("k",), ("v",)),
 }
+OUTSIDE = (2, 1)  # head groups before and after the sites in "outside"
 
 
 def _site_groups(layout: str, sites: tuple[str, ...], heads: int) -> tuple[int, ...]:
-    if layout == "fused_gqa":
+    if layout in ("fused_gqa", "interleaved_gqa"):
         return (heads, max(1, heads // 2), max(1, heads // 2))
     return (heads,) * len(sites)
+
+
+def _outside(layout: str) -> tuple[int, int]:
+    return OUTSIDE if layout == "outside" else (0, 0)
 
 
 KINDS = ("inf", "-inf", "nan", "1e10", "exp_flip", "random_large")
@@ -166,7 +175,11 @@ def _projections(
     dt, auto = DTYPES[dtype]
     x = _draw((B, L, K), data, g)
     w_data = "normal" if data == "outlier" else data
-    ws = [_draw((sum(_site_groups(layout, s, heads)) * d, K), w_data, g) for s in LAYOUTS[layout]]
+    extra = sum(_outside(layout))
+    ws = [
+        _draw(((sum(_site_groups(layout, s, heads)) + extra) * d, K), w_data, g)
+        for s in LAYOUTS[layout]
+    ]
     peak = max(float((x.float() @ w.float().T).abs().max()) for w in ws)
     s = math.sqrt(scale / peak) if peak > 0 else 1.0
     x = (x * s).to(dt)
@@ -187,7 +200,9 @@ def _projections(
                 y = F.linear(x, weight, b)
         groups = _site_groups(layout, sites, heads)
         uneven = groups if len(set(groups)) > 1 else ()
-        proj = Projection(weight, b, conv1d, sites, sum(groups), uneven, layout == "interleaved")
+        interleaved = layout.startswith("interleaved")
+        proj = Projection(weight, b, conv1d, sites, sum(groups) + extra, uneven, interleaved,
+                          *_outside(layout))  # fmt: skip
         pairs.append((proj, y))
     return Case(x, pairs, auto)
 
@@ -724,6 +739,49 @@ def test_interleaved_projection_reports_the_faulty_site(head, site):
     y[1, :, col] = y[1, :, col - 5] = math.inf  # two bad columns: one is recomputed
     rec, _, _ = _check(case)
     assert rec[:, 3].tolist() == [float(i == site) for i in range(3)], rec.tolist()
+
+
+@pytest.mark.parametrize(
+    ("group", "at", "site"), [(0, 0, 0), (0, 1, 0), (0, 2, 1), (1, 3, 2), (1, 1, 0)]
+)
+def test_projection_interleaved_per_kv_group_reports_the_faulty_site(group, at, site):
+    """Megatron-LM's linear_qkv: 4 query heads in 2 KV groups, per group [q | q | k | v]; a
+    fault at head ``at`` of KV group ``group`` is counted for that head's site and repaired."""
+    case = _projections(
+        "interleaved_gqa", B=2, L=8, K=64, heads=4, d=16, conv1d=False, bias=True,
+        dtype="fp32", scale=1.0, data="normal", seed=11,
+    )  # fmt: skip
+    p, y = case.pairs[0]
+    assert p.per_site == (4, 2, 2) and p.blocks == 2
+    assert p.group_order() == (0, 1, 4, 5, 2, 6, 3, 7)  # q heads, k heads, v heads
+    clean = y.clone()
+    y[1, 3, (group * 4 + at) * 16 + 9] = math.nan
+    rec, _, _ = _check(case)
+    want = [0.0, 0.0, 0.0]
+    want[site] = 1.0
+    assert rec[:, 0].tolist() == want and (rec[:, 3] == 0).all(), rec.tolist()
+    _assert_close(y, clean, case.magnitudes()[0], inner=65)
+
+
+@pytest.mark.parametrize(("head", "site"), [(0, 0), (1, 0), (2, 0), (4, 1), (6, 2), (8, 0)])
+def test_projection_features_outside_the_sites_are_checked_with_the_first(head, site):
+    """[2 heads no site names | Q | K | V (2 heads each) | 1 head]: every output is checked
+    (one GEMM); a fault outside the sites is counted for Q, the first site, and repaired."""
+    case = _projections(
+        "outside", B=2, L=8, K=64, heads=2, d=16, conv1d=False, bias=True,
+        dtype="fp32", scale=1.0, data="normal", seed=13,
+    )  # fmt: skip
+    p, y = case.pairs[0]
+    assert y.shape[-1] == 9 * 16 and p.per_site == (2, 2, 2) and p.counted == (5, 2, 2)
+    clean = y.clone()
+    y[0, 6, head * 16 + 2] = -math.inf
+    y[1, :, head * 16 + 2] = math.nan  # the same column over batch 1: 9 rows, one column
+    rec, _, _ = _check(case)
+    want = [0.0, 0.0, 0.0]
+    want[site] = 9.0
+    assert rec[:, 0].tolist() == want and rec[:, 1].tolist() == [w / 9 for w in want]
+    assert (rec[:, 3] == 0).all(), rec.tolist()
+    _assert_close(y, clean, case.magnitudes()[0], inner=65)
 
 
 # ------------------------------------------------------------------------------ faults: attention

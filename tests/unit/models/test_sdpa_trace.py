@@ -1,0 +1,72 @@
+"""How the traced forward reads a fused projection's layout (``models.sdpa_trace._layout``):
+from V alone, compared bitwise with the projection's output, on outputs built here in each
+layout (the integration tests run the look-alike models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnchecker.models.sdpa_trace import _layout, mha_split
+
+B, L, D = 2, 5, 4  # batch, tokens, head size
+
+
+def _heads(n: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(B, n, L, D, generator=g)  # (B, n, L, d)
+
+
+def _flat(*parts: torch.Tensor) -> torch.Tensor:
+    """Heads (B, n_i, L, d) laid out one after another as a projection's output (B, L, N)."""
+    return torch.cat([p.transpose(1, 2).flatten(-2) for p in parts], -1)
+
+
+@pytest.mark.parametrize(("nh", "n_kv"), [(4, 4), (4, 2), (4, 1), (6, 2)])
+def test_contiguous_q_k_v(nh, n_kv):
+    g = torch.Generator().manual_seed(nh * 10 + n_kv)
+    q, k, v = _heads(nh, g), _heads(n_kv, g), _heads(n_kv, g)
+    assert _layout(_flat(q, k, v), v, D, nh, "qkv") == (False, 0, 0)
+    rep = v.repeat_interleave(nh // n_kv, 1)  # K / V repeated to the query heads by hand
+    assert _layout(_flat(q, k, v), rep, D, nh, "qkv") == (False, 0, 0)
+
+
+@pytest.mark.parametrize(("nh", "n_kv"), [(4, 4), (4, 2), (6, 3), (6, 2)])
+def test_interleaved_per_kv_group(nh, n_kv):
+    """[q heads of group g | k_g | v_g] per group: GPT-NeoX (one query head a group), Megatron."""
+    g = torch.Generator().manual_seed(nh * 10 + n_kv)
+    q, k, v = _heads(nh, g), _heads(n_kv, g), _heads(n_kv, g)
+    r = nh // n_kv
+    y = _flat(*(t for i in range(n_kv) for t in (q[:, i * r : (i + 1) * r], k[:, i : i + 1],
+                                                  v[:, i : i + 1])))  # fmt: skip
+    assert _layout(y, v, D, nh, "qkv") == (True, 0, 0)
+    assert _layout(y, v.repeat_interleave(r, 1), D, nh, "qkv") == (True, 0, 0)
+
+
+@pytest.mark.parametrize(("lead", "trail"), [(8, 0), (0, 3), (2, 5)])
+def test_q_k_v_among_features_no_site_names(lead, trail):
+    """timm's ParallelScalingBlock: [MLP input | Q | K | V]; PaLM-like [Q | K | V | MLP]."""
+    g = torch.Generator().manual_seed(lead * 10 + trail)
+    q, k, v = _heads(4, g), _heads(2, g), _heads(2, g)
+    y = _flat(_heads(lead, g), q, k, v, _heads(trail, g))
+    assert _layout(y, v, D, 4, "qkv") == (False, lead, trail)
+
+
+def test_fused_k_v_and_what_is_not_found():
+    g = torch.Generator().manual_seed(0)
+    k, v = _heads(3, g), _heads(3, g)
+    assert _layout(_flat(k, v), v, D, 4, "kv") == (False, 0, 0)
+    assert _layout(_flat(*(t[:, i : i + 1] for i in range(3) for t in (k, v))), v, D, 4, "kv") == (
+        True, 0, 0,
+    )  # fmt: skip
+    q = _heads(4, g)
+    assert _layout(_flat(q, v, k), v, D, 4, "qkv") is None  # V in no place a layout puts it
+    one_ulp = torch.nextafter(v, v + 1)
+    assert _layout(_flat(q, k, v), one_ulp, D, 4, "qkv") is None  # bitwise, not close
+
+
+def test_mha_split_follows_the_inputs_identity():
+    x, m = torch.zeros(2), torch.zeros(2)
+    assert mha_split(x, x, x) == ("qkv",)
+    assert mha_split(x, m, m) == ("q", "kv")
+    assert mha_split(x, m, m.clone()) == ("q", "k", "v")
+    assert mha_split(x, x, x.clone()) == ("q", "k", "v")
