@@ -258,6 +258,7 @@ class Validation:
     rows: tuple[Row, ...]
     gains: tuple[Gain, ...]
     level: float
+    notes: tuple[str, ...] = ()  # budgets left out (no check fits them), ...
 
     def coverage(self, kind: str | None = None) -> tuple[int, int]:
         """(counts inside their intervals, counts) over the judged rows (of ``kind``)."""
@@ -289,13 +290,13 @@ class Validation:
         inside, n = self.coverage()
         return {"level": self.level, "coverage": [inside, n], "status": self.status,
                 "misses": self.misses(), "rows": [r.to_dict() for r in self.rows],
-                "gains": [g.to_dict() for g in self.gains]}  # fmt: skip
+                "gains": [g.to_dict() for g in self.gains], "notes": list(self.notes)}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Validation:
         return cls(tuple(Row.from_dict(r) for r in d["rows"]),
                    tuple(Gain(g["baseline"], tuple(g["differences"])) for g in d["gains"]),
-                   d["level"])  # fmt: skip
+                   d["level"], tuple(d.get("notes", ())))  # fmt: skip
 
 
 def baselines(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, budget: float,
@@ -374,14 +375,21 @@ def validate(
 
     if seeds < 1 or not budgets:
         raise ConfigError("validate needs at least one seed and one budget")
-    at = sorted(budgets)[len(budgets) // 2] if at is None else at
-    choices = {b: choose(vuln, cost, rate, budget=b) for b in {*budgets, at}}
+    choices, notes = {}, []
+    for b in sorted({*budgets, *([] if at is None else [at])}):
+        try:
+            choices[b] = choose(vuln, cost, rate, budget=b)
+        except ConfigError as e:  # a budget below the cheapest check: said, not run
+            notes.append(str(e))
+    if not choices:
+        raise ConfigError("no budget fits a check: " + "; ".join(notes))
+    feasible = sorted(choices)
+    at = feasible[len(feasible) // 2] if at is None else at
+    if at not in choices:
+        raise ConfigError(f"the baselines' budget {at:.0%} fits no check: {notes[0]}")
     plan: list[tuple[str, str, float | None, Choice, Condition]] = [
         ("none", "in-sample", None, priced(vuln, cost, rate, (), goal="none"), Condition()),
-        *(
-            (f"budget {b:.0%}", "in-sample", b, choices[b], Condition())
-            for b in [*budgets, *([at] if at not in budgets else [])]
-        ),
+        *((f"budget {b:.0%}", "in-sample", b, choices[b], Condition()) for b in feasible),
     ]
     base = baselines(vuln, cost, rate, at, seed=seed) if with_baselines else []
     plan += [(f"{name} at {at:.0%}", "baseline", at, c, Condition()) for name, c in base]
@@ -399,4 +407,4 @@ def validate(
         for r in rows
         if r.kind == "baseline"
     )
-    return Validation(tuple(rows), gains, level)
+    return Validation(tuple(rows), gains, level, tuple(notes))

@@ -47,6 +47,7 @@ def frontier_rows(val) -> list[str]:
             m = g.mean
             lines.append(f"| {g.baseline} | {', '.join(map(str, g.differences))} | "
                          f"{m.point:+.1f} [{m.low:+.1f}, {m.high:+.1f}] |")  # fmt: skip
+    lines += [f"- note: {n}" for n in val.notes]
     misses = val.misses()
     lines += ["", f"**Misses ({len(misses)}; exit status {val.status})**" + (":" if misses else
               ": none.")] + [f"- {m}" for m in misses]  # fmt: skip
