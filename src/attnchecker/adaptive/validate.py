@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ from attnchecker.adaptive.controller import (
     sites,
 )
 from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
-from attnchecker.adaptive.simulate import Condition, Run, measure_overhead, run
+from attnchecker.adaptive.simulate import Condition, Run, measure_overhead, plan, run
 from attnchecker.attention.config import OPS
 from attnchecker.errors import ConfigError
 
@@ -70,7 +71,7 @@ HELD_OUT = (
     Condition("Shakespeare text", data="shakespeare"),
     Condition("checkpoint after 300 clean steps", pretrain=300),
     Condition("patterns 1R / 1C / 2D", patterns=("1R", "1C", "2D")),
-    Condition("unseen kinds: -inf, bit flips", kinds={"-inf": 0.5, "bit_flip": 0.5}),
+    Condition("unseen kinds: -inf, random values", kinds={"-inf": 0.5, "random": 0.5}),
     Condition("rate x 0.5", rate_scale=0.5),
     Condition("rate x 2", rate_scale=2.0),
     Condition("unprofiled sites only", unprofiled=True, judged=False),
@@ -367,10 +368,13 @@ def validate(
     timing_reps: int = 9,
     seed: int = 0,
     progress: bool = False,
+    on_row: Callable[[Validation], object] | None = None,
 ) -> Validation:
     """Every row of the module docstring: no check and each budget's choice (in-sample); the
     naive baselines and the ``held_out`` conditions at budget ``at`` (default: the middle of
-    ``budgets``), ``seeds`` seeds each."""
+    ``budgets``), ``seeds`` seeds each. ``on_row`` gets the rows so far after each row (the
+    CLI writes its report then: a run cut short keeps them). Every fault plan is drawn first,
+    so one the injector would refuse stops the run before any training."""
     from attnchecker.inject.campaign import Progress
 
     if seeds < 1 or not budgets:
@@ -387,19 +391,24 @@ def validate(
     at = feasible[len(feasible) // 2] if at is None else at
     if at not in choices:
         raise ConfigError(f"the baselines' budget {at:.0%} fits no check: {notes[0]}")
-    plan: list[tuple[str, str, float | None, Choice, Condition]] = [
+    rows_plan: list[tuple[str, str, float | None, Choice, Condition]] = [
         ("none", "in-sample", None, priced(vuln, cost, rate, (), goal="none"), Condition()),
         *((f"budget {b:.0%}", "in-sample", b, choices[b], Condition()) for b in feasible),
     ]
     base = baselines(vuln, cost, rate, at, seed=seed) if with_baselines else []
-    plan += [(f"{name} at {at:.0%}", "baseline", at, c, Condition()) for name, c in base]
-    plan += [(f"{c.name} at {at:.0%}", "held-out", at, choices[at], c) for c in held_out]
-    rows = []
-    kw = dict(steps=steps, seeds=[seed + i for i in range(seeds)], level=level,
-              timing_reps=timing_reps)  # fmt: skip
-    with Progress(len(plan), progress) as advance:
-        for name, kind, budget, choice, condition in plan:
+    rows_plan += [(f"{name} at {at:.0%}", "baseline", at, c, Condition()) for name, c in base]
+    rows_plan += [(f"{c.name} at {at:.0%}", "held-out", at, choices[at], c) for c in held_out]
+    runs = [seed + i for i in range(seeds)]
+    for condition in {Condition(), *held_out}:  # every plan drawn (and validated) up front
+        for s in runs:
+            plan(vuln, cost, rate, steps, s, condition)
+    rows: list[Row] = []
+    kw = dict(steps=steps, seeds=runs, level=level, timing_reps=timing_reps)
+    with Progress(len(rows_plan), progress) as advance:
+        for name, kind, budget, choice, condition in rows_plan:
             rows.append(_row(name, kind, budget, choice, condition, vuln, cost, rate, **kw))
+            if on_row is not None:
+                on_row(Validation(tuple(rows), (), level, tuple(notes)))
             advance()
     mine = next(r for r in rows if r.kind == "in-sample" and r.budget == at)
     gains = tuple(

@@ -116,14 +116,16 @@ def _validate(args: argparse.Namespace) -> int:
     from attnchecker.report.adaptive import frontier_report, frontier_rows
 
     vuln, cost, rate = _profiles(args)
-    val = validate(vuln, cost, rate, args.budgets, seeds=args.seeds, steps=args.steps,
-                   level=args.level, at=args.at, held_out=() if args.in_sample else HELD_OUT,
-                   with_baselines=not args.in_sample, timing_reps=args.timing_reps,
-                   seed=args.seed, progress=True)  # fmt: skip
     meta = {"family": vuln.family, "rate": f"{rate.value:g} faults per {rate.per}",
             "pooled_layers": args.pool_layers,
             "campaign": str(args.campaign), "cost": cost.setup}  # fmt: skip
-    path = frontier_report(val, args.out or Path(args.campaign) / "frontier", meta)
+    out = args.out or Path(args.campaign) / "frontier"
+    val = validate(vuln, cost, rate, args.budgets, seeds=args.seeds, steps=args.steps,
+                   level=args.level, at=args.at, held_out=() if args.in_sample else HELD_OUT,
+                   with_baselines=not args.in_sample, timing_reps=args.timing_reps,
+                   seed=args.seed, progress=True,
+                   on_row=lambda partial: frontier_report(partial, out, meta))  # fmt: skip
+    path = frontier_report(val, out, meta)
     print("\n".join(frontier_rows(val)))
     print(f"wrote {path}")
     return val.status

@@ -101,7 +101,7 @@ def checked_sdpa(
             f"{type(module).__name__}: {heads} query heads over {kv_heads} key heads "
             f"(enable_gqa={enable_gqa}); SDPA would refuse it"
         )
-    L, Lk = query.shape[-2], key.shape[-2]
+    Lk = key.shape[-2]
     scaling = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     spec, state = getattr(module, CORE)
     if state is not None and state.coverage.engine == "triton":
@@ -115,10 +115,49 @@ def checked_sdpa(
             return out
         if not torch.compiler.is_compiling():  # summary() names it
             state.coverage.fallbacks.add(why)
+    return _eager(spec, state, query, key, value, attn_mask, dropout_p, is_causal, scaling)
+
+
+def _eager(spec, state, query, key, value, attn_mask, dropout_p, is_causal, scaling) -> Tensor:
+    """The checked eager core on SDPA's arguments (``state`` None: its math, unchecked)."""
+    L, Lk = query.shape[-2], key.shape[-2]
     mask = _additive(attn_mask, is_causal, L, Lk, query.dtype, query.device)
     out, _ = attend(spec, query, key, value, mask, scaling=scaling, dropout=dropout_p,
                     training=dropout_p > 0, state=state)  # fmt: skip
     return out
+
+
+PROBE_ULPS = 64
+"""The probe's tolerance: the core's output may differ from SDPA's by this many units of the
+dtype's rounding times the largest |v| (two orders of summation of the same products; an
+argument read wrongly, a mask's polarity or a scale, differs by orders more)."""
+
+
+def probe(calls: dict[str, tuple[tuple[Tensor, ...], dict, Tensor]]) -> list[str]:
+    """Each recorded SDPA call (:attr:`~.sdpa_trace.Found.calls`) run by the checked core's
+    math: ``name: what differed`` for each whose output is not SDPA's own within
+    :data:`PROBE_ULPS` (calls with dropout are random and not compared)."""
+    bad = []
+    for name, ((q, k, v), kw, want) in calls.items():
+        if kw.get("dropout_p", 0.0) or q.dim() != 4 or q.is_nested:
+            continue
+        scale = kw.get("scale")
+        scaling = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if heads != kv_heads and (not kw.get("enable_gqa") or heads % kv_heads):
+            continue  # refused by checked_sdpa at the first call, by name
+        with torch.no_grad():
+            got = _eager(SPEC, None, q, k, v, kw.get("attn_mask"), 0.0,
+                         bool(kw.get("is_causal", False)), scaling)  # fmt: skip
+        tol = PROBE_ULPS * torch.finfo(want.dtype).eps * max(1.0, float(v.abs().max()))
+        diff = (got.float() - want.float()).abs()
+        same_nan = got.isnan() == want.isnan()
+        worst = float(diff.nan_to_num(0.0).max()) if diff.numel() else 0.0
+        if not bool(same_nan.all()) or worst > tol:
+            bad.append(f"{name}: the checked core's output differs from SDPA's by up to "
+                       f"{worst:.3g} (tolerance {tol:.3g}; NaN where SDPA has none: "
+                       f"{int((~same_nan).sum())})")  # fmt: skip
+    return bad
 
 
 def _key_padding(attn_mask: Tensor | None, B: int, Lk: int) -> tuple[Tensor | None, str | None]:
@@ -406,6 +445,11 @@ def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str, *, s
     if not found.sdpa:
         how = "in a forward on the example" if example is not None else "in any module's source"
         raise UnsupportedModelError(f"{why}; and it calls no scaled_dot_product_attention {how}")
+    if differ := probe(found.calls):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: on the example, {'; '.join(differ)}: protect_ refuses "
+            f"rather than change the model's attention"
+        )
     modules = dict(model.named_modules())
     blocks = []
     for i, n in enumerate(found.sdpa):

@@ -51,6 +51,7 @@ _PRODUCTS = frozenset({torch.matmul, torch.bmm, torch.einsum, Tensor.matmul, Ten
 _SOFTMAX = frozenset({torch.softmax, F.softmax, Tensor.softmax})
 _KINDS = {_SDPA: "sdpa", F.multi_head_attention_forward: "mha"}
 _WALK = 400  # autograd nodes visited per operand at most
+_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after q, k, v
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class Found:
     sdpa: tuple[str, ...]
     handwritten: tuple[str, ...]
     projections: dict[str, tuple[ProjectionSpec, ...]] = field(default_factory=dict)
+    calls: dict[str, tuple[tuple[Tensor, ...], dict, Tensor]] = field(default_factory=dict)
+    """Each SDPA caller's first call, detached: ((q, k, v), SDPA's other arguments by name,
+    SDPA's output), for the probe of the checked core (``sdpa.probe``)."""
 
 
 class _Recorder(TorchFunctionMode):
@@ -71,6 +75,7 @@ class _Recorder(TorchFunctionMode):
         self.stack = stack
         self.calls: dict[str, list[str]] = {}
         self.operands: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # q, k, v, out
+        self.kwargs: dict[str, dict] = {}  # the other arguments of that call, by name
         self.mha: dict[str, tuple[str, ...]] = {}  # its in-projection's GEMMs (mha_split)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -80,6 +85,8 @@ class _Recorder(TorchFunctionMode):
             self.calls.setdefault(self.stack[-1], []).append(kind)
             if kind == "sdpa" and len(args) >= 3:
                 self.operands.setdefault(self.stack[-1], (*args[:3], out))
+                named = dict(zip(_SDPA_ARGS, args[3:], strict=False)) | (kwargs or {})
+                self.kwargs.setdefault(self.stack[-1], named)
             if kind == "mha" and len(args) >= 3:
                 self.mha.setdefault(self.stack[-1], mha_split(*args[:3]))
         return out
@@ -130,7 +137,14 @@ def trace(model: nn.Module, example: tuple | dict) -> Found:
     for n, split in recorder.mha.items():
         if isinstance(modules[n], nn.MultiheadAttention):
             projections[n] = _mha_projections(n, modules[n], split)
-    return Found(sdpa, hand, projections)
+    calls = {
+        n: (tuple(t.detach() for t in recorder.operands[n][:3]),
+            {k: v.detach() if isinstance(v, Tensor) else v for k, v in recorder.kwargs[n].items()},
+            recorder.operands[n][3].detach())
+        for n in sdpa
+        if n in recorder.operands
+    }  # fmt: skip
+    return Found(sdpa, hand, projections, calls)
 
 
 def mha_split(query: Tensor, key: Tensor, value: Tensor) -> tuple[str, ...]:
