@@ -51,7 +51,7 @@ class Condition:
     kinds: dict[str, float] | None = field(default=None, hash=False)  # None: the rate's
     rate_scale: float = 1.0
     unprofiled: bool = False  # faults at the attention sites the campaign did not fault
-    judged: bool = True  # False: reported only (the prediction excludes these faults)
+    judged: bool = True  # False: counts reported, not judged (the prediction excludes them)
 
     def __post_init__(self) -> None:
         if self.data not in DATA:

@@ -78,7 +78,7 @@ HELD_OUT = (
 )
 """The held-out rows: what the campaign (and so the prediction) never saw. Faults at the sites
 the campaign did not fault are not in the prediction at all (it is 0 there): that row shows
-what the stated coverage leaves, and is reported, not judged."""
+what the stated coverage leaves: its counts are reported, not judged (its overhead is)."""
 
 
 @dataclass(frozen=True)
@@ -193,11 +193,10 @@ class Row:
         return "BELOW" if o < q.low else "inside"
 
     def misses(self) -> list[str]:
-        """This row's misses, worded (empty: none, or not judged)."""
-        if not self.judged:
-            return []
+        """This row's misses, worded (a row not judged: its overhead only, the same schedule's
+        cost whatever the faults)."""
         out = []
-        if (v := self.count_verdict) != "inside":
+        if self.judged and (v := self.count_verdict) != "inside":
             out.append(f"{self.name}: counts {v} the {self.predicted.level:.0%} interval "
                        f"[{self.predicted.low}, {self.predicted.high}] ({self.inside} of "
                        f"{len(self.runs)} inside: {[r.events for r in self.runs]})")  # fmt: skip

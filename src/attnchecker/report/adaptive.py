@@ -26,7 +26,7 @@ def frontier_rows(val) -> list[str]:
     ]
     for r in val.rows:
         p = r.predicted
-        judged = "" if r.judged else " (not judged)"
+        judged = "" if r.judged else " (counts not judged)"
         faults = sum(x.faults for x in r.runs) / len(r.runs)
         lines.append(
             f"| {r.name}{judged} | {len(r.checks)} | {faults:.0f} | "
