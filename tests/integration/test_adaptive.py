@@ -12,7 +12,7 @@ import json
 import pytest
 
 from attnchecker import protect_
-from attnchecker.adaptive.controller import FaultRate, choose
+from attnchecker.adaptive.controller import FaultRate
 from attnchecker.adaptive.profile import CostProfile, VulnerabilityProfile
 from attnchecker.adaptive.simulate import Condition
 from attnchecker.adaptive.validate import Validation, validate
@@ -149,17 +149,16 @@ def test_validation_fails_on_a_vulnerability_model_that_halves_the_fatal_rates(f
 
 def test_validation_fails_on_a_cost_model_ten_times_too_cheap(flow):
     """A cost profile whose every cost is a tenth of the measured one lets the controller put
-    every check into half of what they really cost: the measured overhead is over the budget
-    (the contract broke) and validate's status is 1."""
+    far more checks into a budget of +100% than fit (every check costs several times that on
+    this tiny model: +350% measured): the overhead measured is over the budget (the contract
+    broke) and validate's status is 1."""
     vuln = VulnerabilityProfile.load(flow / "vulnerability-gpt2.json")
     cost = CostProfile.load(flow / "cost-gpt2.json")
-    real = choose(vuln, cost, RATE, budget=100.0)
     cheap = dataclasses.replace(
         cost, engine=cost.engine.scaled(0.1),
         ops=tuple(dataclasses.replace(o, cost=o.cost.scaled(0.1)) for o in cost.ops))  # fmt: skip
-    budget = real.overhead.point / 2
-    val = _validate(vuln, cheap, [budget], seeds=1, steps=20, timing_reps=9)
+    val = _validate(vuln, cheap, [1.0], seeds=1, steps=20, timing_reps=9)
     row = val.rows[1]
-    assert len(row.checks) == len(real.checks)  # everything fits, as priced
+    assert row.checks and row.predicted_overhead.high <= 1.0  # priced within the budget
     assert row.overhead_verdict == "OVER BUDGET", row.to_dict()
     assert val.status == 1

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from attnchecker.adaptive.profile import CostProfile, Estimate, OpCost
+from attnchecker.adaptive.profile import ENGINE, CostProfile, Estimate, OpCost
 from attnchecker.attention.config import ALL_OPS, OPS, ABFTConfig
 from attnchecker.errors import ConfigError
 
@@ -184,13 +184,13 @@ def measure_costs(
     ids = torch.randint(3, 128, (batch, seq_len), generator=g).to(device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     engine = copy.deepcopy(base)
-    handle = protect_(engine, ABFTConfig(ops=()))
+    handle = protect_(engine, ABFTConfig(ops=(), backend=ENGINE))
     wired = {s for name in handle.modules for s in handle.state(name).hooks}
     checked = [op for op in ops if op in wired]  # a fused Q|K|V projection has no dx.k
     arms = {"plain": plain, "engine": engine}
     for op in checked:
         arms[op] = copy.deepcopy(base)
-        protect_(arms[op], ABFTConfig(ops=(op,)))
+        protect_(arms[op], ABFTConfig(ops=(op,), backend=ENGINE))
     runs = {k: torch.compile(m) if compile else m for k, m in arms.items()}
     steps = {k: stepper(arms[k], runs[k], inputs, dtype, device) for k in arms}
     eager_steps = (  # launches and sizes are counted in eager
@@ -217,7 +217,8 @@ def measure_costs(
     return CostProfile(
         family=family,
         setup={"size": size, "batch": batch, "seq_len": seq_len, "layers": n_layers,
-               "compile": compile, "dtype": dtype, "device": device, "reps": reps, "seed": seed},
+               "compile": compile, "dtype": dtype, "device": device, "reps": reps, "seed": seed,
+               "engine": ENGINE},
         step_seconds=statistics.median(plain_t) / PER_ROUND,
         engine=median_interval([(e - p) / p for e, p in zip(engine_t, plain_t, strict=True)]),
         engine_launches=launches["engine"] - launches["plain"],

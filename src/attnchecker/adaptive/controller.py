@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
+from attnchecker.adaptive.profile import ENGINE, CostProfile, Estimate, VulnerabilityProfile
 from attnchecker.attention.config import ALL_OPS, ABFTConfig
 from attnchecker.attention.schedule import Schedule
 from attnchecker.errors import ConfigError
@@ -345,7 +345,8 @@ def choose(
 
 
 def _choice(ss, f, checks, cost, base, goal, notes, policy) -> Choice:
-    config = ABFTConfig(schedule=checks, policy=policy) if checks else ABFTConfig(ops=())
+    config = (ABFTConfig(schedule=checks, policy=policy, backend=ENGINE) if checks
+              else ABFTConfig(ops=()))  # fmt: skip
     launches = (cost.engine_launches + sum(v * ss[i].launches for i, v in f.items())) if f else 0
     return Choice(config, checks, _risk(ss, f), overhead=_overhead(ss, f, cost.engine),
                   launches=launches, goal=goal, notes=notes, **base)  # fmt: skip
@@ -439,6 +440,15 @@ def save_plan(choice: Choice, rate: FaultRate, path: str | Path) -> Path:
     return path
 
 
-def load_plan(path: str | Path) -> ABFTConfig:
-    """The :class:`ABFTConfig` of a plan file (:func:`save_plan`; ``train --plan``)."""
-    return ABFTConfig.from_dict(json.loads(Path(path).read_text())["config"])
+def load_plan(path: str | Path, backend: str | None = None) -> ABFTConfig:
+    """The :class:`ABFTConfig` of a plan file (:func:`save_plan`; ``train --plan``), on the
+    engine it was priced for (:data:`ENGINE`; plans written before engines were pinned say
+    "auto" and were priced on it too); ``backend``, the one asked for, must be that engine."""
+    config = ABFTConfig.from_dict(json.loads(Path(path).read_text())["config"])
+    if backend is not None and backend != ENGINE and config.schedule:
+        raise ConfigError(
+            f"{path} was priced for the {ENGINE} engine (its checks are that engine's ops and "
+            f"costs); backend={backend!r} would run other checks at other costs: train it with "
+            f"--backend {ENGINE}, or protect without a plan"
+        )
+    return config.replace(backend=ENGINE) if config.schedule else config

@@ -31,6 +31,7 @@ from attnchecker.errors import ConfigError
 
 __all__ = [
     "CONFIDENCES",
+    "ENGINE",
     "Cell",
     "CostProfile",
     "Estimate",
@@ -46,6 +47,10 @@ __all__ = [
 ]
 
 PROFILE_VERSION = 1
+ENGINE = "eager"
+"""The engine a cost profile prices and a plan's config pins (``ABFTConfig.backend``): the
+checked eager attention, whose ops a schedule names; the fused kernels' checks are not priced
+yet, so a plan is refused on them (``controller.load_plan``)."""
 OUTCOMES = ("masked", "silent_deviation", "loss_spike", "non_trainable")
 _Z = {0.8: 1.2816, 0.9: 1.6449, 0.95: 1.9600, 0.99: 2.5758}
 CONFIDENCES = tuple(_Z)  # the confidences an interval can be asked at

@@ -40,7 +40,7 @@ def _train(args: argparse.Namespace) -> int:
 
     abft = None
     if args.plan:  # attnchecker plan's choice
-        abft = load_plan(args.plan).replace(policy=args.policy, backend=args.backend)
+        abft = load_plan(args.plan, backend=args.backend).replace(policy=args.policy)
     elif args.protect:
         abft = ABFTConfig(policy=args.policy, backend=args.backend, scope=args.scope)
     if args.faults:

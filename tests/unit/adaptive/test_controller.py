@@ -196,3 +196,17 @@ def test_schedule_ops_per_layer_and_step():
     assert cfg.layer_ops(2) == frozenset()
     with pytest.raises(ConfigError, match="unknown ABFTConfig fields"):
         ABFTConfig.from_dict({"opps": []})
+
+
+def test_a_plan_pins_the_engine_it_was_priced_for(tmp_path):
+    """The cost profile prices the checked eager engine's ops, so a plan's config runs there:
+    its backend is "eager", and asking for the fused kernels is refused by name."""
+    from attnchecker.adaptive.controller import load_plan, save_plan
+
+    choice = choose(_vuln(), _cost(), FaultRate(1.0), budget=0.3)
+    assert choice.config.backend == "eager"
+    path = save_plan(choice, FaultRate(1.0), tmp_path / "plan.json")
+    assert load_plan(path) == choice.config == load_plan(path, backend="eager")
+    for other in ("triton", "auto"):
+        with pytest.raises(ConfigError, match="priced for the eager engine"):
+            load_plan(path, backend=other)

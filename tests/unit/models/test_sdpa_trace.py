@@ -1,11 +1,13 @@
 """How the traced forward reads a fused projection's layout (``models.sdpa_trace._layout``):
 from V alone, compared bitwise with the projection's output, on outputs built here in each
-layout (the integration tests run the look-alike models)."""
+layout (the integration tests run the look-alike models); and the probe that compares the
+checked core's math with each recorded SDPA call."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from attnchecker.models.sdpa_trace import _layout, mha_split
 
@@ -70,3 +72,31 @@ def test_mha_split_follows_the_inputs_identity():
     assert mha_split(x, m, m) == ("q", "kv")
     assert mha_split(x, m, m.clone()) == ("q", "k", "v")
     assert mha_split(x, x, x.clone()) == ("q", "k", "v")
+
+
+def test_the_probe_compares_the_checked_cores_math_with_sdpa():
+    """protect_(model, example=...) runs each recorded SDPA call through the checked core's
+    math and refuses a module whose result is not SDPA's own within rounding: equal for causal,
+    boolean and additive masks, a scale and GQA; a call read wrongly (here SDPA ran causal and
+    the arguments say otherwise) differs and is named; dropout is random and not compared."""
+    from attnchecker.models.sdpa import probe
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=g) for _ in range(3))
+    kv2 = (k[:, :2], v[:, :2])
+    keep = torch.rand(2, 1, 1, 8, generator=g) > 0.3
+    keep[..., 0] = True
+    bias = torch.randn(2, 1, 8, 8, generator=g)
+    calls = {
+        "causal": ((q, k, v), {"is_causal": True}),
+        "bool mask": ((q, k, v), {"attn_mask": keep}),
+        "float mask, scale": ((q, k, v), {"attn_mask": bias, "scale": 0.3}),
+        "gqa": ((q, *kv2), {"enable_gqa": True, "is_causal": True}),
+    }
+    recorded = {n: (ops, kw, F.scaled_dot_product_attention(*ops, **kw))
+                for n, (ops, kw) in calls.items()}  # fmt: skip
+    assert probe(recorded) == []
+    wrong = {"m": ((q, k, v), {"is_causal": False}, recorded["causal"][2])}
+    assert probe(wrong)[0].startswith("m: the checked core's output differs from SDPA's")
+    noisy = {"d": ((q, k, v), {"dropout_p": 0.5}, torch.zeros_like(q))}
+    assert probe(noisy) == []
