@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from attnchecker.errors import ConfigError
+
 __all__ = ["frontier_report", "frontier_rows", "rebuild_frontier"]
 
 
@@ -119,4 +121,10 @@ def rebuild_frontier(out: str | Path) -> Path:
     from attnchecker.adaptive.validate import Validation
 
     d = json.loads((Path(out) / "frontier.json").read_text())
+    if "rows" not in d:  # the one-seed frontier of attnchecker before 2026-12-04
+        raise ConfigError(
+            f"{out}/frontier.json is an older frontier (one run per budget, uncalibrated "
+            f"intervals), which this version does not rebuild; its frontier.md is as written, "
+            f"or rerun attnchecker validate"
+        )
     return frontier_report(Validation.from_dict(d), out, d["meta"])

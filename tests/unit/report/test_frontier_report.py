@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from attnchecker.adaptive.profile import Estimate
 from attnchecker.adaptive.simulate import Condition, Run
 from attnchecker.adaptive.validate import Gain, Prediction, Row, Validation
+from attnchecker.errors import ConfigError
 from attnchecker.report import report, run_kind
 from attnchecker.report.adaptive import frontier_report, frontier_rows
 
@@ -78,3 +81,11 @@ def test_the_frontier_is_rebuilt_from_its_json_alone(tmp_path):
     (tmp_path / "frontier.png").unlink()
     assert report(tmp_path) == md and md.read_text() == text
     assert (tmp_path / "frontier.png").read_bytes().startswith(PNG)
+
+
+def test_an_older_frontier_is_refused_with_a_clear_error(tmp_path):
+    """The one-seed frontier.json of before 2026-12-04 (``points``) is not rebuilt: a one-line
+    error that says what to do, not a traceback."""
+    (tmp_path / "frontier.json").write_text(json.dumps({"meta": {}, "points": []}))
+    with pytest.raises(ConfigError, match="older frontier"):
+        report(tmp_path)
