@@ -56,11 +56,8 @@ def _arch() -> int:
 
 
 def _key(kernel: str, d: int) -> tuple[str, int, int, str]:
-    block_d = max(16, 1 << (d - 1).bit_length())
-    arch = _arch()
-    rows = [k for k in flash.LAUNCH if k[0] == kernel and k[3] == "half" and k[1] <= arch]
-    newest = max(k[1] for k in rows)
-    return (kernel, newest, block_d, "half")
+    """The LAUNCH row the kernels read for fp16 / bf16 at head size d here."""
+    return flash.launch_key(kernel, _arch(), max(16, 1 << (d - 1).bit_length()), "half")
 
 
 class _Case:

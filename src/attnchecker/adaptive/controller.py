@@ -305,10 +305,7 @@ def choose(
             f"the profiles share no site: the campaign faulted {list(vuln.ops)}, the cost "
             f"profile measured {[o.op for o in cost.ops]}"
         )
-    everything = {i: 1.0 for i in range(len(ss))}
-    base = dict(unprotected=_risk(ss, {}), full=_risk(ss, everything),
-                full_overhead=_overhead(ss, everything, cost.engine),
-                coverage=sum(cost.macs_of(s.layer, s.op) for s in ss) / cost.step_macs)  # fmt: skip
+    base = _base(ss, cost)
     gain = [s.risk(0.0, end) - s.risk(1.0, end) for s in ss]
     order = sorted(range(len(ss)), key=lambda i: -gain[i] / max(ss[i].cost.point, 1e-9))
     order = [i for i in order if gain[i] > 0]
@@ -344,6 +341,15 @@ def choose(
     return _choice(ss, f, checks, cost, base, goal, notes, policy)
 
 
+def _base(ss: list[Site], cost: CostProfile) -> dict[str, Any]:
+    """What every choice among ``ss`` states alike: the risk with no check and with every
+    check, every check's overhead, the profiled sites' share of the step's work."""
+    everything = {i: 1.0 for i in range(len(ss))}
+    return dict(unprotected=_risk(ss, {}), full=_risk(ss, everything),
+                full_overhead=_overhead(ss, everything, cost.engine),
+                coverage=sum(cost.macs_of(s.layer, s.op) for s in ss) / cost.step_macs)  # fmt: skip
+
+
 def _choice(ss, f, checks, cost, base, goal, notes, policy) -> Choice:
     config = (ABFTConfig(schedule=checks, policy=policy, backend=ENGINE) if checks
               else ABFTConfig(ops=()))  # fmt: skip
@@ -368,10 +374,7 @@ def priced(
     if unknown := [(layer, op) for layer, op, _ in checks if (layer, op) not in at]:
         raise ConfigError(f"checks at sites the profiles do not share: {unknown}")
     f = {at[layer, op]: 1 / every for layer, op, every in checks}
-    everything = {i: 1.0 for i in range(len(ss))}
-    base = dict(unprotected=_risk(ss, {}), full=_risk(ss, everything),
-                full_overhead=_overhead(ss, everything, cost.engine),
-                coverage=sum(cost.macs_of(s.layer, s.op) for s in ss) / cost.step_macs)  # fmt: skip
+    base = _base(ss, cost)
     return _choice(ss, f, tuple(checks), cost, base, goal, (), policy)
 
 

@@ -144,10 +144,11 @@ def binomial_miss(inside: int, n: int, level: float, alpha: float = ALPHA) -> bo
     return p < alpha
 
 
-def _side(runs, pred: Prediction) -> str:
-    above = sum(r.events > pred.high for r in runs)
-    below = sum(r.events < pred.low for r in runs)
-    return "ABOVE" if above >= below else "BELOW"
+def _outside(rows) -> tuple[int, int, str]:
+    """(counts above their intervals, below, the side most misses lie on) over ``rows``."""
+    above = sum(x.events > r.predicted.high for r in rows for x in r.runs)
+    below = sum(x.events < r.predicted.low for r in rows for x in r.runs)
+    return above, below, "ABOVE" if above >= below else "BELOW"
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class Row:
         """inside, or ABOVE / BELOW when too few counts fall in the interval."""
         if not binomial_miss(self.inside, len(self.runs), self.predicted.level):
             return "inside"
-        return _side(self.runs, self.predicted)
+        return _outside([self])[2]
 
     @property
     def overhead_verdict(self) -> str:
@@ -269,10 +270,7 @@ class Validation:
         out = [m for r in self.rows for m in r.misses()]
         inside, n = self.coverage()
         if binomial_miss(inside, n, self.level):
-            judged = [r for r in self.rows if r.judged]
-            above = sum(x.events > r.predicted.high for r in judged for x in r.runs)
-            below = sum(x.events < r.predicted.low for r in judged for x in r.runs)
-            side = "ABOVE" if above >= below else "BELOW"
+            above, below, side = _outside([r for r in self.rows if r.judged])
             out.append(f"pooled: {inside} of {n} counts inside their {self.level:.0%} intervals "
                        f"({above} above, {below} below): {side}")  # fmt: skip
         return out

@@ -35,7 +35,7 @@ from attnchecker.kernels.flash_fwd import _fwd
 
 __all__ = [
     "CHECKS", "FP32_MAX_HEAD", "LAUNCH", "SITES", "KernelFault", "Launch", "flash_backward",
-    "flash_forward", "launch_settings", "new_counts", "operand_kind",
+    "flash_forward", "launch_key", "launch_settings", "new_counts", "operand_kind",
 ]  # fmt: skip
 
 SITES = SITE_CODES
@@ -160,15 +160,20 @@ def launch_settings(kernel: str, arch: int | None, block_d: int, kind: str) -> L
     the interpreter, :class:`Launch` ()'s defaults) for a padded head size ``block_d`` and an
     operand ``kind`` (:func:`operand_kind`): the table's newest architecture not above
     ``arch``, its smallest head size not below ``block_d`` (else its largest)."""
+    key = launch_key(kernel, arch, block_d, kind)
+    return Launch() if key is None else LAUNCH[key]
+
+
+def launch_key(kernel: str, arch: int | None, block_d: int, kind: str):
+    """The :data:`LAUNCH` row :func:`launch_settings` reads (None: the defaults)."""
     if arch is None:
-        return Launch()
+        return None
     rows = [key for key in LAUNCH if key[0] == kernel and key[3] == kind and key[1] <= arch]
     if not rows:
-        return Launch()
+        return None
     newest = max(key[1] for key in rows)
     sizes = sorted(key[2] for key in rows if key[1] == newest)
-    size = next((b for b in sizes if b >= block_d), sizes[-1])
-    return LAUNCH[kernel, newest, size, kind]
+    return kernel, newest, next((b for b in sizes if b >= block_d), sizes[-1]), kind
 
 
 def device_arch(device: torch.device) -> int | None:

@@ -102,7 +102,7 @@ def checked_sdpa(
             f"(enable_gqa={enable_gqa}); SDPA would refuse it"
         )
     Lk = key.shape[-2]
-    scaling = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scaling = _scaling(query, scale)
     spec, state = getattr(module, CORE)
     if state is not None and state.coverage.engine == "triton":
         key_mask, why = _key_padding(attn_mask, query.shape[0], Lk)
@@ -116,6 +116,11 @@ def checked_sdpa(
         if not torch.compiler.is_compiling():  # summary() names it
             state.coverage.fallbacks.add(why)
     return _eager(spec, state, query, key, value, attn_mask, dropout_p, is_causal, scaling)
+
+
+def _scaling(query: Tensor, scale: float | None) -> float:
+    """SDPA's scale: ``scale``, or 1 / sqrt(head size)."""
+    return 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 
 
 def _eager(spec, state, query, key, value, attn_mask, dropout_p, is_causal, scaling) -> Tensor:
@@ -141,8 +146,7 @@ def probe(calls: dict[str, tuple[tuple[Tensor, ...], dict, Tensor]]) -> list[str
     for name, ((q, k, v), kw, want) in calls.items():
         if kw.get("dropout_p", 0.0) or q.dim() != 4 or q.is_nested:
             continue
-        scale = kw.get("scale")
-        scaling = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        scaling = _scaling(q, kw.get("scale"))
         heads, kv_heads = q.shape[1], k.shape[1]
         if heads != kv_heads and (not kw.get("enable_gqa") or heads % kv_heads):
             continue  # refused by checked_sdpa at the first call, by name

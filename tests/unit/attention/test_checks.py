@@ -717,6 +717,11 @@ def test_fused_projection_reports_the_faulty_site():
     _assert_close(y, clean, case.magnitudes()[0], inner=65)
 
 
+def _only(site: int, n: float) -> list[float]:
+    """Per-site record counts of Q, K, V with ``n`` at ``site`` and 0 elsewhere."""
+    return [n if i == site else 0.0 for i in range(3)]
+
+
 @pytest.mark.parametrize(("head", "site"), [(0, 0), (1, 1), (3, 2), (2, 0)])
 def test_interleaved_projection_reports_the_faulty_site(head, site):
     """GPT-NeoX's query_key_value: per head [q_h | k_h | v_h]; faults in head ``head``'s part
@@ -731,8 +736,7 @@ def test_interleaved_projection_reports_the_faulty_site(head, site):
     y[0, 5, col] = math.nan
     y[1, :, col] = math.inf  # the same column over batch 1: 9 rows, one column
     rec, _, _ = _check(case)
-    want = [0.0, 0.0, 0.0]
-    want[site] = 9.0
+    want = _only(site, 9.0)
     assert rec[:, 0].tolist() == want and rec[:, 1].tolist() == [w / 9 for w in want]
     assert (rec[:, 3] == 0).all(), rec.tolist()
     _assert_close(y, clean, case.magnitudes()[0], inner=65)
@@ -757,8 +761,7 @@ def test_projection_interleaved_per_kv_group_reports_the_faulty_site(group, at, 
     clean = y.clone()
     y[1, 3, (group * 4 + at) * 16 + 9] = math.nan
     rec, _, _ = _check(case)
-    want = [0.0, 0.0, 0.0]
-    want[site] = 1.0
+    want = _only(site, 1.0)
     assert rec[:, 0].tolist() == want and (rec[:, 3] == 0).all(), rec.tolist()
     _assert_close(y, clean, case.magnitudes()[0], inner=65)
 
@@ -777,8 +780,7 @@ def test_projection_features_outside_the_sites_are_checked_with_the_first(head, 
     y[0, 6, head * 16 + 2] = -math.inf
     y[1, :, head * 16 + 2] = math.nan  # the same column over batch 1: 9 rows, one column
     rec, _, _ = _check(case)
-    want = [0.0, 0.0, 0.0]
-    want[site] = 9.0
+    want = _only(site, 9.0)
     assert rec[:, 0].tolist() == want and rec[:, 1].tolist() == [w / 9 for w in want]
     assert (rec[:, 3] == 0).all(), rec.tolist()
     _assert_close(y, clean, case.magnitudes()[0], inner=65)
