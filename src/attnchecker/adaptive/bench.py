@@ -50,17 +50,10 @@ def median_interval(xs: list[float], confidence: float = 0.95) -> Estimate:
 
 
 def _models(family: str, size: str, seq_len: int, layers: int | None, seed: int, device: str):
-    from attnchecker.models.families import TABLE
-    from attnchecker.models.tiny import build
+    from attnchecker.models.source import make, plain
 
-    extra = {} if layers is None else {"layers": layers}
-    base = build(family, size, seed=seed, max_len=max(64, seq_len), **extra)
-    base.config.use_cache = False
-    base.train()
-    plain = copy.deepcopy(base)
-    if TABLE[family].sdpa:
-        plain.set_attn_implementation("sdpa")
-    return base.to(device), plain.to(device)
+    base = make(family, size=size, seed=seed, seq_len=seq_len, layers=layers)
+    return base.to(device), plain(base).to(device)
 
 
 def stepper(model, run, inputs, dtype: str, device: str):
@@ -167,9 +160,11 @@ def measure_costs(
     ops: tuple[str, ...] = ALL_OPS,
     progress: bool = False,
 ) -> CostProfile:
-    """The cost profile of ``family`` (a preset ``size``, random weights, token batches of
-    ``batch`` x ``seq_len``) on ``device``: see the module docstring."""
+    """The cost profile of ``family`` (a family at a preset ``size``, or the user's own model:
+    :func:`~attnchecker.models.source.make`; random weights, token batches of ``batch`` x
+    ``seq_len``) on ``device``: see the module docstring."""
     from attnchecker.inject.campaign import Progress
+    from attnchecker.models import source
     from attnchecker.models.protect import protect_
     from attnchecker.testing import count_ops
 
@@ -183,14 +178,15 @@ def measure_costs(
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 128, (batch, seq_len), generator=g).to(device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    example = source.example(base, ids)  # a model of the user's own: traced once
     engine = copy.deepcopy(base)
-    handle = protect_(engine, ABFTConfig(ops=(), backend=ENGINE))
+    handle = protect_(engine, ABFTConfig(ops=(), backend=ENGINE), example=example)
     wired = {s for name in handle.modules for s in handle.state(name).hooks}
     checked = [op for op in ops if op in wired]  # a fused Q|K|V projection has no dx.k
     arms = {"plain": plain, "engine": engine}
     for op in checked:
         arms[op] = copy.deepcopy(base)
-        protect_(arms[op], ABFTConfig(ops=(op,), backend=ENGINE))
+        protect_(arms[op], ABFTConfig(ops=(op,), backend=ENGINE), example=example)
     runs = {k: torch.compile(m) if compile else m for k, m in arms.items()}
     steps = {k: stepper(arms[k], runs[k], inputs, dtype, device) for k in arms}
     eager_steps = (  # launches and sizes are counted in eager

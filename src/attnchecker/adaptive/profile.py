@@ -246,12 +246,16 @@ class CostProfile:
 
 def vulnerability_path(campaign: str | Path, family: str) -> Path:
     """Where a campaign keeps ``family``'s vulnerability profile."""
-    return Path(campaign) / f"vulnerability-{family}.json"
+    from attnchecker.models.source import tag
+
+    return Path(campaign) / f"vulnerability-{tag(family)}.json"
 
 
 def cost_path(campaign: str | Path, family: str) -> Path:
     """Where ``attnchecker bench --campaign`` keeps ``family``'s cost profile."""
-    return Path(campaign) / f"cost-{family}.json"
+    from attnchecker.models.source import tag
+
+    return Path(campaign) / f"cost-{tag(family)}.json"
 
 
 def write_vulnerability_profiles(campaign: str | Path) -> list[Path]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -132,14 +133,11 @@ def plan(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, steps: 
 
 
 def _fresh(vuln: VulnerabilityProfile, seed: int):
-    from attnchecker.models.tiny import build
+    from attnchecker.models.source import make
 
     setup = vuln.setup
-    model = build(vuln.family, setup.get("size", "tiny"), seed=seed,
-                  max_len=max(64, setup.get("seq_len", 32)))  # fmt: skip
-    model.config.use_cache = False
-    model.train()
-    return model
+    return make(vuln.family, size=setup.get("size", "tiny"), seed=seed,
+                seq_len=setup.get("seq_len", 32))  # fmt: skip
 
 
 @functools.cache
@@ -214,6 +212,7 @@ def run(
     import warnings
 
     from attnchecker.inject.injector import Injector
+    from attnchecker.models import source
     from attnchecker.models.protect import protect_
     from attnchecker.recovery.guard import guard
 
@@ -222,11 +221,13 @@ def run(
     setup = vuln.setup
     B, L, lr = setup.get("batch", 4), setup.get("seq_len", 32), setup.get("lr", 1e-3)
     model = model_for(vuln, condition, seed)
-    handle = protect_(model, choice.config)
+    data = _batches(condition.data, B, L, seed + 1)
+    first = next(data)
+    handle = protect_(model, choice.config, example=source.example(model, first))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     guarded = guard(opt, handle) if choice.config.policy == "skip_step" and choice.checks else None
     faults = plan(vuln, cost, rate, steps, seed, condition)
-    data = _batches(condition.data, B, L, seed + 1)
+    data = itertools.chain([first], data)
     ring: list[tuple[dict, dict]] = []
     events = step = 0
     with Injector(model, faults, step_fn=lambda: step), warnings.catch_warnings():
@@ -253,16 +254,14 @@ def measure_overhead(vuln: VulnerabilityProfile, model, choice: Choice, *, reps:
     times them (:func:`~attnchecker.adaptive.bench.alternate`), whole periods per round. The
     plain model (SDPA) gets the protected model's weights (values change a CPU's speed)."""
     from attnchecker.adaptive.bench import alternate, stepper
-    from attnchecker.models.families import TABLE
+    from attnchecker.models.source import plain as as_users_run_it
 
     if not choice.checks:
         return Estimate(0.0, 0.0, 0.0)
     setup = vuln.setup
     B, L = setup.get("batch", 4), setup.get("seq_len", 32)
-    plain = _fresh(vuln, 0)
+    plain = as_users_run_it(_fresh(vuln, 0))
     plain.load_state_dict(model.state_dict())
-    if TABLE[vuln.family].sdpa:
-        plain.set_attn_implementation("sdpa")
     g = torch.Generator().manual_seed(seed + 2)
     ids = torch.randint(3, 128, (B, L), generator=g)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}

@@ -15,7 +15,6 @@ from attnchecker.adaptive.controller import ESTIMATES, RATE_UNITS
 from attnchecker.adaptive.profile import CONFIDENCES
 from attnchecker.cli.common import add_command
 from attnchecker.errors import ConfigError
-from attnchecker.models.families import FAMILIES
 from attnchecker.models.tiny import SIZES
 
 __all__ = ["TASK", "add_parser"]
@@ -149,7 +148,9 @@ def _rate_args(p: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add this group's commands to ``sub``."""
     b = add_command(sub, "bench", _bench, "cost profile: what each check costs on this machine")
-    b.add_argument("--model", choices=FAMILIES, help="family (default: the campaign's)")
+    b.add_argument("--model", metavar="MODEL",
+                   help="a family, a transformers config.json, or package.module:function "
+                   "(default: the campaign's model)")  # fmt: skip
     b.add_argument("--campaign", help="take the model and batch shape from this campaign")
     b.add_argument("--size", default="tiny", choices=SIZES)
     b.add_argument("--batch", type=int, default=4)

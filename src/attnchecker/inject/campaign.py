@@ -66,9 +66,9 @@ class CampaignConfig:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         kernel = [f"kernel:{s}" for s in KERNEL_SITES] if self.backend != "eager" else []
-        from attnchecker.models.factory import is_factory
+        from attnchecker.models.source import kind_of
 
-        own = [f for f in self.families if is_factory(f)]  # package.module:function models
+        own = [f for f in self.families if f not in FAMILIES and kind_of(f)]  # the user's own
         for name, values, allowed in [
             ("families", self.families, [*FAMILIES, *own]),
             ("sites", self.sites, [*ALL_OPS, *kernel]),
@@ -146,15 +146,9 @@ def _setup(cfg: CampaignConfig, family: str, layer: int):
         import torch
 
         from attnchecker.inject.trial import reference
-        from attnchecker.models.factory import is_factory, load_factory
-        from attnchecker.models.tiny import build
+        from attnchecker.models.source import make
 
-        if is_factory(family):  # the user's own model (its vocabulary: the drawn ids, 128)
-            model = load_factory(family, vocab_size=128, seq_len=cfg.seq_len, seed=cfg.seed)
-        else:
-            model = build(family, cfg.size, seed=cfg.seed, max_len=max(64, cfg.seq_len))
-            model.config.use_cache = False
-        model.train()
+        model = make(family, size=cfg.size, seed=cfg.seed, seq_len=cfg.seq_len)
         g = torch.Generator().manual_seed(cfg.seed)
         batches = []
         for _ in range(cfg.steps):
