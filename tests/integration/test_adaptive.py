@@ -12,9 +12,9 @@ import json
 import pytest
 
 from attnchecker import protect_
-from attnchecker.adaptive.controller import FaultRate
+from attnchecker.adaptive.controller import FaultRate, choose
 from attnchecker.adaptive.profile import CostProfile, VulnerabilityProfile
-from attnchecker.adaptive.simulate import Condition
+from attnchecker.adaptive.simulate import Condition, plan
 from attnchecker.adaptive.validate import Validation, validate
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.cli import main
@@ -106,19 +106,25 @@ def test_validation_counts_fall_in_their_predictive_intervals(flow, tmp_path):
     vuln = VulnerabilityProfile.load(flow / "vulnerability-gpt2.json")
     cost = CostProfile.load(flow / "cost-gpt2.json")
     held = (Condition("Shakespeare text", data="shakespeare", patterns=("1R", "2D")),)
-    val = _validate(vuln, cost, [10.0], held_out=held, with_baselines=True)
+    # a budget that fits every check every step whatever a loaded CPU measured (+1000% once
+    # left a check every 4 steps when a 3-round profile put one op's upper end at +726%)
+    val = _validate(vuln, cost, [1e4], held_out=held, with_baselines=True)
     none, full = val.rows[0], val.rows[1]
     assert [r.kind for r in val.rows][:2] == ["in-sample"] * 2 and none.name == "none"
     assert all(r.faults > 5 for r in none.runs) and sum(r.events for r in none.runs) > 10
     assert len({r.faults for r in none.runs}) > 1  # each seed its own plan
     for row in (none, full):
         assert row.count_verdict == "inside", row.to_dict()
-    assert len(full.checks) == len(SITES) * 2
+    assert len(full.checks) == len(SITES) * 2 and {k for *_, k in full.checks} == {1}
     assert all(r.events == 0 for r in full.runs), full.to_dict()
     assert full.predicted.mean < none.predicted.mean / 3  # (2 trials a cell: wide posteriors)
     held_row = next(r for r in val.rows if r.kind == "held-out")
     assert held_row.condition.data == "shakespeare" and held_row.count_verdict == "inside"
     assert val.gains and all(len(g.differences) == 3 for g in val.gains)
+    target = f"~ {full.overhead.point:+.0%} measured"  # matched to the controller's overhead
+    base = [r for r in val.rows if r.kind == "baseline"]
+    assert len(base) + sum("no baseline of this kind" in n for n in val.notes) == 3
+    assert all(r.name.endswith(target) and r.budget is None for r in base)
     inside, n = val.coverage()
     assert n == 3 * sum(r.judged for r in val.rows) and inside >= n - 2
     assert not [m for m in val.misses() if "counts" in m]
@@ -188,4 +194,61 @@ def test_the_flow_runs_on_a_model_of_ones_own(tmp_path):
                    held_out=(), with_baselines=False, timing_reps=3)  # fmt: skip
     none, full = val.rows[0], val.rows[1]
     assert sum(r.events for r in none.runs) > 0 and all(r.faults > 0 for r in full.runs)
+    assert all(r.events == 0 for r in full.runs), full.to_dict()
+
+
+def test_plan_verify_times_its_choice_on_this_machine(flow, tmp_path, capsys):
+    """plan --verify trains the budget's choice and times it against the plain model: the plan
+    carries the measurement (within the budget, here one every check fits); a target has no
+    budget to verify."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--campaign", str(flow), "--fault-rate", "1", "--per", "step",
+                 "--budget", "1000%", "--verify", "--timing-reps", "3",
+                 "--out", str(out)]) == 0  # fmt: skip
+    assert "measured overhead on this machine" in capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    low, high = plan["measured"][1], plan["measured"][2]
+    assert plan["checks"] and 0 < high <= 10.0 and low <= high
+    assert main(["plan", "--campaign", str(flow), "--fault-rate", "1", "--per", "step",
+                 "--target", "10", "--verify"]) == 2  # fmt: skip
+    assert "--verify measures a budget's choice" in capsys.readouterr().err
+
+
+def test_linear_layers_are_profiled_priced_placed_and_validated(tmp_path):
+    """A linear layer outside attention (GPT-2's MLP input, linear:mlp.c_fc:y) in the whole
+    flow: the campaign faults it (a NaN kills the unchecked run; the protected arm, all linear
+    layers checked, corrects it where it lands), bench prices its check in every block, the
+    controller places it in a schedule that protect_ takes (scope all_linear, only that layer
+    instrumented), and validate's checked runs lose no step to faults there."""
+    camp = tmp_path / "camp"
+    assert main(["campaign", "--out", str(camp), "--families", "gpt2", "--sites", "scores",
+                 "linear:mlp.c_fc:y", "--kinds", "nan", "--trials", "2", "--layers", "0", "1",
+                 "--steps", "2"]) == 0  # fmt: skip
+    rows = [r for r in load_trials(camp) if r["site"] == "linear:mlp.c_fc:y"]
+    assert len(rows) == 4 and {r["layer"] for r in rows} == {0, 1}
+    for r in rows:
+        assert r["unprotected"]["outcome"] == "non_trainable", r
+        assert r["protected"]["outcome"] == "masked" and r["protected"]["detected_at_site"], r
+    vuln = VulnerabilityProfile.load(camp / "vulnerability-gpt2.json")
+    assert vuln.ops == ("scores", "mlp.c_fc:y")
+    assert main(["bench", "--campaign", str(camp), "--reps", "3", "--ops", "scores",
+                 "mlp.c_fc:y"]) == 0  # fmt: skip
+    cost = CostProfile.load(camp / "cost-gpt2.json")
+    assert {o.op for o in cost.ops} == {"scores", "mlp.c_fc:y"}
+    assert cost.layers("mlp.c_fc:y") == (0, 1)
+    tokens = cost.setup["batch"] * cost.setup["seq_len"]  # tiny GPT-2's c_fc: 32 -> 128
+    assert cost.macs_of(0, "mlp.c_fc:y") == tokens * 32 * 128
+    choice = choose(vuln, cost, RATE, budget=1e4)
+    placed = {(layer, op) for layer, op, _ in choice.checks}
+    assert placed >= {(0, "mlp.c_fc:y"), (1, "mlp.c_fc:y")}
+    assert choice.config.scope == "all_linear"
+    handle = protect_(build("gpt2"), choice.config)
+    linear = [m for m in handle.modules if handle.state(m).ops == ("y",)]
+    assert linear == ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
+    val = validate(vuln, cost, FaultRate(2.0, "step", {"nan": 1.0}), [1e4], seeds=2, steps=12,
+                   held_out=(), with_baselines=False, timing_reps=3)  # fmt: skip
+    none, full = val.rows
+    linear_faults = [f for s in (0, 1) for f in plan(vuln, cost, RATE, 12, s).faults
+                     if f.site.startswith("linear:")]  # fmt: skip
+    assert linear_faults and sum(r.events for r in none.runs) > 0
     assert all(r.events == 0 for r in full.runs), full.to_dict()

@@ -25,9 +25,11 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from attnchecker.adaptive.profile import ENGINE, CostProfile, Estimate, OpCost
-from attnchecker.attention.config import ALL_OPS, OPS, ABFTConfig
+from attnchecker.attention.config import ALL_OPS, LINEAR_OPS, OPS, ABFTConfig
+from attnchecker.attention.ops import linear_parts
 from attnchecker.errors import ConfigError
 
 __all__ = ["alternate", "measure_costs", "median_interval", "stepper"]
@@ -136,6 +138,39 @@ def _site_macs(handle, model, step) -> dict[tuple[int, str], int]:
     return dict(out)
 
 
+def _linears(model, handle) -> dict[tuple[int, str], nn.Module]:
+    """The model's linear layers outside attention by (layer, role in the block)."""
+    from attnchecker.attention.projection import is_conv1d
+    from attnchecker.models.registry import layer_of, role_of
+
+    attention = [n for n in handle.modules if "y" not in handle.state(n).hooks]
+    return {(layer_of(n, m), role_of(n)): m for n, m in model.named_modules()
+            if (isinstance(m, nn.Linear) or is_conv1d(m))
+            and not any(n.startswith(a + ".") for a in attention)}  # fmt: skip
+
+
+def _arm_config(op: str, linears: dict[tuple[int, str], nn.Module]) -> ABFTConfig:
+    """One op checked in every layer: an attention op, or a linear layer's check in every
+    block that has the layer (``scope="all_linear"``, a schedule naming only it)."""
+    parts = linear_parts(op)
+    if parts is None:
+        return ABFTConfig(ops=(op,), backend=ENGINE)
+    entries = tuple((layer, op, 1) for layer, role in linears if role == parts[0])
+    return ABFTConfig(scope="all_linear", schedule=entries, backend=ENGINE)
+
+
+def _linear_macs(linears: dict[tuple[int, str], nn.Module], tokens: int,
+                 ops: set[str]) -> dict[tuple[int, str], int]:  # fmt: skip
+    """Multiply-adds per step of each linear check in ``ops``: the forward's and each backward
+    GEMM's are one size, tokens x in x out."""
+    out = {}
+    for (layer, role), m in linears.items():
+        for op in ops:
+            if linear_parts(op)[0] == role:
+                out[(layer, op)] = tokens * m.weight.numel()
+    return out
+
+
 def _step_macs(model, step) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -172,8 +207,9 @@ def measure_costs(
         raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if reps < 3:
         raise ConfigError(f"reps must be >= 3 for a median and its interval, got {reps}")
-    if unknown := sorted(set(ops) - set(ALL_OPS)):
-        raise ConfigError(f"unknown ops {unknown}; choose from {list(ALL_OPS)}")
+    if unknown := sorted(op for op in set(ops) - set(ALL_OPS) if not linear_parts(op)):
+        raise ConfigError(f"unknown ops {unknown}; choose from {list(ALL_OPS)} or a linear "
+                          f"layer's role:op (mlp.c_fc:y, op of {list(LINEAR_OPS)})")  # fmt: skip
     base, plain = _models(family, size, seq_len, layers, seed, device)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 128, (batch, seq_len), generator=g).to(device)
@@ -182,11 +218,16 @@ def measure_costs(
     engine = copy.deepcopy(base)
     handle = protect_(engine, ABFTConfig(ops=(), backend=ENGINE), example=example)
     wired = {s for name in handle.modules for s in handle.state(name).hooks}
-    checked = [op for op in ops if op in wired]  # a fused Q|K|V projection has no dx.k
+    linears = _linears(base, handle)  # (layer, role) -> the linear layer outside attention
+    if missing := sorted(op for op in ops if (p := linear_parts(op)) and
+                         p[0] not in {role for _, role in linears}):  # fmt: skip
+        raise ConfigError(f"no linear layer of the roles of {missing} in the model; its roles: "
+                          f"{sorted({role for _, role in linears})}")  # fmt: skip
+    checked = [op for op in ops if op in wired or linear_parts(op)]  # a fused Q|K|V: no dx.k
     arms = {"plain": plain, "engine": engine}
     for op in checked:
         arms[op] = copy.deepcopy(base)
-        protect_(arms[op], ABFTConfig(ops=(op,), backend=ENGINE), example=example)
+        protect_(arms[op], _arm_config(op, linears), example=example)
     runs = {k: torch.compile(m) if compile else m for k, m in arms.items()}
     steps = {k: stepper(arms[k], runs[k], inputs, dtype, device) for k in arms}
     eager_steps = (  # launches and sizes are counted in eager
@@ -194,6 +235,7 @@ def measure_costs(
     )
     launches = {k: count_ops(eager_steps[k]).launching for k in arms}
     macs = _site_macs(handle, engine, eager_steps["engine"])
+    macs |= _linear_macs(linears, batch * seq_len, {op for op in checked if linear_parts(op)})
     step_macs = _step_macs(plain, eager_steps["plain"])
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(warmup):  # compiles here, when compiling
@@ -209,7 +251,7 @@ def measure_costs(
     op_costs = tuple(
         OpCost(op, median_interval(share(op)), launches[op] - launches["engine"]) for op in checked
     )
-    n_layers = len({layer for layer, _ in macs})
+    n_layers = len({layer for layer, op in macs if not linear_parts(op)})
     return CostProfile(
         family=family,
         setup={"size": size, "batch": batch, "seq_len": seq_len, "layers": n_layers,

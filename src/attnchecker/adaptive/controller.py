@@ -31,7 +31,9 @@ per cost, lambda_i (v_i - w_i) / c_i, every step while they fit and then every k
 k of :data:`PERIODS` (one k per schedule), keeping the best. A budget is a contract: a schedule
 fits when the upper end of its cost interval (E and every c_i at their high ends) does, so the
 measured overhead stays within the budget unless the cost profile itself was wrong
-(``attnchecker validate`` checks that).
+(``attnchecker validate`` checks that). Costs do not add per op, though (many checks together
+measured up to 1.5 times their sum): :func:`fit_measured` (``plan --verify``) measures the
+choice as it trains and backs off until its measured overhead fits.
 
 Intervals: each rate's Wilson interval enters L at its ends, so L's interval is the sum of
 the ends (wider than its stated confidence); decisions use the upper end (``estimate="high"``),
@@ -55,12 +57,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from attnchecker.adaptive.profile import ENGINE, CostProfile, Estimate, VulnerabilityProfile
-from attnchecker.attention.config import ALL_OPS, ABFTConfig
+from attnchecker.attention.config import ABFTConfig
+from attnchecker.attention.ops import linear_parts, op_key
 from attnchecker.attention.schedule import Schedule
 from attnchecker.errors import ConfigError
 
@@ -72,6 +76,7 @@ __all__ = [
     "FaultRate",
     "Site",
     "choose",
+    "fit_measured",
     "load_plan",
     "parse_kinds",
     "priced",
@@ -157,7 +162,6 @@ def sites(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
     kinds = rate.kinds or {k: 1 / len(vuln.kinds) for k in vuln.kinds}
     if unknown := sorted(set(kinds) - set(vuln.kinds)):
         raise ConfigError(f"kinds {unknown} were not measured; the campaign has {list(vuln.kinds)}")
-    n_layers = len(cost.layers)
     out = []
     for layer, op, macs in cost.macs:
         oc = cost.op(op)
@@ -177,7 +181,8 @@ def sites(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
                     acc[j] += p * e[j]
         out.append(
             Site(layer, op, rate.per_step(macs, cost), Estimate(*unchecked), Estimate(*checked),
-                 oc.cost.scaled(1 / n_layers), oc.launches / n_layers, ",".join(sorted(notes)))
+                 oc.cost.scaled(1 / len(cost.layers(op))), oc.launches / len(cost.layers(op)),
+                 ",".join(sorted(notes)))
         )  # fmt: skip
     return out
 
@@ -197,6 +202,7 @@ class Choice:
     coverage: float  # share of the step's multiply-adds at the profiled sites
     goal: str
     notes: tuple[str, ...] = ()
+    measured: Estimate | None = None  # the overhead measured on this machine (fit_measured)
 
     @property
     def schedule(self) -> Schedule:
@@ -216,7 +222,7 @@ class Choice:
         out = [f"goal: {self.goal}"]
         if not self.checks:
             out.append("choice: no check (protect_ is not needed)")
-        for (op, every), layers in sorted(by_op.items(), key=lambda x: ALL_OPS.index(x[0][0])):
+        for (op, every), layers in sorted(by_op.items(), key=lambda x: op_key(x[0][0])):
             when = "every step" if every == 1 else f"every {every} steps"
             out.append(f"  check {op:<7} layers {_ranges(layers)}: {when}")
         out += [
@@ -227,6 +233,7 @@ class Choice:
             f"expected overhead vs the plain model (SDPA): {_pct(self.overhead)} "
             f"(everything checked: {_pct(self.full_overhead)}), "
             f"{self.launches:.0f} more ops launched per step",
+            *[f"measured overhead on this machine: {_pct(m)}" for m in [self.measured] if m],
             f"faults covered: {self.coverage:.1%} of the step's multiply-adds are at profiled "
             f"sites (the rest: MLP, LM head, ... are not in these numbers)",
         ]
@@ -337,7 +344,7 @@ def choose(
     if not order:
         notes += ("no check removes risk at this fault rate: nothing to check",)
     checks = tuple(sorted(((ss[i].layer, ss[i].op, round(1 / v)) for i, v in f.items() if v),
-                          key=lambda c: (c[0], ALL_OPS.index(c[1]))))  # fmt: skip
+                          key=lambda c: (c[0], op_key(c[1]))))  # fmt: skip
     return _choice(ss, f, checks, cost, base, goal, notes, policy)
 
 
@@ -351,7 +358,8 @@ def _base(ss: list[Site], cost: CostProfile) -> dict[str, Any]:
 
 
 def _choice(ss, f, checks, cost, base, goal, notes, policy) -> Choice:
-    config = (ABFTConfig(schedule=checks, policy=policy, backend=ENGINE) if checks
+    scope = "all_linear" if any(linear_parts(op) for _, op, _ in checks) else "attention"
+    config = (ABFTConfig(schedule=checks, policy=policy, backend=ENGINE, scope=scope) if checks
               else ABFTConfig(ops=()))  # fmt: skip
     launches = (cost.engine_launches + sum(v * ss[i].launches for i, v in f.items())) if f else 0
     return Choice(config, checks, _risk(ss, f), overhead=_overhead(ss, f, cost.engine),
@@ -424,7 +432,7 @@ def _for_budget(ss: list[Site], order: list[int], room: float, end: int) -> dict
 
 def _notes(ss: list[Site], rate: FaultRate, cost: CostProfile) -> tuple[str, ...]:
     notes = []
-    pooled = sorted({s.op for s in ss if "extrapolated" in s.note}, key=ALL_OPS.index)
+    pooled = sorted({s.op for s in ss if "extrapolated" in s.note}, key=op_key)
     if pooled:
         notes.append(f"{', '.join(pooled)}: some layers from the op's trials in other layers")
     profiled = {s.op for s in ss}
@@ -433,6 +441,37 @@ def _notes(ss: list[Site], rate: FaultRate, cost: CostProfile) -> tuple[str, ...
     if rate.value == 0:
         notes.append("fault rate 0: no check pays for itself")
     return tuple(notes)
+
+
+def fit_measured(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, budget: float,
+                 measure: Callable[[Choice], Estimate], *, tries: int = 6,
+                 **kw: Any) -> Choice:  # fmt: skip
+    """:func:`choose` within ``budget``, then ``measure`` the choice as it trains; while the
+    measured overhead's upper end is over the budget (costs do not add per op: a schedule of
+    many checks can measure half again its predicted cost), choose again within the budget the
+    cost model gave scaled by budget / measured, at most ``tries`` times. The choice carries
+    its measurement; raises :class:`ConfigError` when no schedule measures within the budget."""
+    b, tried = budget, []
+    for _ in range(tries):
+        try:
+            choice = choose(vuln, cost, rate, budget=b, **kw)
+        except ConfigError as e:  # scaled below the cheapest check
+            raise ConfigError(f"no schedule measured within {budget:.0%} ({'; '.join(tried)}, "
+                              f"upper ends); then {e}") from None  # fmt: skip
+        if not choice.checks:
+            return choice
+        m = measure(choice)
+        tried.append(f"{len(choice.checks)} checks {m.high:+.1%}")
+        note = (f"measured {_pct(m)} on this machine (tried: {'; '.join(tried)}; the cost "
+                f"model's budget {b:.1%})")  # fmt: skip
+        choice = dataclasses.replace(choice, measured=m, notes=(*choice.notes, note))
+        if m.high <= budget:
+            return choice
+        b *= budget / m.high
+    raise ConfigError(
+        f"no schedule measured within {budget:.0%} in {tries} tries ({'; '.join(tried)}, upper "
+        f"ends): give a larger budget"
+    )
 
 
 def save_plan(choice: Choice, rate: FaultRate, path: str | Path) -> Path:

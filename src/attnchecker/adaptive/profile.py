@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from attnchecker.attention.config import ALL_OPS
+from attnchecker.attention.ops import op_key
 from attnchecker.errors import ConfigError
+from attnchecker.inject.plan import check_op
 
 __all__ = [
     "CONFIDENCES",
@@ -110,8 +111,7 @@ class VulnerabilityProfile:
 
     @property
     def ops(self) -> tuple[str, ...]:
-        ops = {c.op for c in self.cells}
-        return tuple(op for op in ALL_OPS if op in ops)
+        return tuple(sorted({c.op for c in self.cells}, key=op_key))
 
     def cell(self, op: str, layer: int, kind: str) -> tuple[Cell | None, bool]:
         """The trials of (op, layer, kind), or when that layer was not measured the op's trials
@@ -152,9 +152,10 @@ class VulnerabilityProfile:
         rows = load_trials(out)
         family = _one_family(out, rows, family)
         groups: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
-        for r in rows:
+        for r in rows:  # a linear layer's site (linear:mlp.c_fc:y) is its check's op
             if r["family"] == family:
-                groups[(r["site"], r.get("layer", config["layer"]), r["kind"])].append(r)
+                key = (check_op(r["site"]), r.get("layer", config["layer"]), r["kind"])
+                groups[key].append(r)
         cells = tuple(
             Cell(op, layer, kind, len(rs), _count(rs, "unprotected"), _count(rs, "protected"))
             for (op, layer, kind), rs in sorted(groups.items())
@@ -204,9 +205,10 @@ class CostProfile:
     version: int = PROFILE_VERSION
     host: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def layers(self) -> tuple[int, ...]:
-        return tuple(sorted({layer for layer, _, _ in self.macs}))
+    def layers(self, op: str | None = None) -> tuple[int, ...]:
+        """The layers with a GEMM of ``op`` (None: of any op); a linear layer outside the
+        blocks is layer -1."""
+        return tuple(sorted({layer for layer, o, _ in self.macs if op in (None, o)}))
 
     def op(self, name: str) -> OpCost | None:
         return next((o for o in self.ops if o.op == name), None)

@@ -34,7 +34,7 @@ from attnchecker.adaptive.controller import Choice, FaultRate, sites
 from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
 from attnchecker.errors import ConfigError
 
-__all__ = ["Condition", "Run", "count_interval", "measure_overhead", "run"]
+__all__ = ["Condition", "Run", "count_interval", "measure_overhead", "overhead", "plan", "run"]
 
 DATA = ("random", "shakespeare")
 
@@ -109,7 +109,7 @@ def _targets(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, unp
 def plan(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, steps: int, seed: int,
          condition: Condition = Condition()):  # fmt: skip
     """The sampled :class:`~attnchecker.inject.plan.FaultPlan` of one run (module docstring)."""
-    from attnchecker.inject.plan import Fault, FaultPlan
+    from attnchecker.inject.plan import Fault, FaultPlan, fault_site
 
     rate = FaultRate(rate.value * condition.rate_scale, rate.per, rate.kinds)
     targets = _targets(vuln, cost, rate, condition.unprofiled)
@@ -127,7 +127,7 @@ def plan(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, steps: 
             kind = names[int(torch.multinomial(probs, 1, generator=g))]
             pattern = patterns[int(torch.randint(len(patterns), (1,), generator=g))]
             layer, op, _ = targets[site]
-            faults.append(Fault(step=step + 1, site=op, kind=kind, pattern=pattern,
+            faults.append(Fault(step=step + 1, site=fault_site(op), kind=kind, pattern=pattern,
                                 layer=layer, size=(2, 3)))  # fmt: skip
     return FaultPlan(tuple(faults), seed)
 
@@ -245,6 +245,17 @@ def run(
                 ring = ring[:1]
     skipped = 0 if guarded is None or guarded.skipped is None else int(guarded.skipped.sum())
     return Run(seed, len(faults.faults), events, skipped), model
+
+
+def overhead(vuln: VulnerabilityProfile, choice: Choice, *, reps: int, seed: int) -> Estimate:
+    """:func:`measure_overhead` of ``choice`` on the campaign's model, protected as it ships."""
+    from attnchecker.models import source
+    from attnchecker.models.protect import protect_
+
+    model = model_for(vuln, Condition(), seed)
+    ids = next(_batches("random", 1, vuln.setup.get("seq_len", 32), seed))
+    protect_(model, choice.config, example=source.example(model, ids))
+    return measure_overhead(vuln, model, choice, reps=reps, seed=seed)
 
 
 def measure_overhead(vuln: VulnerabilityProfile, model, choice: Choice, *, reps: int,

@@ -20,9 +20,13 @@ Overhead. Measured once per row (alternated clean steps against the plain model 
 median and its interval): the budget is a contract, so a row whose measured overhead is above
 its budget misses (OVER BUDGET), as does one outside its predicted interval (ABOVE / BELOW).
 
-Baselines. At one budget: every check every k steps, the forward's checks only (every k
-steps), and a random subset of checks, each the largest of its kind whose predicted cost fits
-the budget at the upper ends, as the controller's does. The controller's gain over each is the
+Baselines, at equal measured cost. Three naive kinds: every check every k steps, the
+forward's checks only every k steps, and a random subset of checks every step, each a ladder of
+schedules from cheap to dear (:func:`ladders`). Of each kind the dearest schedule whose
+overhead, measured as a row's is, stays at most the overhead the controller's choice at one
+budget measured (:func:`matched`, a bisection: a few measurements per kind), so a baseline
+gets what the controller's schedule really cost, not what the cost model says it costs (which
+favoured the controller: costs do not add per op). The controller's gain over each is the
 paired difference of the seeds' counts (baseline minus controller), with a t interval.
 
 Exit status (``Validation.status``): 0 when nothing misses, 1 when a count or an overhead is
@@ -45,11 +49,12 @@ from attnchecker.adaptive.controller import (
     Choice,
     FaultRate,
     choose,
+    fit_measured,
     priced,
     sites,
 )
 from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
-from attnchecker.adaptive.simulate import Condition, Run, measure_overhead, plan, run
+from attnchecker.adaptive.simulate import Condition, Run, measure_overhead, overhead, plan, run
 from attnchecker.attention.config import OPS
 from attnchecker.errors import ConfigError
 
@@ -61,6 +66,8 @@ __all__ = [
     "Validation",
     "baselines",
     "binomial_miss",
+    "ladders",
+    "matched",
     "predict",
     "validate",
 ]
@@ -297,39 +304,60 @@ class Validation:
                    d["level"], tuple(d.get("notes", ())))  # fmt: skip
 
 
-def baselines(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, budget: float,
-              *, seed: int = 0) -> list[tuple[str, Choice]]:  # fmt: skip
-    """The naive schedules at ``budget`` (module docstring), each the largest of its kind whose
-    predicted cost fits at the upper ends; a kind that cannot fit is left out."""
+Checks = tuple[tuple[int, str, int], ...]
+
+
+def ladders(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, *,
+            seed: int = 0) -> dict[str, list[tuple[str, Checks]]]:  # fmt: skip
+    """Each naive kind's schedules, cheapest first: every check and the forward's checks only,
+    every k steps for k from the longest period down to 1; a random subset (its order drawn
+    from ``seed``) of 1, 2, ... of the sites, every step."""
     ss = sites(vuln, cost, rate)
-    room = budget - cost.engine.high
-
-    def fits(group) -> bool:
-        return sum(max(s.cost.high, 0.0) / k for s, k in group) <= room + 1e-12
-
-    def periodic(name: str, chosen) -> tuple[str, Choice] | None:
-        for k in (1, *PERIODS):
-            group = [(s, k) for s in chosen]
-            if chosen and fits(group):
-                checks = tuple((s.layer, s.op, k) for s in chosen)
-                return f"{name} (every {k})" if k > 1 else name, priced(
-                    vuln, cost, rate, checks, goal=f"{name} at {budget:.0%}"
-                )
-        return None
-
-    out = [periodic("every check", ss), periodic("forward only", [s for s in ss if s.op in OPS])]
+    out = {}
+    forward = [s for s in ss if s.op in OPS or s.op.endswith(":y")]  # a linear layer's output
+    for name, chosen in (("every check", ss), ("forward only", forward)):
+        if chosen:
+            out[name] = [(f"{name} (every {k})" if k > 1 else name,
+                          tuple((s.layer, s.op, k) for s in chosen))
+                         for k in reversed((1, *PERIODS))]  # fmt: skip
     order = list(ss)
     random.Random(seed).shuffle(order)
-    picked, left = [], room
-    for s in order:
-        if max(s.cost.high, 0.0) <= left:
-            picked.append(s)
-            left -= max(s.cost.high, 0.0)
-    if picked:
-        checks = tuple((s.layer, s.op, 1) for s in picked)
-        out.append(("random subset", priced(vuln, cost, rate, checks,
-                                            goal=f"random subset at {budget:.0%}")))  # fmt: skip
-    return [b for b in out if b is not None]
+    out["random subset"] = [(f"random subset ({n} of {len(order)})",
+                             tuple((s.layer, s.op, 1) for s in order[:n]))
+                            for n in range(1, len(order) + 1)]  # fmt: skip
+    return out
+
+
+def matched(ladder: list[tuple[str, Checks]], measure: Callable[[Checks], float],
+            target: float) -> tuple[int, dict[int, float]]:  # fmt: skip
+    """The index of the dearest rung of ``ladder`` whose measured overhead is at most
+    ``target`` (-1: not even the cheapest), found by bisection (a rung costs more than the one
+    before it), and every overhead measured on the way."""
+    seen: dict[int, float] = {}
+    lo, hi = -1, len(ladder)  # lo fits (or is before the first rung), hi does not (or is past)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        seen[mid] = measure(ladder[mid][1])
+        lo, hi = (mid, hi) if seen[mid] <= target else (lo, mid)
+    return lo, seen
+
+
+def baselines(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, target: float,
+              measure: Callable[[Checks], float], *, seed: int = 0,
+              ) -> tuple[list[tuple[str, Choice]], list[str]]:  # fmt: skip
+    """The naive schedules at equal measured cost (module docstring): of each kind the dearest
+    whose overhead, measured as the rows measure theirs, is at most ``target`` (the
+    controller's measured overhead); and a note for each kind that cannot get that cheap."""
+    out, notes = [], []
+    for kind, ladder in ladders(vuln, cost, rate, seed=seed).items():
+        i, seen = matched(ladder, measure, target)
+        if i < 0:
+            notes.append(f"{kind}: its cheapest schedule measured {seen[0]:+.1%}, above the "
+                         f"controller's {target:+.1%}: no baseline of this kind")  # fmt: skip
+            continue
+        name, checks = ladder[i]
+        out.append((name, priced(vuln, cost, rate, checks, goal=f"{name} at {target:+.1%}")))
+    return out, notes
 
 
 def _row(name, kind, budget, choice: Choice, condition: Condition, vuln, cost, rate, *, steps,
@@ -364,22 +392,30 @@ def validate(
     with_baselines: bool = True,
     timing_reps: int = 9,
     seed: int = 0,
+    verify: bool = False,
     progress: bool = False,
     on_row: Callable[[Validation], object] | None = None,
 ) -> Validation:
     """Every row of the module docstring: no check and each budget's choice (in-sample); the
     naive baselines and the ``held_out`` conditions at budget ``at`` (default: the middle of
-    ``budgets``), ``seeds`` seeds each. ``on_row`` gets the rows so far after each row (the
-    CLI writes its report then: a run cut short keeps them). Every fault plan is drawn first,
-    so one the injector would refuse stops the run before any training."""
+    ``budgets``), ``seeds`` seeds each; ``verify``: each budget's choice is the one ``plan
+    --verify`` ships (:func:`~attnchecker.adaptive.controller.fit_measured`). ``on_row`` gets
+    the rows so far after each row (the CLI writes its report then: a run cut short keeps
+    them). Every fault plan is drawn first, so one the injector would refuse stops the run
+    before any training."""
     from attnchecker.inject.campaign import Progress
 
     if seeds < 1 or not budgets:
         raise ConfigError("validate needs at least one seed and one budget")
     choices, notes = {}, []
+
+    def timed(choice: Choice) -> Estimate:
+        return overhead(vuln, choice, reps=timing_reps, seed=seed)
+
     for b in sorted({*budgets, *([] if at is None else [at])}):
         try:
-            choices[b] = choose(vuln, cost, rate, budget=b)
+            choices[b] = fit_measured(vuln, cost, rate, b, timed) if verify else choose(
+                vuln, cost, rate, budget=b)  # fmt: skip
         except ConfigError as e:  # a budget below the cheapest check: said, not run
             notes.append(str(e))
     if not choices:
@@ -388,26 +424,48 @@ def validate(
     at = feasible[len(feasible) // 2] if at is None else at
     if at not in choices:
         raise ConfigError(f"the baselines' budget {at:.0%} fits no check: {notes[0]}")
-    rows_plan: list[tuple[str, str, float | None, Choice, Condition]] = [
+    Planned = tuple[str, str, float | None, Choice, Condition]
+    in_sample: list[Planned] = [
         ("none", "in-sample", None, priced(vuln, cost, rate, (), goal="none"), Condition()),
-        *((f"budget {b:.0%}", "in-sample", b, choices[b], Condition()) for b in feasible),
+        *(
+            (f"budget {b:.0%}" + " (verified)" * verify, "in-sample", b, choices[b], Condition())
+            for b in feasible
+        ),
     ]
-    base = baselines(vuln, cost, rate, at, seed=seed) if with_baselines else []
-    rows_plan += [(f"{name} at {at:.0%}", "baseline", at, c, Condition()) for name, c in base]
-    rows_plan += [(f"{c.name} at {at:.0%}", "held-out", at, choices[at], c) for c in held_out]
+    held: list[Planned] = [(f"{c.name} at {at:.0%}", "held-out", at, choices[at], c)
+                           for c in held_out]  # fmt: skip
     runs = [seed + i for i in range(seeds)]
     for condition in {Condition(), *held_out}:  # every plan drawn (and validated) up front
         for s in runs:
             plan(vuln, cost, rate, steps, s, condition)
     rows: list[Row] = []
     kw = dict(steps=steps, seeds=runs, level=level, timing_reps=timing_reps)
-    with Progress(len(rows_plan), progress) as advance:
-        for name, kind, budget, choice, condition in rows_plan:
+    kinds = len(ladders(vuln, cost, rate)) if with_baselines else 0
+
+    def run_rows(planned: list[Planned], advance) -> None:
+        for name, kind, budget, choice, condition in planned:
             rows.append(_row(name, kind, budget, choice, condition, vuln, cost, rate, **kw))
             if on_row is not None:
                 on_row(Validation(tuple(rows), (), level, tuple(notes)))
             advance()
-    mine = next(r for r in rows if r.kind == "in-sample" and r.budget == at)
+
+    with Progress(len(in_sample) + kinds + len(held), progress) as advance:
+        run_rows(in_sample, advance)
+        mine = next(r for r in rows if r.kind == "in-sample" and r.budget == at)
+        if with_baselines:  # at the overhead the controller's choice measured
+            target = mine.overhead.point
+
+            def measure(checks: Checks) -> float:
+                choice = priced(vuln, cost, rate, checks, goal="a baseline's cost")
+                return overhead(vuln, choice, reps=timing_reps, seed=runs[0]).point
+
+            base, missing = baselines(vuln, cost, rate, target, measure, seed=seed)
+            notes += missing
+            run_rows([(f"{n} ~ {target:+.0%} measured", "baseline", None, c, Condition())
+                      for n, c in base], advance)  # fmt: skip
+            for _ in range(kinds - len(base)):
+                advance()
+        run_rows(held, advance)
     gains = tuple(
         Gain(r.name, tuple(b.events - c.events for b, c in zip(r.runs, mine.runs, strict=True)))
         for r in rows

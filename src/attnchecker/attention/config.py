@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from attnchecker.attention.ops import ALL_OPS, GRAD_OPS, LINEAR_OPS, OPS
+from attnchecker.attention.ops import ALL_OPS, GRAD_OPS, LINEAR_OPS, OPS, linear_parts, op_key
 from attnchecker.attention.schedule import Schedule
 from attnchecker.errors import ConfigError
 
@@ -29,7 +29,8 @@ class ABFTConfig:
       sites, so an empty tuple gives an instrumented but unprotected model.
     - ``scope``: ``"attention"`` checks the attention modules (their projections and core);
       ``"all_linear"`` also every other ``nn.Linear`` / ``Conv1D`` of the model (MLP, LM head,
-      classifier), forward and backward (:data:`LINEAR_OPS`).
+      classifier), forward and backward (:data:`LINEAR_OPS`: the output ``y`` when ``ops`` has
+      a forward op, ``dx`` and ``dw`` when it has a backward op; ``ops=()`` checks none).
     - ``layers``: indices of the attention layers to protect (None: all).
     - ``mode``: ``"naive"`` computes every check's reference and bound from its own operands;
       ``"passing"`` takes the context check's reference from the V projection check (V's row
@@ -50,7 +51,11 @@ class ABFTConfig:
       fault injection). The period counts
       :meth:`~attnchecker.models.handle.ProtectionHandle.drain` calls (one per step in
       ``attnchecker.train``, the Trainer callback and ``GuardedOptimizer``).
-      ``attnchecker.adaptive.controller.choose(...).config`` builds one.
+      ``attnchecker.adaptive.controller.choose(...).config`` builds one. With
+      ``scope="all_linear"`` an entry may name a linear layer's check as ``role:op``
+      (:func:`~attnchecker.attention.ops.linear_op`: ``(0, "mlp.c_fc:y", 1)``; layer -1 for a
+      layer outside the blocks, ``(-1, "lm_head:dw", 1)``); only the linear layers named are
+      then instrumented.
     - ``backend``: ``"eager"`` runs the checked eager attention (materialised scores);
       ``"triton"`` the fused flash kernels with their checks inside
       (:mod:`attnchecker.kernels`: forward and backward, no L x L tensor), falling back to the
@@ -135,17 +140,22 @@ class ABFTConfig:
     def _checked_schedule(self) -> tuple[tuple[int, str, int], ...]:
         if self.layers is not None or self.ops != ALL_OPS:
             raise ConfigError("give either a schedule or ops / layers, not both")
-        if self.scope != "attention":
-            raise ConfigError("a schedule covers the attention ops: use scope='attention'")
         entries = []
         for entry in self.schedule:
             if not (isinstance(entry, (tuple, list)) and len(entry) == 3):
                 raise ConfigError(f"schedule entries are (layer, op, every), got {entry!r}")
             layer, op, every = entry
-            if not isinstance(layer, int) or layer < 0:
+            linear = isinstance(op, str) and linear_parts(op) is not None
+            if not isinstance(layer, int) or layer < (-1 if linear else 0):
                 raise ConfigError(f"schedule layer must be a layer index, got {layer!r}")
-            if op not in ALL_OPS:
-                raise ConfigError(f"unknown op {op!r} in schedule; choose from {list(ALL_OPS)}")
+            if linear and self.scope != "all_linear":
+                raise ConfigError(f"{op!r} is a linear layer's check: use scope='all_linear'")
+            if op not in ALL_OPS and not linear:
+                raise ConfigError(
+                    f"unknown op {op!r} in schedule; choose from {list(ALL_OPS)} or, with "
+                    f"scope='all_linear', a linear layer's 'role:op' (op one of "
+                    f"{list(LINEAR_OPS)})"
+                )
             if not isinstance(every, int) or every < 1:
                 raise ConfigError(f"schedule 'every' must be an integer >= 1, got {every!r}")
             entries.append((layer, op, every))
@@ -156,7 +166,7 @@ class ABFTConfig:
                 "one period per schedule (every step, every k steps, or never): a compiled "
                 "model then holds two graphs"
             )
-        return tuple(sorted(entries, key=lambda e: (e[0], ALL_OPS.index(e[1]))))
+        return tuple(sorted(entries, key=lambda e: (e[0], op_key(e[1]))))
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "ALL_OPS", "CORE_GRAD_OPS", "GRAD_OPS", "LINEAR_OPS", "OPS", "OP_TABLE", "Op", "op",
+    "ALL_OPS", "CORE_GRAD_OPS", "GRAD_OPS", "LINEAR_OPS", "OPS", "OP_TABLE", "Op", "linear_op",
+    "linear_parts", "op", "op_key",
 ]  # fmt: skip
 
 
@@ -97,3 +98,23 @@ ALL_OPS = OPS + GRAD_OPS
 LINEAR_OPS = tuple(o.name for o in OP_TABLE if o.part == _L)
 """The checks of one linear layer outside attention (``scope="all_linear"``): its output in the
 forward, dX and dW in the backward."""
+
+
+def op_key(name: str) -> tuple[int, str]:
+    """Sort key of check names: the attention ops in table order, then linear layers' checks
+    (:func:`linear_op`) by name."""
+    return (ALL_OPS.index(name), "") if name in ALL_OPS else (len(ALL_OPS), name)
+
+
+def linear_op(role: str, op: str) -> str:
+    """The name of check ``op`` (of :data:`LINEAR_OPS`) of the linear layer ``role`` of a
+    transformer block (its name inside the block, ``mlp.c_fc``; a layer outside the blocks: its
+    whole name, ``lm_head``), as a schedule, a fault plan and the controller name it:
+    ``mlp.c_fc:y``."""
+    return f"{role}:{op}"
+
+
+def linear_parts(name: str) -> tuple[str, str] | None:
+    """``(role, op)`` of a :func:`linear_op` name; None for any other name."""
+    role, sep, op = name.rpartition(":")
+    return (role, op) if sep and role and op in LINEAR_OPS else None

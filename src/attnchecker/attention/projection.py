@@ -26,7 +26,7 @@ from attnchecker.attention.checks import Projection, projection_check_, row_fact
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.grads import checked_linear
 from attnchecker.attention.handoff import Handoff
-from attnchecker.attention.ops import CORE_GRAD_OPS, GRAD_OPS, LINEAR_OPS
+from attnchecker.attention.ops import CORE_GRAD_OPS, GRAD_OPS, LINEAR_OPS, OPS
 from attnchecker.attention.ops import op as table_op
 from attnchecker.attention.records import new_log, ranged
 from attnchecker.attention.schedule import Schedule
@@ -363,26 +363,32 @@ def protect_attention(
 
 
 def protect_linears(
-    linears: Sequence[tuple[str, nn.Module, int]],
+    linears: Sequence[tuple[str, nn.Module, int, str]],
     config: ABFTConfig,
     clock: Clock,
     schedule: Schedule,
 ) -> tuple[dict[str, AttentionState], list[Undo], list[str]]:
-    """``scope="all_linear"``: each (name, Linear / Conv1D, layer) gets a state of its own
-    (ops ``y``, ``dx``, ``dw``: :data:`LINEAR_OPS`), checked on every step; returns the states,
-    the undos and the names of those whose backward could not be checked (a forward of their
-    own)."""
+    """``scope="all_linear"``: each (name, Linear / Conv1D, layer, role) gets a state of its own
+    (ops ``y``, ``dx``, ``dw``: :data:`LINEAR_OPS`), checked on every step or, under a
+    schedule, where its entries say; returns the states, the undos and the names of those whose
+    backward could not be checked (a forward of their own)."""
     states, undo, unpatched = {}, [], []
     grad_ops = LINEAR_OPS[1:]
-    backward = any(op in config.ops for op in GRAD_OPS)
-    for name, m, layer in linears:
+    for name, m, layer, role in linears:
         conv1d = is_conv1d(m)
         p = next(m.parameters(), None)
         dev = p.device if p is not None else clock.count.device
-        checked = ("y", *(grad_ops if backward else ()))
+        if schedule.entries is None:  # as the config's ops say of attention: forward, backward
+            backward = any(op in config.ops for op in GRAD_OPS)
+            forward = any(op in config.ops for op in OPS)
+            checked = ("y",) * forward + (grad_ops if backward else ())
+            named = None
+        else:
+            backward = any(op in schedule.linear_ops(layer, role) for op in grad_ops)
+            checked, named = None, role
         st = AttentionState(name, layer, config, clock, new_log(dev, 1), ops=("y",),
                             grad_ops=grad_ops, schedule=schedule, fixed_ops=checked,
-                            backward=True)  # fmt: skip
+                            role=named, backward=True)  # fmt: skip
         states[name] = st
         undo.append(m.register_forward_hook(linear_hook(st, conv1d)).remove)
         patched = patch_backward(m, conv1d, st, *grad_ops)
@@ -390,7 +396,8 @@ def protect_linears(
             undo.append(patched)
             continue
         st.sites.keep(("y",))
-        schedule.bind(name, layer, ("y",))
+        if schedule.entries is None:
+            schedule.bind(name, layer, ("y",))
         if backward:
             unpatched.append(name)
             st.coverage.unwired.extend(grad_ops)

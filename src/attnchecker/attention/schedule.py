@@ -55,12 +55,25 @@ class Schedule:
             if at == layer and (every == 1 or step is None or (step - 1) % every == 0)
         )
 
+    def linear_ops(self, layer: int, role: str, step: int | None = None) -> frozenset[str]:
+        """The checks of the linear layer ``role`` of ``layer`` that the entries name
+        (``mlp.c_fc:y`` -> ``y``), as :meth:`layer_ops` reads them."""
+        mine = role + ":"
+        ops = self.layer_ops(layer, step) if self.entries is not None else frozenset()
+        return frozenset(o[len(mine) :] for o in ops if o.startswith(mine))
+
     # -- the modules of one protected model, and the step it is at
 
-    def bind(self, module: str, layer: int, ops: Iterable[str] | None = None) -> None:
-        """Register a protected module: it checks its ``layer``'s ops on each step, or the
-        fixed ``ops`` on every step (a linear layer outside attention)."""
-        if ops is not None:
+    def bind(
+        self, module: str, layer: int, ops: Iterable[str] | None = None, role: str | None = None
+    ) -> None:
+        """Register a protected module: it checks its ``layer``'s ops on each step; a linear
+        layer outside attention (its ``role`` in the block, ``mlp.c_fc``) the entries that name
+        it (``mlp.c_fc:y``) or, without entries, the fixed ``ops`` on every step."""
+        if role is not None and self.entries is not None:
+            off, on = (self.linear_ops(layer, role, step) for step in (2, None))
+            self._modules[module] = (off, on)
+        elif ops is not None:
             fixed = frozenset(ops)
             self._modules[module] = (fixed, fixed)
         else:

@@ -72,7 +72,9 @@ class AttentionState:
     """Attached to each protected module (a plain attribute, not a buffer, so ``state_dict()``
     and DDP's buffer broadcast never see it). ``ops`` / ``grad_ops``: its forward's and
     backward's checks (the rows of its records); ``backward``: its backward GEMMs are checked
-    (a records sink); ``kernel_checks``: the fused kernels run its core (their counters)."""
+    (a records sink); ``kernel_checks``: the fused kernels run its core (their counters);
+    ``fixed_ops`` / ``role``: a linear layer's checks on every step, or its role in its block,
+    whose schedule entries decide (:meth:`~.schedule.Schedule.bind`)."""
 
     def __init__(
         self,
@@ -86,12 +88,13 @@ class AttentionState:
         grad_ops: tuple[str, ...] = GRAD_OPS,
         schedule: Schedule | None = None,
         fixed_ops: tuple[str, ...] | None = None,
+        role: str | None = None,
         backward: bool = False,
         kernel_checks: tuple[str, ...] = (),
     ) -> None:
         self.name, self.layer, self.config, self.clock = name, layer, config, clock
         self.schedule = Schedule.of(config) if schedule is None else schedule
-        self.schedule.bind(name, layer, fixed_ops)
+        self.schedule.bind(name, layer, fixed_ops, role)
         self.sites = Sites((*ops, *grad_ops), name, layer, clock)
         self.records = Records(ops, grad_ops, log, backward=backward,
                                kernel_checks=kernel_checks)  # fmt: skip

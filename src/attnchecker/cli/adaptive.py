@@ -25,26 +25,35 @@ TASK = ("choose what to check", "bench, plan, validate")
 def _bench(args: argparse.Namespace) -> int:
     """Step copies of one model alternately: the plain model (SDPA), protect_ checking nothing,
     and one arm per op; each op's cost is a fraction of the plain step (median, with its
-    interval), with the ops it launches and each GEMM's size.
+    interval), with the ops it launches and each GEMM's size. The linear layers' checks a
+    campaign faulted (linear:mlp.c_fc:y) are priced too, each in every block that has it.
 
     outputs: <campaign>/cost-<family>.json (or --out)
 
     example: attnchecker bench --campaign runs/camp
     """
     from attnchecker.adaptive.bench import measure_costs
-    from attnchecker.adaptive.profile import campaign_family, campaign_setup, cost_path
+    from attnchecker.adaptive.profile import (
+        VulnerabilityProfile,
+        campaign_family,
+        campaign_setup,
+        cost_path,
+        vulnerability_path,
+    )
     from attnchecker.attention.config import ALL_OPS
+    from attnchecker.attention.ops import linear_parts
 
     setup = {"size": args.size, "batch": args.batch, "seq_len": args.seq_len}
-    family = args.model
-    if args.campaign:  # the campaign's model and batch shape
+    family, ops = args.model, tuple(args.ops or ALL_OPS)
+    if args.campaign:  # the campaign's model and batch shape, and the linear layers it faulted
         setup = campaign_setup(args.campaign)
         family = family or campaign_family(args.campaign)
+        vuln = VulnerabilityProfile.load(vulnerability_path(args.campaign, family))
+        ops += tuple(op for op in vuln.ops if linear_parts(op) and not args.ops)
     if family is None:
         raise ConfigError("give --model FAMILY or --campaign DIR")
     cost = measure_costs(family, **setup, compile=args.compile, dtype=args.dtype, reps=args.reps,
-                         device=args.device, ops=tuple(args.ops or ALL_OPS),
-                         progress=True)  # fmt: skip
+                         device=args.device, ops=ops, progress=True)  # fmt: skip
     path = cost.save(args.out or cost_path(args.campaign or ".", family))
     print("\n".join(cost.lines()))
     print(f"wrote {path}")
@@ -73,19 +82,29 @@ def _plan(args: argparse.Namespace) -> int:
     """From the campaign's vulnerability profile and the cost profile: the cheapest schedule
     (ops x layers, every step / every k steps / never) meeting a target of non-trainable events
     per million steps, or the safest within an overhead budget; prints it with the expected risk
-    with and without it and the expected overhead.
+    with and without it and the expected overhead. With --verify, the budget's choice is
+    trained on this machine and timed against the plain model, and a cheaper one is chosen
+    until the measured overhead fits (the cost model's per-op costs do not add exactly).
 
     outputs: <campaign>/plan.json (the ABFTConfig and the expectations)
 
-    example: attnchecker plan --campaign runs/camp --fault-rate 1e-3 --budget 5%
+    example: attnchecker plan --campaign runs/camp --fault-rate 1e-3 --budget 5% --verify
     """
     import json
 
-    from attnchecker.adaptive.controller import choose, save_plan
+    from attnchecker.adaptive.controller import choose, fit_measured, save_plan
+    from attnchecker.adaptive.simulate import overhead
 
     vuln, cost, rate = _profiles(args)
-    choice = choose(vuln, cost, rate, target=args.target, budget=args.budget,
-                    confidence=args.confidence, estimate=args.estimate)  # fmt: skip
+    kw = {"confidence": args.confidence, "estimate": args.estimate}
+    if args.verify:
+        if args.budget is None:
+            raise ConfigError("--verify measures a budget's choice: give --budget")
+        choice = fit_measured(vuln, cost, rate, args.budget,
+                              lambda c: overhead(vuln, c, reps=args.timing_reps, seed=0),
+                              **kw)  # fmt: skip
+    else:
+        choice = choose(vuln, cost, rate, target=args.target, budget=args.budget, **kw)
     out = save_plan(choice, rate, args.out or Path(args.campaign) / "plan.json")
     if args.json:
         print(json.dumps(choice.to_dict(), indent=1))
@@ -99,11 +118,13 @@ def _plan(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     """Check the controller's claims by training under faults sampled at the rate (make it high:
     events in minutes), several seeds per row, each its own fault plan: no check and each
-    budget's choice; at one budget the naive baselines (every check every k steps, forward
-    only, a random subset) and the held-out conditions (another init seed, Shakespeare text, a
-    trained checkpoint, patterns 1R / 1C / 2D, unseen kinds, rates x 0.5 and x 2, unprofiled
-    sites). Each row's counts are set against a calibrated predictive interval, its overhead
-    against its budget and predicted interval; the baselines' gains are paired differences.
+    budget's choice; at one budget the naive baselines at the overhead the controller's choice
+    measured (every check every k steps, forward only, a random subset: of each the dearest
+    whose measured overhead is no more) and the held-out conditions (another init seed,
+    Shakespeare text, a trained checkpoint, patterns 1R / 1C / 2D, unseen kinds, rates x 0.5
+    and x 2, unprofiled sites). Each row's counts are set against a calibrated predictive
+    interval, its overhead against its budget and predicted interval; the baselines' gains are
+    paired differences.
     Exit status 1 when a claim is broken upwards (more events or overhead than claimed, a
     budget exceeded), 3 when the only misses are below the claims (wrong on the safe side).
 
@@ -120,9 +141,10 @@ def _validate(args: argparse.Namespace) -> int:
             "campaign": str(args.campaign), "cost": cost.setup}  # fmt: skip
     out = args.out or Path(args.campaign) / "frontier"
     val = validate(vuln, cost, rate, args.budgets, seeds=args.seeds, steps=args.steps,
-                   level=args.level, at=args.at, held_out=() if args.in_sample else HELD_OUT,
+                   level=args.level, at=args.at,
+                   held_out=() if args.in_sample or args.no_held_out else HELD_OUT,
                    with_baselines=not args.in_sample, timing_reps=args.timing_reps,
-                   seed=args.seed, progress=True,
+                   seed=args.seed, verify=args.verify, progress=True,
                    on_row=lambda partial: frontier_report(partial, out, meta))  # fmt: skip
     path = frontier_report(val, out, meta)
     print("\n".join(frontier_rows(val)))
@@ -172,6 +194,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--estimate", default="high", choices=ESTIMATES,
                    help="which end of the risk intervals decides")  # fmt: skip
     p.add_argument("--out", help="plan file (default: <campaign>/plan.json)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="time the budget's choice on this machine; back off until it fits",
+    )
+    p.add_argument("--timing-reps", type=int, default=9, help="rounds of each timing (--verify)")
     p.add_argument("--json", action="store_true", help="print the choice as JSON")
 
     summary = "simulate training under faults: predicted vs measured frontier"
@@ -191,6 +219,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="only no check and the budgets' choices (no baselines, no held-out rows)",
     )
+    v.add_argument("--no-held-out", action="store_true", help="no held-out rows")
+    v.add_argument("--verify", action="store_true",
+                   help="each budget's choice as plan --verify ships it")  # fmt: skip
     v.add_argument("--timing-reps", type=int, default=9)
     v.add_argument("--seed", type=int, default=0, help="the first run's seed")
     v.add_argument("--out", help="report directory (default: <campaign>/frontier)")

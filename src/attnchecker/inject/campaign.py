@@ -59,7 +59,7 @@ class CampaignConfig:
     def __post_init__(self) -> None:
         from attnchecker.attention.config import BACKENDS
         from attnchecker.inject.kinds import FaultKind
-        from attnchecker.inject.plan import FaultPattern
+        from attnchecker.inject.plan import Fault, FaultPattern
         from attnchecker.kernels import KERNEL_SITES
         from attnchecker.models.families import FAMILIES
 
@@ -69,9 +69,12 @@ class CampaignConfig:
         from attnchecker.models.source import kind_of
 
         own = [f for f in self.families if f not in FAMILIES and kind_of(f)]  # the user's own
+        linear = [s for s in self.sites if s.startswith("linear:")]  # checked by Fault
+        for site in linear:
+            Fault(step=1, site=site)
         for name, values, allowed in [
             ("families", self.families, [*FAMILIES, *own]),
-            ("sites", self.sites, [*ALL_OPS, *kernel]),
+            ("sites", self.sites, [*ALL_OPS, *kernel, *linear]),
             ("kinds", self.kinds, [k.value for k in FaultKind]),
             ("patterns", self.patterns, [p.value for p in FaultPattern]),
         ]:
@@ -80,9 +83,12 @@ class CampaignConfig:
         if "bit_flip" in self.kinds:
             raise ConfigError("campaigns use exponent_flip for bit flips (a bit_flip needs a bit)")
         if self.layers is not None and (
-            not self.layers or any(not isinstance(i, int) or i < 0 for i in self.layers)
+            not self.layers or any(not isinstance(i, int) or i < -1 for i in self.layers)
         ):
-            raise ConfigError(f"layers must be layer indices, got {self.layers!r}")
+            raise ConfigError(
+                f"layers must be layer indices (-1: linear layers outside the blocks, such as "
+                f"linear:lm_head:y), got {self.layers!r}"
+            )
         if self.trials < 1 or self.steps < 1 or self.workers < 1:
             raise ConfigError("trials, steps and workers must be >= 1")
         if not 0 <= self.rank < self.world:
@@ -105,6 +111,8 @@ def trial_specs(cfg: CampaignConfig) -> list[dict[str, Any]]:
     for fam in cfg.families:
         for site in cfg.sites:
             for layer in cfg.faulty_layers:
+                if layer < 0 and not site.startswith("linear:"):
+                    continue  # layer -1 has linear layers only (the LM head)
                 for kind in cfg.kinds:
                     for pattern in cfg.patterns:
                         for rep in range(cfg.trials):

@@ -22,6 +22,7 @@ from attnchecker.attention.state import SiteCall, in_replay
 from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import apply_kind, kernel_edit
 from attnchecker.inject.plan import Fault, FaultPlan
+from attnchecker.models.registry import role_of
 
 __all__ = ["FaultRecord", "Injector"]
 
@@ -108,14 +109,16 @@ class Injector:
 
         self._undo.append(self.model.register_forward_pre_hook(tick).remove)
         faults = list(enumerate(self.plan.faults))
+        handle = getattr(self.model, "_attnchecker_handle", None)
+        if handle is None and any(f.family in ("attention", "linear") for _, f in faults):
+            handle = protect_(self.model, ABFTConfig(ops=()))  # the sites, nothing checked
+            self._undo.append(lambda: unprotect_(self.model))
         if any(f.family == "attention" for _, f in faults):
-            handle = getattr(self.model, "_attnchecker_handle", None)
-            if handle is None:
-                handle = protect_(self.model, ABFTConfig(ops=()))
-                self._undo.append(lambda: unprotect_(self.model))
             self._undo.append(handle.attach(self._on_site).remove)
         if any(f.family == "kernel" for _, f in faults):
             self._install_kernel()
+        if any(f.family == "linear" for _, f in faults):
+            self._install_linear(handle, [f for _, f in faults if f.family == "linear"])
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names too
         for i, f in faults:
             if f.family == "module":
@@ -134,6 +137,45 @@ class Injector:
                     raise ConfigError(f"no parameter {name!r} in the model")
                 hook = partial(self._on_optimizer, i, params[name], key)
                 self._undo.append(self.optimizer.register_step_post_hook(hook).remove)
+
+    def _install_linear(self, handle, faults: list[Fault]) -> None:
+        """Linear sites: the named linear layers' sites, between each GEMM and its check. A
+        layer the protected model checks already has them; any other is instrumented for the
+        injector's lifetime with a state that checks nothing (the same sites, unchecked). An
+        attention projection is refused (its sites are q, k, v, out)."""
+        from attnchecker.attention.projection import is_conv1d, protect_linears
+        from attnchecker.attention.schedule import Schedule
+        from attnchecker.attention.state import Clock
+        from attnchecker.models.registry import layer_of
+
+        states = {n: handle.state(n) for n in handle.modules}
+        linears = {(layer_of(n, m), role_of(n)): (n, m) for n, m in self.model.named_modules()
+                   if isinstance(m, nn.Linear) or is_conv1d(m)}  # fmt: skip
+        wanted = {(f.layer, f.site.split(":")[1]) for f in faults}
+        if missing := sorted(wanted - set(linears)):
+            raise ConfigError(
+                f"no linear layer {missing} (layer, role) in the model; its roles: "
+                f"{sorted({r for _, r in linears})}"
+            )
+        for key in sorted(wanted):
+            name, m = linears[key]
+            if any(name.startswith(a + ".") for a, st in states.items() if "y" not in st.hooks):
+                raise ConfigError(f"{name} is in attention: fault its projections at q/k/v/out")
+            state = states.get(name)
+            if state is None:
+                p = next(m.parameters())
+                clock = Clock(torch.zeros(1, dtype=torch.float64, device=p.device))
+                made, undo, _ = protect_linears([(name, m, *key)], ABFTConfig(ops=()), clock,
+                                                Schedule((), entries=()))  # fmt: skip
+                self._undo += undo
+                state = made[name]
+            self._undo.append(self._attach_state(state))
+
+    def _attach_state(self, state) -> Callable[[], None]:
+        for hooks in state.sites.hooks.values():
+            hooks.append(self._on_site)
+        return lambda: [hooks.remove(self._on_site) for hooks in state.sites.hooks.values()
+                        if self._on_site in hooks]  # fmt: skip
 
     def _install_kernel(self) -> None:
         """Kernel sites: every fused state asks the injector, at each attention call, for the
@@ -212,12 +254,12 @@ class Injector:
 
     def _on_site(self, call: SiteCall) -> None:
         for i, f in enumerate(self.plan.faults):
-            if (
-                f.family == "attention"
-                and f.site == call.site
-                and f.layer == call.layer
-                and self._due(i, f, call.replay)
-            ):
+            if f.family == "linear":
+                _, role, op = f.site.split(":")
+                hit = op == call.site and f.layer == call.layer and role_of(call.module) == role
+            else:
+                hit = f.family == "attention" and f.site == call.site and f.layer == call.layer
+            if hit and self._due(i, f, call.replay):
                 self._fire(i, call.tensor, call.layer)
 
     def _on_module(self, i: int, module: nn.Module, args: object, output: object) -> None:

@@ -5,6 +5,10 @@ a pattern and optional coordinates, and coordinates left out are drawn from the 
 the fault fires, so the same plan on the same model always hits the same elements. Sites:
 
 - an attention site of a layer: ``q``, ``k``, ``v``, ``scores``, ``probs``, ``context``, ``out``;
+- ``linear:<role>:<op>``: a GEMM of a linear layer outside attention, named by its role in the
+  block of ``layer`` (``linear:mlp.c_fc:y``; a layer outside the blocks by its whole name, layer
+  -1: ``linear:lm_head:dw``); ``op`` its output ``y`` or its backward's ``dx`` / ``dw``, placed
+  between the GEMM and its check (``scope="all_linear"``) like an attention site;
 - ``module:<qualified name>``: the output of any module (``module:bert.encoder.layer.0.output``);
 - ``grad:<parameter name>``: a parameter's gradient during backward;
 - ``optim:<parameter name>:<state key>``: an optimizer state tensor (e.g. ``exp_avg``), just
@@ -26,11 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnchecker.attention.config import ALL_OPS, OPS
+from attnchecker.attention.config import ALL_OPS, LINEAR_OPS, OPS
+from attnchecker.attention.ops import linear_parts
 from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import KERNEL_MODES, FaultKind
 
-__all__ = ["Fault", "FaultPattern", "FaultPlan", "PlanBuilder"]
+__all__ = ["Fault", "FaultPattern", "FaultPlan", "PlanBuilder", "check_op", "fault_site"]
 
 SCHEMA_VERSION = 1
 
@@ -45,13 +50,24 @@ class FaultPattern(enum.StrEnum):
     RANDOM = "random"  # size[0] * size[1] random elements
 
 
+def check_op(site: str) -> str:
+    """The check that sees a fault at ``site`` (a schedule's and the controller's op): an
+    attention site is its own op, ``linear:mlp.c_fc:y`` is ``mlp.c_fc:y``."""
+    return site.removeprefix("linear:") if site.startswith("linear:") else site
+
+
+def fault_site(op: str) -> str:
+    """The fault site of a check ``op`` (:func:`check_op`'s inverse)."""
+    return f"linear:{op}" if linear_parts(op) is not None else op
+
+
 @dataclass(frozen=True, kw_only=True)
 class Fault:
     step: int
     site: str
     kind: FaultKind = FaultKind.EXPONENT_FLIP
     pattern: FaultPattern = FaultPattern.D0
-    layer: int = 0  # attention sites only
+    layer: int = 0  # attention, linear and kernel sites (linear: -1 outside the blocks)
     batch: int | None = None  # leading coordinates (batch, head); None: drawn
     head: int | None = None
     row: int | None = None  # matrix coordinates; None: drawn
@@ -74,10 +90,17 @@ class Fault:
         if self.step < 1:
             raise ConfigError(f"step counts forward passes from 1, got {self.step}")
         prefix = self.site.split(":", 1)[0]
-        if self.site not in ALL_OPS and prefix not in ("module", "grad", "optim", "kernel"):
+        families = ("linear", "module", "grad", "optim", "kernel")
+        if self.site not in ALL_OPS and prefix not in families:
             raise ConfigError(
-                f"unknown site {self.site!r}: use one of {list(ALL_OPS)} or 'module:<name>', "
-                "'grad:<param>', 'optim:<param>:<state key>', 'kernel:<site>'"
+                f"unknown site {self.site!r}: use one of {list(ALL_OPS)} or "
+                "'linear:<role>:<op>', 'module:<name>', 'grad:<param>', "
+                "'optim:<param>:<state key>', 'kernel:<site>'"
+            )
+        if prefix == "linear" and linear_parts(self.site.split(":", 1)[1]) is None:
+            raise ConfigError(
+                f"a linear site is 'linear:<role>:<op>' with op one of {list(LINEAR_OPS)} "
+                f"(linear:mlp.c_fc:y), got {self.site!r}"
             )
         if prefix == "kernel":
             from attnchecker.kernels import KERNEL_SITES
@@ -99,7 +122,7 @@ class Fault:
 
     @property
     def family(self) -> str:
-        """attention, module, grad, optim or kernel."""
+        """attention, linear, module, grad, optim or kernel."""
         return "attention" if self.site in ALL_OPS else self.site.split(":", 1)[0]
 
     def index(self, shape: torch.Size, generator: torch.Generator) -> tuple:

@@ -28,8 +28,10 @@ import torch
 from torch import Tensor, nn
 
 from attnchecker.attention.config import ABFTConfig
+from attnchecker.attention.ops import linear_parts
 from attnchecker.inject.injector import Injector
-from attnchecker.inject.plan import Fault, FaultPlan
+from attnchecker.inject.plan import Fault, FaultPlan, check_op
+from attnchecker.models.registry import role_of
 
 __all__ = ["TrialSetup", "observe_pattern", "reference", "run_arm"]
 
@@ -147,6 +149,8 @@ def run_arm(
 
     model = copy.deepcopy(setup.model)
     config = ABFTConfig(policy="warn") if protected else ABFTConfig(ops=())
+    if protected and fault.family == "linear":  # every linear layer checked too
+        config = config.replace(scope="all_linear")
     handle = protect_(model, config.replace(backend=setup.backend), example=setup.example)
     plan = FaultPlan((fault,), seed)
     seen: dict[str, Tensor] = {}
@@ -179,6 +183,10 @@ def run_arm(
             from attnchecker.kernels.flash import CHECKS
 
             mine = [e for e in events if e.op in CHECKS and e.layer == fault.layer]
+        elif fault.family == "linear":
+            role, op = linear_parts(check_op(fault.site))
+            here = (op, fault.layer, role)
+            mine = [e for e in events if (e.op, e.layer, role_of(e.module)) == here]
         else:
             mine = [e for e in events if e.op == fault.site and e.layer == fault.layer]
         actions = {e.action for e in events}

@@ -17,12 +17,20 @@ from torch import nn
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.core import CORE
 from attnchecker.attention.fused import choose_engine
+from attnchecker.attention.ops import linear_parts
 from attnchecker.attention.projection import is_conv1d, protect_attention, protect_linears
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock
 from attnchecker.errors import ConfigError, NoMatchingModuleError, UnsupportedModelError
 from attnchecker.models.handle import ProtectionHandle
-from attnchecker.models.registry import AttentionBlock, Discovery, discover, install, layer_of
+from attnchecker.models.registry import (
+    AttentionBlock,
+    Discovery,
+    discover,
+    install,
+    layer_of,
+    role_of,
+)
 from attnchecker.models.sdpa import discover_sdpa
 
 __all__ = ["protect_", "unprotect_"]
@@ -143,7 +151,8 @@ def _chosen(blocks: list[AttentionBlock], config: ABFTConfig) -> list[AttentionB
         )
     if config.schedule is not None:
         have = {b.layer for b in blocks}
-        if missing := sorted({layer for layer, _, _ in config.schedule} - have):
+        named = {layer for layer, op, _ in config.schedule if linear_parts(op) is None}
+        if missing := sorted(named - have):
             raise NoMatchingModuleError(
                 f"the schedule names layers {missing}; the model's attention layers are "
                 f"{sorted(have)}"
@@ -184,15 +193,32 @@ def _wire(
     if config.scope == "all_linear":
         taken = {id(p.module) for b in chosen for p in b.projections}
         linears = [
-            (name, m, layer_of(name, m))
+            (name, m, layer_of(name, m), role_of(name))
             for name, m in model.named_modules()
             if id(m) not in taken and (isinstance(m, nn.Linear) or is_conv1d(m))
         ]
+        if config.schedule is not None:  # only the linear layers its entries name
+            linears = _scheduled(linears, config.schedule)
         more_states, more, names_unpatched = protect_linears(linears, config, clock, schedule)
         states.update(more_states)
         undo += more
         unpatched += names_unpatched
     return unpatched
+
+
+def _scheduled(linears: list, schedule) -> list:
+    """The ``(name, module, layer, role)`` whose (layer, role) a schedule entry names; an entry
+    that names none is an error that lists what there is."""
+    wanted = {(layer, parts[0]) for layer, op, _ in schedule if (parts := linear_parts(op))}
+    have = {(layer, role) for _, _, layer, role in linears}
+    if missing := sorted(wanted - have):
+        roles = sorted({role for _, role in have})
+        raise NoMatchingModuleError(
+            f"the schedule names linear layers {missing} (layer, role); this model's linear "
+            f"layers outside attention have the roles {roles} (layers "
+            f"{sorted({layer for layer, _ in have})})"
+        )
+    return [lin for lin in linears if (lin[2], lin[3]) in wanted]
 
 
 def _device(module: nn.Module, default: torch.device | None = None) -> torch.device:

@@ -36,6 +36,7 @@ __all__ = [
     "discover",
     "layer_of",
     "projection_spec",
+    "role_of",
     "transformer_blocks",
 ]
 
@@ -294,6 +295,15 @@ def layer_of(name: str, module: nn.Module | None = None, default: int = -1) -> i
         if isinstance(idx, int):
             return idx
     return next((int(part) for part in name.split(".") if part.isdigit()), default)
+
+
+def role_of(name: str) -> str:
+    """What the module called ``name`` is inside its transformer block: the part of the name
+    after the block's index (``model.layers.3.mlp.down_proj``: ``mlp.down_proj``), or the whole
+    name of a module outside the blocks (``lm_head``, :func:`layer_of` -1)."""
+    parts = name.split(".")
+    i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return name if i is None or i == len(parts) - 1 else ".".join(parts[i + 1 :])
 
 
 @dataclass(frozen=True)

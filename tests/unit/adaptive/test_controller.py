@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from attnchecker.adaptive.bench import median_interval
-from attnchecker.adaptive.controller import FaultRate, choose, risk_of, sites
+from attnchecker.adaptive.controller import FaultRate, choose, fit_measured, risk_of, sites
 from attnchecker.adaptive.profile import (
     Cell,
     CostProfile,
@@ -179,7 +179,7 @@ def test_profiles_round_trip_and_refuse_other_versions(tmp_path):
         (dict(schedule=((0, "nope", 1),)), "unknown op"),
         (dict(schedule=((0, "dk", 0),)), "every"),
         (dict(schedule=((0, "dk", 1),), layers=(0,)), "not both"),
-        (dict(schedule=((0, "dk", 1),), scope="all_linear"), "scope"),
+        (dict(schedule=((0, "mlp.c_fc:y", 1),)), "use scope='all_linear'"),
     ],
 )
 def test_bad_schedules_are_refused(kwargs, match):
@@ -210,3 +210,30 @@ def test_a_plan_pins_the_engine_it_was_priced_for(tmp_path):
     for other in ("triton", "auto"):
         with pytest.raises(ConfigError, match="priced for the eager engine"):
             load_plan(path, backend=other)
+
+
+def test_a_measured_fit_backs_off_until_the_measured_overhead_is_within_the_budget():
+    """A machine where every schedule costs half again what the cost model adds up (as many
+    checks did on the CPU): the first choice at 30% measures over it, the next one, chosen
+    within the budget scaled by 30 / measured, fits; the choice carries its measurement; a
+    budget nothing fits by measurement is refused with the tries named."""
+    vuln, cost = _vuln(), _cost()
+    rate = FaultRate(1.0)
+    points = {(s.layer, s.op): s.cost.high for s in sites(vuln, cost, rate)}
+    measured = []
+
+    def measure(choice):  # +50% over the additive model's upper end
+        m = 1.5 * (cost.engine.high + sum(points[(la, op)] / k for la, op, k in choice.checks))
+        measured.append(m)
+        return Estimate(m, 0.9 * m, m)
+
+    first = choose(vuln, cost, rate, budget=0.3)
+    assert first.overhead.high <= 0.3 < measure(first).high  # predicted fits, measured not
+    measured.clear()
+    fit = fit_measured(vuln, cost, rate, 0.3, measure)
+    assert len(measured) >= 2 and measured[-1] <= 0.3 < measured[0]
+    assert fit.measured == Estimate(measured[-1], 0.9 * measured[-1], measured[-1])
+    assert fit.checks and fit.risk.point >= first.risk.point  # fewer checks, more risk
+    assert "measured" in fit.notes[-1] and any("measured" in line for line in fit.lines())
+    with pytest.raises(ConfigError, match=r"no schedule measured within 10% \(\d+ checks"):
+        fit_measured(vuln, cost, rate, 0.10, measure)  # the engine alone measures 11.25%

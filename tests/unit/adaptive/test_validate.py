@@ -1,13 +1,13 @@
 """validate's statistics on hand-made profiles: the predictive interval is calibrated (counts
 drawn from the model fall inside at its level), the binomial test, each row's verdicts and the
-exit status, the naive baselines' budgets, the paired gains."""
+exit status, the naive baselines matched to a measured cost, the paired gains."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attnchecker.adaptive.controller import FaultRate, choose, priced
+from attnchecker.adaptive.controller import FaultRate, choose, priced, sites
 from attnchecker.adaptive.profile import Estimate
 from attnchecker.adaptive.simulate import Condition, Run
 from attnchecker.adaptive.validate import (
@@ -17,6 +17,8 @@ from attnchecker.adaptive.validate import (
     Validation,
     baselines,
     binomial_miss,
+    ladders,
+    matched,
     predict,
 )
 from attnchecker.errors import ConfigError
@@ -91,17 +93,39 @@ def test_row_verdicts_and_the_exit_status():
     assert Validation.from_dict(val.to_dict()) == val
 
 
-def test_the_baselines_fit_the_budget_at_the_upper_ends_and_gains_are_paired():
+def test_the_baselines_are_the_dearest_of_each_kind_whose_measured_cost_fits():
+    """A "measurement" here: the cost model's point sum plus a fixed 2% per check (costs that
+    do not add up); the bisection finds, in a few measurements, the same rung as a walk along
+    the whole ladder, and a kind that cannot get that cheap is left out with a note."""
     vuln, cost = _vuln(), _cost()
     rate = FaultRate(1.0)
-    found = dict(baselines(vuln, cost, rate, 0.3))
-    assert {n.split(" (")[0] for n in found} == {"every check", "forward only", "random subset"}
-    for choice in found.values():
-        assert choice.overhead.high <= 0.3 + 1e-12 and choice.checks
-    every = next(c for n, c in found.items() if n.startswith("every check"))
-    assert len(every.checks) == 6 and len({k for *_, k in every.checks}) == 1
-    forward = next(c for n, c in found.items() if n.startswith("forward only"))
-    assert {op for _, op, _ in forward.checks} == {"scores", "context"}
+    points = {(s.layer, s.op): s.cost.point for s in sites(vuln, cost, rate)}
+    calls = []
+
+    def measure(checks):
+        calls.append(checks)
+        return sum(points[(layer, op)] / k + 0.02 for layer, op, k in checks)
+
+    kinds = ladders(vuln, cost, rate)
+    assert list(kinds) == ["every check", "forward only", "random subset"]
+    every, forward, subset = kinds.values()
+    assert [len(c) for _, c in every] == [6] * 7 and every[-1][0] == "every check"
+    assert [c[0][2] for _, c in every] == [64, 32, 16, 8, 4, 2, 1]  # cheapest first
+    assert {op for _, c in forward for _, op, _ in c} == {"scores", "context"}
+    assert [len(c) for _, c in subset] == [1, 2, 3, 4, 5, 6]
+    for target in (0.05, 0.3, 10.0):
+        for ladder in kinds.values():
+            calls.clear()
+            i, seen = matched(ladder, measure, target)
+            fits = [j for j, (_, c) in enumerate(ladder) if measure(c) <= target]
+            assert i == (max(fits) if fits else -1)
+            assert len(seen) <= len(ladder).bit_length()  # bisection, not a walk
+    found, notes = baselines(vuln, cost, rate, 0.3, measure)
+    assert {n.split(" (")[0] for n, _ in found} == {"every check", "forward only", "random subset"}
+    for _, choice in found:
+        assert measure(choice.checks) <= 0.3 and choice.checks
+    found, notes = baselines(vuln, cost, rate, 1e-4, measure)  # below every cheapest rung
+    assert not found and len(notes) == 3 and "above the controller's" in notes[0]
     gain = Gain("every check", (3, 5, 4))
     assert gain.mean.point == 4 and gain.mean.low < 4 < gain.mean.high
     assert Gain("x", (2, 2, 2)).mean == Estimate(2, 2, 2)

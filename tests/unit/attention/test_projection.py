@@ -21,7 +21,7 @@ def _wire(model: nn.Sequential):
     config = ABFTConfig(scope="all_linear")
     clock = Clock(torch.zeros(1, dtype=torch.float64))
     schedule = Schedule.of(config)
-    linears = [(n, m, -1) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [(n, m, -1, n) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     return protect_linears(linears, config, clock, schedule)
 
 
