@@ -39,16 +39,9 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from _common import environment, parse, write
-from attnchecker.attention.checks import (
-    Projection,
-    context_residual,
-    probs_residual,
-    projection_check_,
-    row_factor,
-    row_floor,
-    scores_residual,
-)
+from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
 from attnchecker.attention.handoff import Handoff
+from attnchecker.attention.heads import context_residual, probs_residual, scores_residual
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DATA = ("normal", "positive", "lognormal", "outlier")

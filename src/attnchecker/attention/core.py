@@ -31,14 +31,14 @@ import torch
 from torch import Tensor, nn
 
 from attnchecker.abft import regions
-from attnchecker.attention.checks import (
+from attnchecker.attention.grads import autocast_operands, checked_matmul
+from attnchecker.attention.handoff import Handoff
+from attnchecker.attention.heads import (
     context_residual,
     heads_repair_,
     probs_residual,
     scores_residual,
 )
-from attnchecker.attention.grads import autocast_operands, checked_matmul
-from attnchecker.attention.handoff import Handoff
 from attnchecker.attention.projection import flush
 from attnchecker.attention.records import ranged
 from attnchecker.attention.state import AttentionState

@@ -137,7 +137,7 @@ def heads_grad_check_(
     """Check the rows of out = x @ y (B, H, M, K) x (B, H, K, N) per (batch, head), where out is
     ``grad`` (``back``: grad is out^T, its own layout), and repair in place the ``max_heads``
     matrices with the most flagged rows by recomputing them from x and y (as
-    :func:`~attnchecker.attention.checks.heads_repair_`); returns its (1, 5) record. ``impl``:
+    :func:`~attnchecker.attention.heads.heads_repair_`); returns its (1, 5) record. ``impl``:
     how it runs (:func:`~attnchecker.abft.regions.resolve`)."""
     args = (grad, x, y, norms, scale, max_heads, nonneg, back)
     return regions.run(_heads_grad_region, impl, *args, on=grad)
@@ -153,7 +153,7 @@ def _heads_grad_region(
     nonneg: bool,
     back: bool,
 ) -> Tensor:
-    from attnchecker.attention.checks import heads_repair_
+    from attnchecker.attention.heads import heads_repair_
 
     out = grad.mT if back else grad
     rows = product_residual(out, x, y, scale=scale, nonneg=nonneg, norms=norms)

@@ -110,11 +110,11 @@ class Injector:
         self._undo.append(self.model.register_forward_pre_hook(tick).remove)
         faults = list(enumerate(self.plan.faults))
         handle = getattr(self.model, "_attnchecker_handle", None)
-        if handle is None and any(f.family in ("attention", "linear") for _, f in faults):
-            handle = protect_(self.model, ABFTConfig(ops=()))  # the sites, nothing checked
-            self._undo.append(lambda: unprotect_(self.model))
-        if any(f.family == "attention" for _, f in faults):
-            self._undo.append(handle.attach(self._on_site).remove)
+        if any(f.family in ("attention", "linear") for _, f in faults):
+            if handle is None:
+                handle = protect_(self.model, ABFTConfig(ops=()))  # the sites, nothing checked
+                self._undo.append(lambda: unprotect_(self.model))
+            self._undo.append(handle.attach(self._on_site).remove)  # every protected module's
         if any(f.family == "kernel" for _, f in faults):
             self._install_kernel()
         if any(f.family == "linear" for _, f in faults):
@@ -161,21 +161,15 @@ class Injector:
             name, m = linears[key]
             if any(name.startswith(a + ".") for a, st in states.items() if "y" not in st.hooks):
                 raise ConfigError(f"{name} is in attention: fault its projections at q/k/v/out")
-            state = states.get(name)
-            if state is None:
-                p = next(m.parameters())
-                clock = Clock(torch.zeros(1, dtype=torch.float64, device=p.device))
-                made, undo, _ = protect_linears([(name, m, *key)], ABFTConfig(ops=()), clock,
-                                                Schedule((), entries=()))  # fmt: skip
-                self._undo += undo
-                state = made[name]
-            self._undo.append(self._attach_state(state))
-
-    def _attach_state(self, state) -> Callable[[], None]:
-        for hooks in state.sites.hooks.values():
-            hooks.append(self._on_site)
-        return lambda: [hooks.remove(self._on_site) for hooks in state.sites.hooks.values()
-                        if self._on_site in hooks]  # fmt: skip
+            if name in states:
+                continue  # checked by the protected model: attached with its other sites
+            p = next(m.parameters())
+            clock = Clock(torch.zeros(1, dtype=torch.float64, device=p.device))
+            made, undo, _ = protect_linears([(name, m, *key)], ABFTConfig(ops=()), clock,
+                                            Schedule((), entries=()))  # fmt: skip
+            self._undo += undo
+            for hooks in made[name].sites.hooks.values():
+                hooks.append(self._on_site)  # gone with the state when undone
 
     def _install_kernel(self) -> None:
         """Kernel sites: every fused state asks the injector, at each attention call, for the

@@ -1,4 +1,4 @@
-"""The checks protected attention runs (``attention/checks.py``), on their own.
+"""The checks protected attention runs (``attention/checks.py``, ``attention/heads.py``), alone.
 
 1. Clean inputs are never flagged and are left bit-for-bit unchanged: projections (nn.Linear and
    GPT-2's Conv1D, with and without bias, one site, a fused Q|K|V, separate Q, K and V of one
@@ -25,17 +25,14 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from attnchecker.abft.tolerance import magnitude_factor, unit_roundoff
-from attnchecker.attention.checks import (
-    Projection,
+from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
+from attnchecker.attention.handoff import Handoff
+from attnchecker.attention.heads import (
     context_residual,
     heads_repair_,
     probs_residual,
-    projection_check_,
-    row_factor,
-    row_floor,
     scores_residual,
 )
-from attnchecker.attention.handoff import Handoff
 from attnchecker.inject import exponent_flip
 
 MAX_ROWS, MAX_HEADS = 4, 2  # ABFTConfig's defaults

@@ -18,13 +18,12 @@ from torch import Tensor
 from attnchecker.abft.tolerance import norm_bound
 from attnchecker.attention.checks import (
     Projection,
-    context_residual,
     projection_check_,
     row_factor,
     row_floor,
-    scores_residual,
 )
 from attnchecker.attention.grads import checked_linear, checked_matmul, new_records_sink
+from attnchecker.attention.heads import context_residual, scores_residual
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # log10 of the tiny rows' scale: fp32 and bf16 share fp32's exponent range; fp16's smallest
