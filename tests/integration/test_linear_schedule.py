@@ -119,3 +119,14 @@ def test_linear_fault_sites_are_checked_when_planned():
     plan = FaultPlan.builder().at(1).site("linear:attn.c_attn:y", layer=0).kind("nan").add()
     with pytest.raises(ConfigError, match="in attention"):
         Injector(model, plan.build()).__enter__()
+
+
+def test_a_campaign_refuses_a_linear_site_its_model_lacks_before_any_trial(tmp_path, capsys):
+    from attnchecker import cli
+
+    args = ["campaign", "--out", str(tmp_path), "--families", "gpt2", "--kinds", "nan",
+            "--sites", "scores", "linear:mlp.gate_proj:y", "--layers", "0", "1"]  # fmt: skip
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "gpt2 has no linear layer" in err and "(0, 'mlp.c_fc')" in err and "'lm_head'" in err
+    assert not list(tmp_path.glob("trials*.jsonl"))  # nothing ran

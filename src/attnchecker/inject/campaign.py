@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attnchecker.attention.config import ALL_OPS, OPS
+from attnchecker.attention.config import ALL_OPS, OPS, ABFTConfig
 from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import DEFAULT_KINDS
 
@@ -206,6 +206,7 @@ def run_campaign(cfg: CampaignConfig, out: str | Path, *, progress: bool = True)
     import torch
     import transformers
 
+    _check_linear_sites(cfg)  # before any trial: a missing layer would stop the run midway
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -230,6 +231,33 @@ def run_campaign(cfg: CampaignConfig, out: str | Path, *, progress: bool = True)
     summary = summarize(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _check_linear_sites(cfg: CampaignConfig) -> None:
+    """Every linear site of the campaign names a linear layer outside attention that each
+    family's model has at each faulty layer; raises :class:`ConfigError` listing what there is."""
+    import torch
+
+    from attnchecker.attention.ops import linear_parts
+    from attnchecker.inject.plan import check_op
+    from attnchecker.models.protect import protect_
+    from attnchecker.models.registry import role_of
+    from attnchecker.models.source import example, make
+
+    roles = [linear_parts(check_op(s))[0] for s in cfg.sites if s.startswith("linear:")]
+    for family in cfg.families if roles else ():
+        model = make(family, size=cfg.size, seed=cfg.seed, seq_len=cfg.seq_len)
+        ids = torch.randint(3, 128, (1, cfg.seq_len))
+        config = ABFTConfig(ops=(), scope="all_linear")  # every linear layer outside attention
+        handle = protect_(model, config, example=example(model, ids))
+        have = {(handle.state(n).layer, role_of(n)) for n in handle.modules
+                if "y" in handle.state(n).hooks}  # fmt: skip
+        want = {(layer, r) for r in roles for layer in cfg.faulty_layers}
+        if missing := sorted(want - have):
+            raise ConfigError(
+                f"{family} has no linear layer (outside attention) at (layer, role) {missing}; "
+                f"its linear layers: {sorted(have)}"
+            )
 
 
 def _drop_torn_tail(path: Path) -> None:
