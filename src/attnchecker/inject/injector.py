@@ -3,9 +3,10 @@
 Attention sites go through the named sites of protected attention: on a protected model the
 faults land between each operation and its check; on a plain model the injector instruments it
 (``protect_`` with no checks) for the duration, so protected and unprotected runs meet the very
-same faults. Module outputs, gradients and optimizer state are reached with ordinary hooks.
-Every fault fires at most once, never during a gradient-checkpointing replay, and every hook is
-removed on exit, even when the body raises.
+same faults. Linear sites (``linear:<role>:<op>``) likewise, through the protected linear layer
+or one the injector instruments for the duration. Module outputs, gradients and optimizer
+state are reached with ordinary hooks. Every fault fires at most once, never during a
+gradient-checkpointing replay, and every hook is removed on exit, even when the body raises.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from attnchecker.attention.state import SiteCall, in_replay
 from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import apply_kind, kernel_edit
 from attnchecker.inject.plan import Fault, FaultPlan
-from attnchecker.models.registry import role_of
+from attnchecker.models.registry import layer_of, role_of
 
 __all__ = ["FaultRecord", "Injector"]
 
@@ -146,7 +147,6 @@ class Injector:
         from attnchecker.attention.projection import is_conv1d, protect_linears
         from attnchecker.attention.schedule import Schedule
         from attnchecker.attention.state import Clock
-        from attnchecker.models.registry import layer_of
 
         states = {n: handle.state(n) for n in handle.modules}
         linears = {(layer_of(n, m), role_of(n)): (n, m) for n, m in self.model.named_modules()
