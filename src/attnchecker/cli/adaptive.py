@@ -48,8 +48,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.campaign:  # the campaign's model and batch shape, and the linear layers it faulted
         setup = campaign_setup(args.campaign)
         family = family or campaign_family(args.campaign)
-        vuln = VulnerabilityProfile.load(vulnerability_path(args.campaign, family))
-        ops += tuple(op for op in vuln.ops if linear_parts(op) and not args.ops)
+        path = vulnerability_path(args.campaign, family)
+        faulted = VulnerabilityProfile.load(path).ops if path.exists() and not args.ops else ()
+        ops += tuple(op for op in faulted if linear_parts(op))
     if family is None:
         raise ConfigError("give --model FAMILY or --campaign DIR")
     cost = measure_costs(family, **setup, compile=args.compile, dtype=args.dtype, reps=args.reps,
