@@ -33,7 +33,7 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
 
 
 def test_a_fault_in_a_linear_output_and_its_dw_are_repaired_in_the_same_step():
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
     plain = _mlp()
     want_loss, want_grads = _step(plain, x)
     model = _mlp()
@@ -51,7 +51,9 @@ def test_a_fault_in_a_linear_output_and_its_dw_are_repaired_in_the_same_step():
     for site in ("y", "dw"):
         states["0"].hooks[site].append(hit)
     loss, grads = _step(model, x)
-    assert loss == want_loss
+    # the repaired row is recomputed by a GEMM of another shape: equal up to its rounding (a
+    # bitwise comparison failed for 21 of 200 random inputs, by 1e-7 relative)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
     for got, want in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     st = states["0"]
