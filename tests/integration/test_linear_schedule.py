@@ -130,3 +130,10 @@ def test_a_campaign_refuses_a_linear_site_its_model_lacks_before_any_trial(tmp_p
     err = capsys.readouterr().err
     assert "gpt2 has no linear layer" in err and "(0, 'mlp.c_fc')" in err and "'lm_head'" in err
     assert not list(tmp_path.glob("trials*.jsonl"))  # nothing ran
+
+
+def test_a_role_that_names_an_encoder_and_a_decoder_layer_is_refused():
+    model, _ = models("bart", layers=1)
+    plan = FaultPlan.builder().at(1).site("linear:fc1:y", layer=0).kind("nan").add().build()
+    with pytest.raises(ConfigError, match=r"names both model\.encoder\.layers\.0\.fc1 and "):
+        Injector(model, plan).__enter__()

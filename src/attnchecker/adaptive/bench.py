@@ -138,15 +138,13 @@ def _site_macs(handle, model, step) -> dict[tuple[int, str], int]:
     return dict(out)
 
 
-def _linears(model, handle) -> dict[tuple[int, str], nn.Module]:
-    """The model's linear layers outside attention by (layer, role in the block)."""
-    from attnchecker.attention.projection import is_conv1d
-    from attnchecker.models.registry import layer_of, role_of
+def _linears(model, handle, roles: set[str]) -> dict[tuple[int, str], nn.Module]:
+    """The model's linear layers of ``roles`` outside attention by (layer, role)."""
+    from attnchecker.models.registry import linear_by_role
 
     attention = [n for n in handle.modules if "y" not in handle.state(n).hooks]
-    return {(layer_of(n, m), role_of(n)): m for n, m in model.named_modules()
-            if (isinstance(m, nn.Linear) or is_conv1d(m))
-            and not any(n.startswith(a + ".") for a in attention)}  # fmt: skip
+    return {key: m for key, (n, m) in linear_by_role(model, roles).items()
+            if not any(n.startswith(a + ".") for a in attention)}  # fmt: skip
 
 
 def _arm_config(op: str, linears: dict[tuple[int, str], nn.Module]) -> ABFTConfig:
@@ -201,6 +199,7 @@ def measure_costs(
     from attnchecker.inject.campaign import Progress
     from attnchecker.models import source
     from attnchecker.models.protect import protect_
+    from attnchecker.models.registry import linear_layers
     from attnchecker.testing import count_ops
 
     if dtype not in DTYPES:
@@ -218,11 +217,13 @@ def measure_costs(
     engine = copy.deepcopy(base)
     handle = protect_(engine, ABFTConfig(ops=(), backend=ENGINE), example=example)
     wired = {s for name in handle.modules for s in handle.state(name).hooks}
-    linears = _linears(base, handle)  # (layer, role) -> the linear layer outside attention
+    # (layer, role) -> the linear layer outside attention of each linear check asked for
+    linears = _linears(base, handle, {p[0] for op in ops if (p := linear_parts(op))})
     if missing := sorted(op for op in ops if (p := linear_parts(op)) and
                          p[0] not in {role for _, role in linears}):  # fmt: skip
-        raise ConfigError(f"no linear layer of the roles of {missing} in the model; its roles: "
-                          f"{sorted({role for _, role in linears})}")  # fmt: skip
+        roles = sorted({role for *_, role in linear_layers(base)})
+        raise ConfigError(f"no linear layer of the roles of {missing} outside attention in the "
+                          f"model; its linear layers' roles: {roles}")  # fmt: skip
     checked = [op for op in ops if op in wired or linear_parts(op)]  # a fused Q|K|V: no dx.k
     arms = {"plain": plain, "engine": engine}
     for op in checked:

@@ -55,7 +55,7 @@ from attnchecker.adaptive.controller import (
 )
 from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
 from attnchecker.adaptive.simulate import Condition, Run, measure_overhead, overhead, plan, run
-from attnchecker.attention.config import OPS
+from attnchecker.attention.ops import in_backward
 from attnchecker.errors import ConfigError
 
 __all__ = [
@@ -314,7 +314,7 @@ def ladders(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, *,
     from ``seed``) of 1, 2, ... of the sites, every step."""
     ss = sites(vuln, cost, rate)
     out = {}
-    forward = [s for s in ss if s.op in OPS or s.op.endswith(":y")]  # a linear layer's output
+    forward = [s for s in ss if not in_backward(s.op)]
     for name, chosen in (("every check", ss), ("forward only", forward)):
         if chosen:
             out[name] = [(f"{name} (every {k})" if k > 1 else name,
@@ -456,8 +456,7 @@ def validate(
             target = mine.overhead.point
 
             def measure(checks: Checks) -> float:
-                choice = priced(vuln, cost, rate, checks, goal="a baseline's cost")
-                return overhead(vuln, choice, reps=timing_reps, seed=runs[0]).point
+                return timed(priced(vuln, cost, rate, checks, goal="a baseline's cost")).point
 
             base, missing = baselines(vuln, cost, rate, target, measure, seed=seed)
             notes += missing

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "ALL_OPS", "CORE_GRAD_OPS", "GRAD_OPS", "LINEAR_OPS", "OPS", "OP_TABLE", "Op", "linear_op",
-    "linear_parts", "op", "op_key",
+    "ALL_OPS", "CORE_GRAD_OPS", "GRAD_OPS", "LINEAR_OPS", "OPS", "OP_TABLE", "Op", "in_backward",
+    "linear_op", "linear_parts", "op", "op_key",
 ]  # fmt: skip
 
 
@@ -118,3 +118,10 @@ def linear_parts(name: str) -> tuple[str, str] | None:
     """``(role, op)`` of a :func:`linear_op` name; None for any other name."""
     role, sep, op = name.rpartition(":")
     return (role, op) if sep and role and op in LINEAR_OPS else None
+
+
+def in_backward(name: str) -> bool:
+    """Whether the check ``name`` (an attention op, or a linear layer's ``role:op``) runs in
+    the backward pass."""
+    parts = linear_parts(name)
+    return op(parts[1] if parts else name).backward

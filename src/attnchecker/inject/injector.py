@@ -23,7 +23,7 @@ from attnchecker.attention.state import SiteCall, in_replay
 from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import apply_kind, kernel_edit
 from attnchecker.inject.plan import Fault, FaultPlan
-from attnchecker.models.registry import layer_of, role_of
+from attnchecker.models.registry import linear_by_role, linear_layers, role_of
 
 __all__ = ["FaultRecord", "Injector"]
 
@@ -144,18 +144,17 @@ class Injector:
         layer the protected model checks already has them; any other is instrumented for the
         injector's lifetime with a state that checks nothing (the same sites, unchecked). An
         attention projection is refused (its sites are q, k, v, out)."""
-        from attnchecker.attention.projection import is_conv1d, protect_linears
+        from attnchecker.attention.projection import protect_linears
         from attnchecker.attention.schedule import Schedule
         from attnchecker.attention.state import Clock
 
         states = {n: handle.state(n) for n in handle.modules}
-        linears = {(layer_of(n, m), role_of(n)): (n, m) for n, m in self.model.named_modules()
-                   if isinstance(m, nn.Linear) or is_conv1d(m)}  # fmt: skip
         wanted = {(f.layer, f.site.split(":")[1]) for f in faults}
+        linears = linear_by_role(self.model, {role for _, role in wanted})
         if missing := sorted(wanted - set(linears)):
             raise ConfigError(
                 f"no linear layer {missing} (layer, role) in the model; its roles: "
-                f"{sorted({r for _, r in linears})}"
+                f"{sorted({r for *_, r in linear_layers(self.model)})}"
             )
         for key in sorted(wanted):
             name, m = linears[key]

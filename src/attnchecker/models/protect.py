@@ -18,19 +18,12 @@ from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.core import CORE
 from attnchecker.attention.fused import choose_engine
 from attnchecker.attention.ops import linear_parts
-from attnchecker.attention.projection import is_conv1d, protect_attention, protect_linears
+from attnchecker.attention.projection import protect_attention, protect_linears
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock
 from attnchecker.errors import ConfigError, NoMatchingModuleError, UnsupportedModelError
 from attnchecker.models.handle import ProtectionHandle
-from attnchecker.models.registry import (
-    AttentionBlock,
-    Discovery,
-    discover,
-    install,
-    layer_of,
-    role_of,
-)
+from attnchecker.models.registry import AttentionBlock, Discovery, discover, install, linear_layers
 from attnchecker.models.sdpa import discover_sdpa
 
 __all__ = ["protect_", "unprotect_"]
@@ -192,11 +185,7 @@ def _wire(
     undo.append(lambda: [delattr(b.core, CORE) for b in blocks if hasattr(b.core, CORE)])
     if config.scope == "all_linear":
         taken = {id(p.module) for b in chosen for p in b.projections}
-        linears = [
-            (name, m, layer_of(name, m), role_of(name))
-            for name, m in model.named_modules()
-            if id(m) not in taken and (isinstance(m, nn.Linear) or is_conv1d(m))
-        ]
+        linears = [lin for lin in linear_layers(model) if id(lin[1]) not in taken]
         if config.schedule is not None:  # only the linear layers its entries name
             linears = _scheduled(linears, config.schedule)
         more_states, more, names_unpatched = protect_linears(linears, config, clock, schedule)

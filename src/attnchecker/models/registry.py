@@ -23,7 +23,7 @@ from torch import nn
 
 from attnchecker.attention.core import CoreSpec, attend
 from attnchecker.attention.projection import ProjectionSpec, is_conv1d
-from attnchecker.errors import UnsupportedModelError
+from attnchecker.errors import ConfigError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from attnchecker.models.families import Wiring
@@ -35,6 +35,8 @@ __all__ = [
     "TransformerBlock",
     "discover",
     "layer_of",
+    "linear_by_role",
+    "linear_layers",
     "projection_spec",
     "role_of",
     "transformer_blocks",
@@ -304,6 +306,32 @@ def role_of(name: str) -> str:
     parts = name.split(".")
     i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
     return name if i is None or i == len(parts) - 1 else ".".join(parts[i + 1 :])
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, int, str]]:
+    """Every ``nn.Linear`` / ``Conv1D`` of ``model`` as (name, module, :func:`layer_of`,
+    :func:`role_of`): (layer, role) is how a schedule entry, a fault site and the controller
+    name one (an encoder's and a decoder's ``fc1`` of one index share it)."""
+    return [(n, m, layer_of(n, m), role_of(n)) for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) or is_conv1d(m)]  # fmt: skip
+
+
+def linear_by_role(
+    model: nn.Module, roles: set[str]
+) -> dict[tuple[int, str], tuple[str, nn.Module]]:
+    """The linear layers of ``roles`` by (layer, role); raises :class:`ConfigError` when one
+    (layer, role) names two (a sequence-to-sequence model's encoder and decoder layers)."""
+    out: dict[tuple[int, str], tuple[str, nn.Module]] = {}
+    for n, m, layer, role in linear_layers(model):
+        if role not in roles:
+            continue
+        if (layer, role) in out:
+            raise ConfigError(
+                f"(layer {layer}, role {role!r}) names both {out[layer, role][0]} and {n}: "
+                f"linear sites address decoder-only stacks"
+            )
+        out[layer, role] = (n, m)
+    return out
 
 
 @dataclass(frozen=True)
