@@ -57,12 +57,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attnchecker.adaptive.profile import ENGINE, CostProfile, Estimate, VulnerabilityProfile
+from attnchecker.adaptive.profile import ENGINE, Cell, CostProfile, Estimate, VulnerabilityProfile
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.ops import linear_parts, op_key
 from attnchecker.attention.schedule import Schedule
@@ -75,8 +77,10 @@ __all__ = [
     "Choice",
     "FaultRate",
     "Site",
+    "active_checks",
     "choose",
     "fit_measured",
+    "layers_of",
     "load_plan",
     "parse_kinds",
     "priced",
@@ -134,22 +138,39 @@ def parse_kinds(text: str | None) -> dict[str, float] | None:
 
 @dataclass(frozen=True)
 class Site:
-    """One (layer, op) as the controller sees it: faults per step, non-trainable probability per
-    fault unchecked / checked (mixed over kinds), cost per step as a fraction of the plain step."""
+    """One (layer, op) as the controller sees it: faults per step, the campaign's trials of a
+    fault here per kind (with the kind's probability), cost per step as a fraction of the plain
+    step."""
 
     layer: int
     op: str
     faults: float
-    unchecked: Estimate
-    checked: Estimate
+    cells: tuple[tuple[float, Cell], ...]  # (probability of the kind, its trials)
     cost: Estimate
     launches: float
     note: str = ""  # "extrapolated": the op's trials pooled over other layers
+    confidence: float = 0.95
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def risk(self, f: float, end: int = 0) -> float:
-        """Expected non-trainable events per step when checked on a fraction f of the steps
-        (end: 0 point, 1 low, 2 high)."""
-        return self.faults * (f * self.checked[end] + (1 - f) * self.unchecked[end])
+    def rate(self, checked: frozenset[str]) -> Estimate:
+        """The probability that a fault here makes training non-trainable while the checks
+        ``checked`` run in its layer, mixed over kinds (:meth:`Cell.rate_with`)."""
+        if checked not in self._memo:
+            ends = [0.0, 0.0, 0.0]
+            for p, cell in self.cells:
+                for j, e in enumerate(cell.rate_with(checked, self.confidence)):
+                    ends[j] += p * e
+            self._memo[checked] = Estimate(*ends)
+        return self._memo[checked]
+
+    @property
+    def unchecked(self) -> Estimate:
+        return self.rate(frozenset())
+
+    @property
+    def checked(self) -> Estimate:
+        """With its own check alone."""
+        return self.rate(frozenset({self.op}))
 
 
 def sites(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
@@ -167,22 +188,15 @@ def sites(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
         oc = cost.op(op)
         if oc is None:
             continue  # not checkable here (e.g. a fused projection's dx.k)
-        unchecked, checked, notes = [0.0] * 3, [0.0] * 3, set()
         cells = {kind: vuln.cell(op, layer, kind) for kind in kinds}
         if any(cell is None for cell, _ in cells.values()):
             continue  # the campaign did not fault this op (with every kind): not profiled
-        for kind, p in kinds.items():
-            cell, pooled = cells[kind]
-            u = cell.rate(confidence=confidence)
-            w = cell.rate(protected=True, confidence=confidence)
-            notes |= {"extrapolated"} if pooled else set()
-            for acc, e in ((unchecked, u), (checked, w)):
-                for j in range(3):
-                    acc[j] += p * e[j]
+        note = "extrapolated" if any(pooled for _, pooled in cells.values()) else ""
+        n = len(cost.layers(op))
         out.append(
-            Site(layer, op, rate.per_step(macs, cost), Estimate(*unchecked), Estimate(*checked),
-                 oc.cost.scaled(1 / len(cost.layers(op))), oc.launches / len(cost.layers(op)),
-                 ",".join(sorted(notes)))
+            Site(layer, op, rate.per_step(macs, cost),
+                 tuple((p, cells[kind][0]) for kind, p in kinds.items()),
+                 oc.cost.scaled(1 / n), oc.launches / n, note, confidence)
         )  # fmt: skip
     return out
 
@@ -262,8 +276,34 @@ def _pct(e: Estimate) -> str:
     return f"{e.point:+.1%} [{e.low:+.1%}, {e.high:+.1%}]"
 
 
+def active_checks(ss: list[Site], members: list[int],
+            f: dict[int, float]) -> list[tuple[float, frozenset[str]]]:  # fmt: skip
+    """(share of the steps, the checks that run) in one layer whose sites ``members`` are
+    checked on fractions ``f`` of the steps (1 / every; periodic checks run on the same steps,
+    those whose count is a multiple of their period, as :class:`Schedule` runs them)."""
+    periods = {ss[i].op: round(1 / f[i]) for i in members if f.get(i)}
+    n = math.lcm(*periods.values()) if periods else 1
+    shares = Counter(frozenset(op for op, k in periods.items() if t % k == 0) for t in range(n))
+    return [(c / n, on) for on, c in shares.items()]
+
+
+def _layer_risk(ss: list[Site], members: list[int], f: dict[int, float], j: int) -> float:
+    """Expected non-trainable events per step from faults in one layer (end j: 0 point, 1 low,
+    2 high), the checks of the layer covering each other's sites (:meth:`Site.rate`)."""
+    active = active_checks(ss, members, f)
+    return sum(ss[i].faults * sum(w * ss[i].rate(on)[j] for w, on in active) for i in members)
+
+
+def layers_of(ss: list[Site]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(ss):
+        out[s.layer].append(i)
+    return out
+
+
 def _risk(ss: list[Site], f: dict[int, float]) -> Estimate:
-    return Estimate(*(PER_MILLION * sum(s.risk(f.get(i, 0.0), j) for i, s in enumerate(ss))
+    layers = layers_of(ss).values()
+    return Estimate(*(PER_MILLION * sum(_layer_risk(ss, m, f, j) for m in layers)
                       for j in range(3)))  # fmt: skip
 
 
@@ -313,13 +353,12 @@ def choose(
             f"profile measured {[o.op for o in cost.ops]}"
         )
     base = _base(ss, cost)
-    gain = [s.risk(0.0, end) - s.risk(1.0, end) for s in ss]
-    order = sorted(range(len(ss)), key=lambda i: -gain[i] / max(ss[i].cost.point, 1e-9))
-    order = [i for i in order if gain[i] > 0]
+    greedy = _Greedy(ss, end)
+    useful = [i for i in range(len(ss)) if greedy.gain(i, 1.0, {}) > 0]
     notes = _notes(ss, rate, cost)
     if target is not None:
         goal = f"at most {target:g} non-trainable events per million steps ({estimate} estimate)"
-        f = _for_target(ss, order, target / PER_MILLION, end)
+        f = greedy.for_target(target / PER_MILLION)
         if f is None:
             raise ConfigError(
                 f"no schedule meets {target:g} non-trainable events per million steps: checking "
@@ -329,10 +368,10 @@ def choose(
             )
     else:
         goal = f"overhead at most {budget:.1%} of the plain step"
-        if not order:
+        if not useful:
             f = {}
         else:
-            cheapest = min(max(ss[i].cost.high, 0.0) for i in order) / PERIODS[-1]
+            cheapest = min(max(ss[i].cost.high, 0.0) for i in useful) / PERIODS[-1]
             if budget < cost.engine.high + cheapest:
                 raise ConfigError(
                     f"a budget of {budget:.1%} is below the cheapest check: leaving SDPA for the "
@@ -340,8 +379,8 @@ def choose(
                     f"{cheapest:.2%} (every {PERIODS[-1]} steps; upper ends of the measured "
                     f"costs); raise the budget or leave the model unprotected"
                 )
-            f = _for_budget(ss, order, budget - cost.engine.high, end)
-    if not order:
+            f = greedy.for_budget(budget - cost.engine.high)
+    if not useful:
         notes += ("no check removes risk at this fault rate: nothing to check",)
     checks = tuple(sorted(((ss[i].layer, ss[i].op, round(1 / v)) for i, v in f.items() if v),
                           key=lambda c: (c[0], op_key(c[1]))))  # fmt: skip
@@ -386,48 +425,84 @@ def priced(
     return _choice(ss, f, tuple(checks), cost, base, goal, (), policy)
 
 
-def _for_target(ss: list[Site], order: list[int], target: float, end: int) -> dict | None:
-    """The cheapest schedule (over the periods) with risk <= target, greedily; None if none."""
-    best, best_cost = None, float("inf")
-    for k in (1, *PERIODS):
-        f: dict[int, float] = {}
-        risk = sum(s.risk(0.0, end) for s in ss)
-        for i in order:
-            if risk <= target:
-                break
-            step = ss[i].risk(0.0, end) - ss[i].risk(1.0, end)
-            if k > 1 and risk - step / k <= target:
-                f[i], risk = 1 / k, risk - step / k
-                break
-            f[i], risk = 1.0, risk - step
-        if risk > target * (1 + 1e-12):
-            return None
-        c = sum(v * ss[i].cost.point for i, v in f.items())
-        if c < best_cost:
-            best, best_cost = f, c
-    return best
+class _Greedy:
+    """The knapsack, greedily: take the check that removes the most risk per cost, given the
+    checks already taken (a check's gain shrinks when another check of its layer already
+    covers its faults), every step while checks fit, then every k steps; for each k of
+    :data:`PERIODS` (one k per schedule), keep the best. Decisions use end ``end`` of the risk
+    intervals. Only the gains in the layer of the last check taken change, so only they are
+    recomputed."""
 
+    def __init__(self, ss: list[Site], end: int) -> None:
+        self.ss, self.end = ss, end
+        self.layers = layers_of(ss)
 
-def _for_budget(ss: list[Site], order: list[int], room: float, end: int) -> dict:
-    """The schedule with the least risk whose checks cost at most ``room`` at the upper ends of
-    their cost intervals, greedily."""
-    best, best_risk = {}, float("inf")
-    for k in (1, *PERIODS):
-        f: dict[int, float] = {}
-        left = room
-        for i in order:  # every step while they fit (at the upper ends of their costs)
-            c = max(ss[i].cost.high, 0.0)
-            if c <= left:
-                f[i], left = 1.0, left - c
-        if k > 1:
-            for i in order:  # then every k steps
-                c = max(ss[i].cost.high, 0.0) / k
-                if i not in f and c <= left:
-                    f[i], left = 1 / k, left - c
-        risk = sum(s.risk(f.get(i, 0.0), end) for i, s in enumerate(ss))
-        if risk < best_risk - 1e-18:
-            best, best_risk = f, risk
-    return best
+    def layer_risk(self, layer: int, f: dict[int, float]) -> float:
+        return _layer_risk(self.ss, self.layers[layer], f, self.end)
+
+    def gain(self, i: int, v: float, f: dict[int, float]) -> float:
+        """Risk per step removed by checking site i on a fraction v of the steps beside f."""
+        layer = self.ss[i].layer
+        return self.layer_risk(layer, f) - self.layer_risk(layer, {**f, i: v})
+
+    def _gains(self, f: dict[int, float], v: float) -> dict[int, float]:
+        return {i: self.gain(i, v, f) for i in range(len(self.ss)) if i not in f}
+
+    def _best(self, gains: dict[int, float], v: float, left: float) -> int | None:
+        """The check with the most risk removed per cost whose cost (upper end) at fraction v
+        is at most ``left``; None when none fits and removes risk."""
+        fits = [i for i, g in gains.items() if g > 0 and self._dear(i) * v <= left]
+        return max(fits, default=None,
+                   key=lambda i: (gains[i] / max(self.ss[i].cost.point, 1e-9), -i))  # fmt: skip
+
+    def _add(self, f: dict[int, float], i: int, v: float, gains: dict[int, float]) -> None:
+        f[i] = v
+        del gains[i]
+        for other in self.layers[self.ss[i].layer]:  # the only gains that change
+            if other in gains:
+                gains[other] = self.gain(other, v, f)
+
+    def _dear(self, i: int) -> float:
+        return max(self.ss[i].cost.high, 0.0)
+
+    def total(self, f: dict[int, float]) -> float:
+        return sum(self.layer_risk(layer, f) for layer in self.layers)
+
+    def for_budget(self, room: float) -> dict[int, float]:
+        """The schedule with the least risk whose checks cost at most ``room`` at the upper
+        ends of their cost intervals."""
+        best, best_risk = {}, float("inf")
+        for k in (1, *PERIODS):
+            f: dict[int, float] = {}
+            left = room
+            for v in (1.0,) if k == 1 else (1.0, 1 / k):
+                gains = self._gains(f, v)
+                while (i := self._best(gains, v, left)) is not None:
+                    left -= self._dear(i) * v
+                    self._add(f, i, v, gains)
+            if (risk := self.total(f)) < best_risk - 1e-18:
+                best, best_risk = f, risk
+        return best
+
+    def for_target(self, target: float) -> dict[int, float] | None:
+        """The cheapest schedule (over the periods) with risk <= target; None if none."""
+        best, best_cost = None, float("inf")
+        for k in (1, *PERIODS):
+            f: dict[int, float] = {}
+            risk, gains = self.total(f), self._gains(f, 1.0)
+            while risk > target and (i := self._best(gains, 1.0, math.inf)) is not None:
+                if k > 1 and risk - self.gain(i, 1 / k, f) <= target:
+                    f[i] = 1 / k  # the last check, every k steps, is enough
+                    risk = self.total(f)
+                    break
+                risk -= gains[i]
+                self._add(f, i, 1.0, gains)
+            if risk > target * (1 + 1e-12):
+                return None
+            c = sum(v * self.ss[i].cost.point for i, v in f.items())
+            if c < best_cost:
+                best, best_cost = f, c
+        return best
 
 
 def _notes(ss: list[Site], rate: FaultRate, cost: CostProfile) -> tuple[str, ...]:

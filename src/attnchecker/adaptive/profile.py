@@ -2,8 +2,10 @@
 
 - :class:`VulnerabilityProfile`: for one family, per (op, layer, fault kind), how many campaign
   trials (:mod:`attnchecker.inject.campaign`) ended in each outcome, unprotected and protected;
-  rates come with Wilson score intervals from those counts. Written next to the campaign as
-  ``vulnerability-<family>.json``.
+  rates come with Wilson score intervals from those counts. A campaign run with check arms
+  (``--check-arms``) adds, per cell, which checks alone kept each trial trainable: the
+  non-trainable rate under any set of checks (:meth:`Cell.rate_with`). Written next to the
+  campaign as ``vulnerability-<family>.json``.
 - :class:`CostProfile`: what checking each op costs on this machine (a fraction of the plain
   model's training step with transformers' default SDPA attention, all layers checked), what
   leaving SDPA for the checked engine costs, the ops launched, and each GEMM's size in element
@@ -83,7 +85,9 @@ def wilson(k: int, n: int, confidence: float = 0.95) -> Estimate:
 
 @dataclass(frozen=True)
 class Cell:
-    """The trials of one (op, layer, kind): outcome counts per arm."""
+    """The trials of one (op, layer, kind): outcome counts per arm, and with check arms
+    (``checks``: the checks run alone) how many trials were non-trainable in exactly which arms
+    (``joint``: key the sorted arms joined by "|", "none" for the unprotected one)."""
 
     op: str
     layer: int
@@ -91,11 +95,32 @@ class Cell:
     trials: int
     unprotected: dict[str, int]
     protected: dict[str, int]
+    checks: tuple[str, ...] = ()
+    joint: dict[str, int] = field(default_factory=dict)
 
     def rate(self, outcome: str = "non_trainable", *, protected: bool = False,
              confidence: float = 0.95) -> Estimate:  # fmt: skip
         counts = self.protected if protected else self.unprotected
         return wilson(counts.get(outcome, 0), self.trials, confidence)
+
+    def rate_with(self, checked: frozenset[str], confidence: float = 0.95) -> Estimate:
+        """The non-trainable rate of a fault here when the checks ``checked`` run in its layer.
+
+        With check arms: a trial survives a set of checks when one of them alone kept it
+        trainable (a check that helps alone helps beside others), so it is non-trainable when
+        it was in every arm of ``checked`` the campaign ran (none of them: the unprotected
+        arm's outcome); checks without an arm are not credited. Without check arms: the
+        protected arm's rate when the op's own check runs, else the unprotected arm's (a check
+        credited with its own site only)."""
+        if not self.checks:
+            return self.rate(protected=self.op in checked, confidence=confidence)
+        k = sum(n for key, n in self.joint.items() if self.lost(key, checked))
+        return wilson(k, self.trials, confidence)
+
+    def lost(self, key: str, checked: frozenset[str]) -> bool:
+        """Whether the trials of ``joint[key]`` are non-trainable when ``checked`` run."""
+        arms = checked.intersection(self.checks) or {"none"}
+        return arms.issubset(key.split("|"))
 
 
 @dataclass(frozen=True)
@@ -125,9 +150,7 @@ class VulnerabilityProfile:
             return None, False
         if len(mine) == 1 and mine[0].layer == -1:  # a pooled profile: every layer alike
             return mine[0], False
-        pooled = Cell(op, layer, kind, sum(c.trials for c in mine), _add(mine, "unprotected"),
-                      _add(mine, "protected"))  # fmt: skip
-        return pooled, True
+        return _merged(mine, op, -1, kind), True  # layer -1: pooled, as in pooled()
 
     def pooled(self) -> VulnerabilityProfile:
         """The same trials with layers merged per (op, kind), layer -1 standing for every layer:
@@ -135,11 +158,7 @@ class VulnerabilityProfile:
         groups: dict[tuple[str, str], list[Cell]] = defaultdict(list)
         for c in self.cells:
             groups[(c.op, c.kind)].append(c)
-        cells = tuple(
-            Cell(op, -1, kind, sum(c.trials for c in cs), _add(cs, "unprotected"),
-                 _add(cs, "protected"))
-            for (op, kind), cs in groups.items()
-        )  # fmt: skip
+        cells = tuple(_merged(cs, op, -1, kind) for (op, kind), cs in groups.items())
         return dataclasses.replace(self, cells=cells)
 
     @classmethod
@@ -157,9 +176,10 @@ class VulnerabilityProfile:
                 key = (check_op(r["site"]), r.get("layer", config["layer"]), r["kind"])
                 groups[key].append(r)
         cells = tuple(
-            Cell(op, layer, kind, len(rs), _count(rs, "unprotected"), _count(rs, "protected"))
+            Cell(op, layer, kind, len(rs), _count(rs, "unprotected"), _count(rs, "protected"),
+                 *_joint(rs, config))
             for (op, layer, kind), rs in sorted(groups.items())
-        )
+        )  # fmt: skip
         keys = ("size", "batch", "seq_len", "steps", "lr", "seed", "patterns", "backend")
         return cls(family, {k: config[k] for k in keys if k in config}, cells)
 
@@ -169,7 +189,7 @@ class VulnerabilityProfile:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VulnerabilityProfile:
         _version(d, "vulnerability profile")
-        cells = tuple(Cell(**c) for c in d["cells"])
+        cells = tuple(Cell(**c | {"checks": tuple(c.get("checks", ()))}) for c in d["cells"])
         return cls(d["family"], d["setup"], cells, d["version"])
 
     def save(self, path: str | Path) -> Path:
@@ -335,6 +355,39 @@ def _count(rows: list[dict], arm: str) -> dict[str, int]:
 
 def _add(cells: list[Cell], arm: str) -> dict[str, int]:
     return {o: sum(getattr(c, arm).get(o, 0) for c in cells) for o in OUTCOMES}
+
+
+def _merged(cells: list[Cell], op: str, layer: int, kind: str) -> Cell:
+    """One cell of the trials of ``cells`` (check arms kept only when every cell ran the same)."""
+    same = len({c.checks for c in cells}) == 1
+    joint: dict[str, int] = defaultdict(int)
+    for c in cells if same else ():
+        for key, n in c.joint.items():
+            joint[key] += n
+    return Cell(op, layer, kind, sum(c.trials for c in cells), _add(cells, "unprotected"),
+                _add(cells, "protected"), cells[0].checks if same else (), dict(joint))  # fmt: skip
+
+
+def _joint(rows: list[dict], config: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, int]]:
+    """(the check arms these trials ran, their joint histogram: :class:`Cell`); ((), {}) for a
+    campaign without check arms. A trial the unprotected arm left trainable ran no check arm
+    and counts as trainable under any check; an arm missing from a trial counts as
+    non-trainable (not credited)."""
+    from attnchecker.inject.campaign import arm_checks
+
+    if not config.get("check_arms"):
+        return (), {}
+    ran = arm_checks(config["sites"], rows[0]["site"], rows[0].get("layer", config["layer"]))
+    joint: dict[str, int] = defaultdict(int)
+    for r in rows:
+        if r["unprotected"]["outcome"] != "non_trainable":
+            joint[""] += 1
+            continue
+        arms = r.get("checks", {})
+        outcome = {c: arms.get(c, {}).get("outcome", "non_trainable") for c in ran}
+        lost = [c for c in ran if outcome[c] == "non_trainable"]
+        joint["|".join(sorted(["none", *lost]))] += 1
+    return tuple(sorted(ran, key=op_key)), dict(joint)
 
 
 def _version(d: dict[str, Any], what: str) -> None:

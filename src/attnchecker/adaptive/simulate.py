@@ -4,11 +4,12 @@ sets against the controller's predictions (:mod:`attnchecker.adaptive.validate`)
 :func:`run` trains the campaign's model (its family, size, batch and sequence length) for
 ``steps`` steps under faults drawn at a rate: at every step each site i gets Poisson(lambda_i)
 faults, of a kind drawn from the rate's distribution and a pattern from the campaign's, injected
-at the site's GEMM as in a campaign. The model is protected as the plan ships it (its config
-and policy; ``skip_step`` with the guarded optimizer). A step after which the loss or a
-parameter is not finite is a non-trainable event: it is counted and the model and optimizer go
-back to their state three steps earlier (a campaign trial watches three steps after its
-fault), and training goes on. A :class:`Condition` changes what the campaign measured (held
+at the site's GEMM as in a campaign. The model is protected as the plan ships it (its config and
+policy; ``skip_step`` with the guarded optimizer). A step after which a parameter is not finite,
+or whose loss is not finite and its update was not skipped by the guard (a skipped step's loss
+is not used: training goes on), is a non-trainable event: it is counted and the model and
+optimizer go back to their state three steps earlier (a campaign trial watches three steps after
+its fault), and training goes on. A :class:`Condition` changes what the campaign measured (held
 out: the prediction never saw it): the init seed, the data (Shakespeare text instead of random
 tokens), a checkpoint trained for some clean steps, the fault patterns, the kinds, the rate, or
 sites the campaign did not fault.
@@ -192,9 +193,13 @@ def model_for(vuln: VulnerabilityProfile, condition: Condition, seed: int):
     return model
 
 
-def _finite(loss: torch.Tensor, model: torch.nn.Module) -> bool:
+def _finite(loss: torch.Tensor | None, model: torch.nn.Module) -> bool:
+    """Whether training can go on: the parameters are finite, and so is the loss (None: a step
+    whose update the guard skipped, whose loss training does not use)."""
     params = model.parameters()
-    return bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in params)
+    return (loss is None or bool(torch.isfinite(loss))) and all(
+        bool(torch.isfinite(p).all()) for p in params
+    )
 
 
 def run(
@@ -229,7 +234,7 @@ def run(
     faults = plan(vuln, cost, rate, steps, seed, condition)
     data = itertools.chain([first], data)
     ring: list[tuple[dict, dict]] = []
-    events = step = 0
+    events = step = skipped = 0
     with Injector(model, faults, step_fn=lambda: step), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(1, steps + 1):  # noqa: B007 (the injector reads it)
@@ -237,13 +242,14 @@ def run(
             ring = [*ring[-2:], now]
             loss = _step(model, guarded or opt, next(data))
             handle.drain()
-            if not _finite(loss, model):
+            now_skipped = 0 if guarded is None or guarded.skipped is None else int(guarded.skipped)
+            if not _finite(None if now_skipped > skipped else loss, model):
                 events += 1
                 params, state = ring[0]
                 model.load_state_dict(params)
                 opt.load_state_dict(copy.deepcopy(state))  # it keeps the tensors it is given
                 ring = ring[:1]
-    skipped = 0 if guarded is None or guarded.skipped is None else int(guarded.skipped.sum())
+            skipped = now_skipped
     return Run(seed, len(faults.faults), events, skipped), model
 
 

@@ -7,11 +7,13 @@ held-out conditions (another init seed, Shakespeare text, a trained checkpoint, 
 patterns, kinds and rates, sites the campaign never faulted).
 
 Counts. A row's predicted count is a *predictive interval* at a stated level (default 90%): a
-parametric bootstrap of the controller's model. Each draw takes every cell's unprotected and
-protected non-trainable probabilities from their Beta posteriors (Jeffreys prior, the
-campaign's counts), forms the expected count mu = steps * sum_i lambda_i * sum_k pi_k * (f_i w_ik
-+ (1 - f_i) v_ik) (:mod:`.controller`) and draws a Poisson count of mean mu; the interval is the
-counts' quantiles. Calibrated, about ``level`` of the seeds' counts fall inside. A set of counts
+parametric bootstrap of the controller's model. Each draw takes every cell's non-trainable
+probabilities from their posteriors (Jeffreys prior, the campaign's counts: a Beta per arm, or
+with check arms a Dirichlet over the joint histogram, so that the rates under different check
+sets stay consistent), forms the expected count mu = steps * sum_i lambda_i * sum_k pi_k *
+(the rate of kind k at i under the checks running in its layer, averaged over the steps)
+(:mod:`.controller`) and draws a Poisson count of mean mu; the interval is the counts'
+quantiles. Calibrated, about ``level`` of the seeds' counts fall inside. A set of counts
 *misses* when fewer fall inside than the level allows (one-sided binomial test at 5%): ABOVE
 when most misses lie above (more events than claimed), BELOW when most lie below (the model
 is wrong on the safe side: still wrong). Tested per row and pooled over the judged rows.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,12 +51,14 @@ from attnchecker.adaptive.controller import (
     PERIODS,
     Choice,
     FaultRate,
+    active_checks,
     choose,
     fit_measured,
+    layers_of,
     priced,
     sites,
 )
-from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
+from attnchecker.adaptive.profile import Cell, CostProfile, Estimate, VulnerabilityProfile
 from attnchecker.adaptive.simulate import Condition, Run, measure_overhead, overhead, plan, run
 from attnchecker.attention.ops import in_backward
 from attnchecker.errors import ConfigError
@@ -107,39 +112,55 @@ def predict(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
         raise ConfigError(f"level must be in (0, 1), got {level!r}")
     ss = sites(vuln, cost, rate)
     every = {(layer, op): 1 / k for layer, op, k in checks}
-    kinds = rate.kinds or {k: 1 / len(vuln.kinds) for k in vuln.kinds}
-    index: dict[tuple, int] = {}  # one posterior per cell (a pooled cell: one for its layers)
-    alpha, beta, terms = [], [], []  # per posterior; (weight, unchecked index, checked index)
-    for s in ss:
-        f = every.get((s.layer, s.op), 0.0)
-        for kind, p in kinds.items():
-            cell, pooled = vuln.cell(s.op, s.layer, kind)
-            key = (cell.op, "pooled" if pooled else cell.layer, kind)
-            ids = []
-            for arm in ("unprotected", "protected"):
-                if (key, arm) not in index:
-                    k = getattr(cell, arm).get("non_trainable", 0)
-                    index[key, arm] = len(alpha)
-                    alpha.append(k + 0.5)
-                    beta.append(cell.trials - k + 0.5)
-                ids.append(index[key, arm])
-            w = steps * s.faults * p
-            terms += [(w * (1 - f), ids[0]), (w * f, ids[1])]
-    if not terms:
+    f = {i: every[s.layer, s.op] for i, s in enumerate(ss) if (s.layer, s.op) in every}
+    columns: dict[tuple, int] = {}  # (posterior, category) -> column of the draws
+    alphas: dict[tuple, list[float]] = {}  # posterior -> its Dirichlet's parameters
+    weights: dict[int, float] = defaultdict(float)  # column -> expected events per unit
+    for members in layers_of(ss).values():
+        active = active_checks(ss, members, f)
+        for i in members:
+            for p, cell in ss[i].cells:
+                key = (cell.op, cell.layer, cell.kind)
+                for share, on in active:
+                    for post, category, counts in _lost(cell, on):
+                        if (key, post) not in alphas:
+                            alphas[key, post] = [n + 0.5 for n in counts]
+                            for c in range(len(counts)):
+                                columns[key, post, c] = len(columns)
+                        weights[columns[key, post, category]] += steps * ss[i].faults * p * share
+    if not weights:
         return Prediction(0.0, 0, 0, level)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        probs = torch.distributions.Beta(
-            torch.tensor(alpha, dtype=torch.float64), torch.tensor(beta, dtype=torch.float64)
-        ).sample((draws,))
-        weights = torch.zeros(len(alpha), dtype=torch.float64)
-        for w, i in terms:
-            weights[i] += w
-        mu = probs @ weights  # (draws,)
+        probs = torch.cat(
+            [torch.distributions.Dirichlet(torch.tensor(a, dtype=torch.float64)).sample((draws,))
+             for a in alphas.values()], dim=1,
+        )  # (draws, columns), in the order columns were numbered  # fmt: skip
+        w = torch.zeros(len(columns), dtype=torch.float64)
+        for c, x in weights.items():
+            w[c] = x
+        mu = probs @ w  # (draws,)
         counts = torch.poisson(mu)
     low = torch.quantile(counts, (1 - level) / 2, interpolation="lower")
     high = torch.quantile(counts, (1 + level) / 2, interpolation="higher")
     return Prediction(float(mu.mean()), int(low), int(high), level)
+
+
+def _lost(cell: Cell, on: frozenset[str]):
+    """The posterior categories whose probability is the rate of non-trainable faults in
+    ``cell`` while the checks ``on`` run (:meth:`Cell.rate_with`), as (posterior, category,
+    every category's count): without check arms, category 0 of the unprotected or the
+    protected arm's Beta; with them, the joint histogram's keys under a Dirichlet, plus two
+    unseen ones (non-trainable under every check set, trainable under every one) so that a
+    rate of 0 in the trials is not certain."""
+    if not cell.checks:
+        arm = "protected" if cell.op in on else "unprotected"
+        k = getattr(cell, arm).get("non_trainable", 0)
+        return [(arm, 0, (k, cell.trials - k))]
+    keys = sorted(cell.joint)
+    counts = (*(cell.joint[k] for k in keys), 0, 0)  # ..., every arm lost, "" when unseen
+    lost = [c for c, key in enumerate(keys) if cell.lost(key, on)] + [len(keys)]
+    return [("joint", c, counts) for c in lost]
 
 
 def binomial_miss(inside: int, n: int, level: float, alpha: float = ALPHA) -> bool:

@@ -41,6 +41,7 @@ def _campaign(args: argparse.Namespace) -> int:
         patterns=_split(args.patterns), trials=args.trials, steps=args.steps, layer=args.layer,
         layers=tuple(args.layers) if args.layers else None,
         size=args.size, seed=args.seed, workers=args.workers, backend=args.backend,
+        check_arms=args.check_arms,
         rank=int(os.environ.get("RANK", 0)) if args.rank is None else args.rank,
         world=int(os.environ.get("WORLD_SIZE", 1)) if args.world is None else args.world,
     )  # fmt: skip
@@ -82,6 +83,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     camp.add_argument("--layer", type=int, default=0)
     camp.add_argument("--layers", type=int, nargs="+", help="faulty layers (instead of --layer)")
     add_backend(camp, "attention backend of both arms; triton adds the sites kernel:s .. kernel:dq")
+    camp.add_argument(
+        "--check-arms", action="store_true",
+        help="also run every non-trainable trial with each check alone (skip_step): what each "
+        "check covers, for attnchecker plan (several times the trials' time)",
+    )  # fmt: skip
     camp.add_argument("--size", default="tiny", choices=SIZES)
     camp.add_argument("--seed", type=int, default=0)
     camp.add_argument("--workers", type=int, default=1, help="processes")

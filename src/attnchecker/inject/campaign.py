@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import platform
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,10 @@ from attnchecker.attention.config import ALL_OPS, OPS, ABFTConfig
 from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import DEFAULT_KINDS
 
-__all__ = ["CampaignConfig", "Progress", "load_trials", "run_campaign", "summarize", "trial_specs"]
+__all__ = [
+    "CampaignConfig", "Progress", "arm_checks", "load_trials", "run_campaign", "summarize",
+    "trial_specs",
+]  # fmt: skip
 
 SCHEMA_VERSION = 1
 OUTCOMES = ("masked", "silent_deviation", "loss_spike", "non_trainable")
@@ -55,6 +59,7 @@ class CampaignConfig:
     rank: int = 0
     world: int = 1
     backend: str = "eager"  # ABFTConfig.backend of every arm; "triton" adds the kernel:<site> sites
+    check_arms: bool = False  # per non-trainable trial, an arm per check alone (:func:`arm_checks`)
 
     def __post_init__(self) -> None:
         from attnchecker.attention.config import BACKENDS
@@ -89,6 +94,11 @@ class CampaignConfig:
                 f"layers must be layer indices (-1: linear layers outside the blocks, such as "
                 f"linear:lm_head:y), got {self.layers!r}"
             )
+        if self.check_arms and (self.backend != "eager" or any(kernel)):
+            raise ConfigError(
+                "check arms run one check of a schedule alone; the fused kernels' checks are not "
+                "ops of a schedule: use backend='eager' with check_arms"
+            )
         if self.trials < 1 or self.steps < 1 or self.workers < 1:
             raise ConfigError("trials, steps and workers must be >= 1")
         if not 0 <= self.rank < self.world:
@@ -122,6 +132,21 @@ def trial_specs(cfg: CampaignConfig) -> list[dict[str, Any]]:
                                 specs.append(spec | {"rep": rep, "seed": cfg.seed * 100_003 + i})
                             i += 1
     return specs
+
+
+def arm_checks(sites: Sequence[str], site: str, layer: int) -> tuple[str, ...]:
+    """The check arms (``check_arms``) of a trial at ``site`` in ``layer``: the check of every
+    site of the campaign (``sites``) at that layer (attention ops only in a block, ``layer`` >=
+    0), except a forward check for a fault in the backward pass (it ran before the fault: its
+    arm would be the unprotected arm, and is not run)."""
+    from attnchecker.attention.ops import in_backward, linear_parts
+    from attnchecker.inject.plan import check_op
+
+    backward = in_backward(check_op(site))
+    return tuple(
+        c for c in dict.fromkeys(check_op(s) for s in sites)
+        if not (layer < 0 and not linear_parts(c)) and not (backward and not in_backward(c))
+    )  # fmt: skip
 
 
 def _trials_file(out: Path, cfg: CampaignConfig) -> Path:
@@ -186,18 +211,20 @@ def _run_one(args: tuple[CampaignConfig, dict[str, Any]]) -> dict[str, Any]:
         layer=layer,
         size=(2, 3),
     )
-    arms = {
-        arm: run_arm(
-            setup,
-            fault,
-            spec["seed"],
-            protected=arm == "protected",
-            tol=cfg.tolerance,
-            param_tol=cfg.lr if cfg.param_tolerance is None else cfg.param_tolerance,
-            spike=cfg.spike_factor,
-        )
+    param_tol = cfg.lr if cfg.param_tolerance is None else cfg.param_tolerance
+    judge = dict(tol=cfg.tolerance, spike=cfg.spike_factor, param_tol=param_tol)
+    arms: dict[str, Any] = {
+        arm: run_arm(setup, fault, spec["seed"], protected=arm == "protected", **judge)
         for arm in ("unprotected", "protected")
     }
+    dead = arms["unprotected"]["outcome"] == "non_trainable"  # else trainable with any check
+    if cfg.check_arms and dead:
+        kept = ("outcome", "result", "detected_at_site", "skipped")
+        arms["checks"] = {
+            c: {k: v for k, v in run_arm(setup, fault, spec["seed"], protected=True, check=c,
+                                         **judge).items() if k in kept}
+            for c in arm_checks(cfg.sites, spec["site"], layer)
+        }  # fmt: skip
     return spec | {"schema_version": SCHEMA_VERSION, "ref_final_loss": setup.ref_losses[-1], **arms}
 
 

@@ -14,6 +14,11 @@ into a short training run twice, once without and once with ``protect_``, and cl
   output projection of the faulty layer and at the next layer's input (none, 0D, 1R, 1C, 2D);
 - for the protected run, what protection did: ``corrected``, ``recomputed``, ``uncorrectable``,
   ``missed`` (not detected but the outcome is not masked) or ``not_needed`` (masked, not detected).
+
+A *check arm* (``check="scores"``) runs the same fault with one check alone: that op at the
+faulty layer, every step, under the policy a plan ships (``skip_step`` with the guarded
+optimizer, so a detection it cannot correct skips the update). A campaign's check arms measure
+which checks cover a fault at another site (:mod:`attnchecker.adaptive.profile`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from attnchecker.inject.injector import Injector
 from attnchecker.inject.plan import Fault, FaultPlan, check_op
 from attnchecker.models.registry import role_of
 
-__all__ = ["TrialSetup", "observe_pattern", "reference", "run_arm"]
+__all__ = ["TrialSetup", "check_arm_config", "observe_pattern", "reference", "run_arm"]
 
 OBSERVED = ("scores", "context", "out", "next_input")
 
@@ -53,17 +58,28 @@ class TrialSetup:
     example: tuple[Tensor, ...] | None = None  # protect_'s traced forward (a model of one's own)
 
 
-def _train(model: nn.Module, batches: list[dict[str, Tensor]], lr: float, seed: int) -> list[float]:
+def _train(model: nn.Module, batches: list[dict[str, Tensor]], lr: float, seed: int,
+           guarded: Any = None) -> tuple[list[float], list[Any], list[bool]]:  # fmt: skip
+    """Train on ``batches``; with ``guarded`` (a protection handle) the optimizer is guarded
+    by it and drained every step (what ``skip_step`` needs). (losses, events drained, whether
+    the guard skipped each step's update)."""
+    from attnchecker.recovery.guard import guard
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    step = opt if guarded is None else guard(opt, guarded)
     torch.manual_seed(seed)  # the same dropout masks in every arm
-    losses = []
+    losses, events, skipped = [], [], []
     for inputs in batches:
         loss = model(**inputs).loss
         loss.backward()
-        opt.step()
+        step.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses
+        total = 0 if guarded is None or step.skipped is None else int(step.skipped)
+        skipped.append(total > sum(skipped))
+        if guarded is not None:
+            events += guarded.drain()
+    return losses, events, skipped
 
 
 def _observe(model: nn.Module, handle: Any, layer: int, seen: dict[str, Tensor]) -> list[Any]:
@@ -119,18 +135,21 @@ def _outcome(
     tol: float,
     param_tol: float,
     spike: float,
+    skipped: list[bool],
 ) -> tuple[str, float]:
+    """The outcome (module docstring) and the largest parameter drift. The loss of a step whose
+    update the guard skipped is not the model's: it is not judged (training went on without
+    it), the parameters are."""
     drift = max(float((params[k] - v).abs().max()) for k, v in setup.ref_params.items())
-    finite = all(math.isfinite(x) for x in losses) and all(
+    pairs = [(a, b) for a, b, s in zip(losses, setup.ref_losses, skipped, strict=True) if not s]
+    finite = all(math.isfinite(a) for a, _ in pairs) and all(
         torch.isfinite(p).all() for p in params.values()
     )
     if not finite:
         return "non_trainable", drift
-    if max(losses) > spike * max(setup.ref_losses):
+    if pairs and max(a for a, _ in pairs) > spike * max(setup.ref_losses):
         return "loss_spike", drift
-    loss_dev = max(
-        abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, setup.ref_losses, strict=True)
-    )
+    loss_dev = max((abs(a - b) / max(abs(b), 1e-12) for a, b in pairs), default=0.0)
     return ("masked" if loss_dev <= tol and drift <= param_tol else "silent_deviation"), drift
 
 
@@ -143,33 +162,39 @@ def run_arm(
     tol: float,
     param_tol: float,
     spike: float,
+    check: str | None = None,
 ) -> dict[str, Any]:
-    """One faulty training run; returns its outcome, propagation and protection result."""
+    """One faulty training run; returns its outcome, propagation and protection result.
+    ``check``: a check arm (module docstring), the op checked alone."""
     from attnchecker.models.protect import protect_
 
     model = copy.deepcopy(setup.model)
     config = ABFTConfig(policy="warn") if protected else ABFTConfig(ops=())
     if protected and fault.family == "linear":  # every linear layer checked too
         config = config.replace(scope="all_linear")
+    if check is not None:
+        config = check_arm_config(check, fault.layer)
     handle = protect_(model, config.replace(backend=setup.backend), example=setup.example)
     plan = FaultPlan((fault,), seed)
     seen: dict[str, Tensor] = {}
-    with Injector(model, plan) as inj:
+    with Injector(model, plan) as inj, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         detach = _observe(model, handle, fault.layer, seen) if not protected else []
-        losses = _train(model, setup.batches, setup.lr, seed=0)
+        guarded = handle if check is not None else None
+        losses, events, skipped = _train(model, setup.batches, setup.lr, seed=0, guarded=guarded)
         for d in detach:
             d.remove()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        events = handle.drain()
+        events += handle.drain()
     params = {n: p.detach() for n, p in model.named_parameters()}
-    outcome, drift = _outcome(losses, params, setup, tol, param_tol, spike)
+    outcome, drift = _outcome(losses, params, setup, tol, param_tol, spike, skipped)
     out: dict[str, Any] = {
         "outcome": outcome,
         "fired": bool(inj.records),
         "final_loss": losses[-1],
         "param_drift": drift,
     }
+    if guarded is not None:
+        out["skipped"] = sum(skipped)  # updates the guard skipped
     if inj.records:
         r = inj.records[0]
         out["fault"] = {
@@ -208,6 +233,13 @@ def run_arm(
     return out
 
 
+def check_arm_config(check: str, layer: int) -> ABFTConfig:
+    """The config of a check arm: ``check`` (an attention op or a linear layer's ``role:op``)
+    at ``layer`` alone, every step, ``skip_step`` (as a plan ships it)."""
+    scope = "all_linear" if linear_parts(check) else "attention"
+    return ABFTConfig(schedule=((layer, check, 1),), policy="skip_step", scope=scope)
+
+
 def reference(
     family: str,
     model: nn.Module,
@@ -225,7 +257,7 @@ def reference(
     handle = protect_(probe, ABFTConfig(ops=(), backend=backend), example=example)
     seen: dict[str, Tensor] = {}
     detach = _observe(probe, handle, layer, seen)
-    losses = _train(probe, batches, lr, seed=0)
+    losses, _, _ = _train(probe, batches, lr, seed=0)
     for d in detach:
         d.remove()
     unprotect_(probe)

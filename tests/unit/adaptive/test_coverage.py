@@ -1,0 +1,99 @@
+"""What one check covers of another site, from a campaign's check arms: the joint histogram of a
+cell, the rate under a set of checks, the controller's knapsack with interactions, and the
+predictive interval that draws the joint rates together."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnchecker.adaptive.controller import FaultRate, choose, risk_of
+from attnchecker.adaptive.profile import Cell, CostProfile, Estimate, OpCost, VulnerabilityProfile
+from attnchecker.adaptive.validate import predict
+
+OPS = ("scores", "probs", "context")
+N = 40  # trials per cell, all non-trainable unprotected
+
+
+def _cell(op: str, layer: int, joint: dict[str, int]) -> Cell:
+    return Cell(op, layer, "nan", N, {"non_trainable": N}, {"masked": N}, OPS, joint)
+
+
+def _vuln(context_covers: bool = True) -> VulnerabilityProfile:
+    """A fault in scores or probs is lost unless its own check runs or (``context_covers``) the
+    context check, whose repair recomputes them; a fault in context only its own check saves."""
+    cells = []
+    for layer in (0, 1):
+        for op in ("scores", "probs"):
+            lost = [o for o in OPS if o != op and (o != "context" or not context_covers)]
+            cells.append(_cell(op, layer, {"|".join(sorted(["none", *lost])): N}))
+        cells.append(_cell("context", layer, {"none|probs|scores": N}))
+    return VulnerabilityProfile("gpt2", {"size": "tiny"}, tuple(cells))
+
+
+def _cost() -> CostProfile:
+    costs = {"scores": 0.10, "probs": 0.10, "context": 0.12}  # all layers
+    return CostProfile(
+        "gpt2", {"layers": 2}, 0.01, Estimate(0.0, 0.0, 0.0), 10,
+        tuple(OpCost(op, Estimate(c, c, c), 100) for op, c in costs.items()),
+        tuple((layer, op, 1000) for layer in (0, 1) for op in OPS), step_macs=3000,
+    )  # fmt: skip
+
+
+def test_a_trial_survives_a_set_of_checks_when_one_of_them_saved_it_alone():
+    cell = Cell("scores", 0, "nan", 10, {"non_trainable": 8}, {"masked": 10}, OPS,
+                {"none|probs": 5, "none|context|probs": 3, "": 2})  # fmt: skip
+    rate = lambda *on: cell.rate_with(frozenset(on)).point
+    assert rate() == 0.8  # the unprotected arm: 8 of 10 lost
+    assert rate("scores") == 0.0  # its own check saved all 8
+    assert rate("context") == 0.3 and rate("probs") == 0.8
+    assert rate("probs", "context") == 0.3  # lost in both arms: 3
+    assert rate("context", "mlp.c_fc:y") == 0.3  # a check without an arm is not credited
+    old = Cell("scores", 0, "nan", 10, {"non_trainable": 8}, {"non_trainable": 1})
+    assert old.rate_with(frozenset({"context"})).point == 0.8  # no check arms: own site only
+    assert old.rate_with(frozenset({"scores", "context"})).point == 0.1
+
+
+def test_the_controller_buys_the_check_that_covers_most():
+    """One check per layer fits every step: with the context check covering scores and probs
+    it is the best buy (three sites for 0.06); credited with its own site only it is the worst
+    (one site for 0.06 against 0.05), as the old model had it."""
+    rate = FaultRate(1.0)
+    covers = choose(_vuln(), _cost(), rate, budget=0.125)
+    assert covers.checks == ((0, "context", 1), (1, "context", 1))
+    assert covers.risk.point == 0  # every fault of both layers saved
+    own_only = choose(_vuln(context_covers=False), _cost(), rate, budget=0.125)
+    every_step = {op for _, op, k in own_only.checks if k == 1}
+    assert "context" not in every_step and own_only.risk.point > 0.3 * own_only.unprotected.point
+
+
+def test_a_check_adds_nothing_where_another_already_covers_its_site():
+    vuln, cost, rate = _vuln(), _cost(), FaultRate(1.0)
+    context = tuple((layer, "context", 1) for layer in (0, 1))
+    both = (*context, *((layer, "scores", 1) for layer in (0, 1)))
+    assert risk_of(vuln, cost, rate, both) == risk_of(vuln, cost, rate, context)
+    full = choose(vuln, cost, rate, budget=1.0)  # the knapsack stops where nothing is left
+    assert {op for _, op, _ in full.checks} == {"context"}
+
+
+def test_periodic_checks_cover_on_their_steps_only():
+    """Context every 2 steps and scores every step: a scores fault is always saved, a probs
+    fault half the time, a context fault half the time."""
+    vuln, cost, rate = _vuln(), _cost(), FaultRate(1.0)
+    checks = ((0, "scores", 1), (0, "context", 2))
+    unprotected = risk_of(vuln, cost, rate, ())
+    risk = risk_of(vuln, cost, rate, checks)
+    per_site = unprotected.point / 6
+    assert risk.point == pytest.approx(per_site * (3 + 0.5 + 0.5))  # layer 1: 3 sites lost
+
+
+def test_the_predictive_interval_follows_the_joint_rates():
+    vuln, cost, rate = _vuln(), _cost(), FaultRate(0.01)
+    context = tuple((layer, "context", 1) for layer in (0, 1))
+    none = predict(vuln, cost, rate, (), 1000)
+    covered = predict(vuln, cost, rate, context, 1000)
+    # 0.02 faults per step on 6 sites; lost: 40 of 40 trials, + 0.5 for the unseen category
+    # "lost under any check", of 40 + 3 x 0.5 (Jeffreys, three categories)
+    assert none.mean == pytest.approx(1000 * 0.02 * 41 / 41.5, rel=0.05)
+    assert covered.mean < none.mean / 20 and covered.high <= 2
+    half = predict(vuln, cost, rate, tuple((layer, "context", 2) for layer in (0, 1)), 1000)
+    assert half.mean == pytest.approx(none.mean / 2, rel=0.1)
