@@ -183,34 +183,41 @@ def test_kernel_sites_need_the_fused_backend():
 
 
 def test_check_arms_measure_what_each_check_covers(tmp_path):
-    """With check arms every non-trainable trial reruns with each check alone under skip_step:
-    its own check corrects it; a check downstream of a forward fault detects what it cannot
-    correct and the guard skips that update, so training goes on (a skipped step's NaN loss is
-    not the model's); a check that runs before the fault cannot help (it is not run: a forward
-    check for a backward fault), and one upstream in the same pass does not. The profile turns
-    them into rates under any set of checks."""
+    """With check arms every non-trainable trial reruns with each check alone in each layer
+    under skip_step: its own check corrects it; a check downstream of a forward fault (in its
+    layer, a later one, or any backward check) detects what it cannot correct and the guard
+    skips that update, so training goes on (a skipped step's NaN loss is not the model's); a
+    check that runs before the fault cannot help (not run: a forward check for a backward
+    fault, a forward check of an earlier layer, a backward check of a later one), and one
+    upstream in the same layer does not. The profile turns them into rates under any set of
+    checks, named relative to the fault's layer."""
     import pytest
 
     from attnchecker.adaptive.profile import VulnerabilityProfile
     from attnchecker.errors import ConfigError
 
     cfg = CampaignConfig(families=("gpt2",), sites=("q", "scores", "dq"), kinds=("nan",),
-                         check_arms=True)  # fmt: skip
+                         layers=(0, 1), check_arms=True)  # fmt: skip
     run_campaign(cfg, tmp_path, progress=False)
-    rows = {r["site"]: r for r in load_trials(tmp_path)}
+    rows = {(r["site"], r["layer"]): r for r in load_trials(tmp_path)}
     assert all(r["unprotected"]["outcome"] == "non_trainable" for r in rows.values())
-    q, scores, dq = (rows[s]["checks"] for s in ("q", "scores", "dq"))
-    assert set(q) == set(scores) == {"q", "scores", "dq"} and set(dq) == {"dq"}
+    q, scores, dq = (rows[s, 0]["checks"] for s in ("q", "scores", "dq"))
+    every = {f"{c}@{at}" for c in ("q", "scores", "dq") for at in (0, 1)}
+    assert set(q) == set(scores) == every and set(dq) == {"dq@0"}  # dq@1 ran before the fault
+    assert set(rows["q", 1]["checks"]) == every - {"q@0", "scores@0"}  # layer 0 ran before
     for site, arms in (("q", q), ("scores", scores), ("dq", dq)):
-        assert arms[site]["outcome"] == "masked" and arms[site]["result"] == "corrected"
-    assert q["scores"]["outcome"] == "silent_deviation" and q["scores"]["skipped"] == 1
-    assert scores["q"]["outcome"] == "non_trainable"  # q's check ran before the fault
+        assert arms[f"{site}@0"]["outcome"] == "masked"
+        assert arms[f"{site}@0"]["result"] == "corrected"
+    assert q["scores@0"]["outcome"] == "silent_deviation" and q["scores@0"]["skipped"] == 1
+    assert q["q@1"]["outcome"] == "silent_deviation"  # the next layer's check sees it
+    assert rows["q", 1]["checks"]["dq@0"]["outcome"] == "silent_deviation"  # through the loss
+    assert scores["q@0"]["outcome"] == "non_trainable"  # q's check ran before the fault
     vuln = VulnerabilityProfile.from_campaign(tmp_path)
-    cell = vuln.cell("q", 0, "nan")[0]
-    assert cell.checks == ("q", "scores", "dq")
+    cell = vuln.cell("q", 1, "nan")[0]
+    assert set(cell.checks) == {"q@+0", "scores@+0", "dq@+0", "dq@-1"}
     assert cell.rate_with(frozenset()).point == 1.0
-    assert cell.rate_with(frozenset({"scores"})).point == 0.0  # covered downstream
-    assert vuln.cell("scores", 0, "nan")[0].rate_with(frozenset({"q"})).point == 1.0
+    assert cell.rate_with(frozenset({"dq@-1"})).point == 0.0  # covered a layer before
+    assert vuln.cell("scores", 0, "nan")[0].rate_with(frozenset({"q@+0"})).point == 1.0
     assert VulnerabilityProfile.from_dict(vuln.to_dict()) == vuln
     with pytest.raises(ConfigError, match="check arms"):
         CampaignConfig(sites=("kernel:s",), backend="triton", check_arms=True)

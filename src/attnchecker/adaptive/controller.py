@@ -11,29 +11,36 @@ arrive independently at rate r; site i sees lambda_i of them per step (its expos
   forward and backward) and r_step = r * t_step / 3600 for a rate per device-hour.
 
 A fault of kind k (probability pi_k) at site i makes training non-trainable with probability
-v_ik when the site is unchecked and w_ik when it is checked: the non-trainable rates of the
-campaign's unprotected and protected arms at that (op, layer, kind) (a layer the campaign did
-not measure takes its op's trials pooled over the measured layers; an op the campaign never
-faulted is left out, like the MLP: nothing is known of it). A site checked on a fraction f_i
-of the steps (1, 1/k, or 0) then loses, per step,
+v_ik(S) while the checks S run in its layer, from the campaign's trials at that (op, layer,
+kind) (a layer the campaign did not measure takes its op's trials pooled over the measured
+layers; an op the campaign never faulted is left out, like the MLP: nothing is known of it).
+With check arms (``campaign --check-arms``) v_ik(S) is the share of trials that no check of S
+kept trainable alone (:meth:`Cell.rate_with`): a check covers what it saves at other sites of
+its layer (the context check's repair recomputes scores and probabilities; a check downstream
+of an unchecked fault detects it and the guard skips the update). Without them a check is
+credited with its own site only (v_ik(S) = the protected arm's rate when i's op is in S, else
+the unprotected arm's). Checks run every step or every k steps (one k per schedule, all on the
+same steps), so per step
 
-    L = sum_i lambda_i * sum_k pi_k * (f_i * w_ik + (1 - f_i) * v_ik)
+    L = sum_i lambda_i * sum_k pi_k * ((1 - 1/k) v_ik(A) + 1/k v_ik(A + P))
 
-expected non-trainable events (for rare faults: the probability of two in one step is
-second order), reported per million steps. The overhead is additive over checks,
+expected non-trainable events (A the layer's every-step checks, P its periodic ones; for rare
+faults the probability of two in one step is second order), reported per million steps. The
+overhead is additive over checks,
 
-    C = E + sum_i f_i * c_i      (C = 0 when nothing is checked)
+    C = E + sum_i f_i * c_i      (C = 0 when nothing is checked; f_i = 1, 1/k or 0)
 
 with E what leaving SDPA for the checked engine costs and c_i the op's measured cost per layer,
 both fractions of the plain step (:mod:`attnchecker.adaptive.bench`). Minimising L under
-C <= budget (or C under L <= target) is a knapsack: items are taken in order of risk removed
-per cost, lambda_i (v_i - w_i) / c_i, every step while they fit and then every k steps, for each
-k of :data:`PERIODS` (one k per schedule), keeping the best. A budget is a contract: a schedule
-fits when the upper end of its cost interval (E and every c_i at their high ends) does, so the
-measured overhead stays within the budget unless the cost profile itself was wrong
-(``attnchecker validate`` checks that). Costs do not add per op, though (many checks together
-measured up to 1.5 times their sum): :func:`fit_measured` (``plan --verify``) measures the
-choice as it trains and backs off until its measured overhead fits.
+C <= budget (or C under L <= target) is a knapsack with interactions: the greedy takes the
+check that removes the most risk per cost given the checks already taken (a check adds little
+where another already covers its sites), every step while checks fit and then every k steps,
+for each k of :data:`PERIODS`, keeping the best (:class:`_Greedy`). A budget is a contract: a
+schedule fits when the upper end of its cost interval (E and every c_i at their high ends)
+does, so the measured overhead stays within the budget unless the cost profile itself was
+wrong (``attnchecker validate`` checks that). Costs do not add per op, though (many checks
+together measured up to 1.5 times their sum): :func:`fit_measured` (``plan --verify``)
+measures the choice as it trains and backs off until its measured overhead fits.
 
 Intervals: each rate's Wilson interval enters L at its ends, so L's interval is the sum of
 the ends (wider than its stated confidence); decisions use the upper end (``estimate="high"``),
@@ -41,10 +48,13 @@ so a target is met with that confidence; C's interval sums the order-statistic i
 
 Where it is conservative
 ------------------------
-- A check is credited only with faults at its own site, but checks see further: the context
-  check's repair recomputes scores -> probabilities -> context from Q and K, so it also repairs
-  a fault in the scores or probabilities; a backward check flags gradients made non-finite by an
-  unchecked forward fault. L over-counts the risk of such unchecked sites.
+- Without check arms a check is credited only with faults at its own site (above). With
+  them, a check's cover is measured within its layer only (a fault's effects that a later
+  layer's check catches are not credited). Checks are combined by the union rule (a trial
+  survives a set of checks when one of them saved it alone): an assumption, not measured (the
+  campaign runs each check alone, not every set), and not conservative in general; it holds
+  when a check's effect on a fault does not depend on the other checks (a correction leaves
+  later checks clean inputs; a detection skips the update whichever check made it).
 - Summed interval ends (above).
 - Costs add per op. An op's measured cost includes work it shares with others (the layer's
   records, shared norms), which over-counts many checks together; on a small model the
@@ -56,15 +66,23 @@ optimizer); the profiled sites' share of the step's work is reported as ``covera
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attnchecker.adaptive.profile import ENGINE, Cell, CostProfile, Estimate, VulnerabilityProfile
+from attnchecker.adaptive.profile import (
+    ENGINE,
+    Cell,
+    CostProfile,
+    Estimate,
+    VulnerabilityProfile,
+    relative,
+)
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.ops import linear_parts, op_key
 from attnchecker.attention.schedule import Schedule
@@ -80,7 +98,6 @@ __all__ = [
     "active_checks",
     "choose",
     "fit_measured",
-    "layers_of",
     "load_plan",
     "parse_kinds",
     "priced",
@@ -152,16 +169,32 @@ class Site:
     confidence: float = 0.95
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def rate(self, checked: frozenset[str]) -> Estimate:
+    @functools.cached_property
+    def relevant(self) -> frozenset[str]:
+        """The checks credited here, relative to this layer: its own, and every check arm of
+        its cells."""
+        own = relative(self.op, 0)
+        return frozenset({own}.union(*(cell.checks for _, cell in self.cells)))
+
+    def covers(self, layer: int, op: str) -> bool:
+        """Whether a check of ``op`` in ``layer`` is credited with faults here."""
+        return relative(op, layer - self.layer) in self.relevant
+
+    def names(self, on: frozenset[tuple[int, str]]) -> frozenset[str]:
+        """The checks ``on`` ((layer, op)) credited here, named relative to this layer."""
+        return frozenset(relative(op, at - self.layer) for at, op in on) & self.relevant
+
+    def rate(self, on: frozenset[tuple[int, str]]) -> Estimate:
         """The probability that a fault here makes training non-trainable while the checks
-        ``checked`` run in its layer, mixed over kinds (:meth:`Cell.rate_with`)."""
-        if checked not in self._memo:
+        ``on`` ((layer, op)) run, mixed over kinds (:meth:`Cell.rate_with`)."""
+        key = self.names(on)
+        if key not in self._memo:
             ends = [0.0, 0.0, 0.0]
             for p, cell in self.cells:
-                for j, e in enumerate(cell.rate_with(checked, self.confidence)):
+                for j, e in enumerate(cell.rate_with(key, self.confidence)):
                     ends[j] += p * e
-            self._memo[checked] = Estimate(*ends)
-        return self._memo[checked]
+            self._memo[key] = Estimate(*ends)
+        return self._memo[key]
 
     @property
     def unchecked(self) -> Estimate:
@@ -170,7 +203,7 @@ class Site:
     @property
     def checked(self) -> Estimate:
         """With its own check alone."""
-        return self.rate(frozenset({self.op}))
+        return self.rate(frozenset({(self.layer, self.op)}))
 
 
 def sites(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
@@ -276,35 +309,28 @@ def _pct(e: Estimate) -> str:
     return f"{e.point:+.1%} [{e.low:+.1%}, {e.high:+.1%}]"
 
 
-def active_checks(ss: list[Site], members: list[int],
-            f: dict[int, float]) -> list[tuple[float, frozenset[str]]]:  # fmt: skip
-    """(share of the steps, the checks that run) in one layer whose sites ``members`` are
-    checked on fractions ``f`` of the steps (1 / every; periodic checks run on the same steps,
-    those whose count is a multiple of their period, as :class:`Schedule` runs them)."""
-    periods = {ss[i].op: round(1 / f[i]) for i in members if f.get(i)}
+Active = list[tuple[float, frozenset[tuple[int, str]]]]  # (share of steps, (layer, op) that run)
+
+
+def active_checks(ss: list[Site], f: dict[int, float]) -> Active:
+    """(share of the steps, the checks that run, as (layer, op)) when the sites are checked on
+    fractions ``f`` of the steps (1 / every; periodic checks run on the same steps, those whose
+    count is a multiple of their period, as :class:`Schedule` runs them)."""
+    periods = {(ss[i].layer, ss[i].op): round(1 / v) for i, v in f.items() if v}
     n = math.lcm(*periods.values()) if periods else 1
-    shares = Counter(frozenset(op for op, k in periods.items() if t % k == 0) for t in range(n))
+    shares = Counter(frozenset(c for c, k in periods.items() if t % k == 0) for t in range(n))
     return [(c / n, on) for on, c in shares.items()]
 
 
-def _layer_risk(ss: list[Site], members: list[int], f: dict[int, float], j: int) -> float:
-    """Expected non-trainable events per step from faults in one layer (end j: 0 point, 1 low,
-    2 high), the checks of the layer covering each other's sites (:meth:`Site.rate`)."""
-    active = active_checks(ss, members, f)
-    return sum(ss[i].faults * sum(w * ss[i].rate(on)[j] for w, on in active) for i in members)
-
-
-def layers_of(ss: list[Site]) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = defaultdict(list)
-    for i, s in enumerate(ss):
-        out[s.layer].append(i)
-    return out
+def _site_risk(s: Site, active: Active, j: int) -> float:
+    """Expected non-trainable events per step from faults at ``s`` (end j: 0 point, 1 low, 2
+    high) while the checks of ``active`` run (:meth:`Site.rate`)."""
+    return s.faults * sum(w * s.rate(on)[j] for w, on in active)
 
 
 def _risk(ss: list[Site], f: dict[int, float]) -> Estimate:
-    layers = layers_of(ss).values()
-    return Estimate(*(PER_MILLION * sum(_layer_risk(ss, m, f, j) for m in layers)
-                      for j in range(3)))  # fmt: skip
+    active = active_checks(ss, f)
+    return Estimate(*(PER_MILLION * sum(_site_risk(s, active, j) for s in ss) for j in range(3)))
 
 
 def risk_of(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
@@ -427,23 +453,20 @@ def priced(
 
 class _Greedy:
     """The knapsack, greedily: take the check that removes the most risk per cost, given the
-    checks already taken (a check's gain shrinks when another check of its layer already
-    covers its faults), every step while checks fit, then every k steps; for each k of
-    :data:`PERIODS` (one k per schedule), keep the best. Decisions use end ``end`` of the risk
-    intervals. Only the gains in the layer of the last check taken change, so only they are
-    recomputed."""
+    checks already taken (a check's gain shrinks when another check already covers its
+    faults), every step while checks fit, then every k steps; for each k of :data:`PERIODS`
+    (one k per schedule), keep the best. Decisions use end ``end`` of the risk intervals. A
+    check's gain is summed over the sites it is credited at (:meth:`Site.covers`) only."""
 
     def __init__(self, ss: list[Site], end: int) -> None:
         self.ss, self.end = ss, end
-        self.layers = layers_of(ss)
-
-    def layer_risk(self, layer: int, f: dict[int, float]) -> float:
-        return _layer_risk(self.ss, self.layers[layer], f, self.end)
+        self.covered = [[j for j, t in enumerate(ss) if t.covers(s.layer, s.op)] for s in ss]
 
     def gain(self, i: int, v: float, f: dict[int, float]) -> float:
         """Risk per step removed by checking site i on a fraction v of the steps beside f."""
-        layer = self.ss[i].layer
-        return self.layer_risk(layer, f) - self.layer_risk(layer, {**f, i: v})
+        before, after = active_checks(self.ss, f), active_checks(self.ss, {**f, i: v})
+        risk = lambda j, active: _site_risk(self.ss[j], active, self.end)
+        return sum(risk(j, before) - risk(j, after) for j in self.covered[i])
 
     def _gains(self, f: dict[int, float], v: float) -> dict[int, float]:
         return {i: self.gain(i, v, f) for i in range(len(self.ss)) if i not in f}
@@ -458,15 +481,17 @@ class _Greedy:
     def _add(self, f: dict[int, float], i: int, v: float, gains: dict[int, float]) -> None:
         f[i] = v
         del gains[i]
-        for other in self.layers[self.ss[i].layer]:  # the only gains that change
-            if other in gains:
+        touched = set(self.covered[i])  # the gains that change: checks credited there too
+        for other in gains:
+            if touched.intersection(self.covered[other]):
                 gains[other] = self.gain(other, v, f)
 
     def _dear(self, i: int) -> float:
         return max(self.ss[i].cost.high, 0.0)
 
     def total(self, f: dict[int, float]) -> float:
-        return sum(self.layer_risk(layer, f) for layer in self.layers)
+        active = active_checks(self.ss, f)
+        return sum(_site_risk(s, active, self.end) for s in self.ss)
 
     def for_budget(self, room: float) -> dict[int, float]:
         """The schedule with the least risk whose checks cost at most ``room`` at the upper
@@ -513,6 +538,12 @@ def _notes(ss: list[Site], rate: FaultRate, cost: CostProfile) -> tuple[str, ...
     profiled = {s.op for s in ss}
     if left := [o.op for o in cost.ops if o.op not in profiled]:
         notes.append(f"not faulted by the campaign, so not in these numbers: {', '.join(left)}")
+    if any(cell.checks for s in ss for _, cell in s.cells):
+        notes.append("a check is credited with what it saved alone at other sites of its layer "
+                     "(the campaign's check arms)")  # fmt: skip
+    else:
+        notes.append("a check is credited with its own site only (the campaign ran no check "
+                     "arms: campaign --check-arms measures what each check covers)")  # fmt: skip
     if rate.value == 0:
         notes.append("fault rate 0: no check pays for itself")
     return tuple(notes)

@@ -44,6 +44,7 @@ __all__ = [
     "campaign_setup",
     "cost_path",
     "load_profiles",
+    "relative",
     "vulnerability_path",
     "wilson",
     "write_vulnerability_profiles",
@@ -83,11 +84,18 @@ def wilson(k: int, n: int, confidence: float = 0.95) -> Estimate:
     return Estimate(p, max(0.0, centre - half), min(1.0, centre + half))
 
 
+def relative(op: str, offset: int) -> str:
+    """A check named relative to a fault's layer: ``dw.q@+0`` in its layer, ``dw.q@-1`` in the
+    layer before (the names of :attr:`Cell.checks` and of :meth:`Cell.rate_with`'s set)."""
+    return f"{op}@{offset:+d}"
+
+
 @dataclass(frozen=True)
 class Cell:
     """The trials of one (op, layer, kind): outcome counts per arm, and with check arms
-    (``checks``: the checks run alone) how many trials were non-trainable in exactly which arms
-    (``joint``: key the sorted arms joined by "|", "none" for the unprotected one)."""
+    (``checks``: the checks run alone, named by op and layer relative to the fault's,
+    :func:`relative`) how many trials were non-trainable in exactly which arms (``joint``: key
+    the sorted arms joined by "|", "none" for the unprotected one)."""
 
     op: str
     layer: int
@@ -104,16 +112,18 @@ class Cell:
         return wilson(counts.get(outcome, 0), self.trials, confidence)
 
     def rate_with(self, checked: frozenset[str], confidence: float = 0.95) -> Estimate:
-        """The non-trainable rate of a fault here when the checks ``checked`` run in its layer.
+        """The non-trainable rate of a fault here while the checks ``checked`` run (named
+        relative to the fault's layer, :func:`relative`).
 
         With check arms: a trial survives a set of checks when one of them alone kept it
         trainable (a check that helps alone helps beside others), so it is non-trainable when
         it was in every arm of ``checked`` the campaign ran (none of them: the unprotected
         arm's outcome); checks without an arm are not credited. Without check arms: the
-        protected arm's rate when the op's own check runs, else the unprotected arm's (a check
-        credited with its own site only)."""
+        protected arm's rate when the op's own check runs in its layer, else the unprotected
+        arm's (a check credited with its own site only)."""
         if not self.checks:
-            return self.rate(protected=self.op in checked, confidence=confidence)
+            own = relative(self.op, 0) in checked
+            return self.rate(protected=own, confidence=confidence)
         k = sum(n for key, n in self.joint.items() if self.lost(key, checked))
         return wilson(k, self.trials, confidence)
 
@@ -358,26 +368,41 @@ def _add(cells: list[Cell], arm: str) -> dict[str, int]:
 
 
 def _merged(cells: list[Cell], op: str, layer: int, kind: str) -> Cell:
-    """One cell of the trials of ``cells`` (check arms kept only when every cell ran the same)."""
-    same = len({c.checks for c in cells}) == 1
+    """One cell of the trials of ``cells``. Check arms that some of them did not run (a check
+    two layers later exists for a fault in layer 0 of 4, not in layer 3) are not credited for
+    those trials: a lost trial counts as lost in them too."""
+    checks = sorted({c for cell in cells for c in cell.checks}, key=_arm_key)
+    if not all(cell.checks for cell in cells):  # some without check arms: none kept
+        return Cell(op, layer, kind, sum(c.trials for c in cells), _add(cells, "unprotected"),
+                    _add(cells, "protected"))  # fmt: skip
     joint: dict[str, int] = defaultdict(int)
-    for c in cells if same else ():
-        for key, n in c.joint.items():
-            joint[key] += n
+    for cell in cells:
+        missing = [c for c in checks if c not in cell.checks]
+        for key, n in cell.joint.items():
+            arms = key.split("|") if key else []
+            joint["|".join(sorted([*arms, *missing])) if "none" in arms else key] += n
     return Cell(op, layer, kind, sum(c.trials for c in cells), _add(cells, "unprotected"),
-                _add(cells, "protected"), cells[0].checks if same else (), dict(joint))  # fmt: skip
+                _add(cells, "protected"), tuple(checks), dict(joint))  # fmt: skip
+
+
+def _arm_key(name: str) -> tuple:
+    op, _, offset = name.rpartition("@")
+    return (int(offset), op_key(op))
 
 
 def _joint(rows: list[dict], config: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, int]]:
-    """(the check arms these trials ran, their joint histogram: :class:`Cell`); ((), {}) for a
-    campaign without check arms. A trial the unprotected arm left trainable ran no check arm
-    and counts as trainable under any check; an arm missing from a trial counts as
-    non-trainable (not credited)."""
-    from attnchecker.inject.campaign import arm_checks
+    """(the check arms these trials ran, named relative to their layer; their joint histogram:
+    :class:`Cell`); ((), {}) for a campaign without check arms. A trial the unprotected arm
+    left trainable ran no check arm and counts as trainable under any check; an arm missing
+    from a trial counts as non-trainable (not credited)."""
+    from attnchecker.inject.campaign import arm_checks, arm_name
 
     if not config.get("check_arms"):
         return (), {}
-    ran = arm_checks(config["sites"], rows[0]["site"], rows[0].get("layer", config["layer"]))
+    layer = rows[0].get("layer", config["layer"])
+    layers = config["layers"] or [config["layer"]]
+    ran = {arm_name(c, at): relative(c, at - layer)
+           for c, at in arm_checks(config["sites"], rows[0]["site"], layer, layers)}  # fmt: skip
     joint: dict[str, int] = defaultdict(int)
     for r in rows:
         if r["unprotected"]["outcome"] != "non_trainable":
@@ -385,9 +410,9 @@ def _joint(rows: list[dict], config: dict[str, Any]) -> tuple[tuple[str, ...], d
             continue
         arms = r.get("checks", {})
         outcome = {c: arms.get(c, {}).get("outcome", "non_trainable") for c in ran}
-        lost = [c for c in ran if outcome[c] == "non_trainable"]
+        lost = [ran[c] for c in ran if outcome[c] == "non_trainable"]
         joint["|".join(sorted(["none", *lost]))] += 1
-    return tuple(sorted(ran, key=op_key)), dict(joint)
+    return tuple(sorted(ran.values(), key=_arm_key)), dict(joint)
 
 
 def _version(d: dict[str, Any], what: str) -> None:

@@ -54,11 +54,16 @@ from attnchecker.adaptive.controller import (
     active_checks,
     choose,
     fit_measured,
-    layers_of,
     priced,
     sites,
 )
-from attnchecker.adaptive.profile import Cell, CostProfile, Estimate, VulnerabilityProfile
+from attnchecker.adaptive.profile import (
+    Cell,
+    CostProfile,
+    Estimate,
+    VulnerabilityProfile,
+    relative,
+)
 from attnchecker.adaptive.simulate import Condition, Run, measure_overhead, overhead, plan, run
 from attnchecker.attention.ops import in_backward
 from attnchecker.errors import ConfigError
@@ -116,18 +121,17 @@ def predict(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
     columns: dict[tuple, int] = {}  # (posterior, category) -> column of the draws
     alphas: dict[tuple, list[float]] = {}  # posterior -> its Dirichlet's parameters
     weights: dict[int, float] = defaultdict(float)  # column -> expected events per unit
-    for members in layers_of(ss).values():
-        active = active_checks(ss, members, f)
-        for i in members:
-            for p, cell in ss[i].cells:
-                key = (cell.op, cell.layer, cell.kind)
-                for share, on in active:
-                    for post, category, counts in _lost(cell, on):
-                        if (key, post) not in alphas:
-                            alphas[key, post] = [n + 0.5 for n in counts]
-                            for c in range(len(counts)):
-                                columns[key, post, c] = len(columns)
-                        weights[columns[key, post, category]] += steps * ss[i].faults * p * share
+    active = active_checks(ss, f)
+    for s in ss:
+        for p, cell in s.cells:
+            key = (cell.op, cell.layer, cell.kind)
+            for share, on in active:
+                for post, category, counts in _lost(cell, s.names(on)):
+                    if (key, post) not in alphas:
+                        alphas[key, post] = [n + 0.5 for n in counts]
+                        for c in range(len(counts)):
+                            columns[key, post, c] = len(columns)
+                    weights[columns[key, post, category]] += steps * s.faults * p * share
     if not weights:
         return Prediction(0.0, 0, 0, level)
     with torch.random.fork_rng(devices=[]):
@@ -148,13 +152,14 @@ def predict(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
 
 def _lost(cell: Cell, on: frozenset[str]):
     """The posterior categories whose probability is the rate of non-trainable faults in
-    ``cell`` while the checks ``on`` run (:meth:`Cell.rate_with`), as (posterior, category,
+    ``cell`` while the checks ``on`` run (named relative to the fault's layer,
+    :meth:`Cell.rate_with`), as (posterior, category,
     every category's count): without check arms, category 0 of the unprotected or the
     protected arm's Beta; with them, the joint histogram's keys under a Dirichlet, plus two
     unseen ones (non-trainable under every check set, trainable under every one) so that a
     rate of 0 in the trials is not certain."""
     if not cell.checks:
-        arm = "protected" if cell.op in on else "unprotected"
+        arm = "protected" if relative(cell.op, 0) in on else "unprotected"
         k = getattr(cell, arm).get("non_trainable", 0)
         return [(arm, 0, (k, cell.trials - k))]
     keys = sorted(cell.joint)

@@ -28,8 +28,8 @@ from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import DEFAULT_KINDS
 
 __all__ = [
-    "CampaignConfig", "Progress", "arm_checks", "load_trials", "run_campaign", "summarize",
-    "trial_specs",
+    "CampaignConfig", "Progress", "arm_checks", "arm_name", "load_trials", "run_campaign",
+    "summarize", "trial_specs",
 ]  # fmt: skip
 
 SCHEMA_VERSION = 1
@@ -59,7 +59,7 @@ class CampaignConfig:
     rank: int = 0
     world: int = 1
     backend: str = "eager"  # ABFTConfig.backend of every arm; "triton" adds the kernel:<site> sites
-    check_arms: bool = False  # per non-trainable trial, an arm per check alone (:func:`arm_checks`)
+    check_arms: bool = False  # an arm per check and layer per lost trial (:func:`arm_checks`)
 
     def __post_init__(self) -> None:
         from attnchecker.attention.config import BACKENDS
@@ -134,19 +134,35 @@ def trial_specs(cfg: CampaignConfig) -> list[dict[str, Any]]:
     return specs
 
 
-def arm_checks(sites: Sequence[str], site: str, layer: int) -> tuple[str, ...]:
-    """The check arms (``check_arms``) of a trial at ``site`` in ``layer``: the check of every
-    site of the campaign (``sites``) at that layer (attention ops only in a block, ``layer`` >=
-    0), except a forward check for a fault in the backward pass (it ran before the fault: its
-    arm would be the unprotected arm, and is not run)."""
+def arm_checks(sites: Sequence[str], site: str, layer: int,
+               layers: Sequence[int]) -> tuple[tuple[str, int], ...]:  # fmt: skip
+    """The check arms (``check_arms``) of a trial at ``site`` in ``layer``: (check, layer) for
+    the check of every site of the campaign (``sites``) in every faulty layer (``layers``;
+    attention ops only in a block, layer >= 0), except those that ran before the fault in its
+    step, whose arm would be the unprotected arm: a forward check for a backward fault, a
+    forward check in an earlier layer for a forward fault, a backward check in a later layer
+    (the backward runs from the last layer down) for a backward fault."""
     from attnchecker.attention.ops import in_backward, linear_parts
     from attnchecker.inject.plan import check_op
 
     backward = in_backward(check_op(site))
-    return tuple(
-        c for c in dict.fromkeys(check_op(s) for s in sites)
-        if not (layer < 0 and not linear_parts(c)) and not (backward and not in_backward(c))
-    )  # fmt: skip
+    out = []
+    for c in dict.fromkeys(check_op(s) for s in sites):
+        for at in dict.fromkeys(layers):
+            if at < 0 and not linear_parts(c):
+                continue  # no attention outside the blocks
+            if in_backward(c) != backward:
+                before = backward  # a forward check of a backward fault
+            else:
+                before = at > layer if backward else at < layer
+            if not before:
+                out.append((c, at))
+    return tuple(out)
+
+
+def arm_name(check: str, at: int) -> str:
+    """A check arm's name in a trial's row: ``dw.q@2``, the check and the layer it ran in."""
+    return f"{check}@{at}"
 
 
 def _trials_file(out: Path, cfg: CampaignConfig) -> Path:
@@ -221,9 +237,10 @@ def _run_one(args: tuple[CampaignConfig, dict[str, Any]]) -> dict[str, Any]:
     if cfg.check_arms and dead:
         kept = ("outcome", "result", "detected_at_site", "skipped")
         arms["checks"] = {
-            c: {k: v for k, v in run_arm(setup, fault, spec["seed"], protected=True, check=c,
-                                         **judge).items() if k in kept}
-            for c in arm_checks(cfg.sites, spec["site"], layer)
+            arm_name(c, at): {k: v for k, v in run_arm(setup, fault, spec["seed"],
+                                                       protected=True, check=(c, at),
+                                                       **judge).items() if k in kept}
+            for c, at in arm_checks(cfg.sites, spec["site"], layer, cfg.faulty_layers)
         }  # fmt: skip
     return spec | {"schema_version": SCHEMA_VERSION, "ref_final_loss": setup.ref_losses[-1], **arms}
 

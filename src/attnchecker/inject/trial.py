@@ -15,8 +15,8 @@ into a short training run twice, once without and once with ``protect_``, and cl
 - for the protected run, what protection did: ``corrected``, ``recomputed``, ``uncorrectable``,
   ``missed`` (not detected but the outcome is not masked) or ``not_needed`` (masked, not detected).
 
-A *check arm* (``check="scores"``) runs the same fault with one check alone: that op at the
-faulty layer, every step, under the policy a plan ships (``skip_step`` with the guarded
+A *check arm* (``check=("scores", 2)``) runs the same fault with one check alone: that op in
+that layer, every step, under the policy a plan ships (``skip_step`` with the guarded
 optimizer, so a detection it cannot correct skips the update). A campaign's check arms measure
 which checks cover a fault at another site (:mod:`attnchecker.adaptive.profile`).
 """
@@ -162,10 +162,10 @@ def run_arm(
     tol: float,
     param_tol: float,
     spike: float,
-    check: str | None = None,
+    check: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """One faulty training run; returns its outcome, propagation and protection result.
-    ``check``: a check arm (module docstring), the op checked alone."""
+    ``check``: a check arm (module docstring), the op checked alone and its layer."""
     from attnchecker.models.protect import protect_
 
     model = copy.deepcopy(setup.model)
@@ -173,7 +173,7 @@ def run_arm(
     if protected and fault.family == "linear":  # every linear layer checked too
         config = config.replace(scope="all_linear")
     if check is not None:
-        config = check_arm_config(check, fault.layer)
+        config = check_arm_config(*check)
     handle = protect_(model, config.replace(backend=setup.backend), example=setup.example)
     plan = FaultPlan((fault,), seed)
     seen: dict[str, Tensor] = {}

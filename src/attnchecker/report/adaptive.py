@@ -23,8 +23,9 @@ def frontier_rows(val) -> list[str]:
     level = f"{val.level:.0%}"
     lines = [
         f"| row | checks | faults per run | non-trainable per seed | predicted mean [{level} "
-        "interval] | inside | count | overhead measured | predicted | overhead |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "interval] | inside | count | updates skipped per seed | overhead measured | predicted "
+        "| overhead |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in val.rows:
         p = r.predicted
@@ -33,7 +34,8 @@ def frontier_rows(val) -> list[str]:
         lines.append(
             f"| {r.name}{judged} | {len(r.checks)} | {faults:.0f} | "
             f"{', '.join(str(x.events) for x in r.runs)} | {p.mean:.1f} [{p.low}, {p.high}] | "
-            f"{r.inside} of {len(r.runs)} | {r.count_verdict} | {_pct(r.overhead)} | "
+            f"{r.inside} of {len(r.runs)} | {r.count_verdict} | "
+            f"{', '.join(str(x.skipped) for x in r.runs)} | {_pct(r.overhead)} | "
             f"{_pct(r.predicted_overhead)} | {r.overhead_verdict} |"
         )
     inside, n = val.coverage()
@@ -109,8 +111,11 @@ def frontier_report(val, out: str | Path, meta: dict[str, Any]) -> Path:
           f"Fault rate {meta.get('rate')}, {r0.steps} steps per run, {len(r0.runs)} seeds per "
           "row (each its own fault plan, the same plans in every row). Predicted: the mean and "
           f"the {val.level:.0%} predictive interval of a run's count of non-trainable steps "
-          "(the controller's model with its cells' Beta posteriors and Poisson counts); a "
-          "row's counts miss when too few fall inside (binomial test at 5%). Overhead: median "
+          "(the controller's model with its cells' posteriors and Poisson counts); a "
+          "row's counts miss when too few fall inside (binomial test at 5%). Updates skipped: "
+          "steps whose update the guard skipped (a detection that could not be corrected: "
+          "training went on, the step's progress was lost; not a non-trainable step). "
+          "Overhead: median "
           "of alternated clean steps against the plain model with SDPA; it must stay within "
           "the budget and its predicted interval.", "",
           *frontier_rows(val), "", "![frontier](frontier.png)", ""]  # fmt: skip

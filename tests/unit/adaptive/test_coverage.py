@@ -7,15 +7,25 @@ from __future__ import annotations
 import pytest
 
 from attnchecker.adaptive.controller import FaultRate, choose, risk_of
-from attnchecker.adaptive.profile import Cell, CostProfile, Estimate, OpCost, VulnerabilityProfile
+from attnchecker.adaptive.profile import (
+    Cell,
+    CostProfile,
+    Estimate,
+    OpCost,
+    VulnerabilityProfile,
+    relative,
+)
 from attnchecker.adaptive.validate import predict
 
 OPS = ("scores", "probs", "context")
 N = 40  # trials per cell, all non-trainable unprotected
 
 
-def _cell(op: str, layer: int, joint: dict[str, int]) -> Cell:
-    return Cell(op, layer, "nan", N, {"non_trainable": N}, {"masked": N}, OPS, joint)
+def _cell(op: str, layer: int, saved_by: set[str]) -> Cell:
+    """All N trials lost unprotected, saved alone by the checks ``saved_by`` of its layer."""
+    arms = tuple(relative(o, 0) for o in OPS)
+    lost = "|".join(sorted(["none", *(relative(o, 0) for o in OPS if o not in saved_by)]))
+    return Cell(op, layer, "nan", N, {"non_trainable": N}, {"masked": N}, arms, {lost: N})
 
 
 def _vuln(context_covers: bool = True) -> VulnerabilityProfile:
@@ -24,9 +34,8 @@ def _vuln(context_covers: bool = True) -> VulnerabilityProfile:
     cells = []
     for layer in (0, 1):
         for op in ("scores", "probs"):
-            lost = [o for o in OPS if o != op and (o != "context" or not context_covers)]
-            cells.append(_cell(op, layer, {"|".join(sorted(["none", *lost])): N}))
-        cells.append(_cell("context", layer, {"none|probs|scores": N}))
+            cells.append(_cell(op, layer, {op, "context"} if context_covers else {op}))
+        cells.append(_cell("context", layer, {"context"}))
     return VulnerabilityProfile("gpt2", {"size": "tiny"}, tuple(cells))
 
 
@@ -40,17 +49,32 @@ def _cost() -> CostProfile:
 
 
 def test_a_trial_survives_a_set_of_checks_when_one_of_them_saved_it_alone():
-    cell = Cell("scores", 0, "nan", 10, {"non_trainable": 8}, {"masked": 10}, OPS,
-                {"none|probs": 5, "none|context|probs": 3, "": 2})  # fmt: skip
+    s, p, c, d = (relative(op, 0) for op in ("scores", "probs", "context", "dk"))
+    before = relative("dk", -1)  # the dk check one layer before the fault's
+    joint = {f"none|{p}": 5, f"none|{before}|{c}|{p}": 3, "": 2}
+    cell = Cell("scores", 1, "nan", 10, {"non_trainable": 8}, {}, (s, p, c, before), joint)
     rate = lambda *on: cell.rate_with(frozenset(on)).point
     assert rate() == 0.8  # the unprotected arm: 8 of 10 lost
-    assert rate("scores") == 0.0  # its own check saved all 8
-    assert rate("context") == 0.3 and rate("probs") == 0.8
-    assert rate("probs", "context") == 0.3  # lost in both arms: 3
-    assert rate("context", "mlp.c_fc:y") == 0.3  # a check without an arm is not credited
+    assert rate(s) == 0.0  # its own check saved all 8
+    assert rate(c) == 0.3 and rate(p) == 0.8 and rate(before) == 0.3
+    assert rate(p, c) == 0.3  # lost in both arms: 3
+    assert rate(c, d) == 0.3  # a check without an arm is not credited
     old = Cell("scores", 0, "nan", 10, {"non_trainable": 8}, {"non_trainable": 1})
-    assert old.rate_with(frozenset({"context"})).point == 0.8  # no check arms: own site only
-    assert old.rate_with(frozenset({"scores", "context"})).point == 0.1
+    assert old.rate_with(frozenset({c})).point == 0.8  # no check arms: own site only
+    assert old.rate_with(frozenset({s, c})).point == 0.1
+
+
+def test_pooled_layers_do_not_credit_an_arm_a_layer_did_not_run():
+    """dk one layer before saves the faults of layer 1; layer 0 has no layer before: pooled,
+    its lost trials stay lost under that arm (half the credit, never more)."""
+    dk, here = relative("dk", -1), relative("scores", 0)
+    lost = {"non_trainable": 4}
+    cells = (Cell("scores", 0, "nan", 4, lost, {}, (here,), {"none": 4}),
+             Cell("scores", 1, "nan", 4, lost, {}, (here, dk), {"none": 4}))  # fmt: skip
+    pooled = VulnerabilityProfile("gpt2", {}, cells).pooled().cells[0]
+    assert pooled.checks == (dk, here) and pooled.trials == 8
+    assert pooled.rate_with(frozenset({dk})).point == 0.5
+    assert pooled.rate_with(frozenset({here})).point == 0.0
 
 
 def test_the_controller_buys_the_check_that_covers_most():

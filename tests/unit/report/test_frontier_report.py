@@ -54,7 +54,7 @@ VAL = Validation(ROWS, (Gain("every check at 5%", (2, 3, 1)),), 0.9)
 def test_each_row_states_the_verdicts():
     rows = frontier_rows(VAL)
     assert rows[0].startswith("| row | checks |")
-    assert rows[2] == ("| none | 0 | 40 | 12, 9, 15 | 14.0 [8, 20] | 3 of 3 | inside | "
+    assert rows[2] == ("| none | 0 | 40 | 12, 9, 15 | 14.0 [8, 20] | 3 of 3 | inside | 0, 0, 0 | "
                        "+0.0% [+0.0%, +0.0%] | +0.0% [+0.0%, +0.0%] | inside |")  # fmt: skip
     assert rows[3].startswith("| budget 5% | 1 | 40 | 0, 0, 0 | 3.5 [1, 6] | 0 of 3 | BELOW |")
     assert rows[3].endswith("| BELOW |")  # 4% measured, 4.5% .. 6% predicted
