@@ -125,6 +125,11 @@ def test_validation_counts_fall_in_their_predictive_intervals(flow, tmp_path):
     base = [r for r in val.rows if r.kind == "baseline"]
     assert len(base) + sum("no baseline of this kind" in n for n in val.notes) == 3
     assert all(r.name.endswith(target) and r.budget is None for r in base)
+    # the reference without ABFT: every NaN fault reaches a gradient, the update is skipped,
+    # no step is lost; reported, never judged
+    ref = next(r for r in val.rows if r.kind == "reference")
+    assert not ref.judged and ref.overhead_verdict == "not judged" and not ref.misses()
+    assert all(r.events == 0 and r.skipped > 0 for r in ref.runs), ref.to_dict()
     inside, n = val.coverage()
     assert n == 3 * sum(r.judged for r in val.rows) and inside >= n - 2
     assert not [m for m in val.misses() if "counts" in m]

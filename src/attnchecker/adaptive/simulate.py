@@ -35,7 +35,10 @@ from attnchecker.adaptive.controller import Choice, FaultRate, sites
 from attnchecker.adaptive.profile import CostProfile, Estimate, VulnerabilityProfile
 from attnchecker.errors import ConfigError
 
-__all__ = ["Condition", "Run", "count_interval", "measure_overhead", "overhead", "plan", "run"]
+__all__ = [
+    "Condition", "Run", "count_interval", "gradient_guard_overhead", "measure_overhead",
+    "overhead", "plan", "run",
+]  # fmt: skip
 
 DATA = ("random", "shakespeare")
 
@@ -211,15 +214,18 @@ def run(
     steps: int,
     seed: int,
     condition: Condition = Condition(),
+    guard_gradients: bool = False,
 ) -> tuple[Run, torch.nn.Module]:
     """Train ``steps`` steps under the faults of :func:`plan` (``seed``) with ``choice``'s
-    config as shipped; (the run's counts, the protected model at its end)."""
+    config as shipped; (the run's counts, the protected model at its end).
+    ``guard_gradients``: the optimizer skips updates with a non-finite gradient
+    (:class:`~attnchecker.recovery.guard.FiniteGradients`: the reference without ABFT)."""
     import warnings
 
     from attnchecker.inject.injector import Injector
     from attnchecker.models import source
     from attnchecker.models.protect import protect_
-    from attnchecker.recovery.guard import guard
+    from attnchecker.recovery.guard import FiniteGradients, guard
 
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
@@ -231,6 +237,8 @@ def run(
     handle = protect_(model, choice.config, example=source.example(model, first))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     guarded = guard(opt, handle) if choice.config.policy == "skip_step" and choice.checks else None
+    if guard_gradients:
+        guarded = guard(opt, FiniteGradients(model.parameters()))
     faults = plan(vuln, cost, rate, steps, seed, condition)
     data = itertools.chain([first], data)
     ring: list[tuple[dict, dict]] = []
@@ -270,11 +278,30 @@ def measure_overhead(vuln: VulnerabilityProfile, model, choice: Choice, *, reps:
     steps of the cost profile (forward, backward, AdamW; the protected one drains), timed as it
     times them (:func:`~attnchecker.adaptive.bench.alternate`), whole periods per round. The
     plain model (SDPA) gets the protected model's weights (values change a CPU's speed)."""
+    if not choice.checks:
+        return Estimate(0.0, 0.0, 0.0)
+    return _against_plain(vuln, model, None, reps=reps, seed=seed, period=choice.config.period)
+
+
+def gradient_guard_overhead(vuln: VulnerabilityProfile, *, reps: int, seed: int) -> Estimate:
+    """What the reference without ABFT costs (:func:`run`'s ``guard_gradients``): the plain
+    model (SDPA) stepped with its optimizer guarded by the finite-gradient test, against the
+    same model without, timed as :func:`measure_overhead` times a protected one."""
+    from attnchecker.models.source import plain as as_users_run_it
+    from attnchecker.recovery.guard import FiniteGradients, guard
+
+    model = as_users_run_it(_fresh(vuln, 0))
+    wrap = lambda opt: guard(opt, FiniteGradients(model.parameters()))
+    return _against_plain(vuln, model, wrap, reps=reps, seed=seed, period=1)
+
+
+def _against_plain(vuln: VulnerabilityProfile, model, wrap, *, reps: int, seed: int,
+                   period: int) -> Estimate:  # fmt: skip
+    """Median over alternated rounds of t_model / t_plain - 1 and its interval; ``wrap``
+    wraps ``model``'s optimizer."""
     from attnchecker.adaptive.bench import alternate, stepper
     from attnchecker.models.source import plain as as_users_run_it
 
-    if not choice.checks:
-        return Estimate(0.0, 0.0, 0.0)
     setup = vuln.setup
     B, L = setup.get("batch", 4), setup.get("seq_len", 32)
     plain = as_users_run_it(_fresh(vuln, 0))
@@ -282,11 +309,11 @@ def measure_overhead(vuln: VulnerabilityProfile, model, choice: Choice, *, reps:
     g = torch.Generator().manual_seed(seed + 2)
     ids = torch.randint(3, 128, (B, L), generator=g)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    fns = {name: stepper(m, m, inputs, "fp32", "cpu")
-           for name, m in (("plain", plain), ("protected", model))}  # fmt: skip
-    k = max(1, choice.config.period)  # whole periods, of at least three steps, per round
+    fns = {"plain": stepper(plain, plain, inputs, "fp32", "cpu"),
+           "model": stepper(model, model, inputs, "fp32", "cpu", wrap)}  # fmt: skip
+    k = max(1, period)  # whole periods, of at least three steps, per round
     times = alternate(fns, reps, k * max(1, math.ceil(3 / k)))
-    ratios = [a / b - 1 for a, b in zip(times["protected"], times["plain"], strict=True)]
+    ratios = [a / b - 1 for a, b in zip(times["model"], times["plain"], strict=True)]
     if len(ratios) < 3:
         return Estimate(*[statistics.median(ratios)] * 3)
     return median_interval(ratios)

@@ -31,6 +31,11 @@ gets what the controller's schedule really cost, not what the cost model says it
 favoured the controller: costs do not add per op). The controller's gain over each is the
 paired difference of the seeds' counts (baseline minus controller), with a t interval.
 
+The reference (with the baselines): no check at all, the optimizer guarded by the finite-
+gradient test (:class:`~attnchecker.recovery.guard.FiniteGradients`, what a user has without
+ABFT: an update that would put a NaN or INF into the weights is skipped); its counts, updates
+skipped and overhead are reported, not judged (the model does not predict it).
+
 Exit status (``Validation.status``): 0 when nothing misses, 1 when a count or an overhead is
 above its claim or a budget is exceeded, 3 when the only misses are below their claims.
 """
@@ -64,7 +69,15 @@ from attnchecker.adaptive.profile import (
     VulnerabilityProfile,
     relative,
 )
-from attnchecker.adaptive.simulate import Condition, Run, measure_overhead, overhead, plan, run
+from attnchecker.adaptive.simulate import (
+    Condition,
+    Run,
+    gradient_guard_overhead,
+    measure_overhead,
+    overhead,
+    plan,
+    run,
+)
 from attnchecker.attention.ops import in_backward
 from attnchecker.errors import ConfigError
 
@@ -218,7 +231,9 @@ class Row:
     @property
     def overhead_verdict(self) -> str:
         """inside, OVER BUDGET (measured above the budget: the contract broke), ABOVE / BELOW
-        the predicted interval."""
+        the predicted interval; "not judged" for the reference (no prediction)."""
+        if self.kind == "reference":
+            return "not judged"
         o, q = self.overhead.point, self.predicted_overhead
         if self.budget is not None and self.checks and o > self.budget:
             return "OVER BUDGET"
@@ -234,7 +249,7 @@ class Row:
             out.append(f"{self.name}: counts {v} the {self.predicted.level:.0%} interval "
                        f"[{self.predicted.low}, {self.predicted.high}] ({self.inside} of "
                        f"{len(self.runs)} inside: {[r.events for r in self.runs]})")  # fmt: skip
-        if (v := self.overhead_verdict) != "inside":
+        if (v := self.overhead_verdict) not in ("inside", "not judged"):
             q = self.predicted_overhead
             out.append(f"{self.name}: overhead {self.overhead.point:+.1%} {v} "
                        + (f"(budget {self.budget:.0%})" if v == "OVER BUDGET" else
@@ -389,6 +404,7 @@ def baselines(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, ta
 def _row(name, kind, budget, choice: Choice, condition: Condition, vuln, cost, rate, *, steps,
          seeds, level, timing_reps) -> Row:  # fmt: skip
     t0 = time.perf_counter()
+    reference = kind == "reference"  # the finite-gradient guard, no ABFT
     scaled = FaultRate(rate.value * condition.rate_scale, rate.per, rate.kinds)
     if condition.unprofiled:  # the prediction covers the profiled sites only: 0 here
         pred = Prediction(0.0, 0, 0, level)
@@ -396,10 +412,14 @@ def _row(name, kind, budget, choice: Choice, condition: Condition, vuln, cost, r
         pred = predict(vuln, cost, scaled, choice.checks, steps, level=level)
     runs, model = [], None
     for seed in seeds:
-        r, m = run(vuln, cost, rate, choice, steps=steps, seed=seed, condition=condition)
+        r, m = run(vuln, cost, rate, choice, steps=steps, seed=seed, condition=condition,
+                   guard_gradients=reference)  # fmt: skip
         runs.append(r)
         model = model or m
-    overhead = measure_overhead(vuln, model, choice, reps=timing_reps, seed=seeds[0])
+    if reference:
+        overhead = gradient_guard_overhead(vuln, reps=timing_reps, seed=seeds[0])
+    else:
+        overhead = measure_overhead(vuln, model, choice, reps=timing_reps, seed=seeds[0])
     return Row(name, kind, budget, choice.checks, condition, steps, tuple(runs), pred, overhead,
                choice.overhead, time.perf_counter() - t0)  # fmt: skip
 
@@ -475,8 +495,12 @@ def validate(
                 on_row(Validation(tuple(rows), (), level, tuple(notes)))
             advance()
 
-    with Progress(len(in_sample) + kinds + len(held), progress) as advance:
-        run_rows(in_sample, advance)
+    reference: list[Planned] = [
+        ("no ABFT: skip updates with non-finite gradients", "reference", None, in_sample[0][3],
+         Condition("reference", judged=False)),
+    ] if with_baselines else []  # fmt: skip
+    with Progress(len(in_sample) + len(reference) + kinds + len(held), progress) as advance:
+        run_rows(in_sample + reference, advance)
         mine = next(r for r in rows if r.kind == "in-sample" and r.budget == at)
         if with_baselines:  # at the overhead the controller's choice measured
             target = mine.overhead.point

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GuardedOptimizer", "guard"]
+__all__ = ["FiniteGradients", "GuardedOptimizer", "guard"]
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -151,6 +151,23 @@ class GuardedOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+
+class FiniteGradients:
+    """The flag of :func:`guard` without ABFT: 1.0 when a gradient of ``params`` is not finite
+    (GradScaler's test, without the scaling), computed on the device. What a user has without
+    protection, ``guard(opt, FiniteGradients(model.parameters()))``: an update that would put a
+    NaN or INF into the weights is skipped, nothing is corrected."""
+
+    def __init__(self, params: Any) -> None:
+        self.params = [p for p in params if p.requires_grad]
+
+    def found_inf(self) -> Tensor:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        total = torch.stack(torch._foreach_norm(grads)).sum()
+        return (~torch.isfinite(total)).to(torch.float32)
 
 
 def guard(optimizer: torch.optim.Optimizer, handle: Any, *, group: Any = None) -> GuardedOptimizer:

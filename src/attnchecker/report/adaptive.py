@@ -68,7 +68,12 @@ def _plot(val, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    colours = {"in-sample": "tab:red", "baseline": "tab:green", "held-out": "tab:purple"}
+    colours = {
+        "in-sample": "tab:red",
+        "baseline": "tab:green",
+        "held-out": "tab:purple",
+        "reference": "tab:gray",
+    }
     seen = set()
     for r in val.rows:
         per = 1e6 / r.steps  # events per million steps

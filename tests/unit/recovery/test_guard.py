@@ -113,3 +113,30 @@ def test_a_flagged_first_fused_sgd_step_creates_no_momentum_buffer():
     _backward(model, 0)
     opt.step(flag=torch.tensor(1.0))
     assert not any(opt.optimizer.state[p] for p in model.parameters())
+
+
+def test_the_finite_gradient_guard_skips_only_an_update_with_a_non_finite_gradient():
+    """The reference without ABFT: a NaN or INF in one gradient skips the update (parameters
+    and moments kept), a finite one goes through; the flag is computed without a host read."""
+    from attnchecker.recovery.guard import FiniteGradients
+
+    model = _model()
+    opt = guard(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                FiniteGradients(model.parameters()))  # fmt: skip
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    kept = [p.detach().clone() for p in model.parameters()], _state(opt.optimizer)
+    for bad in (float("nan"), float("inf")):
+        _backward(model, 1)
+        next(model.parameters()).grad[0, 0] = bad
+        opt.step()
+        opt.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(kept[0], model.parameters(), strict=True))
+        now = _state(opt.optimizer)
+        assert all(torch.equal(v, s[k]) for s0, s in zip(kept[1], now, strict=True)
+                   for k, v in s0.items())  # fmt: skip
+    assert int(opt.skipped) == 2
+    _backward(model, 2)
+    opt.step()
+    assert not torch.equal(kept[0][0], next(model.parameters())) and int(opt.skipped) == 2
