@@ -182,19 +182,23 @@ class Site:
 
     def names(self, on: frozenset[tuple[int, str]]) -> frozenset[str]:
         """The checks ``on`` ((layer, op)) credited here, named relative to this layer."""
-        return frozenset(relative(op, at - self.layer) for at, op in on) & self.relevant
+        names = (relative(op, at - self.layer) for at, op in on)
+        return frozenset(n for n in names if n in self.relevant)
 
     def rate(self, on: frozenset[tuple[int, str]]) -> Estimate:
         """The probability that a fault here makes training non-trainable while the checks
         ``on`` ((layer, op)) run, mixed over kinds (:meth:`Cell.rate_with`)."""
+        if on in self._memo:
+            return self._memo[on]
         key = self.names(on)
-        if key not in self._memo:
+        if key not in self._memo:  # another set of checks credited alike here
             ends = [0.0, 0.0, 0.0]
             for p, cell in self.cells:
                 for j, e in enumerate(cell.rate_with(key, self.confidence)):
                     ends[j] += p * e
             self._memo[key] = Estimate(*ends)
-        return self._memo[key]
+        self._memo[on] = self._memo[key]
+        return self._memo[on]
 
     @property
     def unchecked(self) -> Estimate:

@@ -21,6 +21,7 @@ the CLI only names a directory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections import defaultdict
@@ -124,13 +125,19 @@ class Cell:
         if not self.checks:
             own = relative(self.op, 0) in checked
             return self.rate(protected=own, confidence=confidence)
-        k = sum(n for key, n in self.joint.items() if self.lost(key, checked))
+        arms = checked.intersection(self.checks) or {"none"}
+        k = sum(n for lost, n in self._lost_in if arms <= lost)
         return wilson(k, self.trials, confidence)
 
     def lost(self, key: str, checked: frozenset[str]) -> bool:
         """Whether the trials of ``joint[key]`` are non-trainable when ``checked`` run."""
         arms = checked.intersection(self.checks) or {"none"}
         return arms.issubset(key.split("|"))
+
+    @functools.cached_property
+    def _lost_in(self) -> tuple[tuple[frozenset[str], int], ...]:
+        """The joint histogram as (the arms its trials were lost in, trials)."""
+        return tuple((frozenset(key.split("|")), n) for key, n in self.joint.items())
 
 
 @dataclass(frozen=True)
