@@ -214,9 +214,10 @@ def test_check_arms_measure_what_each_check_covers(tmp_path):
     assert scores["q@0"]["outcome"] == "non_trainable"  # q's check ran before the fault
     vuln = VulnerabilityProfile.from_campaign(tmp_path)
     cell = vuln.cell("q", 1, "nan")[0]
-    assert set(cell.checks) == {"q@+0", "scores@+0", "dq@+0", "dq@-1"}
+    assert set(cell.checks) == {f"{c}@{d}" for c in ("q", "scores", "dq") for d in ("+0", "-1")}
     assert cell.rate_with(frozenset()).point == 1.0
     assert cell.rate_with(frozenset({"dq@-1"})).point == 0.0  # covered a layer before
+    assert cell.rate_with(frozenset({"q@-1"})).point == 1.0  # ran before it: not run, lost
     assert vuln.cell("scores", 0, "nan")[0].rate_with(frozenset({"q@+0"})).point == 1.0
     assert VulnerabilityProfile.from_dict(vuln.to_dict()) == vuln
     with pytest.raises(ConfigError, match="check arms"):

@@ -543,8 +543,8 @@ def _notes(ss: list[Site], rate: FaultRate, cost: CostProfile) -> tuple[str, ...
     if left := [o.op for o in cost.ops if o.op not in profiled]:
         notes.append(f"not faulted by the campaign, so not in these numbers: {', '.join(left)}")
     if any(cell.checks for s in ss for _, cell in s.cells):
-        notes.append("a check is credited with what it saved alone at other sites of its layer "
-                     "(the campaign's check arms)")  # fmt: skip
+        notes.append("a check is credited with what it saved alone at other sites, in its "
+                     "layer and others (the campaign's check arms)")  # fmt: skip
     else:
         notes.append("a check is credited with its own site only (the campaign ran no check "
                      "arms: campaign --check-arms measures what each check covers)")  # fmt: skip

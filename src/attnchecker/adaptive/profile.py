@@ -119,25 +119,51 @@ class Cell:
         With check arms: a trial survives a set of checks when one of them alone kept it
         trainable (a check that helps alone helps beside others), so it is non-trainable when
         it was in every arm of ``checked`` the campaign ran (none of them: the unprotected
-        arm's outcome); checks without an arm are not credited. Without check arms: the
-        protected arm's rate when the op's own check runs in its layer, else the unprotected
-        arm's (a check credited with its own site only)."""
+        arm's outcome); checks without an arm are not credited. A pooled cell's rate comes from
+        the trials whose layer ran every arm asked for (:meth:`eligible`). Without check arms:
+        the protected arm's rate when the op's own check runs in its layer, else the
+        unprotected arm's (a check credited with its own site only)."""
         if not self.checks:
             own = relative(self.op, 0) in checked
             return self.rate(protected=own, confidence=confidence)
-        arms = checked.intersection(self.checks) or {"none"}
-        k = sum(n for lost, n in self._lost_in if arms <= lost)
-        return wilson(k, self.trials, confidence)
+        cats = self.categories(checked)
+        n = sum(t for _, eligible, t in cats if eligible)
+        k = sum(t for lost, eligible, t in cats if lost and eligible)
+        rate = wilson(k, n, confidence)
+        # every trial judged on the arms its layer ran (a missing arm not credited): more
+        # trials, biased up, so its upper end bounds the rate too (and keeps a check from
+        # raising the upper end by narrowing the eligible trials)
+        arms = checked.intersection(self.checks)
+        bound = wilson(sum(t for lost, missing, t in self._parsed
+                           if ((arms - missing) or {"none"}) <= lost), self.trials,
+                       confidence).high  # fmt: skip
+        return Estimate(min(rate.point, bound), min(rate.low, bound), min(rate.high, bound))
 
-    def lost(self, key: str, checked: frozenset[str]) -> bool:
-        """Whether the trials of ``joint[key]`` are non-trainable when ``checked`` run."""
-        arms = checked.intersection(self.checks) or {"none"}
-        return arms.issubset(key.split("|"))
+    def categories(self, checked: frozenset[str]) -> list[tuple[bool, bool, int]]:
+        """Per key of ``joint``: (its trials are lost while ``checked`` run, they are eligible
+        to say so, trials). Trials pooled from a layer that did not run an arm of ``checked``
+        (a check two layers after a fault in the last layer) are not eligible, unless no
+        trial ran them all: then every trial is judged on the arms its layer ran (a missing
+        arm not credited)."""
+        arms = checked.intersection(self.checks)
+        rows = [(lost, missing, n) for lost, missing, n in self._parsed]
+        judge_all = not any(not (arms & missing) for _, missing, _ in rows)
+        out = []
+        for lost, missing, n in rows:
+            need = (arms - missing) or {"none"}
+            out.append((need <= lost, judge_all or not (arms & missing), n))
+        return out
 
     @functools.cached_property
-    def _lost_in(self) -> tuple[tuple[frozenset[str], int], ...]:
-        """The joint histogram as (the arms its trials were lost in, trials)."""
-        return tuple((frozenset(key.split("|")), n) for key, n in self.joint.items())
+    def _parsed(self) -> tuple[tuple[frozenset[str], frozenset[str], int], ...]:
+        """The joint histogram as (the arms its trials were lost in, the arms their layer did
+        not run, trials): keys ``lost|arms`` or, pooled, ``lost|arms;missing|arms``."""
+        out = []
+        for key, n in self.joint.items():
+            lost, _, missing = key.partition(";")
+            out.append((frozenset(lost.split("|")) - {""},
+                        frozenset(missing.split("|")) - {""}, n))  # fmt: skip
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -376,18 +402,18 @@ def _add(cells: list[Cell], arm: str) -> dict[str, int]:
 
 def _merged(cells: list[Cell], op: str, layer: int, kind: str) -> Cell:
     """One cell of the trials of ``cells``. Check arms that some of them did not run (a check
-    two layers later exists for a fault in layer 0 of 4, not in layer 3) are not credited for
-    those trials: a lost trial counts as lost in them too."""
-    checks = sorted({c for cell in cells for c in cell.checks}, key=_arm_key)
+    two layers later exists for a fault in layer 0 of 4, not in layer 3) are recorded as
+    missing for those trials (keys ``lost;missing``, :meth:`Cell.categories`)."""
     if not all(cell.checks for cell in cells):  # some without check arms: none kept
         return Cell(op, layer, kind, sum(c.trials for c in cells), _add(cells, "unprotected"),
                     _add(cells, "protected"))  # fmt: skip
+    checks = sorted({c for cell in cells for c in cell.checks}, key=_arm_key)
     joint: dict[str, int] = defaultdict(int)
     for cell in cells:
-        missing = [c for c in checks if c not in cell.checks]
-        for key, n in cell.joint.items():
-            arms = key.split("|") if key else []
-            joint["|".join(sorted([*arms, *missing])) if "none" in arms else key] += n
+        for lost, missing, n in cell._parsed:
+            gone = missing | {c for c in checks if c not in cell.checks}
+            key = "|".join(sorted(lost))
+            joint[f"{key};{'|'.join(sorted(gone))}" if gone else key] += n
     return Cell(op, layer, kind, sum(c.trials for c in cells), _add(cells, "unprotected"),
                 _add(cells, "protected"), tuple(checks), dict(joint))  # fmt: skip
 
@@ -398,28 +424,32 @@ def _arm_key(name: str) -> tuple:
 
 
 def _joint(rows: list[dict], config: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, int]]:
-    """(the check arms these trials ran, named relative to their layer; their joint histogram:
+    """(the check arms of these trials, named relative to their layer; their joint histogram:
     :class:`Cell`); ((), {}) for a campaign without check arms. A trial the unprotected arm
-    left trainable ran no check arm and counts as trainable under any check; an arm missing
-    from a trial counts as non-trainable (not credited)."""
+    left trainable ran no check arm and counts as trainable under any check; an arm that ran
+    before the fault was not run and has the unprotected arm's outcome
+    (``campaign.arm_checks``); an arm missing from a trial counts as non-trainable (not
+    credited)."""
     from attnchecker.inject.campaign import arm_checks, arm_name
 
     if not config.get("check_arms"):
         return (), {}
-    layer = rows[0].get("layer", config["layer"])
+    layer, site = rows[0].get("layer", config["layer"]), rows[0]["site"]
     layers = config["layers"] or [config["layer"]]
-    ran = {arm_name(c, at): relative(c, at - layer)
-           for c, at in arm_checks(config["sites"], rows[0]["site"], layer, layers)}  # fmt: skip
+    every = {arm_name(c, at): relative(c, at - layer)
+             for c, at in arm_checks(config["sites"], site, layer, layers, every=True)}  # fmt: skip
+    ran = {arm_name(c, at) for c, at in arm_checks(config["sites"], site, layer, layers)}
     joint: dict[str, int] = defaultdict(int)
     for r in rows:
         if r["unprotected"]["outcome"] != "non_trainable":
             joint[""] += 1
             continue
         arms = r.get("checks", {})
-        outcome = {c: arms.get(c, {}).get("outcome", "non_trainable") for c in ran}
-        lost = [ran[c] for c in ran if outcome[c] == "non_trainable"]
+        outcome = {c: arms.get(c, {}).get("outcome", "non_trainable") if c in ran
+                   else "non_trainable" for c in every}  # fmt: skip
+        lost = [every[c] for c in every if outcome[c] == "non_trainable"]
         joint["|".join(sorted(["none", *lost]))] += 1
-    return tuple(sorted(ran.values(), key=_arm_key)), dict(joint)
+    return tuple(sorted(every.values(), key=_arm_key)), dict(joint)
 
 
 def _version(d: dict[str, Any], what: str) -> None:

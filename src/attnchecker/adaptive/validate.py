@@ -131,54 +131,51 @@ def predict(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
     ss = sites(vuln, cost, rate)
     every = {(layer, op): 1 / k for layer, op, k in checks}
     f = {i: every[s.layer, s.op] for i, s in enumerate(ss) if (s.layer, s.op) in every}
-    columns: dict[tuple, int] = {}  # (posterior, category) -> column of the draws
     alphas: dict[tuple, list[float]] = {}  # posterior -> its Dirichlet's parameters
-    weights: dict[int, float] = defaultdict(float)  # column -> expected events per unit
+    weights: dict[tuple, float] = defaultdict(float)  # (posterior, lost, eligible) -> weight
     active = active_checks(ss, f)
     for s in ss:
         for p, cell in s.cells:
-            key = (cell.op, cell.layer, cell.kind)
             for share, on in active:
-                for post, category, counts in _lost(cell, s.names(on)):
-                    if (key, post) not in alphas:
-                        alphas[key, post] = [n + 0.5 for n in counts]
-                        for c in range(len(counts)):
-                            columns[key, post, c] = len(columns)
-                    weights[columns[key, post, category]] += steps * s.faults * p * share
+                arm, counts, lost, eligible = _categories(cell, s.names(on))
+                post = (cell.op, cell.layer, cell.kind, arm)
+                alphas.setdefault(post, [n + 0.5 for n in counts])
+                weights[post, lost, eligible] += steps * s.faults * p * share
     if not weights:
         return Prediction(0.0, 0, 0, level)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        probs = torch.cat(
-            [torch.distributions.Dirichlet(torch.tensor(a, dtype=torch.float64)).sample((draws,))
-             for a in alphas.values()], dim=1,
-        )  # (draws, columns), in the order columns were numbered  # fmt: skip
-        w = torch.zeros(len(columns), dtype=torch.float64)
-        for c, x in weights.items():
-            w[c] = x
-        mu = probs @ w  # (draws,)
+        dirichlet = torch.distributions.Dirichlet
+        probs = {post: dirichlet(torch.tensor(a, dtype=torch.float64)).sample((draws,))
+                 for post, a in alphas.items()}  # (draws, categories)  # fmt: skip
+        mu = torch.zeros(draws, dtype=torch.float64)
+        for (post, lost, eligible), w in weights.items():  # w x the rate among the eligible
+            P = probs[post]
+            mu += w * P[:, list(lost)].sum(1) / P[:, list(eligible)].sum(1)
         counts = torch.poisson(mu)
     low = torch.quantile(counts, (1 - level) / 2, interpolation="lower")
     high = torch.quantile(counts, (1 + level) / 2, interpolation="higher")
     return Prediction(float(mu.mean()), int(low), int(high), level)
 
 
-def _lost(cell: Cell, on: frozenset[str]):
-    """The posterior categories whose probability is the rate of non-trainable faults in
-    ``cell`` while the checks ``on`` run (named relative to the fault's layer,
-    :meth:`Cell.rate_with`), as (posterior, category,
-    every category's count): without check arms, category 0 of the unprotected or the
-    protected arm's Beta; with them, the joint histogram's keys under a Dirichlet, plus two
-    unseen ones (non-trainable under every check set, trainable under every one) so that a
-    rate of 0 in the trials is not certain."""
+def _categories(cell: Cell, on: frozenset[str]):
+    """The posterior of ``cell`` and the categories that make its non-trainable rate while the
+    checks ``on`` run (named relative to the fault's layer, :meth:`Cell.rate_with`): (arm,
+    every category's count, the lost categories, the eligible ones; the rate is the first's
+    share of the second). Without check arms: the unprotected or the protected arm's Beta,
+    category 0 lost of both. With them: a Dirichlet over the joint histogram's keys
+    (:meth:`Cell.categories`), plus two unseen categories (non-trainable under every check
+    set, trainable under every one) so that a rate of 0 in the trials is not certain."""
     if not cell.checks:
         arm = "protected" if relative(cell.op, 0) in on else "unprotected"
         k = getattr(cell, arm).get("non_trainable", 0)
-        return [(arm, 0, (k, cell.trials - k))]
-    keys = sorted(cell.joint)
-    counts = (*(cell.joint[k] for k in keys), 0, 0)  # ..., every arm lost, "" when unseen
-    lost = [c for c, key in enumerate(keys) if cell.lost(key, on)] + [len(keys)]
-    return [("joint", c, counts) for c in lost]
+        return arm, (k, cell.trials - k), (0,), (0, 1)
+    cats = cell.categories(on)
+    n = len(cats)
+    counts = (*(t for *_, t in cats), 0, 0)  # ..., lost under every check, trainable
+    lost = (*(i for i, (x, e, _) in enumerate(cats) if x and e), n)
+    eligible = (*(i for i, (_, e, _) in enumerate(cats) if e), n, n + 1)
+    return "joint", counts, lost, eligible
 
 
 def binomial_miss(inside: int, n: int, level: float, alpha: float = ALPHA) -> bool:

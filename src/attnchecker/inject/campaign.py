@@ -134,14 +134,14 @@ def trial_specs(cfg: CampaignConfig) -> list[dict[str, Any]]:
     return specs
 
 
-def arm_checks(sites: Sequence[str], site: str, layer: int,
-               layers: Sequence[int]) -> tuple[tuple[str, int], ...]:  # fmt: skip
+def arm_checks(sites: Sequence[str], site: str, layer: int, layers: Sequence[int], *,
+               every: bool = False) -> tuple[tuple[str, int], ...]:  # fmt: skip
     """The check arms (``check_arms``) of a trial at ``site`` in ``layer``: (check, layer) for
     the check of every site of the campaign (``sites``) in every faulty layer (``layers``;
-    attention ops only in a block, layer >= 0), except those that ran before the fault in its
-    step, whose arm would be the unprotected arm: a forward check for a backward fault, a
-    forward check in an earlier layer for a forward fault, a backward check in a later layer
-    (the backward runs from the last layer down) for a backward fault."""
+    attention ops only in a block, layer >= 0), except (unless ``every``) those that ran
+    before the fault in its step, whose arm would be the unprotected arm: a forward check for a
+    backward fault, a forward check in an earlier layer for a forward fault, a backward check
+    in a later layer (the backward runs from the last layer down) for a backward fault."""
     from attnchecker.attention.ops import in_backward, linear_parts
     from attnchecker.inject.plan import check_op
 
@@ -155,7 +155,7 @@ def arm_checks(sites: Sequence[str], site: str, layer: int,
                 before = backward  # a forward check of a backward fault
             else:
                 before = at > layer if backward else at < layer
-            if not before:
+            if every or not before:
                 out.append((c, at))
     return tuple(out)
 

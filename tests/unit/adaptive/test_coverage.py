@@ -14,6 +14,7 @@ from attnchecker.adaptive.profile import (
     OpCost,
     VulnerabilityProfile,
     relative,
+    wilson,
 )
 from attnchecker.adaptive.validate import predict
 
@@ -64,17 +65,21 @@ def test_a_trial_survives_a_set_of_checks_when_one_of_them_saved_it_alone():
     assert old.rate_with(frozenset({s, c})).point == 0.1
 
 
-def test_pooled_layers_do_not_credit_an_arm_a_layer_did_not_run():
-    """dk one layer before saves the faults of layer 1; layer 0 has no layer before: pooled,
-    its lost trials stay lost under that arm (half the credit, never more)."""
-    dk, here = relative("dk", -1), relative("scores", 0)
+def test_pooled_layers_judge_an_arm_on_the_layers_that_ran_it():
+    """dk one layer before saves the faults of layer 1; layer 0 has no layer before, so its
+    trials say nothing of that arm: pooled, the rate under it is that of layer 1's 4 trials (0,
+    with 4 trials' interval), not diluted by layer 0's; when no layer ran every arm asked for,
+    each trial is judged on the arms its layer ran."""
+    dk, here, after = relative("dk", -1), relative("scores", 0), relative("dk", 1)
     lost = {"non_trainable": 4}
-    cells = (Cell("scores", 0, "nan", 4, lost, {}, (here,), {"none": 4}),
-             Cell("scores", 1, "nan", 4, lost, {}, (here, dk), {"none": 4}))  # fmt: skip
+    cells = (Cell("scores", 0, "nan", 4, lost, {}, (here, after), {f"none|{here}": 4}),
+             Cell("scores", 1, "nan", 4, lost, {}, (here, dk), {f"none|{here}": 4}))  # fmt: skip
     pooled = VulnerabilityProfile("gpt2", {}, cells).pooled().cells[0]
-    assert pooled.checks == (dk, here) and pooled.trials == 8
-    assert pooled.rate_with(frozenset({dk})).point == 0.5
-    assert pooled.rate_with(frozenset({here})).point == 0.0
+    assert pooled.checks == (dk, here, after) and pooled.trials == 8
+    assert pooled.rate_with(frozenset({dk})) == wilson(0, 4)
+    assert pooled.rate_with(frozenset({here})) == wilson(8, 8)
+    assert pooled.rate_with(frozenset({dk, after})) == wilson(0, 8)  # each on its own arm
+    assert pooled.rate_with(frozenset({dk, here})) == wilson(0, 4)
 
 
 def test_the_controller_buys_the_check_that_covers_most():
