@@ -11,36 +11,37 @@ arrive independently at rate r; site i sees lambda_i of them per step (its expos
   forward and backward) and r_step = r * t_step / 3600 for a rate per device-hour.
 
 A fault of kind k (probability pi_k) at site i makes training non-trainable with probability
-v_ik(S) while the checks S run in its layer, from the campaign's trials at that (op, layer,
-kind) (a layer the campaign did not measure takes its op's trials pooled over the measured
-layers; an op the campaign never faulted is left out, like the MLP: nothing is known of it).
-With check arms (``campaign --check-arms``) v_ik(S) is the share of trials that no check of S
-kept trainable alone (:meth:`Cell.rate_with`): a check covers what it saves at other sites of
-its layer (the context check's repair recomputes scores and probabilities; a check downstream
-of an unchecked fault detects it and the guard skips the update). Without them a check is
-credited with its own site only (v_ik(S) = the protected arm's rate when i's op is in S, else
-the unprotected arm's). Checks run every step or every k steps (one k per schedule, all on the
-same steps), so per step
+v_ik(S) while the checks S run, from the campaign's trials at that (op, layer, kind) (a layer
+the campaign did not measure takes its op's trials pooled over the measured layers; an op the
+campaign never faulted is left out, like the MLP: nothing is known of it). With check arms
+(``campaign --check-arms``) v_ik(S) is the share of trials that no check of S kept trainable
+alone (:meth:`Cell.rate_with`, checks named relative to the fault's layer): a check covers
+what it saves at other sites, in its layer and others (the context check's repair recomputes
+scores and probabilities; a check downstream of an unchecked fault, a later layer's or any
+backward check, detects it and the guard skips the update). Without them a check is credited
+with its own site only (v_ik(S) = the protected arm's rate when i's own check is in S, else
+the unprotected arm's). Checks run every step or every k steps (one k per schedule, all on
+the same steps), so per step
 
     L = sum_i lambda_i * sum_k pi_k * ((1 - 1/k) v_ik(A) + 1/k v_ik(A + P))
 
-expected non-trainable events (A the layer's every-step checks, P its periodic ones; for rare
-faults the probability of two in one step is second order), reported per million steps. The
+expected non-trainable events (A the every-step checks, P the periodic ones; for rare faults
+the probability of two in one step is second order), reported per million steps. The
 overhead is additive over checks,
 
     C = E + sum_i f_i * c_i      (C = 0 when nothing is checked; f_i = 1, 1/k or 0)
 
 with E what leaving SDPA for the checked engine costs and c_i the op's measured cost per layer,
-both fractions of the plain step (:mod:`attnchecker.adaptive.bench`). Minimising L under
-C <= budget (or C under L <= target) is a knapsack with interactions: the greedy takes the
-check that removes the most risk per cost given the checks already taken (a check adds little
-where another already covers its sites), every step while checks fit and then every k steps,
-for each k of :data:`PERIODS`, keeping the best (:class:`_Greedy`). A budget is a contract: a
-schedule fits when the upper end of its cost interval (E and every c_i at their high ends)
-does, so the measured overhead stays within the budget unless the cost profile itself was
-wrong (``attnchecker validate`` checks that). Costs do not add per op, though (many checks
-together measured up to 1.5 times their sum): :func:`fit_measured` (``plan --verify``)
-measures the choice as it trains and backs off until its measured overhead fits.
+both fractions of the plain step (:mod:`attnchecker.adaptive.bench`). Minimising L under C <=
+budget (or C under L <= target) is a knapsack with interactions: the greedy takes the check that
+removes the most risk per cost given the checks already taken (a check adds little where another
+already covers its sites), every step while checks fit and then every k steps, for each k of
+:data:`PERIODS`, keeping the best (:class:`~attnchecker.adaptive.knapsack.Greedy`). A budget is
+a contract: a schedule fits when the upper end of its cost interval (E and every c_i at their
+high ends) does, so the measured overhead stays within the budget unless the cost profile itself
+was wrong (``attnchecker validate`` checks that). Costs do not add per op, though (many checks
+together measured up to 1.5 times their sum): :func:`fit_measured` (``plan --verify``) measures
+the choice as it trains and backs off until its measured overhead fits.
 
 Intervals: each rate's Wilson interval enters L at its ends, so L's interval is the sum of
 the ends (wider than its stated confidence); decisions use the upper end (``estimate="high"``),
@@ -49,8 +50,9 @@ so a target is met with that confidence; C's interval sums the order-statistic i
 Where it is conservative
 ------------------------
 - Without check arms a check is credited only with faults at its own site (above). With
-  them, a check's cover is measured within its layer only (a fault's effects that a later
-  layer's check catches are not credited). Checks are combined by the union rule (a trial
+  them, pooled layers judge an arm on the layers whose trials ran it (a check three layers
+  later exists for a fault in the first of four layers only; :meth:`Cell.categories`), which
+  assumes layers alike. Checks are combined by the union rule (a trial
   survives a set of checks when one of them saved it alone): an assumption, not measured (the
   campaign runs each check alone, not every set), and not conservative in general; it holds
   when a check's effect on a fault does not depend on the other checks (a correction leaves
@@ -60,7 +62,9 @@ Where it is conservative
   records, shared norms), which over-counts many checks together; on a small model the
   Python work per protected module can go the other way (measured: ``simulate``).
 Not in L: faults outside the profiled GEMMs (ops the campaign did not fault, MLP, LM head,
-optimizer); the profiled sites' share of the step's work is reported as ``coverage``.
+optimizer); the profiled sites' share of the step's work is reported as ``coverage``. Nor the
+updates a detection skips (``skip_step``): a step lost, not training; a schedule that detects
+far from a fault skips where its own check would have corrected (``validate`` counts them).
 """
 
 from __future__ import annotations
@@ -68,13 +72,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnchecker.adaptive.knapsack import PERIODS, Greedy, active_checks, site_risk
 from attnchecker.adaptive.profile import (
     ENGINE,
     Cell,
@@ -106,7 +109,6 @@ __all__ = [
     "sites",
 ]
 
-PERIODS = (2, 4, 8, 16, 32, 64)
 RATE_UNITS = ("step", "element-op", "device-hour")
 ESTIMATES = ("high", "point")  # which end of the risk intervals decides: the upper, or the point
 PER_MILLION = 1e6
@@ -313,28 +315,9 @@ def _pct(e: Estimate) -> str:
     return f"{e.point:+.1%} [{e.low:+.1%}, {e.high:+.1%}]"
 
 
-Active = list[tuple[float, frozenset[tuple[int, str]]]]  # (share of steps, (layer, op) that run)
-
-
-def active_checks(ss: list[Site], f: dict[int, float]) -> Active:
-    """(share of the steps, the checks that run, as (layer, op)) when the sites are checked on
-    fractions ``f`` of the steps (1 / every; periodic checks run on the same steps, those whose
-    count is a multiple of their period, as :class:`Schedule` runs them)."""
-    periods = {(ss[i].layer, ss[i].op): round(1 / v) for i, v in f.items() if v}
-    n = math.lcm(*periods.values()) if periods else 1
-    shares = Counter(frozenset(c for c, k in periods.items() if t % k == 0) for t in range(n))
-    return [(c / n, on) for on, c in shares.items()]
-
-
-def _site_risk(s: Site, active: Active, j: int) -> float:
-    """Expected non-trainable events per step from faults at ``s`` (end j: 0 point, 1 low, 2
-    high) while the checks of ``active`` run (:meth:`Site.rate`)."""
-    return s.faults * sum(w * s.rate(on)[j] for w, on in active)
-
-
 def _risk(ss: list[Site], f: dict[int, float]) -> Estimate:
     active = active_checks(ss, f)
-    return Estimate(*(PER_MILLION * sum(_site_risk(s, active, j) for s in ss) for j in range(3)))
+    return Estimate(*(PER_MILLION * sum(site_risk(s, active, j) for s in ss) for j in range(3)))
 
 
 def risk_of(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
@@ -383,7 +366,7 @@ def choose(
             f"profile measured {[o.op for o in cost.ops]}"
         )
     base = _base(ss, cost)
-    greedy = _Greedy(ss, end)
+    greedy = Greedy(ss, end)
     useful = [i for i in range(len(ss)) if greedy.gain(i, 1.0, {}) > 0]
     notes = _notes(ss, rate, cost)
     if target is not None:
@@ -453,85 +436,6 @@ def priced(
     f = {at[layer, op]: 1 / every for layer, op, every in checks}
     base = _base(ss, cost)
     return _choice(ss, f, tuple(checks), cost, base, goal, (), policy)
-
-
-class _Greedy:
-    """The knapsack, greedily: take the check that removes the most risk per cost, given the
-    checks already taken (a check's gain shrinks when another check already covers its
-    faults), every step while checks fit, then every k steps; for each k of :data:`PERIODS`
-    (one k per schedule), keep the best. Decisions use end ``end`` of the risk intervals. A
-    check's gain is summed over the sites it is credited at (:meth:`Site.covers`) only."""
-
-    def __init__(self, ss: list[Site], end: int) -> None:
-        self.ss, self.end = ss, end
-        self.covered = [[j for j, t in enumerate(ss) if t.covers(s.layer, s.op)] for s in ss]
-
-    def gain(self, i: int, v: float, f: dict[int, float]) -> float:
-        """Risk per step removed by checking site i on a fraction v of the steps beside f."""
-        before, after = active_checks(self.ss, f), active_checks(self.ss, {**f, i: v})
-        risk = lambda j, active: _site_risk(self.ss[j], active, self.end)
-        return sum(risk(j, before) - risk(j, after) for j in self.covered[i])
-
-    def _gains(self, f: dict[int, float], v: float) -> dict[int, float]:
-        return {i: self.gain(i, v, f) for i in range(len(self.ss)) if i not in f}
-
-    def _best(self, gains: dict[int, float], v: float, left: float) -> int | None:
-        """The check with the most risk removed per cost whose cost (upper end) at fraction v
-        is at most ``left``; None when none fits and removes risk."""
-        fits = [i for i, g in gains.items() if g > 0 and self._dear(i) * v <= left]
-        return max(fits, default=None,
-                   key=lambda i: (gains[i] / max(self.ss[i].cost.point, 1e-9), -i))  # fmt: skip
-
-    def _add(self, f: dict[int, float], i: int, v: float, gains: dict[int, float]) -> None:
-        f[i] = v
-        del gains[i]
-        touched = set(self.covered[i])  # the gains that change: checks credited there too
-        for other in gains:
-            if touched.intersection(self.covered[other]):
-                gains[other] = self.gain(other, v, f)
-
-    def _dear(self, i: int) -> float:
-        return max(self.ss[i].cost.high, 0.0)
-
-    def total(self, f: dict[int, float]) -> float:
-        active = active_checks(self.ss, f)
-        return sum(_site_risk(s, active, self.end) for s in self.ss)
-
-    def for_budget(self, room: float) -> dict[int, float]:
-        """The schedule with the least risk whose checks cost at most ``room`` at the upper
-        ends of their cost intervals."""
-        best, best_risk = {}, float("inf")
-        for k in (1, *PERIODS):
-            f: dict[int, float] = {}
-            left = room
-            for v in (1.0,) if k == 1 else (1.0, 1 / k):
-                gains = self._gains(f, v)
-                while (i := self._best(gains, v, left)) is not None:
-                    left -= self._dear(i) * v
-                    self._add(f, i, v, gains)
-            if (risk := self.total(f)) < best_risk - 1e-18:
-                best, best_risk = f, risk
-        return best
-
-    def for_target(self, target: float) -> dict[int, float] | None:
-        """The cheapest schedule (over the periods) with risk <= target; None if none."""
-        best, best_cost = None, float("inf")
-        for k in (1, *PERIODS):
-            f: dict[int, float] = {}
-            risk, gains = self.total(f), self._gains(f, 1.0)
-            while risk > target and (i := self._best(gains, 1.0, math.inf)) is not None:
-                if k > 1 and risk - self.gain(i, 1 / k, f) <= target:
-                    f[i] = 1 / k  # the last check, every k steps, is enough
-                    risk = self.total(f)
-                    break
-                risk -= gains[i]
-                self._add(f, i, 1.0, gains)
-            if risk > target * (1 + 1e-12):
-                return None
-            c = sum(v * self.ss[i].cost.point for i, v in f.items())
-            if c < best_cost:
-                best, best_cost = f, c
-        return best
 
 
 def _notes(ss: list[Site], rate: FaultRate, cost: CostProfile) -> tuple[str, ...]:
