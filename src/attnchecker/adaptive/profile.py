@@ -141,17 +141,18 @@ class Cell:
 
     def categories(self, checked: frozenset[str]) -> list[tuple[bool, bool, int]]:
         """Per key of ``joint``: (its trials are lost while ``checked`` run, they are eligible
-        to say so, trials). Trials pooled from a layer that did not run an arm of ``checked``
-        (a check two layers after a fault in the last layer) are not eligible, unless no
-        trial ran them all: then every trial is judged on the arms its layer ran (a missing
-        arm not credited)."""
+        to say so, trials). A trial pooled from a layer that did not run an arm of ``checked``
+        (a check two layers after a fault in the last layer) says so only when an arm its
+        layer ran saved it (then it survives whatever the missing arm does); lost in every arm
+        it ran, it is not eligible. When no trial is eligible, every trial is judged on the
+        arms its layer ran (a missing arm not credited)."""
         arms = checked.intersection(self.checks)
-        rows = [(lost, missing, n) for lost, missing, n in self._parsed]
-        judge_all = not any(not (arms & missing) for _, missing, _ in rows)
         out = []
-        for lost, missing, n in rows:
-            need = (arms - missing) or {"none"}
-            out.append((need <= lost, judge_all or not (arms & missing), n))
+        for lost, missing, n in self._parsed:
+            dies = ((arms - missing) or {"none"}) <= lost
+            out.append((dies, not dies or not (arms & missing), n))
+        if not any(eligible for _, eligible, _ in out):
+            out = [(dies, True, n) for dies, _, n in out]
         return out
 
     @functools.cached_property
