@@ -58,10 +58,11 @@ def _models(family: str, size: str, seq_len: int, layers: int | None, seed: int,
     return base.to(device), plain(base).to(device)
 
 
-def stepper(model, run, inputs, dtype: str, device: str, wrap: Callable | None = None):
+def stepper(model, run, inputs, dtype: str, device: str, wrap: Callable | None = None,
+            fused: bool = False):  # fmt: skip
     """One training step of ``model`` (forward through ``run``), as a closure; ``wrap`` wraps
-    its optimizer (a guard)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    its optimizer (a guard); ``fused``: AdamW's fused kernel."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
     opt = opt if wrap is None else wrap(opt)
     cast = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else None
     handle = getattr(model, "_attnchecker_handle", None)

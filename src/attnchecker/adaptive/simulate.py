@@ -286,17 +286,19 @@ def measure_overhead(vuln: VulnerabilityProfile, model, choice: Choice, *, reps:
 def gradient_guard_overhead(vuln: VulnerabilityProfile, *, reps: int, seed: int) -> Estimate:
     """What the reference without ABFT costs (:func:`run`'s ``guard_gradients``): the plain
     model (SDPA) stepped with its optimizer guarded by the finite-gradient test, against the
-    same model without, timed as :func:`measure_overhead` times a protected one."""
+    same model without, timed as :func:`measure_overhead` times a protected one. Both arms
+    step a fused AdamW, which takes the flag in its kernel: the guard's cost is the test, not
+    the copies a masked update of an unfused optimizer makes."""
     from attnchecker.models.source import plain as as_users_run_it
     from attnchecker.recovery.guard import FiniteGradients, guard
 
     model = as_users_run_it(_fresh(vuln, 0))
     wrap = lambda opt: guard(opt, FiniteGradients(model.parameters()))
-    return _against_plain(vuln, model, wrap, reps=reps, seed=seed, period=1)
+    return _against_plain(vuln, model, wrap, reps=reps, seed=seed, period=1, fused=True)
 
 
 def _against_plain(vuln: VulnerabilityProfile, model, wrap, *, reps: int, seed: int,
-                   period: int) -> Estimate:  # fmt: skip
+                   period: int, fused: bool = False) -> Estimate:  # fmt: skip
     """Median over alternated rounds of t_model / t_plain - 1 and its interval; ``wrap``
     wraps ``model``'s optimizer."""
     from attnchecker.adaptive.bench import alternate, stepper
@@ -309,8 +311,8 @@ def _against_plain(vuln: VulnerabilityProfile, model, wrap, *, reps: int, seed: 
     g = torch.Generator().manual_seed(seed + 2)
     ids = torch.randint(3, 128, (B, L), generator=g)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    fns = {"plain": stepper(plain, plain, inputs, "fp32", "cpu"),
-           "model": stepper(model, model, inputs, "fp32", "cpu", wrap)}  # fmt: skip
+    fns = {"plain": stepper(plain, plain, inputs, "fp32", "cpu", fused=fused),
+           "model": stepper(model, model, inputs, "fp32", "cpu", wrap, fused)}  # fmt: skip
     k = max(1, period)  # whole periods, of at least three steps, per round
     times = alternate(fns, reps, k * max(1, math.ceil(3 / k)))
     ratios = [a / b - 1 for a, b in zip(times["model"], times["plain"], strict=True)]
