@@ -220,7 +220,10 @@ class Row:
 
     @property
     def count_verdict(self) -> str:
-        """inside, or ABOVE / BELOW when too few counts fall in the interval."""
+        """inside, or ABOVE / BELOW when too few counts fall in the interval; "not judged"
+        for a row whose counts the model does not predict."""
+        if not self.judged:
+            return "not judged"
         if not binomial_miss(self.inside, len(self.runs), self.predicted.level):
             return "inside"
         return _outside([self])[2]
