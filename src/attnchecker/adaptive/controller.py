@@ -98,7 +98,6 @@ __all__ = [
     "Choice",
     "FaultRate",
     "Site",
-    "active_checks",
     "choose",
     "fit_measured",
     "load_plan",
@@ -201,15 +200,6 @@ class Site:
             self._memo[key] = Estimate(*ends)
         self._memo[on] = self._memo[key]
         return self._memo[on]
-
-    @property
-    def unchecked(self) -> Estimate:
-        return self.rate(frozenset())
-
-    @property
-    def checked(self) -> Estimate:
-        """With its own check alone."""
-        return self.rate(frozenset({(self.layer, self.op)}))
 
 
 def sites(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,

@@ -53,15 +53,14 @@ from typing import Any
 import torch
 
 from attnchecker.adaptive.controller import (
-    PERIODS,
     Choice,
     FaultRate,
-    active_checks,
     choose,
     fit_measured,
     priced,
     sites,
 )
+from attnchecker.adaptive.knapsack import PERIODS, active_checks
 from attnchecker.adaptive.profile import (
     Cell,
     CostProfile,
