@@ -120,7 +120,7 @@ class Cell:
         trainable (a check that helps alone helps beside others), so it is non-trainable when
         it was in every arm of ``checked`` the campaign ran (none of them: the unprotected
         arm's outcome); checks without an arm are not credited. A pooled cell's rate comes from
-        the trials whose layer ran every arm asked for (:meth:`eligible`). Without check arms:
+        the trials eligible to say (:meth:`categories`). Without check arms:
         the protected arm's rate when the op's own check runs in its layer, else the
         unprotected arm's (a check credited with its own site only)."""
         if not self.checks:
@@ -133,10 +133,7 @@ class Cell:
         # every trial judged on the arms its layer ran (a missing arm not credited): more
         # trials, biased up, so its upper end bounds the rate too (and keeps a check from
         # raising the upper end by narrowing the eligible trials)
-        arms = checked.intersection(self.checks)
-        bound = wilson(sum(t for lost, missing, t in self._parsed
-                           if ((arms - missing) or {"none"}) <= lost), self.trials,
-                       confidence).high  # fmt: skip
+        bound = wilson(sum(t for lost, _, t in cats if lost), self.trials, confidence).high
         return Estimate(min(rate.point, bound), min(rate.low, bound), min(rate.high, bound))
 
     def categories(self, checked: frozenset[str]) -> list[tuple[bool, bool, int]]:

@@ -11,7 +11,7 @@ parametric bootstrap of the controller's model. Each draw takes every cell's non
 probabilities from their posteriors (Jeffreys prior, the campaign's counts: a Beta per arm, or
 with check arms a Dirichlet over the joint histogram, so that the rates under different check
 sets stay consistent), forms the expected count mu = steps * sum_i lambda_i * sum_k pi_k *
-(the rate of kind k at i under the checks running in its layer, averaged over the steps)
+(the rate of kind k at i under the checks that run, averaged over the steps)
 (:mod:`.controller`) and draws a Poisson count of mean mu; the interval is the counts'
 quantiles. Calibrated, about ``level`` of the seeds' counts fall inside. A set of counts
 *misses* when fewer fall inside than the level allows (one-sided binomial test at 5%): ABOVE
