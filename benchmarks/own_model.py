@@ -10,7 +10,12 @@ projections are found and checked as GPT-2's are). Overhead = median of per-pair
 minus 1, for each model against its own plain self; the difference of the two overheads is
 what being generic costs.
 
-    python benchmarks/own_model.py [--lengths 128] [--width 256] [--reps 12] [--quick]
+Also the one-time cost of finding the projections at the first forward (``protect_(model)``
+without ``example=``): for ``--fresh`` fresh copies of the GPT, the first protected step (the
+traced forward, the wiring, then the checked step) against the median of its next steps; and
+the plain step for scale.
+
+    python benchmarks/own_model.py [--lengths 128] [--width 256] [--reps 12] [--fresh 5] [--quick]
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from _common import alternate, environment, median_ms, parse, write
+from _common import alternate, environment, median_ms, parse, timed, write
 from attnchecker import protect_
 from attnchecker.models.sdpa import sdpa_modules
 from attnchecker.models.tiny import build
@@ -129,11 +135,51 @@ def measure(L: int) -> dict:
     }  # fmt: skip
 
 
+def first_forward(L: int) -> dict:
+    """The first protected step without example= (discovery included) against the first step
+    of the same GPT protected with example= (whose protect_ call, timed apart, did the same
+    trace), over ``--fresh`` fresh GPTs; the later steps and the plain step for scale."""
+    d, heads, layers, vocab = ARGS.width, ARGS.heads, ARGS.layers, ARGS.vocab
+    B = max(1, 8 * 128 // L)
+    idx = torch.randint(0, vocab, (B, L), generator=torch.Generator().manual_seed(0))
+    out: dict[str, list[float]] = {k: [] for k in ("first", "first_example", "protect_example",
+                                                   "later", "plain")}  # fmt: skip
+    for i in range(ARGS.fresh):
+        torch.manual_seed(i)
+        own = GPT(vocab, L, d, heads, layers).train()
+        bare, ex = copy.deepcopy(own), copy.deepcopy(own)
+        handle = protect_(own)
+        t = time.perf_counter()
+        protect_(ex, example=(idx,))
+        out["protect_example"].append(time.perf_counter() - t)
+        steps = {"first": _stepper(own, idx, own.parameters()),
+                 "first_example": _stepper(ex, idx, ex.parameters())}  # fmt: skip
+        for k in ("first_example", "first") if i % 2 else ("first", "first_example"):
+            out[k].append(timed(steps[k]))
+        assert not handle.pending and all(
+            not c["unchecked"] for c in handle.summary()["per_module"].values()
+        ), handle.summary()["per_module"]
+        times = alternate({"later": steps["first"], "plain": _stepper(bare, idx,
+                                                                      bare.parameters())},
+                          ARGS.reps)  # fmt: skip
+        out["later"].append(statistics.median(times["later"]))
+        out["plain"].append(statistics.median(times["plain"]))
+    extra = [f - e for f, e in zip(out["first"], out["first_example"], strict=True)]
+    return {
+        "L": L, "batch": B, "fresh": ARGS.fresh,
+        **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in out.items()},
+        "extra_ms": 1e3 * statistics.median(extra),
+        "extra_in_plain_steps": statistics.median(
+            e / p for e, p in zip(extra, out["plain"], strict=True)
+        ),
+    }  # fmt: skip
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:+.1f}%"
 
 
-def _markdown(rows: list[dict], env: dict) -> str:
+def _markdown(rows: list[dict], firsts: list[dict], env: dict) -> str:
     lines = [
         "# protect_ on a model of one's own vs a Hugging Face model of the same width",
         "",
@@ -155,6 +201,25 @@ def _markdown(rows: list[dict], env: dict) -> str:
         ),
         "",
         f"Projections found in the GPT: {', '.join(rows[0]['found']) if rows else ''}.",
+        "",
+        "## The first forward without example=",
+        "",
+        f"`protect_(gpt)` with no example: the first step traces one forward (gradients on), "
+        f"wires protection and runs the checked step. Against a copy protected with "
+        f"`example=` (its protect_ call, timed apart, did the same trace): the two first steps "
+        f"in alternating order; medians over {ARGS.fresh} fresh GPTs; the later steps (median "
+        f"of {ARGS.reps}, alternated with the plain GPT's) for scale.",
+        "",
+        "| L | first step, no example ms | first step, example= ms | protect_ with example= "
+        "ms | later protected steps ms | plain step ms | discovery at the first forward ms "
+        "| in plain steps |",
+        "|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {f['L']} | {f['first_ms']:.1f} | {f['first_example_ms']:.1f} | "
+            f"{f['protect_example_ms']:.1f} | {f['later_ms']:.1f} | {f['plain_ms']:.1f} | "
+            f"{f['extra_ms']:.1f} | {f['extra_in_plain_steps']:.2f} |"
+            for f in firsts
+        ),
     ]
     return "\n".join(lines) + "\n"
 
@@ -171,15 +236,21 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=12)
-    ARGS = parse(ap, quick={"lengths": [32], "width": 32, "reps": 2, "vocab": 64})
+    ap.add_argument("--fresh", type=int, default=5, help="fresh models for the first forward")
+    ARGS = parse(ap, quick={"lengths": [32], "width": 32, "reps": 2, "vocab": 64, "fresh": 2})
     env = environment()
-    rows = []
+    rows, firsts = [], []
     for L in ARGS.lengths:
         rows.append(measure(L))
         r = rows[-1]
         print(f"L={L}: own {_pct(r['own_overhead'])}, GPT-2 {_pct(r['hf_overhead'])}, "
               f"difference {100 * r['generic_minus_hf']:+.1f} points")  # fmt: skip
-    write("own_model", {"env": env, "args": vars(ARGS), "rows": rows}, _markdown(rows, env))
+        firsts.append(first_forward(L))
+        f = firsts[-1]
+        print(f"L={L}: first step {f['first_ms']:.1f} ms (with example= {f['first_example_ms']:.1f}"
+              f" ms), plain {f['plain_ms']:.1f} ms: discovery {f['extra_ms']:.1f} ms once")  # fmt: skip
+    write("own_model", {"env": env, "args": vars(ARGS), "rows": rows, "first_forward": firsts},
+          _markdown(rows, firsts, env))  # fmt: skip
 
 
 if __name__ == "__main__":

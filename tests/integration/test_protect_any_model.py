@@ -2,7 +2,8 @@
 nanoGPT-style GPT written here (no transformers config) whose attention is written by hand
 (q @ k^T, softmax, @ v: no ``F.scaled_dot_product_attention`` to route) has every linear layer
 checked, forward and backward, corrected in the same step; its attention is said to be
-unchecked, never silently; the default scope refuses by name. (The same GPT with SDPA has its
+unchecked, never silently; the default scope refuses by name (at protect_ with example=, else
+at the first forward, where the attention is seen running). (The same GPT with SDPA has its
 attention checked: tests/integration/test_protect_sdpa.py.)"""
 
 import math
@@ -66,19 +67,24 @@ IDX = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
 
 
 def test_the_default_scope_refuses_a_model_it_cannot_find_attention_in():
-    with pytest.raises(UnsupportedModelError, match=r"not a transformers model.*calls no scaled"):
-        protect_(_gpt())
+    """Refused by what runs: at protect_ with example=, else at the first forward."""
     with pytest.raises(UnsupportedModelError, match=r"by hand .* h\.0, h\.1"):
         protect_(_gpt(), example=(IDX,))
+    model = _gpt()
+    protect_(model)
+    with pytest.raises(UnsupportedModelError, match=r"by hand .* h\.0, h\.1"):
+        model(IDX)
 
 
 def test_all_linear_checks_every_linear_layer_and_says_attention_is_not():
     model = _gpt()
     want_loss, want_grads = _step(_gpt(), IDX)
+    handle = protect_(model, ABFTConfig(scope="all_linear"))
+    assert handle.pending and handle.modules == []
     with pytest.warns(RuntimeWarning, match=r"checks the 9 linear layer\(s\) of GPT, not its"):
-        handle = protect_(model, ABFTConfig(scope="all_linear"))
+        model(IDX)  # discovery at the first forward: its attention is by hand
     summary = handle.summary()
-    assert "not a transformers model" in summary["attention"]
+    assert "by hand" in summary["attention"]
     assert sorted(handle.modules) == sorted(
         n for n, m in model.named_modules() if isinstance(m, nn.Linear)
     )
@@ -107,4 +113,8 @@ def test_all_linear_checks_every_linear_layer_and_says_attention_is_not():
 
 def test_layers_or_a_schedule_without_attention_are_refused():
     with pytest.raises(ConfigError, match="finds none"):
-        protect_(_gpt(), ABFTConfig(scope="all_linear", layers=(0,)))
+        protect_(_gpt(), ABFTConfig(scope="all_linear", layers=(0,)), example=(IDX,))
+    model = _gpt()
+    protect_(model, ABFTConfig(scope="all_linear", layers=(0,)))
+    with pytest.raises(ConfigError, match="finds none"):
+        model(IDX)

@@ -52,7 +52,11 @@ def test_contract_of_each_family(family):
 
 def test_unsupported_model_names_the_supported_families():
     with pytest.raises(UnsupportedModelError, match=r"not a transformers model.*bart, bert, dis"):
-        protect_(nn.Linear(3, 3))
+        protect_(nn.Linear(3, 3), example=(torch.randn(2, 3),))
+    model = nn.Linear(3, 3)
+    protect_(model)  # found at its first forward, which raises the same
+    with pytest.raises(UnsupportedModelError, match=r"not a transformers model.*bart, bert, dis"):
+        model(torch.randn(2, 3))
     cfg = transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=50)
     model = transformers.AutoModel.from_config(cfg)
     with pytest.raises(UnsupportedModelError, match="BloomAttention"):

@@ -46,7 +46,8 @@ def test_a_patched_projection_is_named_and_not_listed_as_checked():
     assert "dx.q" not in cov[name]["checked"] and "dx.k" in cov[name]["checked"]
     assert "q" in cov[name]["checked"]  # its output is still checked by a forward hook
     other = cov["model.layers.1.self_attn"]
-    assert other["unchecked"] == [] and {"dx.q", "dq", "scores"} <= set(other["checked"])
+    assert other["unchecked"] == {} and {"dx.q", "dq", "scores"} <= set(other["checked"])
+    assert all(w.startswith("backward not reachable") for w in cov[name]["unchecked"].values())
 
 
 def test_a_linear_subclass_under_all_linear_is_named():
@@ -58,7 +59,8 @@ def test_a_linear_subclass_under_all_linear_is_named():
     with pytest.warns(RuntimeWarning, match=r"mlp\.up_proj"):
         handle = protect_(model, ABFTConfig(scope="all_linear"))
     cov = handle.summary()["per_module"]["model.layers.0.mlp.up_proj"]
-    assert cov["checked"] == ["y"] and cov["unchecked"] == ["dx", "dw"]
+    assert cov["checked"] == ["y"] and list(cov["unchecked"]) == ["dx", "dw"]
+    assert "_Scaled has a forward of its own" in cov["unchecked"]["dx"]
     assert handle.summary()["per_module"]["model.layers.0.mlp.down_proj"]["checked"] == [
         "y", "dx", "dw",
     ]  # fmt: skip

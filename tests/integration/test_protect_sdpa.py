@@ -52,9 +52,9 @@ def _inf(call) -> None:
 def test_every_core_gemm_fault_is_corrected_in_each_layout(layout):
     want = _step(build(layout))
     model = build(layout)
-    handle = protect_(model)
-    assert len(handle.modules) == 2  # one attention module per block
+    handle = protect_(model)  # found at the first forward, which runs checked
     _close(_step(model), want)  # clean: the model's own step
+    assert len(handle.modules) == 2  # one attention module per block
     assert handle.drain() == []
     for site in CORE_SITES:
         detach = handle.attach(_inf, sites=(site,), modules=(handle.modules[0],))
@@ -87,13 +87,16 @@ def _inf_row(call) -> None:  # a projection's site is a column slice: index, nev
     call.tensor[(0,) * (call.tensor.dim() - 1) + (5,)] = math.inf
 
 
+@pytest.mark.parametrize("example", [True, False], ids=["example", "first_forward"])
 @pytest.mark.parametrize("layout", sorted(PROJECTIONS))
-def test_a_traced_forward_finds_the_projections_and_their_faults_are_corrected(layout):
-    """protect_(model, example=...): the projections of each SDPA call found through the
-    autograd graph (fused Q | K | V split contiguously, at an offset after the MLP's input, or
-    interleaved per head or per KV group; GQA widths, RoPE and norms in between, the output
-    projection in the parent module; nn.MultiheadAttention's in_proj_weight) and checked as
-    the families' are."""
+def test_a_traced_forward_finds_the_projections_and_their_faults_are_corrected(layout, example):
+    """protect_(model, example=...), or protect_(model) and its first forward: the
+    projections of each SDPA call found through the autograd graph (fused Q | K | V split
+    contiguously, at an offset after the MLP's input, or interleaved per head or per KV
+    group; GQA widths, RoPE and norms in between, the output projection in the parent module;
+    nn.MultiheadAttention's in_proj_weight) and checked as the families' are: every op of the
+    default config checked, a fault in each projection GEMM corrected with the loss and every
+    gradient equal to the fault-free step."""
     fresh = build(layout)
     block = sdpa_modules(fresh, (IDX,)).sdpa[0]
     parent = fresh.get_submodule(block.removesuffix(".attend"))  # x-transformers: Attend's
@@ -105,8 +108,9 @@ def test_a_traced_forward_finds_the_projections_and_their_faults_are_corrected(l
     assert found == PROJECTIONS[layout]
     want = _step(build(layout))
     model = build(layout)
-    handle = protect_(model, example=(IDX,))
+    handle = protect_(model, example=(IDX,) if example else None)
     _close(_step(model), want)
+    assert handle.summary()["per_module"][block]["unchecked"] == {}
     assert handle.drain() == []
     for site in PROJECTION_SITES:
         detach = handle.attach(_inf_row, sites=(site,), modules=(block,))
@@ -171,37 +175,45 @@ def test_a_fault_in_the_mlp_features_of_a_parallel_block_in_proj_is_corrected():
     assert [(e.module, e.op, e.action) for e in handle.drain()] == [("h.1", "q", "corrected")]
 
 
-def test_an_example_input_finds_the_same_modules_as_the_sources():
-    by_source = protect_(build("x_transformers")).modules
-    by_forward = protect_(build("x_transformers"), example=(IDX,)).modules
-    assert by_source == by_forward == ["h.0.attn.attend", "h.1.attn.attend"]
+def test_the_first_forward_finds_what_an_example_finds():
+    """Without example=, the first forward's trace finds the same modules and projections as
+    a trace on an example at protect_: one model, one answer."""
+    model = build("x_transformers")
+    handle = protect_(model)
+    model(IDX)
+    by_example = protect_(build("x_transformers"), example=(IDX,))
+    assert handle.modules == by_example.modules == ["h.0.attn.attend", "h.1.attn.attend"]
+    assert handle.summary()["per_module"] == by_example.summary()["per_module"]
 
 
-def test_all_linear_adds_every_linear_layer_projections_included():
+def test_all_linear_adds_every_linear_layer_outside_the_projections():
+    """scope="all_linear" without example=: the projections found at the first forward are
+    checked as projections (q, k, v, out, dx.*, dw.*), every other linear layer as one (y, dx,
+    dw)."""
     model = build("nanogpt")
     handle = protect_(model, ABFTConfig(scope="all_linear"))
-    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    assert sorted(handle.modules) == sorted(["h.0.attn", "h.1.attn", *linears])
     want = _step(build("nanogpt"))
-    detach = handle.attach(_inf, sites=("y",), modules=("h.0.attn.c_attn",))
-    got = _step(model)
-    detach.remove()
-    _close(got, want)
-    assert [(e.module, e.op) for e in handle.drain()] == [("h.0.attn.c_attn", "y")]
+    _close(_step(model), want)
+    projections = {"c_attn", "c_proj"}
+    linears = [
+        n for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] not in projections
+    ]  # fmt: skip
+    assert sorted(handle.modules) == sorted(["h.0.attn", "h.1.attn", *linears])
+    for site, module in (("y", "h.0.fc"), ("q", "h.0.attn"), ("dw", "lm_head")):
+        detach = handle.attach(_inf_row, sites=(site,), modules=(module,))
+        got = _step(model)
+        detach.remove()
+        _close(got, want)
+        assert [(e.module, e.op) for e in handle.drain()] == [(module, site)]
 
 
+@pytest.mark.slow  # with the projections ~50 s each on 2 cores, a fault's hook more
 @pytest.mark.parametrize(
-    ("layout", "projections"),
-    [
-        ("nanogpt", False),
-        *(
-            pytest.param(m, True, marks=pytest.mark.slow)
-            for m in ("litgpt", "torch_encoder", "megatron", "timm_parallel")
-        ),
-    ],
-)  # the core alone compiles in ~20 s on 2 cores, with the projections ~50 s, a fault's hook more
-def test_compiled_fullgraph_without_recompiles(layout, projections):
-    """fullgraph=True (the core checked; in the slow set the projections too, the rows of
+    "layout", ["nanogpt", "litgpt", "torch_encoder", "megatron", "timm_parallel"]
+)
+def test_compiled_fullgraph_without_recompiles(layout):
+    """fullgraph=True with example= (the core and the projections checked, the rows of
     nn.MultiheadAttention's in_proj_weight among them, and a fault): the mode is traced into
     the graph; clean steps compile nothing more (an attached fault hook is traced in: one
     recompilation, as for the families)."""
@@ -211,7 +223,7 @@ def test_compiled_fullgraph_without_recompiles(layout, projections):
     torch._dynamo.reset()
     counters.clear()
     model = build(layout)
-    handle = protect_(model, example=(IDX,) if projections else None)
+    handle = protect_(model, example=(IDX,))
     run = torch.compile(model, fullgraph=True)
     want = _step(build(layout))
     frames = []
@@ -221,11 +233,39 @@ def test_compiled_fullgraph_without_recompiles(layout, projections):
     assert frames[1:] == frames[:1] * 2, f"recompiled: {frames}"
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert handle.drain() == []
-    if projections:  # and a fault, in the slow set
-        detach = handle.attach(_inf, sites=("scores",), modules=(handle.modules[1],))
+    detach = handle.attach(_inf, sites=("scores",), modules=(handle.modules[1],))
+    _close(_step(model, run), want)
+    detach.remove()
+    assert [(e.op, e.action) for e in handle.drain()] == [("scores", "corrected")]
+    torch._dynamo.reset()
+
+
+def test_compiled_after_protect_without_example_discovers_once_then_compiles_nothing_more():
+    """torch.compile(model, fullgraph=True) after protect_(model): the first call runs
+    discovery outside the compiled region (eager, once) and compiles the checked step; the
+    second compiles once more (the clock's tick hook, installed during the first call, joins
+    the graph); later steps compile nothing, break no graph, and a fault is corrected in the
+    compiled step (the core's checks only: ~40 s on 2 cores)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build("nanogpt")
+    handle = protect_(model, ABFTConfig(ops=CORE_SITES))
+    run = torch.compile(model, fullgraph=True)
+    want = _step(build("nanogpt"))
+    graphs = []
+    for _ in range(4):
         _close(_step(model, run), want)
-        detach.remove()
-        assert [(e.op, e.action) for e in handle.drain()] == [("scores", "corrected")]
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert handle.modules == ["h.0.attn", "h.1.attn"]
+    assert graphs == [graphs[0]] + [graphs[0] + 1] * 3, graphs
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    detach = handle.attach(_inf, sites=("scores",), modules=("h.1.attn",))
+    _close(_step(model, run), want)
+    detach.remove()
+    assert [(e.op, e.action) for e in handle.drain()] == [("scores", "corrected")]
     torch._dynamo.reset()
 
 
@@ -261,19 +301,47 @@ def test_attention_by_hand_is_refused_by_name():
         protect_(model, example=(IDX,))
 
 
-def test_a_module_found_by_its_source_that_calls_no_sdpa_is_warned_about():
-    model = build("timm", fused=False)  # its class names SDPA; this instance never calls it
+def test_a_module_found_by_its_source_computing_attention_by_hand_is_refused_at_first_forward():
+    """Its class names SDPA; this instance computes attention by hand. strict=True: its first
+    forward raises what example= raises at protect_, word for word, and leaves the model as
+    it was (the next forward is the model's own)."""
+    model = build("timm", fused=False)
     assert isinstance(model.h[0].attn, TimmAttention)
-    protect_(model)
+    with pytest.raises(UnsupportedModelError) as at_protect:
+        protect_(build("timm", fused=False), example=(IDX,))
+    want = model(IDX)
+    handle = protect_(model)
+    assert handle.pending and handle.summary()["per_module"].keys() == {"h.0.attn", "h.1.attn"}
+    with pytest.raises(UnsupportedModelError) as at_forward:
+        model(IDX)
+    assert str(at_forward.value) == str(at_protect.value)
+    assert "by hand" in str(at_forward.value) and "h.0.attn, h.1.attn" in str(at_forward.value)
+    assert not handle.pending and handle.modules == []
+    torch.testing.assert_close(model(IDX), want, rtol=0, atol=0)
+    assert not any(m._forward_pre_hooks or "forward" in vars(m) for m in model.modules())
+    protect_(model, example=None)  # unprotected: it can be protected again
+
+
+def test_a_module_that_leaves_sdpa_after_the_first_forward_is_warned_about_and_named():
+    """A code path the traced forward did not take (SDPA on the first forward, by hand later):
+    a warning once, and summary() names the core's ops as unchecked."""
+    model = build("timm")
+    handle = protect_(model)
+    model(IDX)
+    model.h[0].attn.fused = False
     with pytest.warns(RuntimeWarning, match="NOT checked"):
         model(IDX)
+    unchecked = handle.summary()["per_module"]["h.0.attn"]["unchecked"]
+    assert set(unchecked) == {"scores", "probs", "context", *CORE_GRAD_OPS}
+    assert all("without calling scaled_dot_product_attention" in w for w in unchecked.values())
+    assert handle.summary()["per_module"]["h.1.attn"]["unchecked"] == {}
 
 
 def test_multihead_attention_as_pytorch_computes_it_weights_and_padding_included():
     """nn.MultiheadAttention called directly (need_weights=True, the default: averaged weights),
-    with a key padding mask (True masks out) and batch_first; found by its source (no
-    example=), its out_proj is checked with all_linear (the in-projection, in_proj_weight, is
-    a Parameter and not a linear layer: with example= it is checked as a projection)."""
+    with a key padding mask (True masks out) and batch_first; found at its first forward (no
+    example=): its in-projection (in_proj_weight, a Parameter) and out_proj checked as
+    projections."""
     torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
     x = torch.randn(2, 8, 32)
@@ -291,14 +359,16 @@ def test_multihead_attention_as_pytorch_computes_it_weights_and_padding_included
 
     model = Wrapper()
     handle = protect_(model, ABFTConfig(scope="all_linear"))
-    assert handle.modules == ["attn", "attn.out_proj"]
     got = model(x)
+    assert handle.modules == ["attn"]
+    assert handle.summary()["per_module"]["attn"]["unchecked"] == {}
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **TOL)
-    detach = handle.attach(_inf, sites=("y",), modules=("attn.out_proj",))
-    torch.testing.assert_close(model(x)[0], want[0], **TOL)
-    detach.remove()
-    assert [(e.module, e.action) for e in handle.drain()] == [("attn.out_proj", "corrected")]
+    for site in ("q", "out"):
+        detach = handle.attach(_inf_row, sites=(site,), modules=("attn",))
+        torch.testing.assert_close(model(x)[0], want[0], **TOL)
+        detach.remove()
+        assert [(e.op, e.action) for e in handle.drain()] == [(site, "corrected")]
 
 
 class _CrossAttention(torch.nn.Module):
@@ -350,22 +420,75 @@ def test_multihead_attention_in_projection_over_a_memory_is_checked_per_gemm(spl
         assert [(e.op, e.action) for e in handle.drain()] == [(site, "corrected")], site
 
 
+def test_a_model_that_is_itself_the_sdpa_caller_needs_an_example():
+    """protect_ routes SDPA from the caller's forward, which the model's first call has
+    entered before a pre-hook can run: refused at protect_, saying to pass example=."""
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    with pytest.raises(UnsupportedModelError, match=r"Attention itself.*pass example="):
+        protect_(Attention())
+    q = torch.randn(1, 2, 8, 4)
+    handle = protect_(Attention(), example=(q, q, q))
+    assert handle.modules == [""]
+
+
 def test_a_model_without_attention_is_refused():
+    model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
     with pytest.raises(UnsupportedModelError, match="calls no scaled_dot_product_attention"):
-        protect_(torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)))
+        protect_(model, example=(IDX,))
+    protect_(model)
+    with pytest.raises(UnsupportedModelError, match="calls no scaled_dot_product_attention"):
+        model(IDX)
 
 
-class _FlexAttention(torch.nn.Module):
-    def forward(self, q, k, v):
+class _Flex(torch.nn.Module):
+    """Flex attention on its Q, K and V; its source also names SDPA, which it never calls."""
+
+    def __init__(self, flex: bool = True) -> None:
+        super().__init__()
+        self.flex, self.qkv = flex, torch.nn.Linear(8, 24)
+
+    def forward(self, x):
         from torch.nn.attention.flex_attention import flex_attention
 
-        return flex_attention(q, k, v)
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        if self.flex:
+            return flex_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v)
 
 
-def test_flex_attention_is_refused_by_name():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _FlexAttention())
-    with pytest.raises(UnsupportedModelError, match=r"1 \(flex_attention\)"):
+@pytest.mark.parametrize("example", [True, False])
+def test_flex_attention_seen_running_is_refused_by_name(example):
+    """Refused because it runs (its CPU backward does not exist: the traced forward fails
+    after it ran, and the refusal names it), at protect_ with example=, else at the first
+    forward."""
+    x = torch.randn(2, 8, 8)
+    model = torch.nn.Sequential(_Flex())
+    where = r"in 0 \(flex_attention\)"
+    if example:
+        with pytest.raises(UnsupportedModelError, match=where):
+            protect_(model, example=(x,))
+    else:
         protect_(model)
+        with pytest.raises(UnsupportedModelError, match=where):
+            model(x)
+
+
+def test_a_module_that_names_flex_attention_and_runs_sdpa_is_protected():
+    """The source names flex_attention (a branch not taken): what runs decides."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Flex(flex=False))
+    x = torch.randn(2, 8, 8)
+    want = model(x)
+    handle = protect_(model)
+    torch.testing.assert_close(model(x), want, **TOL)
+    assert handle.modules == ["0"] and handle.summary()["attention"] is None
+    unchecked = handle.summary()["per_module"]["0"]["unchecked"]  # it has no out projection
+    assert unchecked.keys() == {"out", "dx.out", "dw.out"}
+    assert all(why.startswith("no output projection") for why in unchecked.values())
 
 
 @pytest.mark.parametrize(
@@ -432,7 +555,7 @@ def test_an_sdpa_mask_the_kernels_do_not_take_runs_the_eager_core_and_says_so():
         torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)
     )
     want = model(q, k, v)
-    handle = protect_(model, ABFTConfig(backend="triton"))
+    handle = protect_(model, ABFTConfig(backend="triton"), example=(q, k, v))
     torch.testing.assert_close(model(q, k, v), want, **TOL)
     assert "an additive float attn_mask" in " ".join(handle.state("").coverage.fallbacks)
 

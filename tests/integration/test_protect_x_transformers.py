@@ -2,7 +2,9 @@
 dependency), whose attention calls F.scaled_dot_product_attention with attn_flash=True inside
 its own Attend module. Its projections are found by a traced forward (to_q, to_k, to_v,
 to_out: heads of 64 over a width of 32), a fault in every GEMM of its attention, forward and
-backward, is corrected in the same step; its default, attention by hand, is refused by name."""
+backward, is corrected in the same step, found with example= or at its first forward; its
+default, attention by hand, is refused by name, at protect_ with example= and at the first forward
+without (strict), or named with strict=False."""
 
 from __future__ import annotations
 
@@ -41,11 +43,18 @@ def _inf(call) -> None:
     call.tensor[(0,) * (call.tensor.dim() - 1) + (5,)] = math.inf
 
 
-def test_every_attention_gemm_fault_is_corrected():
+@pytest.mark.parametrize("example", [True, False])
+def test_every_attention_gemm_fault_is_corrected(example):
+    """Its flash model, found with example= or at the first forward (which runs checked)."""
     want = _step(_build())
     model = _build()
-    handle = protect_(model, example=(IDX,))
+    handle = protect_(model, example=(IDX,) if example else None)
+    if not example:
+        assert handle.pending and handle.modules == []
+        close_first = _step(model)
+        torch.testing.assert_close(close_first[0], want[0], rtol=1e-5, atol=1e-6)
     assert handle.modules == ["attn_layers.layers.0.1.attend", "attn_layers.layers.2.1.attend"]
+    assert all(c["unchecked"] == {} for c in handle.summary()["per_module"].values())
     block = handle.modules[1]
 
     def close(got) -> None:
@@ -63,6 +72,38 @@ def test_every_attention_gemm_fault_is_corrected():
         assert [(e.op, e.action) for e in handle.drain()] == [(site, "corrected")], site
 
 
-def test_its_default_attention_by_hand_is_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match=r"by hand .*layers\.0\.1\.attend"):
+def test_its_default_attention_by_hand_is_refused_by_name_at_protect_or_at_the_first_forward():
+    """Its default Attend computes attention by hand (its source has an SDPA branch that the
+    default options do not take): example= refuses at protect_; without it, the first forward
+    raises the same words (strict=True), and the model is left as it was."""
+    with pytest.raises(UnsupportedModelError, match=r"by hand .*layers\.0\.1\.attend") as first:
         protect_(_build(flash=False), example=(IDX,))
+    model = _build(flash=False)
+    handle = protect_(model)
+    assert set(handle.summary()["per_module"]) == {
+        "attn_layers.layers.0.1.attend",
+        "attn_layers.layers.2.1.attend",
+    }  # fmt: skip  where its source says to look, pending
+    with pytest.raises(UnsupportedModelError) as later:
+        model(IDX)
+    assert str(later.value) == str(first.value)
+    assert handle.modules == [] and not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_its_default_attention_by_hand_with_strict_false_is_named_and_its_linears_checked():
+    """strict=False and scope="all_linear": the first forward warns naming the attend modules,
+    which are not listed as protected; the linear layers are checked (a fault corrected)."""
+    from attnchecker import ABFTConfig
+
+    want = _step(_build(flash=False))
+    model = _build(flash=False)
+    handle = protect_(model, ABFTConfig(strict=False, scope="all_linear"))
+    with pytest.warns(RuntimeWarning, match=r"not its attention: .*by hand .*layers\.0\.1\.attend"):
+        _step(model)
+    assert not any(n.endswith("attend") for n in handle.modules)
+    assert "layers.2.1.attend" in handle.summary()["attention"]
+    detach = handle.attach(_inf, sites=("y",), modules=("attn_layers.layers.0.1.to_q",))
+    got = _step(model)
+    detach.remove()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert [(e.op, e.action) for e in handle.drain()] == [("y", "corrected")]

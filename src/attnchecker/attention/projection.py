@@ -323,12 +323,15 @@ def protect_attention(
     device: torch.device,
     engine: str,
     note: str = "",
+    unfound: str = "",
 ) -> tuple[AttentionState, list[Undo], list[nn.Module]]:
     """One attention module's state with its ``projections`` wired, forward and backward:
     (the state, the undos, the projections whose backward GEMMs are asked for but could not be
     wired). ``passing``: the family lets V's sums pass to the core (else ``mode="naive"``);
     ``engine``: ``"triton"`` when the fused kernels run the core (their counters, and they
-    check the core's backward GEMMs themselves), ``"eager"`` otherwise, ``note`` saying why."""
+    check the core's backward GEMMs themselves), ``"eager"`` otherwise, ``note`` saying why;
+    ``unfound``: why no projections were found, when none were. Every op the config asks for
+    that is not wired is in ``state.coverage.missing`` with its reason."""
     fused = engine == "triton"
     if not passing:
         config = config.replace(mode="naive")
@@ -357,9 +360,39 @@ def protect_attention(
             wired.update(ops)
         elif any(op in config.ops for op in ops) or config.schedule is not None:
             unwired.append(p.module)
-            st.coverage.unwired.extend(ops)
+            st.miss(ops, _OWN_FORWARD.format(kind=type(p.module).__name__))
     st.sites.keep(wired)
+    _explain(st, projections, wired, unfound or "projections not found")
     return st, undo, unwired
+
+
+_OWN_FORWARD = (
+    "backward not reachable: its {kind} has a forward of its own (a subclass, a quantized "
+    "layer, or a hook that replaced forward)"
+)
+_NO_OUT = "no output projection: no linear layer takes the attention's output in the traced forward"
+
+
+def _explain(
+    st: AttentionState, projections: Sequence[ProjectionSpec], wired: set[str], unfound: str
+) -> None:
+    """Name, in ``st.coverage.missing``, each op the schedule asks of this module on a checked
+    step that is not wired: no projection makes its site (``unfound``), or its GEMM is a fused
+    projection's whose first op the schedule does not ask for."""
+    asked = st.schedule.ops_of(st.name, on=True)
+    first = {s: p.sites[0] for p in projections for s in p.sites}  # the op a GEMM is named by
+    for o in (*st.ops, *st.grad_ops):
+        if o not in asked or o in wired or o in st.coverage.missing:
+            continue
+        site = o.partition(".")[2] or o  # dx.k -> k
+        if table_op(o).part == "projection" and site not in first:
+            lone = site == "out" and first  # Q, K, V found: no layer takes the output
+            st.miss([o], _NO_OUT if lone else unfound)
+        elif site in first and first[site] != site:
+            named = o.replace(f".{site}", f".{first[site]}")
+            if named not in asked:
+                st.miss([o], f"one GEMM with {named} (a fused projection), which the config "
+                             f"does not check")  # fmt: skip
 
 
 def protect_linears(
@@ -395,10 +428,10 @@ def protect_linears(
         if patched is not None:
             undo.append(patched)
             continue
+        if backward:
+            unpatched.append(name)
+            st.miss(grad_ops, _OWN_FORWARD.format(kind=type(m).__name__))
         st.sites.keep(("y",))
         if schedule.entries is None:
             schedule.bind(name, layer, ("y",))
-        if backward:
-            unpatched.append(name)
-            st.coverage.unwired.extend(grad_ops)
     return states, undo, unpatched

@@ -10,6 +10,7 @@ the model's modules (:class:`~.schedule.Schedule`), what its projection checks l
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,13 +60,19 @@ class Clock:
 class Coverage:
     """What really runs in one protected module, for ``summary()``: which engine runs the core
     ("eager" or "triton") and why when it is not the one asked for, the reasons for which fused
-    calls ran the eager engine instead (recorded in eager), and the ops the config asks for
-    that this module has but cannot check (a Linear with a forward of its own)."""
+    calls ran the eager engine instead (recorded in eager), and ``missing``: each op the config
+    asks for that this module does not check, with the reason (projections not found, a layout
+    not understood, a backward not reachable, a forward that took another path)."""
 
     engine: str = "eager"
     note: str = ""
     fallbacks: set[str] = field(default_factory=set)
-    unwired: list[str] = field(default_factory=list)
+    missing: dict[str, str] = field(default_factory=dict)
+
+    def miss(self, ops: Iterable[str], why: str) -> None:
+        """Note ``ops`` as not checked, for ``why`` (the first reason given stays)."""
+        for o in ops:
+            self.missing.setdefault(o, why)
 
 
 class AttentionState:
@@ -118,6 +125,12 @@ class AttentionState:
     def grad_hook(self):
         """The backward's site runner, or None (see :meth:`Sites.grad_hook`)."""
         return self.sites.grad_hook(self.records.grad_ops)
+
+    def miss(self, ops: Iterable[str], why: str) -> None:
+        """Note, in :attr:`coverage`, those of ``ops`` the schedule asks of this module on a
+        checked step as not checked, for ``why``."""
+        asked = self.schedule.ops_of(self.name, on=True)
+        self.coverage.miss([o for o in ops if o in asked], why)
 
     def note(self, ops: tuple[str, ...], rec: Tensor) -> None:
         self.records.note(ops, rec)

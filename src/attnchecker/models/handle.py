@@ -7,6 +7,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,13 @@ from attnchecker.attention.records import RECORD_FIELDS
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock, SiteHook
 from attnchecker.errors import ConfigError, UncorrectableFaultError
+
+if TYPE_CHECKING:
+    from attnchecker.models.pending import Pending
+
+PENDING = "pending discovery: found at the model's first forward (example= finds it at protect_)"
+"""Why the configured ops of a module are not checked before a model of one's own, protected
+without ``example=``, has run its first forward (:mod:`attnchecker.models.pending`)."""
 
 __all__ = ["Event", "ProtectionHandle", "pattern_of"]
 
@@ -90,23 +98,36 @@ def _count(into: dict[str, dict[str, int]], op: str, rec: dict[str, float]) -> N
 
 
 def _coverage(st: AttentionState) -> dict[str, object]:
-    """What really runs in one protected module (:class:`Coverage`) and the ops it checks (on
-    a schedule's checked steps; the fused kernels check the core's backward GEMMs)."""
+    """What really runs in one protected module (:class:`Coverage`), the ops it checks (on a
+    schedule's checked steps; the fused kernels check the core's backward GEMMs) and, by op,
+    why each op the config asks of it is not checked."""
     cov = st.coverage
     on = st.schedule.ops_of(st.name, on=True)
     kernels = cov.engine == "triton"
     checked = [
         op
         for op in (*st.ops, *st.grad_ops)
-        if op in on and (op in st.hooks or (kernels and op in CORE_GRAD_OPS))
+        if op in on
+        and op not in cov.missing
+        and (op in st.hooks or (kernels and op in CORE_GRAD_OPS))
     ]
     return {
         "engine": cov.engine,
         "note": cov.note,
         "fallbacks": sorted(cov.fallbacks),
         "checked": checked,
-        "unchecked": list(cov.unwired),
+        "unchecked": dict(cov.missing),
     }
+
+
+def _pending(config: ABFTConfig, pending: Pending) -> dict[str, dict[str, object]]:
+    """``per_module`` before discovery: each module whose source names SDPA, its configured
+    ops pending."""
+    ops = config.ops if config.schedule is None else sorted(
+        {op for _, op, _ in config.schedule if op in ALL_OPS}, key=ALL_OPS.index
+    )  # fmt: skip
+    entry = {"engine": None, "note": "", "fallbacks": [], "checked": []}
+    return {n: entry | {"unchecked": dict.fromkeys(ops, PENDING)} for n in pending.candidates}
 
 
 def _event(module: str, layer: int, op: str, rec: dict[str, float], *, tile: bool) -> Event:
@@ -153,11 +174,19 @@ class ProtectionHandle:
         self._causes = {"fault": 0, "numerics": 0}  # detections by cause since protection
         self._engines_logged: set[str] | None = None  # fallback reasons logged; None: none yet
         self.unprotected = unprotected  # why the model's attention is not checked, or None
+        # a model of one's own protected without example=, before its first forward
+        self._pending: Pending | None = None
 
     @property
     def modules(self) -> list[str]:
-        """Qualified names of the protected attention modules."""
+        """Qualified names of the protected modules (none before the first forward of a model
+        protected without ``example=``: :attr:`pending`)."""
         return list(self._states)
+
+    @property
+    def pending(self) -> bool:
+        """Whether discovery waits for the model's first forward (no ``example=``)."""
+        return self._pending is not None
 
     @property
     def step(self) -> int:
@@ -180,6 +209,11 @@ class ProtectionHandle:
         The hook sees each site's tensor between the operation and its check and may edit it in
         place: this is how faults are placed. Returns an object whose ``remove()`` detaches it.
         """
+        if self._pending is not None:
+            raise ConfigError(
+                "protection is found at the model's first forward (no example= given); "
+                "attach after it, or pass example=(batch,) to protect_"
+            )
         known_all = [s for st in self._states.values() for s in st.hooks]
         sites = list(dict.fromkeys(known_all)) if sites is None else list(sites)
         known = {s for st in self._states.values() for s in st.hooks}
@@ -270,9 +304,16 @@ class ProtectionHandle:
 
     def _log_engines(self) -> None:
         """At the first drain, one log line per engine saying which modules it runs and why
-        (when it is not the one asked for); later, a warning for each new fused fallback."""
-        if self._engines_logged is None:
+        (when it is not the one asked for) and one warning per module with configured ops it
+        does not check; later, a warning for each new fused fallback."""
+        if self._engines_logged is None and self._states:
             self._engines_logged = set()
+            for name, st in self._states.items():
+                if missing := _coverage(st)["unchecked"]:
+                    _LOG.warning(
+                        "attnchecker: %s does not check %s",
+                        name, "; ".join(f"{op} ({why})" for op, why in missing.items()),
+                    )  # fmt: skip
             groups: dict[tuple[str, str], list[str]] = {}
             for name, st in self._states.items():
                 groups.setdefault((st.coverage.engine, st.coverage.note), []).append(name)
@@ -283,7 +324,7 @@ class ProtectionHandle:
                     f": {note}" if note else "",
                 )  # fmt: skip
         for name, st in self._states.items():
-            for reason in st.coverage.fallbacks - self._engines_logged:
+            for reason in st.coverage.fallbacks - (self._engines_logged or set()):
                 self._engines_logged.add(reason)
                 _LOG.warning(
                     "attnchecker: fused kernels fell back to the eager engine in %s (and maybe "
@@ -311,7 +352,7 @@ class ProtectionHandle:
             "modules": self.modules,
             # None, or why the attention is not checked (scope="all_linear" on a model whose
             # attention protect_ cannot find: its linear layers alone are)
-            "attention": self.unprotected,
+            "attention": PENDING if self._pending is not None else self.unprotected,
             "ops": list(self.config.ops)
             if self.config.schedule is None
             else sorted({op for _, op, _ in self.config.schedule}, key=ALL_OPS.index),
@@ -328,7 +369,9 @@ class ProtectionHandle:
             "host": where.host,
             "device": where.device,
             "detections": dict(self._causes),
-            "per_module": {name: _coverage(st) for name, st in self._states.items()},
+            "per_module": _pending(self.config, self._pending)
+            if self._pending is not None
+            else {name: _coverage(st) for name, st in self._states.items()},
         }
 
     def _remove(self) -> None:

@@ -23,8 +23,10 @@ from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock
 from attnchecker.errors import ConfigError, NoMatchingModuleError, UnsupportedModelError
 from attnchecker.models.handle import ProtectionHandle
+from attnchecker.models.pending import Call, defer
 from attnchecker.models.registry import AttentionBlock, Discovery, discover, install, linear_layers
 from attnchecker.models.sdpa import discover_sdpa
+from attnchecker.models.sdpa_trace import trace, trace_call
 
 __all__ = ["protect_", "unprotect_"]
 
@@ -36,9 +38,11 @@ def protect_(
 ) -> ProtectionHandle:
     """Protect every attention layer of ``model`` in place: a supported Hugging Face model by
     the family table, any other PyTorch model at its ``F.scaled_dot_product_attention`` calls
-    (:mod:`attnchecker.models.sdpa`: found by one forward on ``example``, positional arguments
-    or a dict of keyword arguments, else from the modules' sources; their projections are
-    checked as linear layers with ``scope="all_linear"``).
+    (:mod:`attnchecker.models.sdpa`), found with their projections by one traced forward: on
+    ``example`` (positional arguments, or a dict of keyword arguments) now, else on the first
+    real batch, at the model's first forward (:mod:`attnchecker.models.pending`: until then
+    ``summary()`` says discovery is pending; what protect_ would raise here, that forward
+    raises, in the same words).
 
     Raises :class:`~attnchecker.errors.UnsupportedModelError` for a model whose attention it
     cannot check (hand-written attention is named) and
@@ -54,8 +58,48 @@ def protect_(
         raise ConfigError(
             "the model is already protected; call attnchecker.unprotect_(model) first"
         )
+    clock = Clock(torch.zeros(1, dtype=torch.float64, device=_device(model)))
+    handle = ProtectionHandle(config, {}, clock, Schedule.of(config), undo=[])
+    family, why = _family(model)
+    if family is None and example is None:
+        defer(model, handle, lambda call: _protect(model, handle, why, call))
+    else:
+        _protect(model, handle, family or why, example)
+    setattr(model, _HANDLE, handle)
+    handle._undo.append(lambda: delattr(model, _HANDLE))
+    return handle
+
+
+def _family(model: nn.Module) -> tuple[Discovery | None, str]:
+    """The family table's discovery of ``model``, or (None, what the table said) for a model
+    of one's own (not a transformers model); a transformers model the table refuses raises
+    its reason."""
     try:
-        (found, left), unprotected = _discover(model, example, config.strict), None
+        return discover(model), ""
+    except UnsupportedModelError as e:
+        if isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
+            raise
+        return None, str(e)
+
+
+def _protect(
+    model: nn.Module,
+    handle: ProtectionHandle,
+    family: Discovery | str,
+    example: tuple | dict | Call | None,
+) -> Callable[..., None]:
+    """Wire protection into ``model`` and ``handle``: the ``family``'s blocks, or (what the
+    family table said of a model of one's own) those a forward traced on ``example`` finds
+    (at the first forward, a :class:`~attnchecker.models.pending.Call`);
+    returns the clock's tick, installed as a root forward pre-hook. Nothing half-installed is
+    left behind on an error."""
+    config, clock, schedule, states = handle.config, handle._clock, handle.schedule, handle._states
+    try:
+        if isinstance(family, Discovery):
+            found, left = family, None
+        else:
+            found, left = _traced(model, example, family, config.strict)
+        unprotected = None
     except UnsupportedModelError as e:
         if config.scope != "all_linear":
             raise
@@ -71,9 +115,6 @@ def protect_(
         config, device, family=type(model).__name__ if found is None else found.model_type,
         interface=found is not None and (not found.wiring.patch or found.wiring.sdpa),
     )  # fmt: skip
-    clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
-    schedule = Schedule.of(config)
-    states: dict[str, AttentionState] = {}
     undo: list[Callable[[], None]] = []
     try:
         unpatched = _wire(model, found, chosen, config, clock, schedule, engine, note, states, undo)
@@ -93,16 +134,17 @@ def protect_(
     except BaseException:  # nothing half-installed is left behind
         for fn in reversed(undo):
             fn()
+        states.clear()
         raise
     if unprotected is not None:
         warnings.warn(
             f"attnchecker: scope='all_linear' checks the {len(states)} linear layer(s) of "
             f"{type(model).__name__}, not its attention: {unprotected}",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     if left is not None:
-        warnings.warn(f"attnchecker: {left}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"attnchecker: {left}", RuntimeWarning, stacklevel=3)
     if unpatched:
         warnings.warn(
             f"attnchecker: {len(unpatched)} linear layer(s) have a forward of their own (a "
@@ -110,27 +152,24 @@ def protect_(
             f"their backward GEMMs (dx, dw) are not checked: {', '.join(unpatched)}; "
             f"handle.summary()['per_module'] lists what is checked where",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    handle = ProtectionHandle(
-        config, states, clock, schedule, undo=undo, unprotected=unprotected or left
-    )
-    setattr(model, _HANDLE, handle)
-    undo.append(lambda: delattr(model, _HANDLE))
-    return handle
+    handle._undo += undo
+    handle.unprotected = unprotected or left
+    return tick
 
 
-def _discover(
-    model: nn.Module, example: tuple | dict | None, strict: bool
+def _traced(
+    model: nn.Module, example: tuple | dict | Call, why: str, strict: bool
 ) -> tuple[Discovery, str | None]:
-    """The family table's discovery, else (not a transformers model) the SDPA calls', and the
-    attention it leaves unchecked (``strict=False``), named."""
-    try:
-        return discover(model), None
-    except UnsupportedModelError as e:
-        if isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
-            raise  # a transformers model the table refuses: its reason stands
-        return discover_sdpa(model, example, str(e), strict=strict)
+    """The SDPA calls' discovery of a model of one's own (``why``: what the family table
+    said) by a forward traced on ``example`` (a :class:`~attnchecker.models.pending.Call` at
+    the first forward), and the attention it leaves unchecked."""
+    if isinstance(example, Call):
+        found = trace_call(model, example.args, example.kwargs)
+    else:
+        found = trace(model, example)
+    return discover_sdpa(model, found, why, strict=strict)
 
 
 def _chosen(blocks: list[AttentionBlock], config: ABFTConfig) -> list[AttentionBlock]:
@@ -174,7 +213,7 @@ def _wire(
     for b in chosen:
         st, more, unwired = protect_attention(
             b.name, b.layer, b.projections, config, clock, schedule, passing=b.passing,
-            device=_device(b.core, device), engine=engine, note=note,
+            device=_device(b.core, device), engine=engine, note=note, unfound=b.unfound,
         )  # fmt: skip
         states[b.name] = st
         undo += more

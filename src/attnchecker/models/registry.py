@@ -59,6 +59,7 @@ class AttentionBlock:
     projections: tuple[ProjectionSpec, ...]
     spec: CoreSpec
     passing: bool = True  # V's projection sums may serve the context check
+    unfound: str = ""  # why no projections were found (a model of one's own), or ""
 
 
 @dataclass(frozen=True)

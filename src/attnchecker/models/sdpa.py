@@ -8,15 +8,14 @@ module that calls it (so a compiled model stays one graph) and routes the call t
 eager core (:func:`~attnchecker.attention.core.attend`). The mode holds no value that changes
 from call to call: the module's state lives in tensors, as for the Hugging Face families.
 
-Which modules call it: :func:`sdpa_modules` runs one forward on an example input and records
-the innermost module around each call; without an example, the modules whose class source
-names ``scaled_dot_product_attention`` (and ``nn.MultiheadAttention``, whose functional path
-calls it). A module whose forward multiplies, takes a softmax and multiplies again without
-SDPA (hand-written attention, timm with fused attention off) is named too, and so is one whose
-source names ``flex_attention``, ``flash_attn_func`` or varlen attention (not SDPA calls):
-protect_ refuses them rather than leave them silently unchecked. The projections are found by
-the traced forward (:mod:`~attnchecker.models.sdpa_trace`); without an example their GEMMs are
-checked as linear layers with ``scope="all_linear"`` only.
+Which modules call it, and their projections, is what one traced forward sees
+(:mod:`~attnchecker.models.sdpa_trace`): on ``example=`` at ``protect_``, else on the model's
+first real batch, at its first forward (:mod:`~attnchecker.models.pending`). The innermost module
+around each SDPA call is protected; a module seen computing attention by hand (a product, a
+softmax and a product again, no SDPA: timm with fused attention off) or running flex / flash /
+varlen attention (not SDPA calls) is refused by name rather than left silently unchecked, or,
+with ``strict=False``, named as unchecked. Class sources only say where to look: a module whose
+source names flex attention and that runs none is protected.
 
 ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``) calls SDPA inside
 ``F.multi_head_attention_forward``, whose own torch-function dispatch runs its body with the
@@ -45,10 +44,11 @@ from torch.overrides import TorchFunctionMode
 
 from attnchecker.attention.core import CORE, CoreSpec, attend
 from attnchecker.attention.fused import attend_fused
+from attnchecker.attention.ops import op as table_op
 from attnchecker.attention.projection import project
 from attnchecker.attention.state import AttentionState
 from attnchecker.errors import UnsupportedModelError
-from attnchecker.models.sdpa_trace import Found, mha_split, trace
+from attnchecker.models.sdpa_trace import Found, mha_split, source_names, trace
 
 __all__ = [
     "SPEC",
@@ -272,6 +272,8 @@ def _in_projection(
     specs = {} if state is None else {"".join(p.sites): p for p in state.inline}
     if not specs or any(s not in specs for s in split) or weight is not module.in_proj_weight:
         if specs and not torch.compiler.is_compiling():
+            ops = [o for p in specs.values() for o in (*p.sites, *p.ops)]
+            state.miss(ops, f"the in-projection called as {split}, not as traced")
             warnings.warn(
                 f"attnchecker: {state.name}: its in-projection is called as {split}, not as "
                 f"the traced forward found it ({tuple(specs)}): NOT checked",
@@ -353,8 +355,8 @@ class CheckedSDPA(TorchFunctionMode):
 
 def wrap_forward(module: nn.Module) -> Callable[..., object]:
     """The module's forward run inside its :class:`CheckedSDPA` (for ``Wiring.patch``). A
-    module found by its source whose eager forward then calls no SDPA (another code path, such
-    as attention by hand) is warned about once: its attention ran unchecked."""
+    module whose eager forward then calls no SDPA (a code path other than the traced
+    forward's) is warned about once, and its summary names the core's ops as unchecked."""
     mode, forward, warned = CheckedSDPA(module), type(module).forward, []
 
     def checked_forward(*args: object, **kwargs: object) -> object:
@@ -363,10 +365,15 @@ def wrap_forward(module: nn.Module) -> Callable[..., object]:
             out = forward(module, *args, **kwargs)
         if mode.routed == before and not warned and not torch.compiler.is_compiling():
             warned.append(True)
+            _, state = getattr(module, CORE, (None, None))
+            why = "a forward ran without calling scaled_dot_product_attention"
+            if state is not None:
+                core = [o for o in (*state.ops, *state.grad_ops) if table_op(o).part == "core"]
+                state.miss(core, why)
             warnings.warn(
                 f"attnchecker: {type(module).__name__} ran without calling "
-                f"scaled_dot_product_attention: its attention is NOT checked (give protect_ an "
-                f"example input to find attention written by hand, which it refuses)",
+                f"scaled_dot_product_attention (a code path the traced forward did not take): "
+                f"its attention is NOT checked in such calls",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -378,13 +385,19 @@ def wrap_forward(module: nn.Module) -> Callable[..., object]:
 def sdpa_modules(model: nn.Module, example: tuple | dict | None = None) -> Found:
     """Where ``model`` calls attention: by one traced forward on ``example`` (positional
     arguments, or keyword arguments as a dict: :func:`~.sdpa_trace.trace`, which also finds
-    the projections), else by reading the modules' class sources."""
-    return _by_source(model) if example is None else trace(model, example)
-
-
-_UNROUTED = ("flex_attention", "flash_attn_func", "flash_attn_varlen", "varlen_attn")
-"""Attention functions that are not SDPA calls: a module whose class source names one is
-refused by name (a mode cannot route them to the checked core)."""
+    the projections), else where to look: the modules whose class source names SDPA (and
+    ``nn.MultiheadAttention`` modules), innermost, and those naming an attention function
+    that is not SDPA (``unrouted``: nothing seen running)."""
+    if example is not None:
+        return trace(model, example)
+    sdpa, others = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.MultiheadAttention) or "scaled_dot_product_attention" in _source(m):
+            sdpa.append(name)
+        elif names := source_names(m):
+            others.append(f"{name or type(m).__name__} ({names[0]})")
+    inner = [n for n in sdpa if not any(o != n and o.startswith(f"{n}.") for o in sdpa)]
+    return Found(tuple(inner), (), unrouted=tuple(others))
 
 
 def _source(m: nn.Module) -> str:
@@ -394,45 +407,20 @@ def _source(m: nn.Module) -> str:
         return ""
 
 
-def unrouted(model: nn.Module) -> list[str]:
-    """``name (function)`` of each module whose class source names an attention function of
-    :data:`_UNROUTED` and not SDPA (one that names both is protected, and warned about if a
-    forward then calls no SDPA: :func:`wrap_forward`)."""
-    out = []
-    for name, m in model.named_modules():
-        src = _source(m)
-        if "scaled_dot_product_attention" not in src:
-            out += [f"{name or type(m).__name__} ({f})" for f in _UNROUTED if f in src][:1]
-    return out
-
-
-def _by_source(model: nn.Module) -> Found:
-    sdpa = []
-    for name, m in model.named_modules():
-        if isinstance(m, nn.MultiheadAttention):
-            sdpa.append(name)
-            continue
-        if "scaled_dot_product_attention" in _source(m):
-            sdpa.append(name)
-    inner = [n for n in sdpa if not any(o != n and o.startswith(f"{n}.") for o in sdpa)]
-    return Found(tuple(inner), ())
-
-
-def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str, *, strict: bool = True):
+def discover_sdpa(model: nn.Module, found: Found, why: str, *, strict: bool = True):
     """The :class:`~attnchecker.models.registry.Discovery` of a model outside the family table
-    (``why``: what the table said) whose attention is SDPA, and what it leaves unchecked (None,
-    or with ``strict=False`` the attention it cannot route, named); raises
+    (``why``: what the table said) from what a traced forward ``found``, and what it leaves
+    unchecked (None, or with ``strict=False`` the attention it cannot route, named); raises
     :class:`~attnchecker.errors.UnsupportedModelError` naming attention it cannot route
     (``strict``), or when there is no SDPA call at all."""
     from attnchecker.models.families import Wiring
     from attnchecker.models.registry import AttentionBlock, Discovery, layer_of
 
-    found = sdpa_modules(model, example)
     refused = []
-    if names := unrouted(model):
+    if found.unrouted:
         refused.append(
             f"{type(model).__name__} calls attention that is not scaled_dot_product_attention "
-            f"in {', '.join(names)}; protect_ cannot route it to the checked core"
+            f"in {', '.join(found.unrouted)}; protect_ cannot route it to the checked core"
         )
     if found.handwritten:
         refused.append(
@@ -447,8 +435,9 @@ def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str, *, s
             + (" (ABFTConfig(strict=False) protects the rest)" if found.sdpa else "")
         )
     if not found.sdpa:
-        how = "in a forward on the example" if example is not None else "in any module's source"
-        raise UnsupportedModelError(f"{why}; and it calls no scaled_dot_product_attention {how}")
+        raise UnsupportedModelError(
+            f"{why}; and it calls no scaled_dot_product_attention in a forward"
+        )
     if differ := probe(found.calls):
         raise UnsupportedModelError(
             f"{type(model).__name__}: on the example, {'; '.join(differ)}: protect_ refuses "
@@ -458,7 +447,8 @@ def discover_sdpa(model: nn.Module, example: tuple | dict | None, why: str, *, s
     blocks = []
     for i, n in enumerate(found.sdpa):
         m, projections = modules[n], found.projections.get(n, ())
-        blocks.append(AttentionBlock(n, layer_of(n, m, i), m, projections, SPEC, passing=False))
+        blocks.append(AttentionBlock(n, layer_of(n, m, i), m, projections, SPEC, passing=False,
+                                     unfound=found.unfound.get(n, "")))  # fmt: skip
     wiring = Wiring(projections=(), spec=SPEC, patch=("forward", wrap_forward), sdpa=True)
     left = "; ".join(refused) + " (strict=False: NOT checked)" if refused else None
     return Discovery(type(model).__name__, blocks, wiring, generic=True), left

@@ -21,17 +21,29 @@ and V (or K and V) is a fused projection, in one of the layouts the checks imple
   with the sites and counted with Q).
 
 Which one is read from V, compared bitwise with the layer's output under each layout (none: no
-projections, with a warning). ``nn.MultiheadAttention`` has no linear layer for its
-in-projection: the rows of its ``in_proj_weight`` that each of its GEMMs uses (one for
+projections, and the reason, :attr:`Found.unfound`). ``nn.MultiheadAttention`` has no linear
+layer for its in-projection: the rows of its ``in_proj_weight`` that each of its GEMMs uses (one for
 self-attention, Q and K | V when key is value, else three: as the traced call splits them) are
 its projections, run and checked by ``models.sdpa.checked_mha``, and ``out_proj`` its output
 projection.
+
+Attention functions that are not SDPA calls (:data:`UNROUTED`: flex attention, flash-attn's
+functions, varlen attention) are seen running, not read from source text: for the forward,
+every such function a module's class could call (bound in its module's globals, in its class,
+or in the function's home module) is replaced by a recorder that notes the innermost running
+module and calls the function. A module whose source merely names one (torchtitan's
+``_get_flex_attention_masks``, a method that builds masks) is not refused for it.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import sys
+import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +56,7 @@ from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.families import Wiring
 from attnchecker.models.registry import SITES, projection_spec
 
-__all__ = ["Found", "mha_split", "trace"]
+__all__ = ["UNROUTED", "Found", "mha_split", "source_names", "trace"]
 
 _SDPA = F.scaled_dot_product_attention
 _PRODUCTS = frozenset({torch.matmul, torch.bmm, torch.einsum, Tensor.matmul, Tensor.__matmul__})
@@ -67,6 +79,12 @@ class Found:
     calls: dict[str, tuple[tuple[Tensor, ...], dict, Tensor]] = field(default_factory=dict)
     """Each SDPA caller's first call, detached: ((q, k, v), SDPA's other arguments by name,
     SDPA's output), for the probe of the checked core (``sdpa.probe``)."""
+    unrouted: tuple[str, ...] = ()
+    """``name (function)`` of each module seen running an attention function of
+    :data:`UNROUTED` (not an SDPA call: a mode cannot route it)."""
+    unfound: dict[str, str] = field(default_factory=dict)
+    """Why an SDPA caller's projections were not found (a layout not understood, Q from no
+    single linear layer), by module name."""
 
 
 class _Recorder(TorchFunctionMode):
@@ -95,6 +113,15 @@ class _Recorder(TorchFunctionMode):
 def trace(model: nn.Module, example: tuple | dict) -> Found:
     """Where ``model`` calls attention, and its projections, from one forward on ``example``
     (positional arguments, or keyword arguments as a dict), gradients on."""
+    if isinstance(example, dict):
+        return trace_call(model, (), example)
+    return trace_call(model, tuple(example), {})
+
+
+def trace_call(model: nn.Module, args: tuple, kwargs: dict) -> Found:
+    """:func:`trace` of the forward ``model(*args, **kwargs)``. A forward that fails after an
+    attention function of :data:`UNROUTED` ran (flex attention has no CPU backward) is
+    refused naming it; any other failure is the model's own and propagates."""
     stack: list[str] = []  # the running modules, innermost last
     io: dict[str, tuple[Tensor, Tensor]] = {}  # each linear layer's last (input, output)
 
@@ -117,10 +144,19 @@ def trace(model: nn.Module, example: tuple | dict) -> Found:
         handles.append(m.register_forward_hook(leave))
         if isinstance(m, nn.Linear):
             handles.append(m.register_forward_hook(keep(name)))
-    recorder = _Recorder(stack)
+    recorder, seen = _Recorder(stack), {}
     try:
-        with torch.enable_grad(), recorder:
-            model(**example) if isinstance(example, dict) else model(*example)
+        with torch.enable_grad(), _watching(model, stack, seen), recorder:
+            model(*args, **kwargs)
+    except Exception as e:
+        if not seen:
+            raise
+        ran = ", ".join(f"{n or type(model).__name__} ({f})" for n, f in seen.items())
+        raise UnsupportedModelError(
+            f"{type(model).__name__} calls attention that is not scaled_dot_product_attention "
+            f"in {ran}; protect_ cannot route it to the checked core (its forward then failed: "
+            f"{type(e).__name__}: {e})"
+        ) from e
     finally:
         for h in handles:
             h.remove()
@@ -129,11 +165,12 @@ def trace(model: nn.Module, example: tuple | dict) -> Found:
     hand = tuple(n for n, c in calls.items() if n not in sdpa and _looks(c))
     modules = dict(model.named_modules())
     weights = {id(modules[n].weight): n for n in io}
-    projections = {
-        n: _projections(n, recorder.operands[n], io, weights, modules)
-        for n in sdpa
-        if n in recorder.operands
-    }
+    projections, unfound = {}, {}
+    for n in sdpa:
+        if n in recorder.operands:
+            projections[n], why = _projections(n, recorder.operands[n], io, weights, modules)
+            if why:
+                unfound[n] = why
     for n, split in recorder.mha.items():
         if isinstance(modules[n], nn.MultiheadAttention):
             projections[n] = _mha_projections(n, modules[n], split)
@@ -144,7 +181,134 @@ def trace(model: nn.Module, example: tuple | dict) -> Found:
         for n in sdpa
         if n in recorder.operands
     }  # fmt: skip
-    return Found(sdpa, hand, projections, calls)
+    unrouted = tuple(f"{n or type(model).__name__} ({f})" for n, f in seen.items())
+    return Found(sdpa, hand, projections, calls, unrouted, unfound)
+
+
+UNROUTED = (
+    "flex_attention", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "varlen_attn",
+)  # fmt: skip
+"""Attention functions that are not SDPA calls, by name: a module seen running one is refused
+(or, with ``strict=False``, named as unchecked)."""
+
+_HOMES = {
+    "flex_attention": ("torch.nn.attention.flex_attention",),
+    "flash_attn_": ("flash_attn", "flash_attn.flash_attn_interface"),
+    "varlen_attn": ("torch.nn.attention.varlen",),
+}
+"""What source text may name (a function, or flash-attn's by prefix), and the modules that
+define it: imported for the trace where installed, so a call through the module (an import
+inside a forward) is seen too."""
+_NAMED = tuple(_HOMES)
+
+
+def _source(m: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(m))
+    except (OSError, TypeError):
+        return ""
+
+
+def source_names(m: nn.Module) -> list[str]:
+    """The attention functions of :data:`UNROUTED` (by prefix: ``flash_attn_``) that the source
+    of ``m``'s class names: where to look, never a reason to refuse."""
+    src = _source(m)
+    return [f for f in _NAMED if f in src]
+
+
+def _unrouted_name(fn: object) -> str | None:
+    """The :data:`UNROUTED` name of ``fn``, of the function it wraps (``functools.wraps``) or
+    that ``torch.compile`` wrapped, else None."""
+    for f in (fn, getattr(fn, "__wrapped__", None), getattr(fn, "_torchdynamo_orig_callable", 0)):
+        name = getattr(f, "__name__", None)
+        if name in UNROUTED:
+            return name
+    return None
+
+
+@contextmanager
+def _watching(model: nn.Module, stack: list[str], seen: dict[str, str]) -> Iterator[None]:
+    """For the body, every :data:`UNROUTED` function that the classes of ``model``'s modules
+    whose source names one could call (their modules' globals, their classes' attributes) and
+    the functions' home modules hold is a recorder: ``seen`` gets the innermost running module
+    and the function's name. Restored on exit."""
+    named = {f for m in model.modules() for f in source_names(m)}
+    spaces: list[dict] = [vars(home) for f in sorted(named) for home in _homes(f)]
+    for m in model.modules():
+        if source_names(m):
+            for cls in type(m).__mro__[:-1]:  # not object
+                mod = sys.modules.get(cls.__module__)
+                spaces += [vars(mod)] if mod is not None else []
+    patched: list[tuple[object, str, object]] = []
+    done: set[int] = set()
+    for m in model.modules():
+        if source_names(m):
+            for cls in type(m).__mro__:
+                if cls not in (nn.Module, object) and id(cls) not in done:
+                    done.add(id(cls))
+                    patched += _patch_class(cls, stack, seen)
+    for space in {id(s): s for s in spaces}.values():
+        for key, fn in list(space.items()):
+            if (name := _unrouted_name(fn)) is not None:
+                space[key] = _recorder(fn, name, stack, seen)
+                patched.append((space, key, fn))
+    try:
+        yield
+    finally:
+        for where, key, fn in reversed(patched):
+            if isinstance(where, dict):
+                where[key] = fn
+            else:
+                setattr(where, key, fn)
+
+
+def _homes(name: str) -> list[types.ModuleType]:
+    """The modules defining the functions ``name`` stands for, those installed."""
+    out = []
+    for home in _HOMES[name]:
+        try:
+            out.append(importlib.import_module(home))
+        except ImportError:
+            continue
+    return out
+
+
+def _patch_class(cls: type, stack: list[str], seen: dict[str, str]) -> list:
+    out = []
+    for key, fn in list(vars(cls).items()):
+        raw = fn.__func__ if isinstance(fn, staticmethod) else fn
+        if (name := _unrouted_name(raw)) is not None:
+            wrapped = _recorder(raw, name, stack, seen)
+            setattr(cls, key, staticmethod(wrapped) if isinstance(fn, staticmethod) else wrapped)
+            out.append((cls, key, fn))
+    return out
+
+
+def _recorder(fn: Callable, name: str, stack: list[str], seen: dict[str, str]) -> Callable:
+    """``fn`` noting, when called, the innermost running module under ``name``; a plain
+    function where ``fn`` is one (it binds as a method the same way), else an object that
+    does not bind."""
+
+    def record(*args: object, **kwargs: object) -> object:
+        seen.setdefault(stack[-1] if stack else "", name)
+        return fn(*args, **kwargs)
+
+    if isinstance(fn, types.FunctionType):
+        return record
+    return _Unbound(record)
+
+
+class _Unbound:
+    """A callable that stays unbound as a class attribute (as a compiled function or a builtin
+    does)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self._fn = fn
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        return self._fn(*args, **kwargs)
 
 
 def mha_split(query: Tensor, key: Tensor, value: Tensor) -> tuple[str, ...]:
@@ -236,14 +400,22 @@ def _projections(
     io: dict[str, tuple[Tensor, Tensor]],
     weights: dict[int, str],
     modules: dict[str, nn.Module],
-) -> tuple[ProjectionSpec, ...]:
+) -> tuple[tuple[ProjectionSpec, ...], str]:
     """The projections of the SDPA call in ``where``: each of Q, K, V from one linear layer,
-    grouped by layer; the output projection; () with a warning when the layout is not one the
-    checks implement."""
+    grouped by layer; the output projection; and why none were found ("" when they were):
+    with a warning when the layout is not one the checks implement."""
     q, k, v, out = operands
-    if q.dim() != 4 or any(x.grad_fn is None for x in (q, k, v)):
-        return ()
+    if q.dim() != 4:
+        return (), f"projections not found: SDPA called with {q.dim()}-D operands"
+    if any(x.grad_fn is None for x in (q, k, v)):
+        return (), (
+            "projections not found: Q, K and V have no autograd graph (the projection "
+            "weights do not require gradients)"
+        )
     sources = {s: _feeding(t, weights) for s, t in zip("qkv", (q, k, v), strict=True)}
+    if none := [s.upper() for s, src in sources.items() if not src]:
+        return _unknown(where, f"no nn.Linear makes {', '.join(none)} (a weight multiplied "
+                               f"by F.linear or by hand)")  # fmt: skip
     if any(len(src) != 1 for src in sources.values()):
         return _unknown(where, f"Q, K, V come from {sources}")
     by_layer: dict[str, str] = {}
@@ -274,7 +446,7 @@ def _projections(
             width = m.weight.shape[0]
             groups = width // d if width % d == 0 else nh if width % nh == 0 else 1
             specs.append(ProjectionSpec(SITES["out"], m, groups))
-    return tuple(specs)
+    return tuple(specs), ""
 
 
 def _layout(y: Tensor, v: Tensor, d: int, nh: int, sites: str) -> tuple[bool, int, int] | None:
@@ -316,11 +488,11 @@ def _layout(y: Tensor, v: Tensor, d: int, nh: int, sites: str) -> tuple[bool, in
     return None
 
 
-def _unknown(where: str, why: str) -> tuple[ProjectionSpec, ...]:
+def _unknown(where: str, why: str) -> tuple[tuple[ProjectionSpec, ...], str]:
     warnings.warn(
         f"attnchecker: {where}: its projections are not checked as attention projections "
         f"({why}); scope='all_linear' checks them as linear layers",
         RuntimeWarning,
         stacklevel=4,
     )
-    return ()
+    return (), f"projections not found: {why}"
