@@ -59,11 +59,9 @@ class Call:
 @dataclass(frozen=True)
 class Pending:
     """What is known of a model before its first forward: where to look (the innermost
-    modules whose class source names SDPA, ``nn.MultiheadAttention`` modules) and the modules
-    whose source names an attention function that is not SDPA (refused only if seen running)."""
+    modules whose class source names SDPA, ``nn.MultiheadAttention`` modules)."""
 
     candidates: tuple[str, ...]
-    named: tuple[str, ...]
 
 
 def defer(model: nn.Module, handle, resolve: Callable[[Call], Callable[..., None]]) -> None:
@@ -73,7 +71,7 @@ def defer(model: nn.Module, handle, resolve: Callable[[Call], Callable[..., None
     where = sdpa_modules(model)
     if "" in where.sdpa:
         raise UnsupportedModelError(_ROOT.format(model=type(model).__name__))
-    handle._pending = Pending(where.sdpa, where.unrouted)
+    handle._pending = Pending(where.sdpa)
 
     def discover(module: nn.Module, args: tuple, kwargs: dict) -> None:
         hook.remove()

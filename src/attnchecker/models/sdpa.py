@@ -32,7 +32,6 @@ by name.
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from attnchecker.attention.ops import op as table_op
 from attnchecker.attention.projection import project
 from attnchecker.attention.state import AttentionState
 from attnchecker.errors import UnsupportedModelError
-from attnchecker.models.sdpa_trace import Found, mha_split, source_names, trace
+from attnchecker.models.sdpa_trace import Found, class_source, mha_split, trace
 
 __all__ = [
     "SPEC",
@@ -385,26 +384,18 @@ def wrap_forward(module: nn.Module) -> Callable[..., object]:
 def sdpa_modules(model: nn.Module, example: tuple | dict | None = None) -> Found:
     """Where ``model`` calls attention: by one traced forward on ``example`` (positional
     arguments, or keyword arguments as a dict: :func:`~.sdpa_trace.trace`, which also finds
-    the projections), else where to look: the modules whose class source names SDPA (and
-    ``nn.MultiheadAttention`` modules), innermost, and those naming an attention function
-    that is not SDPA (``unrouted``: nothing seen running)."""
+    the projections), else where to look: the innermost modules whose class source names
+    SDPA, and ``nn.MultiheadAttention`` modules (nothing seen running)."""
     if example is not None:
         return trace(model, example)
-    sdpa, others = [], []
-    for name, m in model.named_modules():
-        if isinstance(m, nn.MultiheadAttention) or "scaled_dot_product_attention" in _source(m):
-            sdpa.append(name)
-        elif names := source_names(m):
-            others.append(f"{name or type(m).__name__} ({names[0]})")
+    sdpa = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.MultiheadAttention)
+        or "scaled_dot_product_attention" in class_source(type(m))
+    ]
     inner = [n for n in sdpa if not any(o != n and o.startswith(f"{n}.") for o in sdpa)]
-    return Found(tuple(inner), (), unrouted=tuple(others))
-
-
-def _source(m: nn.Module) -> str:
-    try:
-        return inspect.getsource(type(m))
-    except (OSError, TypeError):
-        return ""
+    return Found(tuple(inner), ())
 
 
 def discover_sdpa(model: nn.Module, found: Found, why: str, *, strict: bool = True):

@@ -37,6 +37,7 @@ module and calls the function. A module whose source merely names one (torchtita
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -56,7 +57,7 @@ from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.families import Wiring
 from attnchecker.models.registry import SITES, projection_spec
 
-__all__ = ["UNROUTED", "Found", "mha_split", "source_names", "trace"]
+__all__ = ["UNROUTED", "Found", "class_source", "mha_split", "source_names", "trace", "trace_call"]
 
 _SDPA = F.scaled_dot_product_attention
 _PRODUCTS = frozenset({torch.matmul, torch.bmm, torch.einsum, Tensor.matmul, Tensor.__matmul__})
@@ -165,10 +166,12 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict) -> Found:
     hand = tuple(n for n, c in calls.items() if n not in sdpa and _looks(c))
     modules = dict(model.named_modules())
     weights = {id(modules[n].weight): n for n in io}
+    others = {id(p): n for n, p in model.named_parameters() if id(p) not in weights}
     projections, unfound = {}, {}
     for n in sdpa:
         if n in recorder.operands:
-            projections[n], why = _projections(n, recorder.operands[n], io, weights, modules)
+            operands = recorder.operands[n]
+            projections[n], why = _projections(n, operands, io, weights, others, modules)
             if why:
                 unfound[n] = why
     for n, split in recorder.mha.items():
@@ -204,9 +207,11 @@ inside a forward) is seen too."""
 _NAMED = tuple(_HOMES)
 
 
-def _source(m: nn.Module) -> str:
+@functools.cache
+def class_source(cls: type) -> str:
+    """The source text of a class ("" where there is none), read once per class."""
     try:
-        return inspect.getsource(type(m))
+        return inspect.getsource(cls)
     except (OSError, TypeError):
         return ""
 
@@ -214,7 +219,7 @@ def _source(m: nn.Module) -> str:
 def source_names(m: nn.Module) -> list[str]:
     """The attention functions of :data:`UNROUTED` (by prefix: ``flash_attn_``) that the source
     of ``m``'s class names: where to look, never a reason to refuse."""
-    src = _source(m)
+    src = class_source(type(m))
     return [f for f in _NAMED if f in src]
 
 
@@ -376,17 +381,27 @@ def _upstream(t: Tensor, limit: int, stop: Callable[[object], bool] = lambda fn:
             todo += [c for c, _ in fn.next_functions]
 
 
-def _feeding(t: Tensor, weights: dict[int, str]) -> set[str]:
-    """The linear layers nearest upstream of ``t`` on each path of its autograd graph."""
-    hits: dict[object, str | None] = {}
+_GEMMS = ("MmBackward", "AddmmBackward", "BmmBackward", "MvBackward", "LinearBackward")
 
-    def stop(fn) -> bool:  # at a linear layer: this path ends there
+
+def _feeding(t: Tensor, weights: dict[int, str], others: dict[int, str]) -> tuple[set, set]:
+    """The linear layers nearest upstream of ``t`` on each path of its autograd graph, and the
+    parameters of no linear layer that a GEMM on a path multiplies first (``F.linear`` on a
+    Parameter: the path ends there too, no projection)."""
+    hits: dict[object, str | None] = {}
+    bare: set[str] = set()
+
+    def stop(fn) -> bool:  # at a linear layer, or a GEMM of a bare parameter: this path ends
         hits[fn] = _linear_at(fn, weights)
+        gemm = hits[fn] is None and type(fn).__name__.startswith(_GEMMS)
+        if gemm and (p := _linear_at(fn, others)) is not None:
+            bare.add(p)
+            return True
         return hits[fn] is not None
 
     for _ in _upstream(t, _WALK, stop):
         pass
-    return {h for h in hits.values() if h is not None}
+    return {h for h in hits.values() if h is not None}, bare
 
 
 def _reaches(t: Tensor, target, limit: int = 60) -> bool:
@@ -399,6 +414,7 @@ def _projections(
     operands: tuple[Tensor, Tensor, Tensor, Tensor],
     io: dict[str, tuple[Tensor, Tensor]],
     weights: dict[int, str],
+    others: dict[int, str],
     modules: dict[str, nn.Module],
 ) -> tuple[tuple[ProjectionSpec, ...], str]:
     """The projections of the SDPA call in ``where``: each of Q, K, V from one linear layer,
@@ -412,10 +428,12 @@ def _projections(
             "projections not found: Q, K and V have no autograd graph (the projection "
             "weights do not require gradients)"
         )
-    sources = {s: _feeding(t, weights) for s, t in zip("qkv", (q, k, v), strict=True)}
-    if none := [s.upper() for s, src in sources.items() if not src]:
-        return _unknown(where, f"no nn.Linear makes {', '.join(none)} (a weight multiplied "
-                               f"by F.linear or by hand)")  # fmt: skip
+    fed = {s: _feeding(t, weights, others) for s, t in zip("qkv", (q, k, v), strict=True)}
+    sources = {s: linears for s, (linears, _) in fed.items()}
+    if none := [s for s, src in sources.items() if not src]:
+        bare = sorted({p for s in none for p in fed[s][1]}) or ["a weight"]
+        return _unknown(where, f"no nn.Linear makes {', '.join(none).upper()} ("
+                               f"{', '.join(bare)} multiplied by F.linear or by hand)")  # fmt: skip
     if any(len(src) != 1 for src in sources.values()):
         return _unknown(where, f"Q, K, V come from {sources}")
     by_layer: dict[str, str] = {}
