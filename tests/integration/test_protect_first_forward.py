@@ -205,3 +205,18 @@ def test_a_first_forward_under_inference_mode_still_finds_the_projections():
     detach.remove()
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     assert [(e.op, e.action) for e in handle.drain()] == [("dw.q", "corrected")]
+
+
+def test_a_first_forward_inside_a_cuda_graph_capture_is_refused_saying_to_pass_an_example(
+    monkeypatch,
+):
+    """No traced forward can run while a CUDA graph is being captured. There is no GPU here:
+    the capture is what torch.cuda reports (patched), the refusal is the real code's."""
+    model = build("nanogpt")
+    protect_(model)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(Exception, match=r"CUDA graph capture.*pass example=\(batch,\)"):
+        model(IDX)
+    monkeypatch.undo()
+    assert not hasattr(model, "_attnchecker_handle")  # as it was

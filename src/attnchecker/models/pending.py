@@ -41,6 +41,10 @@ _COMPILED = (
     "attnchecker finds a model's attention and projections at its first forward, in eager; "
     "pass example=(batch,) to protect_ to find them before compiling with fullgraph=True"
 )
+_CAPTURED = (
+    "the first forward of {model} runs inside a CUDA graph capture, where discovery's traced "
+    "forward cannot run: pass example=(batch,) to protect_"
+)
 _ROOT = (
     "{model} itself calls scaled_dot_product_attention, which protect_ routes from the "
     "module's forward; its first call has entered that forward before discovery can run: "
@@ -76,6 +80,8 @@ def defer(model: nn.Module, handle, resolve: Callable[[Call], Callable[..., None
     def discover(module: nn.Module, args: tuple, kwargs: dict) -> None:
         hook.remove()
         try:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise UnsupportedModelError(_CAPTURED.format(model=type(model).__name__))
             with _untouched(model):
                 tick = resolve(Call(*_usable(args, kwargs)))
             if "" in handle._states:  # the root is a checked module: too late for this call
@@ -89,9 +95,11 @@ def defer(model: nn.Module, handle, resolve: Callable[[Call], Callable[..., None
         handle._pending = None
         tick(module)
 
-    hook = model.register_forward_pre_hook(
-        torch.compiler.disable(discover, reason=_COMPILED), with_kwargs=True
-    )
+    try:
+        outside = torch.compiler.disable(discover, reason=_COMPILED)
+    except TypeError:  # a torch without disable's reason (the GPU machine's 2.11 may lack it)
+        outside = torch.compiler.disable(discover)
+    hook = model.register_forward_pre_hook(outside, with_kwargs=True)
     handle._undo.append(hook.remove)
 
 
