@@ -152,11 +152,10 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict) -> Found:
     except Exception as e:
         if not seen:
             raise
-        ran = ", ".join(f"{n or type(model).__name__} ({f})" for n, f in seen.items())
         raise UnsupportedModelError(
             f"{type(model).__name__} calls attention that is not scaled_dot_product_attention "
-            f"in {ran}; protect_ cannot route it to the checked core (its forward then failed: "
-            f"{type(e).__name__}: {e})"
+            f"in {', '.join(_where(model, seen))}; protect_ cannot route it to the checked "
+            f"core (its forward then failed: {type(e).__name__}: {e})"
         ) from e
     finally:
         for h in handles:
@@ -184,8 +183,12 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict) -> Found:
         for n in sdpa
         if n in recorder.operands
     }  # fmt: skip
-    unrouted = tuple(f"{n or type(model).__name__} ({f})" for n, f in seen.items())
-    return Found(sdpa, hand, projections, calls, unrouted, unfound)
+    return Found(sdpa, hand, projections, calls, _where(model, seen), unfound)
+
+
+def _where(model: nn.Module, seen: dict[str, str]) -> tuple[str, ...]:
+    """``name (function)`` of each module seen running an :data:`UNROUTED` function."""
+    return tuple(f"{n or type(model).__name__} ({f})" for n, f in seen.items())
 
 
 UNROUTED = (
