@@ -577,3 +577,36 @@ def test_strict_false_protects_the_sdpa_calls_and_names_the_rest():
     _step(model)
     detach.remove()
     assert [(e.op, e.action) for e in handle.drain()] == [("scores", "corrected")]
+
+
+_HIDDEN = {}  # flex attention kept where no recorder looks (not a global, a class or its home)
+
+
+class _HiddenFlex(torch.nn.Module):
+    """Its source names flex_attention; the function it calls hides in a dict."""
+
+    def forward(self, q):
+        return _HIDDEN["attend"](q, q, q)
+
+
+def test_a_module_naming_flex_attention_that_runs_no_attention_seen_is_named():
+    """What the recorders cannot see is not refused (nothing was seen running) and not left
+    silent: a module whose source names flex_attention, that ran, and in which neither SDPA nor
+    flex attention was seen, is named in a warning and in summary()["attention"]."""
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sdpa, self.other = _Flex(flex=False), _HiddenFlex()
+
+        def forward(self, x):
+            y = self.sdpa(x)
+            return y + self.other(y)
+
+    _HIDDEN["attend"] = lambda q, k, v: v.mean(-2, keepdim=True).expand_as(q)  # unseen
+    x = torch.randn(2, 8, 8)
+    model = Model()
+    handle = protect_(model, ABFTConfig(ops=CORE_SITES))
+    with pytest.warns(RuntimeWarning, match=r"other \(flex_attention\) name an attention"):
+        model(x)
+    assert handle.modules == ["sdpa"] and "other (flex_attention)" in handle.summary()["attention"]

@@ -442,4 +442,11 @@ def discover_sdpa(model: nn.Module, found: Found, why: str, *, strict: bool = Tr
                                      unfound=found.unfound.get(n, "")))  # fmt: skip
     wiring = Wiring(projections=(), spec=SPEC, patch=("forward", wrap_forward), sdpa=True)
     left = "; ".join(refused) + " (strict=False: NOT checked)" if refused else None
+    if found.unseen:  # named, not refused: nothing was seen running
+        unseen = (
+            f"{', '.join(found.unseen)} name an attention function that is not "
+            f"scaled_dot_product_attention and ran without calling one that protect_ saw: if "
+            f"they compute attention another way, it is NOT checked"
+        )
+        left = unseen if left is None else f"{left}; {unseen}"
     return Discovery(type(model).__name__, blocks, wiring, generic=True), left

@@ -43,7 +43,7 @@ import inspect
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -86,6 +86,10 @@ class Found:
     unfound: dict[str, str] = field(default_factory=dict)
     """Why an SDPA caller's projections were not found (a layout not understood, Q from no
     single linear layer), by module name."""
+    unseen: tuple[str, ...] = ()
+    """``name (function)`` of each module whose source names an :data:`UNROUTED` function,
+    that ran, and in which (nested modules included) neither SDPA nor that function was seen:
+    where attention may run unseen (called through a path the recorders do not replace)."""
 
 
 class _Recorder(TorchFunctionMode):
@@ -126,8 +130,14 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict) -> Found:
     stack: list[str] = []  # the running modules, innermost last
     io: dict[str, tuple[Tensor, Tensor]] = {}  # each linear layer's last (input, output)
 
+    ran: set[str] = set()
+
     def enter(name: str) -> Callable[..., None]:
-        return lambda *_: stack.append(name)
+        def hook(*_: object) -> None:
+            stack.append(name)
+            ran.add(name)
+
+        return hook
 
     def leave(*_: object) -> None:  # (a forward hook's non-None return replaces the output)
         stack.pop()
@@ -183,7 +193,18 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict) -> Found:
         for n in sdpa
         if n in recorder.operands
     }  # fmt: skip
-    return Found(sdpa, hand, projections, calls, _where(model, seen), unfound)
+    attention = (*sdpa, *seen, *hand)  # where attention was seen running
+    unseen = tuple(
+        f"{n or type(model).__name__} ({names[0]})"
+        for n, m in modules.items()
+        if n in ran and (names := source_names(m)) and not _holds(n, attention)
+    )
+    return Found(sdpa, hand, projections, calls, _where(model, seen), unfound, unseen)
+
+
+def _holds(module: str, names: Iterable[str]) -> bool:
+    """Whether ``module`` is one of ``names`` or holds one (the root holds every module)."""
+    return any(not module or n == module or n.startswith(f"{module}.") for n in names)
 
 
 def _where(model: nn.Module, seen: dict[str, str]) -> tuple[str, ...]:
