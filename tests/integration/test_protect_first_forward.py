@@ -64,6 +64,30 @@ class _Swapped(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, L, D))
 
 
+class _Frozen(NanoGPTAttention):
+    """nanoGPT's attention whose Q|K|V weight does not require gradients (a frozen base)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn.requires_grad_(False)
+
+
+class _LoRA(NanoGPTAttention):
+    """A low-rank adapter on a frozen Q|K|V: the projection's output is two GEMMs' sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn.requires_grad_(False)
+        self.lora_a, self.lora_b = nn.Linear(D, 4, bias=False), nn.Linear(4, 3 * D, bias=False)
+
+    def forward(self, x):
+        B, L, C = x.shape
+        qkv = self.c_attn(x) + self.lora_b(self.lora_a(x))
+        q, k, v = (t.view(B, L, HEADS, C // HEADS).transpose(1, 2) for t in qkv.split(C, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, L, C))
+
+
 class _OwnForward(nn.Linear):
     """A Linear subclass with a forward of its own (as quantized layers have)."""
 
@@ -91,6 +115,8 @@ def test_before_the_first_forward_every_configured_op_is_pending():
     ("attention", "ops", "reason"),
     [
         (_Functional, ("q", "k", "v", "dx.q", "dw.q"), "no nn.Linear makes Q, K, V (h.0.attn.w"),
+        (_Frozen, ("q", "k", "v", "dx.q", "dw.q"), "a weight that does not require gradients"),
+        (_LoRA, ("q", "k", "v", "dx.q", "dw.q"), "Q by ['h.0.attn.lora_b'] and ['a weight th"),
         (_Swapped, ("q", "k", "v", "dx.q", "dw.q"), "outputs split into qkv in no known layout"),
     ],
 )

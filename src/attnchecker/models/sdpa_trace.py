@@ -409,19 +409,26 @@ _GEMMS = ("MmBackward", "AddmmBackward", "BmmBackward", "MvBackward", "LinearBac
 
 
 def _feeding(t: Tensor, weights: dict[int, str], others: dict[int, str]) -> tuple[set, set]:
-    """The linear layers nearest upstream of ``t`` on each path of its autograd graph, and the
-    parameters of no linear layer that a GEMM on a path multiplies first (``F.linear`` on a
-    Parameter: the path ends there too, no projection)."""
+    """The linear layers nearest upstream of ``t`` on each path of its autograd graph, and
+    what else a GEMM on a path multiplies first: a parameter of no linear layer (``F.linear``
+    on a Parameter) or a constant operand (a weight that does not require gradients); such a
+    path ends there, at no projection."""
     hits: dict[object, str | None] = {}
     bare: set[str] = set()
 
-    def stop(fn) -> bool:  # at a linear layer, or a GEMM of a bare parameter: this path ends
+    def stop(fn) -> bool:  # at a linear layer, or a GEMM of anything else: this path ends
         hits[fn] = _linear_at(fn, weights)
-        gemm = hits[fn] is None and type(fn).__name__.startswith(_GEMMS)
-        if gemm and (p := _linear_at(fn, others)) is not None:
-            bare.add(p)
+        if hits[fn] is not None:
             return True
-        return hits[fn] is not None
+        if not type(fn).__name__.startswith(_GEMMS):
+            return False
+        if (p := _linear_at(fn, others)) is not None:
+            bare.add(f"{p} multiplied by F.linear or by hand")
+            return True
+        if any(child is None for child, _ in fn.next_functions):  # no graph: no gradient
+            bare.add("a weight that does not require gradients")
+            return True
+        return False  # two activations multiplied: walk on
 
     for _ in _upstream(t, _WALK, stop):
         pass
@@ -455,9 +462,13 @@ def _projections(
     fed = {s: _feeding(t, weights, others) for s, t in zip("qkv", (q, k, v), strict=True)}
     sources = {s: linears for s, (linears, _) in fed.items()}
     if none := [s for s, src in sources.items() if not src]:
-        bare = sorted({p for s in none for p in fed[s][1]}) or ["a weight"]
+        bare = sorted({p for s in none for p in fed[s][1]}) or ["no GEMM found"]
         return _unknown(where, f"no nn.Linear makes {', '.join(none).upper()} ("
-                               f"{', '.join(bare)} multiplied by F.linear or by hand)")  # fmt: skip
+                               f"{'; '.join(bare)})")  # fmt: skip
+    if mixed := [s for s, (linears, bare) in fed.items() if bare]:  # LoRA on a frozen base
+        what = "; ".join(f"{s.upper()} by {sorted(fed[s][0])} and {sorted(fed[s][1])}"
+                         for s in mixed)  # fmt: skip
+        return _unknown(where, f"made by more than one nn.Linear's GEMM: {what}")
     if any(len(src) != 1 for src in sources.values()):
         return _unknown(where, f"Q, K, V come from {sources}")
     by_layer: dict[str, str] = {}
