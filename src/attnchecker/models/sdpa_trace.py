@@ -32,7 +32,8 @@ functions, varlen attention) are seen running, not read from source text: for th
 every such function a module's class could call (bound in its module's globals, in its class,
 or in the function's home module) is replaced by a recorder that notes the innermost running
 module and calls the function. A module whose source merely names one (torchtitan's
-``_get_flex_attention_masks``, a method that builds masks) is not refused for it.
+``_get_flex_attention_masks``, a method that builds masks) is not refused for it; one that ran
+and in which no attention at all was seen is named (:attr:`Found.unseen`).
 """
 
 from __future__ import annotations
