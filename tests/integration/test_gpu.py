@@ -93,6 +93,26 @@ def test_clean_step_is_bitwise_unchanged_on_cuda(family, bf16):
     assert all(c["detected"] == 0 for c in handle.counters().values())
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_every_check_region_compiles_on_cuda(bf16):
+    """check_impl="compiled" (what "auto" takes on CUDA), every linear layer checked: each
+    region that ran from eager code ran compiled, none fell back to its eager ops with a "did
+    not compile" warning. In fp32 they all did until the TF32 question was read outside traced
+    code (the runs of 2026-12-04: "torch.* op returned non-Tensor"; issue 41)."""
+    from attnchecker.abft import regions
+
+    protected, _ = cuda_models("llama")
+    handle = protect_(protected, ABFTConfig(check_impl="compiled", scope="all_linear"))
+    regions._RAN.clear()  # what ran in this test only (a failed compile stays in _FAILED)
+    with warnings.catch_warnings(record=True) as seen, _autocast(bf16):
+        warnings.simplefilter("always")
+        train_step(protected, cuda_batch("llama"))
+    assert not [str(w.message) for w in seen if "did not compile" in str(w.message)]
+    ran = regions.describe()
+    assert ran and all(how == "compiled" for how in ran.values()), ran
+    assert handle.drain() == []
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_no_grad_inference_is_unchanged_on_cuda(family):
     protected, plain = cuda_models(family)

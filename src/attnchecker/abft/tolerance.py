@@ -108,12 +108,24 @@ def kernel_factor(operand: torch.dtype, *, inner: int, length: int, tf32: bool) 
     return factor
 
 
+_TF32 = False  # what tf32_enabled() last read in eager code
+
+
 def tf32_enabled() -> bool:
     """Whether fp32 GEMMs on CUDA may run on TF32 tensor cores (``allow_tf32`` or a float32
-    matmul precision other than "highest")."""
-    return (
+    matmul precision other than "highest").
+
+    Read in eager code (``protect_``, every ``drain()``, any eager check); inside traced code
+    (a check region, a model the user compiles) the value of the last eager read: dynamo cannot
+    call ``torch.get_float32_matmul_precision`` (it returns a str), and it guards on the module
+    global it reads instead, so a precision changed and read again in eager code recompiles."""
+    global _TF32
+    if torch.compiler.is_compiling():
+        return _TF32
+    _TF32 = bool(
         torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
     )
+    return _TF32
 
 
 # fp32's smallest normal number: the most an fp32 product or sum that underflows can lose, also

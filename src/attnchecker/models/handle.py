@@ -13,6 +13,7 @@ import torch
 
 from attnchecker.abft import regions
 from attnchecker.abft.eec import NEAR_INF
+from attnchecker.abft.tolerance import tf32_enabled
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.ops import ALL_OPS, CORE_GRAD_OPS
 from attnchecker.attention.projection import settle
@@ -282,6 +283,7 @@ class ProtectionHandle:
         drain. Advances the schedule: the next step is the (drains + 1)-th."""
         for st in self._states.values():
             settle(st)  # projections whose group never completed (eager only)
+        tf32_enabled()  # the matmul precision, read in eager code for the compiled checks
         self.skip_requested = False
         self._log_engines()
         records = self._read()

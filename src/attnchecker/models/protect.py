@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from attnchecker.abft.tolerance import tf32_enabled
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.core import CORE
 from attnchecker.attention.fused import choose_engine
@@ -58,6 +59,7 @@ def protect_(
         raise ConfigError(
             "the model is already protected; call attnchecker.unprotect_(model) first"
         )
+    tf32_enabled()  # read here, in eager code: compiled checks use the last read
     clock = Clock(torch.zeros(1, dtype=torch.float64, device=_device(model)))
     handle = ProtectionHandle(config, {}, clock, Schedule.of(config), undo=[])
     family, why = _family(model)

@@ -32,3 +32,41 @@ def test_kernel_factor_grows_with_the_reduction_and_tf32():
     assert kernel_factor(torch.bfloat16, inner=64, length=64, tf32=True) == f  # fp32 only
     tf32 = kernel_factor(torch.float32, inner=64, length=64, tf32=True)
     assert tf32 == f + 2 * 2.0**-11  # both operands rounded to 10 mantissa bits
+
+
+def test_the_cuda_branch_of_the_tolerance_traces_and_follows_the_precision():
+    """On CUDA in fp32 the factor asks whether TF32 may run; inside traced code (a check region,
+    a model the user compiles) dynamo cannot call torch.get_float32_matmul_precision (a str):
+    the regions fell back to eager ops on the GPU for the rest of the process. The branch needs
+    only a device whose type is "cuda", so it runs here: fullgraph compiles, equals eager, and a
+    precision changed (and read in eager code, as protect_ and every drain() do) is followed."""
+    import torch._dynamo
+
+    from attnchecker.abft.tolerance import tf32_enabled
+
+    cuda = torch.device("cuda")
+
+    def factor(x: torch.Tensor) -> torch.Tensor:
+        return x * magnitude_factor(torch.float32, cuda, inner=64, length=32)
+
+    before = torch.get_float32_matmul_precision()
+    torch._dynamo.reset()
+    run = torch.compile(factor, fullgraph=True, backend="eager")
+    try:
+        torch.set_float32_matmul_precision("highest")
+        tf32_enabled()
+        ieee = float(run(torch.ones(1)))
+        assert ieee == magnitude_factor(torch.float32, cuda, inner=64, length=32)
+        torch.set_float32_matmul_precision("high")  # TF32 allowed
+        assert tf32_enabled()
+        assert float(run(torch.ones(1))) == ieee + 2 * 2.0**-11  # recompiled on the new read
+        for dtype in (torch.float16, torch.bfloat16):  # their reduced-precision switches trace
+            half = torch.compile(
+                lambda x, d=dtype: x * magnitude_factor(d, cuda, inner=64, length=32),
+                fullgraph=True, backend="eager",
+            )  # fmt: skip
+            assert float(half(torch.ones(1))) == magnitude_factor(dtype, cuda, inner=64, length=32)
+    finally:
+        torch.set_float32_matmul_precision(before)
+        tf32_enabled()
+        torch._dynamo.reset()
