@@ -100,3 +100,51 @@ def test_the_probe_compares_the_checked_cores_math_with_sdpa():
     assert probe(wrong)[0].startswith("m: the checked core's output differs from SDPA's")
     noisy = {"d": ((q, k, v), {"dropout_p": 0.5}, torch.zeros_like(q))}
     assert probe(noisy) == []
+
+
+def test_the_probe_refuses_a_one_percent_scale_and_a_nan_only_difference():
+    """Its tolerance is 64 units of rounding of the largest |v|: a scale read 1% off (a
+    difference of ~1e-3, far above 64 ulps ~ 7.6e-6 here, far below 1e5 ulps ~ 1e-2) is
+    refused, and so is an output with NaN where SDPA has none even if every finite value
+    agrees."""
+    from attnchecker.models.sdpa import PROBE_ULPS, probe
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=g) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, scale=0.25)
+    assert probe({"ok": ((q, k, v), {"scale": 0.25}, want)}) == []
+    bad = probe({"m": ((q, k, v), {"scale": 0.25 * 1.01}, want)})
+    assert len(bad) == 1 and bad[0].startswith("m: the checked core's output differs")
+    worst = float(bad[0].split("by up to ")[1].split(" ")[0])
+    tol = PROBE_ULPS * torch.finfo(torch.float32).eps * float(v.abs().max())
+    assert tol < worst < 1e5 / PROBE_ULPS * tol  # refused at 64 ulps, not at 1e5
+    nan = want.clone()
+    nan[0, 0, 0, 0] = float("nan")  # SDPA's NaN where the core has a number
+    assert "NaN where SDPA has none: 1" in probe({"n": ((q, k, v), {"scale": 0.25}, nan)})[0]
+
+
+def test_protect_refuses_a_module_the_probe_refuses_with_or_without_an_example():
+    """A boolean mask that leaves a query row no key: SDPA gives that row NaN, the checked core
+    uniform probabilities. The probe sees it on the traced call and protect_ refuses, at
+    protect_ with example=, else at the first forward (the probe runs on that forward's trace)."""
+    from attnchecker import protect_
+    from attnchecker.errors import UnsupportedModelError
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            keep = torch.ones(8, 8, dtype=torch.bool)
+            keep[3] = False  # query 3 attends to nothing
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    x = torch.randn(2, 8, 16)
+    model = torch.nn.Sequential(Masked())
+    with pytest.raises(UnsupportedModelError, match=r"0: the checked core's output differs.*NaN"):
+        protect_(model, example=(x,))
+    protect_(model)
+    with pytest.raises(UnsupportedModelError, match=r"0: the checked core's output differs.*NaN"):
+        model(x)
