@@ -143,3 +143,21 @@ def test_forward_checks_of_tiny_rows_are_never_flagged(dtype, log_scale, frac, s
     factor = row_factor(x, pairs, 1.0)
     rec = projection_check_(x, pairs, max_rows=4, factor=factor, floor=row_floor(pairs) / factor)[0]
     assert (rec[:, :2] == 0).all(), f"false alarm: {rec.tolist()}"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("log_scale", [-25.0, -21.0])
+def test_a_conv1d_projection_with_tiny_weight_columns_is_never_flagged(dtype, log_scale):
+    """GPT-2's Conv1D (weight stored (in, out)): its output columns' weight norms are summed
+    over dim 0 by hand (not norm_bound), so they carry the underflow floor themselves
+    (``squares_lost``); columns of ~1e-25 weights square to 0 in fp32."""
+    dt, g = DTYPES[dtype], torch.Generator().manual_seed(7)
+    L, K, d = 24, 32, 16
+    x = torch.randn(1, L, K, generator=g).to(dt)
+    w = _operand((3 * d, K), torch.float32, g, log_scale=log_scale, frac=0.5).t().contiguous()
+    w = w.to(dt)  # (K, 3d): Conv1D's layout, half its output columns tiny
+    y = torch.addmm(torch.zeros(3 * d, dtype=dt), x.view(L, K), w).view(1, L, 3 * d)
+    pairs = [(Projection(w, None, True, ("q", "k", "v"), 3, (), False), y)]
+    factor = row_factor(x, pairs, 1.0)
+    rec = projection_check_(x, pairs, max_rows=4, factor=factor, floor=row_floor(pairs) / factor)[0]
+    assert (rec[:, :2] == 0).all(), f"false alarm: {rec.tolist()}"
