@@ -155,8 +155,16 @@ def test_compiled_training_under_bf16_autocast_with_backward_checks():
     assert handle.drain() == []
     print(f"gpt2 bf16: {kernels.total} kernels per step {dict(kernels)}")
     assert kernels.total <= BF16_KERNELS_CEILING, dict(kernels)
-    assert torch.allclose(got_loss, want_loss, rtol=2e-2), (got_loss, want_loss)
+    # to bf16 rounding: compiled and eager fuse and order the bf16 ops differently; the loss
+    # within one bf16 unit roundoff (2^-8, relative; measured 3.4e-6), each gradient within 4
+    # of its largest element (measured 0.75% of it, ~2 units)
+    u = 2.0**-8
+    assert torch.allclose(got_loss, want_loss, rtol=u, atol=0), (got_loss, want_loss)
+    worst = {}
     for name, g in got.items():
         assert torch.isfinite(g).all(), name
         scale = want[name].abs().max().clamp_min(1e-6)
-        assert (g - want[name]).abs().max() <= 0.1 * scale, name
+        worst[name] = float((g - want[name]).abs().max() / scale)
+    print(f"gpt2 bf16 compiled vs eager: loss {abs(float(got_loss / want_loss) - 1):.2e}, "
+          f"gradients up to {max(worst.values()):.2%} of their max")
+    assert max(worst.values()) <= 4 * u, worst
