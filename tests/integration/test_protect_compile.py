@@ -165,6 +165,8 @@ def test_compiled_training_under_bf16_autocast_with_backward_checks():
         assert torch.isfinite(g).all(), name
         scale = want[name].abs().max().clamp_min(1e-6)
         worst[name] = float((g - want[name]).abs().max() / scale)
-    print(f"gpt2 bf16 compiled vs eager: loss {abs(float(got_loss / want_loss) - 1):.2e}, "
-          f"gradients up to {max(worst.values()):.2%} of their max")
+    print(
+        f"gpt2 bf16 compiled vs eager: loss {abs(float(got_loss / want_loss) - 1):.2e}, "
+        f"gradients up to {max(worst.values()):.2%} of their max"
+    )
     assert max(worst.values()) <= 4 * u, worst
