@@ -237,3 +237,35 @@ def test_a_measured_fit_backs_off_until_the_measured_overhead_is_within_the_budg
     assert "measured" in fit.notes[-1] and any("measured" in line for line in fit.lines())
     with pytest.raises(ConfigError, match=r"no schedule measured within 10% \(\d+ checks"):
         fit_measured(vuln, cost, rate, 0.10, measure)  # the engine alone measures 11.25%
+
+
+def test_a_measured_fit_judges_the_upper_end_and_scales_the_budget_by_it(monkeypatch):
+    """A measurement whose point fits the budget and whose upper end does not is not accepted
+    (plan --verify ships what fits by the upper end); each retry's cost-model budget is the
+    last one scaled by budget / measured upper end (not a fixed step)."""
+    from attnchecker.adaptive import controller
+
+    vuln, cost = _vuln(), _cost()
+    rate = FaultRate(1.0)
+    points = {(s.layer, s.op): s.cost.high for s in sites(vuln, cost, rate)}
+    measured: list[Estimate] = []
+
+    def measure(choice):  # the additive model's sum as the point, its upper end 1.5x
+        m = cost.engine.high + sum(points[(la, op)] / k for la, op, k in choice.checks)
+        measured.append(Estimate(m, 0.9 * m, 1.5 * m))
+        return measured[-1]
+
+    budgets: list[float] = []
+    real = controller.choose
+
+    def spy(*args, budget, **kw):  # the real choice; the budget it was asked for kept
+        budgets.append(budget)
+        return real(*args, budget=budget, **kw)
+
+    monkeypatch.setattr(controller, "choose", spy)
+    fit = fit_measured(vuln, cost, rate, 0.3, measure)
+    assert measured[0].point <= 0.3 < measured[0].high  # the point fit: not accepted
+    assert len(measured) >= 2 and fit.measured == measured[-1] and fit.measured.high <= 0.3
+    assert budgets[0] == 0.3
+    for before, after, m in zip(budgets, budgets[1:], measured, strict=False):
+        assert after == pytest.approx(before * 0.3 / m.high)
