@@ -235,3 +235,15 @@ def step_and_drain(run, opt, handle, detach=None) -> list:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return handle.drain()
+
+
+def lm_step(model: nn.Module, idx: Tensor, run=None) -> tuple[Tensor, list[Tensor]]:
+    """One next-token step of a model mapping ids (B, T) to logits (B, T, V), run through
+    ``run`` (a compiled model) when given: the loss and every parameter's gradient."""
+    model.zero_grad()
+    logits = (model if run is None else run)(idx)
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1)
+    )
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]

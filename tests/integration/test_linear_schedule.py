@@ -137,3 +137,11 @@ def test_a_role_that_names_an_encoder_and_a_decoder_layer_is_refused():
     plan = FaultPlan.builder().at(1).site("linear:fc1:y", layer=0).kind("nan").add().build()
     with pytest.raises(ConfigError, match=r"names both model\.encoder\.layers\.0\.fc1 and "):
         Injector(model, plan).__enter__()
+
+
+def test_summary_lists_a_schedules_linear_checks():
+    """summary()["ops"] with a linear layer's entry (it sorted by the attention op table and
+    raised ValueError on "mlp.c_fc:y")."""
+    schedule = ((0, "mlp.c_fc:y", 1), (0, "scores", 1))
+    handle = protect_(models("gpt2")[0], ABFTConfig(scope="all_linear", schedule=schedule))
+    assert handle.summary()["ops"] == ["scores", "mlp.c_fc:y"]

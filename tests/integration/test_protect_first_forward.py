@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from attnchecker import ABFTConfig, protect_
 from attnchecker.models.handle import PENDING
 
+from .helpers import lm_step
 from .sdpa_models import HEADS, LM, VOCAB, NanoGPTAttention, T, build
 
 IDX = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(1))
@@ -27,11 +28,7 @@ D = 32
 
 
 def _step(model):
-    model.zero_grad()
-    logits = model(IDX)
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), IDX[:, 1:].reshape(-1))
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+    return lm_step(model, IDX)
 
 
 class _Functional(nn.Module):

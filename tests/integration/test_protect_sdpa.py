@@ -23,6 +23,7 @@ from attnchecker.attention.ops import CORE_GRAD_OPS
 from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.sdpa import sdpa_modules
 
+from .helpers import lm_step
 from .sdpa_models import MODELS, VOCAB, T, TimmAttention, build
 
 IDX = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(1))
@@ -31,11 +32,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}  # the eager core against SDPA's CPU kernel, 
 
 
 def _step(model, run=None):
-    model.zero_grad()
-    logits = (model if run is None else run)(IDX)
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), IDX[:, 1:].reshape(-1))
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+    return lm_step(model, IDX, run)
 
 
 def _close(got, want) -> None:

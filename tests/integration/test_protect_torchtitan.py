@@ -12,11 +12,12 @@ import math
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from attnchecker import protect_
 from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.sdpa_trace import source_names
+
+from .helpers import lm_step
 
 model_module = pytest.importorskip("torchtitan.models.llama3.model.model")
 args_module = pytest.importorskip("torchtitan.models.llama3.model.args")
@@ -41,11 +42,7 @@ def _build(attn_type: str = "sdpa"):
 
 
 def _step(model):
-    model.zero_grad()
-    logits = model(IDX)
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), IDX[:, 1:].reshape(-1))
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+    return lm_step(model, IDX)
 
 
 def _close(got, want) -> None:

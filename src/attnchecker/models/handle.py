@@ -15,7 +15,7 @@ from attnchecker.abft import regions
 from attnchecker.abft.eec import NEAR_INF
 from attnchecker.abft.tolerance import tf32_enabled
 from attnchecker.attention.config import ABFTConfig
-from attnchecker.attention.ops import ALL_OPS, CORE_GRAD_OPS
+from attnchecker.attention.ops import ALL_OPS, CORE_GRAD_OPS, op_key
 from attnchecker.attention.projection import settle
 from attnchecker.attention.records import RECORD_FIELDS
 from attnchecker.attention.schedule import Schedule
@@ -121,12 +121,17 @@ def _coverage(st: AttentionState) -> dict[str, object]:
     }
 
 
+def _configured(config: ABFTConfig) -> list[str]:
+    """The ops a config asks for: its ``ops``, or those its schedule names."""
+    if config.schedule is None:
+        return list(config.ops)
+    return sorted({op for _, op, _ in config.schedule}, key=op_key)
+
+
 def _pending(config: ABFTConfig, pending: Pending) -> dict[str, dict[str, object]]:
-    """``per_module`` before discovery: each module whose source names SDPA, its configured
-    ops pending."""
-    ops = config.ops if config.schedule is None else sorted(
-        {op for _, op, _ in config.schedule if op in ALL_OPS}, key=ALL_OPS.index
-    )  # fmt: skip
+    """``per_module`` before discovery: each module whose source names SDPA, the attention
+    ops its config asks for pending."""
+    ops = [op for op in _configured(config) if op in ALL_OPS]
     entry = {"engine": None, "note": "", "fallbacks": [], "checked": []}
     return {n: entry | {"unchecked": dict.fromkeys(ops, PENDING)} for n in pending.candidates}
 
@@ -355,9 +360,7 @@ class ProtectionHandle:
             # None, or why the attention is not checked (scope="all_linear" on a model whose
             # attention protect_ cannot find: its linear layers alone are)
             "attention": PENDING if self._pending is not None else self.unprotected,
-            "ops": list(self.config.ops)
-            if self.config.schedule is None
-            else sorted({op for _, op, _ in self.config.schedule}, key=ALL_OPS.index),
+            "ops": _configured(self.config),
             "schedule": None if self.config.schedule is None else list(self.config.schedule),
             "scope": self.config.scope,
             "mode": self.config.mode,

@@ -264,21 +264,14 @@ def _watching(model: nn.Module, stack: list[str], seen: dict[str, str]) -> Itera
     whose source names one could call (their modules' globals, their classes' attributes) and
     the functions' home modules hold is a recorder: ``seen`` gets the innermost running module
     and the function's name. Restored on exit."""
-    named = {f for m in model.modules() for f in source_names(m)}
-    spaces: list[dict] = [vars(home) for f in sorted(named) for home in _homes(f)]
-    for m in model.modules():
-        if source_names(m):
-            for cls in type(m).__mro__[:-1]:  # not object
-                mod = sys.modules.get(cls.__module__)
-                spaces += [vars(mod)] if mod is not None else []
+    named = {m: names for m in model.modules() if (names := source_names(m))}
+    classes = {c for m in named for c in type(m).__mro__ if c not in (nn.Module, object)}
+    homes = {f for names in named.values() for f in names}
+    spaces = [vars(home) for f in sorted(homes) for home in _homes(f)]
+    spaces += [vars(sys.modules[c.__module__]) for c in classes if c.__module__ in sys.modules]
     patched: list[tuple[object, str, object]] = []
-    done: set[int] = set()
-    for m in model.modules():
-        if source_names(m):
-            for cls in type(m).__mro__:
-                if cls not in (nn.Module, object) and id(cls) not in done:
-                    done.add(id(cls))
-                    patched += _patch_class(cls, stack, seen)
+    for cls in classes:
+        patched += _patch_class(cls, stack, seen)
     for space in {id(s): s for s in spaces}.values():
         for key, fn in list(space.items()):
             if (name := _unrouted_name(fn)) is not None:
