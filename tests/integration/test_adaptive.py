@@ -257,3 +257,27 @@ def test_linear_layers_are_profiled_priced_placed_and_validated(tmp_path):
                      if f.site.startswith("linear:")]  # fmt: skip
     assert linear_faults and sum(r.events for r in none.runs) > 0
     assert all(r.events == 0 for r in full.runs), full.to_dict()
+
+
+def test_validate_verify_judges_the_choice_plan_verify_ships(flow, tmp_path):
+    """``validate --verify`` (the CLI, as a user runs it) with a cost model twenty times too
+    cheap: the model's choice within +60% is every check every step, which measures about
+    +100% here; the verified row is the one ``fit_measured`` backs off to (fewer or rarer
+    checks, its name says "verified"), judged against the budget by its measured upper end."""
+    vuln = VulnerabilityProfile.load(flow / "vulnerability-gpt2.json")
+    cost = CostProfile.load(flow / "cost-gpt2.json")
+    cheap = dataclasses.replace(
+        cost, engine=cost.engine.scaled(0.05),
+        ops=tuple(dataclasses.replace(o, cost=o.cost.scaled(0.05)) for o in cost.ops))  # fmt: skip
+    path = cheap.save(tmp_path / "cheap.json")
+    naive = choose(vuln, cheap, RATE, budget=0.8)
+    assert len(naive.checks) == len(SITES) * 2 and {k for *_, k in naive.checks} == {1}
+    out = tmp_path / "frontier"
+    main(["validate", "--campaign", str(flow), "--cost", str(path), "--fault-rate", "1",
+          "--per", "step", "--kinds", "nan=1", "--budgets", "80%", "--verify", "--in-sample",
+          "--seeds", "1", "--steps", "10", "--timing-reps", "5", "--out", str(out)])  # fmt: skip
+    val = Validation.from_dict(json.loads((out / "frontier.json").read_text()))
+    row = val.rows[1]
+    assert row.name == "budget 80% (verified)" and row.budget == 0.8
+    cost_of = sum(1 / k for *_, k in row.checks)  # checks per step
+    assert 0 < cost_of < len(naive.checks), row.checks

@@ -452,9 +452,12 @@ def fit_measured(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
                  **kw: Any) -> Choice:  # fmt: skip
     """:func:`choose` within ``budget``, then ``measure`` the choice as it trains; while the
     measured overhead's upper end is over the budget (costs do not add per op: a schedule of
-    many checks can measure half again its predicted cost), choose again within the budget the
-    cost model gave scaled by budget / measured, at most ``tries`` times. The choice carries
-    its measurement; raises :class:`ConfigError` when no schedule measures within the budget."""
+    many checks can measure half again its predicted cost), choose again within what the cost
+    model priced the choice at (its upper end; the budget asked, when that is lower) scaled by
+    budget / measured, at most ``tries`` times: the model's error on this choice corrected,
+    so a model many times too cheap (whose choice sits far below the budget it was given)
+    converges in a few tries. The choice carries its measurement; raises
+    :class:`ConfigError` when no schedule measures within the budget."""
     b, tried = budget, []
     for _ in range(tries):
         try:
@@ -471,7 +474,7 @@ def fit_measured(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
         choice = dataclasses.replace(choice, measured=m, notes=(*choice.notes, note))
         if m.high <= budget:
             return choice
-        b *= budget / m.high
+        b = min(b, choice.overhead.high) * budget / m.high
     raise ConfigError(
         f"no schedule measured within {budget:.0%} in {tries} tries ({'; '.join(tried)}, upper "
         f"ends): give a larger budget"

@@ -229,12 +229,14 @@ class Row:
 
     @property
     def overhead_verdict(self) -> str:
-        """inside, OVER BUDGET (measured above the budget: the contract broke), ABOVE / BELOW
-        the predicted interval; "not judged" for the reference (no prediction)."""
+        """inside, OVER BUDGET (the measured overhead's upper end above the budget: the
+        contract broke; judged by the end ``plan --verify`` fits a budget by,
+        :func:`~attnchecker.adaptive.controller.fit_measured`), ABOVE / BELOW the predicted
+        interval (the point); "not judged" for the reference (no prediction)."""
         if self.kind == "reference":
             return "not judged"
         o, q = self.overhead.point, self.predicted_overhead
-        if self.budget is not None and self.checks and o > self.budget:
+        if self.budget is not None and self.checks and self.overhead.high > self.budget:
             return "OVER BUDGET"
         if o > q.high:
             return "ABOVE"
@@ -250,8 +252,9 @@ class Row:
                        f"{len(self.runs)} inside: {[r.events for r in self.runs]})")  # fmt: skip
         if (v := self.overhead_verdict) not in ("inside", "not judged"):
             q = self.predicted_overhead
-            out.append(f"{self.name}: overhead {self.overhead.point:+.1%} {v} "
-                       + (f"(budget {self.budget:.0%})" if v == "OVER BUDGET" else
+            o = self.overhead
+            out.append(f"{self.name}: overhead {o.point:+.1%} [{o.low:+.1%}, {o.high:+.1%}] {v} "
+                       + (f"(budget {self.budget:.0%}, upper end)" if v == "OVER BUDGET" else
                           f"the predicted [{q.low:+.1%}, {q.high:+.1%}]"))  # fmt: skip
         return out
 

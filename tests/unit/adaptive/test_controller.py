@@ -241,8 +241,10 @@ def test_a_measured_fit_backs_off_until_the_measured_overhead_is_within_the_budg
 
 def test_a_measured_fit_judges_the_upper_end_and_scales_the_budget_by_it(monkeypatch):
     """A measurement whose point fits the budget and whose upper end does not is not accepted
-    (plan --verify ships what fits by the upper end); each retry's cost-model budget is the
-    last one scaled by budget / measured upper end (not a fixed step)."""
+    (plan --verify ships what fits by the upper end); each retry's cost-model budget is what
+    the model priced the last choice at (its upper end, at most the last budget) scaled by
+    budget / measured upper end (not a fixed step, not the last budget when the choice sat far
+    below it)."""
     from attnchecker.adaptive import controller
 
     vuln, cost = _vuln(), _cost()
@@ -256,16 +258,31 @@ def test_a_measured_fit_judges_the_upper_end_and_scales_the_budget_by_it(monkeyp
         return measured[-1]
 
     budgets: list[float] = []
+    priced_at: list[float] = []
     real = controller.choose
 
     def spy(*args, budget, **kw):  # the real choice; the budget it was asked for kept
         budgets.append(budget)
-        return real(*args, budget=budget, **kw)
+        choice = real(*args, budget=budget, **kw)
+        priced_at.append(choice.overhead.high)
+        return choice
 
     monkeypatch.setattr(controller, "choose", spy)
     fit = fit_measured(vuln, cost, rate, 0.3, measure)
     assert measured[0].point <= 0.3 < measured[0].high  # the point fit: not accepted
     assert len(measured) >= 2 and fit.measured == measured[-1] and fit.measured.high <= 0.3
     assert budgets[0] == 0.3
-    for before, after, m in zip(budgets, budgets[1:], measured, strict=False):
-        assert after == pytest.approx(before * 0.3 / m.high)
+    for before, at, after, m in zip(budgets, priced_at, budgets[1:], measured, strict=False):
+        assert after == pytest.approx(min(before, at) * 0.3 / m.high)
+    # a cost model ten times too cheap: its choice within +300% (every check, priced +60%)
+    # sits far below the budget; the retry starts from that price, and fits at the second try
+    # (from the budget asked: four tries)
+    budgets.clear(), priced_at.clear(), measured.clear()
+
+    def ten_times(choice):
+        return Estimate(*(10 * x for x in measure(choice)))
+
+    fit = fit_measured(vuln, cost, rate, 3.0, ten_times)
+    assert priced_at[0] < 1.0 and len(budgets) == 2, (budgets, priced_at)
+    assert budgets[1] == pytest.approx(priced_at[0] * 3.0 / (10 * measured[0].high))
+    assert fit.measured.high <= 3.0 and fit.measured == Estimate(*(10 * x for x in measured[-1]))

@@ -1,5 +1,5 @@
 """validate's statistics on hand-made profiles: the predictive interval is calibrated (counts
-drawn from the model fall inside at its level), the binomial test, each row's verdicts and the
+of a world with fixed true rates fall inside at its level), the binomial test, each row's verdicts and the
 exit status, the naive baselines matched to a measured cost, the paired gains."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnchecker.adaptive.controller import FaultRate, choose, priced, sites
-from attnchecker.adaptive.profile import Estimate
+from attnchecker.adaptive.profile import Cell, Estimate, VulnerabilityProfile
 from attnchecker.adaptive.simulate import Condition, Run
 from attnchecker.adaptive.validate import (
     Gain,
@@ -26,22 +26,44 @@ from attnchecker.errors import ConfigError
 from .test_controller import _cost, _vuln
 
 
-def test_the_predictive_interval_covers_counts_drawn_from_the_model_at_its_level():
-    """Counts of a world whose cell rates are drawn from the same posteriors and whose events
-    are Poisson: 90% intervals hold about 90% of them (a Poisson interval at the point rate,
-    the old way, holds fewer when the trials are few)."""
-    vuln, cost = _vuln(trials=6), _cost()
-    rate, steps = FaultRate(0.01), 400
-    pred = predict(vuln, cost, rate, (), steps, level=0.9, draws=4000, seed=1)
-    g = torch.Generator().manual_seed(7)
-    inside = 0
-    n = 600
-    for i in range(n):  # a world: one posterior draw of every cell, then a Poisson count
-        world = predict(vuln, cost, rate, (), steps, level=0.9, draws=1, seed=100 + i)
-        count = int(torch.poisson(torch.tensor([world.mean]), generator=g))
-        inside += pred.low <= count <= pred.high
-    assert 0.86 <= inside / n <= 0.97, (inside, n, pred)
-    assert pred.low <= pred.mean <= pred.high
+THETA = {"scores": 0.6, "context": 0.3, "dk": 0.1}  # the world's true non-trainable rates
+
+
+def _profile(trials: int, fatal: dict) -> VulnerabilityProfile:
+    """A profile whose cell ``(op, layer, kind)`` saw ``fatal[cell]`` of ``trials`` unprotected
+    faults end non-trainable."""
+    return VulnerabilityProfile("gpt2", {"size": "tiny"}, tuple(
+        Cell(op, layer, kind, trials, {"non_trainable": k, "masked": trials - k},
+             {"non_trainable": 0, "masked": trials})
+        for (op, layer, kind), k in fatal.items()))  # fmt: skip
+
+
+def test_the_predictive_interval_is_calibrated_against_a_world_of_fixed_true_rates():
+    """An independent generator, not the model's own draws: a world with fixed true rates
+    (``THETA``); each repetition runs a campaign of 6 trials a cell (binomial counts), predicts
+    from it, and draws the run's count from the true rates (Poisson at the true mean, ~40
+    events). The 90% intervals hold 85-96% of the counts; a Poisson interval at the campaign's
+    point rates (the posterior's uncertainty dropped) holds clearly fewer, and so does a
+    posterior made 20x overconfident (measured: 89-92%; the point interval 78-82%; the 20x
+    posterior 80%)."""
+    cost, rate, steps, trials, big = _cost(), FaultRate(0.5), 400, 6, 10**6
+    cells = [(op, layer, kind) for op in THETA for layer in (0, 1) for kind in ("nan", "inf")]
+    exact = _profile(big, {c: int(THETA[c[0]] * big) for c in cells})
+    truth = predict(exact, cost, rate, (), steps, draws=100).mean  # the posterior at the truth
+    assert truth == pytest.approx(40, rel=1e-3)
+    g = torch.Generator().manual_seed(4)
+    n, model, point = 400, 0, 0
+    for i in range(n):
+        fatal = {c: int(torch.binomial(torch.tensor(float(trials)), torch.tensor(THETA[c[0]]),
+                                       generator=g)) for c in cells}  # fmt: skip
+        pred = predict(_profile(trials, fatal), cost, rate, (), steps, draws=2000, seed=i)
+        at_point = predict(_profile(trials * big, {c: k * big for c, k in fatal.items()}),
+                           cost, rate, (), steps, draws=2000, seed=i)  # fmt: skip
+        count = int(torch.poisson(torch.tensor([truth]), generator=g))
+        model += pred.low <= count <= pred.high
+        point += at_point.low <= count <= at_point.high
+    assert 0.85 <= model / n <= 0.96, (model, point, n)
+    assert point / n <= 0.85 and point < model - 0.05 * n, (model, point, n)
 
 
 def test_checking_removes_the_predicted_events_and_a_level_widens_the_interval():
@@ -76,7 +98,12 @@ def test_row_verdicts_and_the_exit_status():
     below = _row([0, 1, 0, 5, 1])
     assert below.count_verdict == "BELOW"
     assert _row([5] * 5, overhead=0.25).overhead_verdict == "OVER BUDGET"
-    assert _row([5] * 5, overhead=0.18).overhead_verdict == "ABOVE"  # within budget, not claim
+    assert _row([5] * 5, overhead=0.17).overhead_verdict == "ABOVE"  # within budget, not claim
+    # the budget judged by the measurement's upper end, as plan --verify fits it: a point
+    # within the budget whose upper end is not broke the contract
+    assert _row([5] * 5, overhead=0.19).overhead_verdict == "OVER BUDGET"
+    assert "+19.0% [+17.0%, +21.0%] OVER BUDGET (budget 20%, upper end)" in _row(
+        [5] * 5, overhead=0.19).misses()[0]  # fmt: skip
     assert _row([5] * 5, overhead=0.01).overhead_verdict == "BELOW"
     assert _row([5] * 5, overhead=0.25, budget=None).overhead_verdict == "ABOVE"
     ok = _row([5] * 5)
