@@ -134,9 +134,10 @@ stage() {
 # each a function; GPU_CHECK_STAGES names those to run, in order (default: all, most telling
 # first; a stage the budget has no room for is reported as "no time")
 
-# the gpu tests and the kernels' tests, compiled for the device. --noconftest keeps
-# tests/conftest.py (it would set TRITON_INTERPRET without CUDA) out: this script exports the
-# offline variables it sets. -p no:timeout: the outer timeout rules. With pytest-xdist,
+# the gpu tests and the kernels' tests, compiled for the device, with tests/conftest.py as on
+# a CPU (it sets TRITON_INTERPRET only without CUDA; its ATTNCHECKER_CHECK_IMPL=eager is
+# overridden by test_gpu.py, whose checks run the CUDA default, CHECK_IMPL there, asserted by
+# test_the_checks_run_the_cuda_default). -p no:timeout: the outer timeout rules. With pytest-xdist,
 # GPU_CHECK_WORKERS processes compile the kernels side by side; -v: each test's outcome as it
 # ends (a run cut short still names what failed).
 run_tests() {
@@ -145,7 +146,7 @@ run_tests() {
     stage tests "$TEST_TIMEOUT" "$PY" -m pytest -v --tb=short -m "not slow" "${xdist[@]}" \
         tests/integration/test_gpu.py tests/unit/kernels \
         --ignore=tests/unit/kernels/test_compile.py \
-        -p no:cacheprovider -p no:timeout --noconftest -rfEs --junitxml="$work/junit.xml"
+        -p no:cacheprovider -p no:timeout -rfEs --junitxml="$work/junit.xml"
     # the tests must have run: none skipped, none failed, at least one passed
     if ! "$PY" - "$work/junit.xml" <<'EOF2'; then
 import sys

@@ -45,6 +45,30 @@ FAULT_KINDS = {k: KINDS[k] for k in ("inf", "nan", "1e10")}
 TRAIN_STEPS = 20
 
 
+CHECK_IMPL = "auto"
+"""What this module's checks run: the default, as a CUDA user gets it (compiled check regions,
+:data:`attnchecker.abft.regions.AUTO`), whatever the environment says: tests/conftest.py sets
+``ATTNCHECKER_CHECK_IMPL=eager`` for the CPU suite, and the same test names must not run
+different code on the device (``scripts/gpu_check.sh`` runs this module with the conftest)."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _check_impl():
+    """``$ATTNCHECKER_CHECK_IMPL`` set to :data:`CHECK_IMPL` while this module runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ATTNCHECKER_CHECK_IMPL", CHECK_IMPL)
+        yield
+
+
+def test_the_checks_run_the_cuda_default():
+    """A bf16 and an fp32 check on CUDA resolve to the compiled regions: what ran is what a
+    user's default runs (the conftest's eager setting does not reach this module)."""
+    from attnchecker.abft.regions import resolve
+
+    cuda = torch.device("cuda")
+    assert [resolve("auto", cuda, d) for d in (torch.bfloat16, torch.float32)] == ["compiled"] * 2
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _ieee_fp32_matmul():
     """No TF32 while this module runs; the previous setting comes back afterwards."""
