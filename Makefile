@@ -28,8 +28,12 @@ test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
+# every test, then the curated mutation run (scripts/mutation.py, tests/mutation/mutants.py:
+# one-line changes to the modules that carry the README's promises, each must fail a test;
+# about 10 minutes on 2 cores)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m "" -n 2 --dist worksteal
+	$(BIN)/python scripts/mutation.py --jobs 2
 
 # the package's layers and no import cycles: the contracts in pyproject.toml's [tool.importlinter]
 lint: $(STAMP)

@@ -256,3 +256,21 @@ def test_guard_under_grad_scaler_of_a_fused_optimizer_never_synchronises():
         loss = model(**batch("bert")).loss
     scaler.scale(loss).backward()
     assert count_ops(lambda: scaler.step(opt)).syncs == {}
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "sgd_fused", "adamw_foreach"])
+def test_the_flag_is_read_on_a_first_step_only(name):
+    """An optimizer whose first step creates state the guard cannot mask reads the flag once,
+    at that step; every later step adds no host synchronisation to the optimizer's own."""
+    base, twin = models("llama")
+    handle = protect_(base)
+    opt = guard(OPTIMIZERS[name](base.parameters()), handle)
+    plain = OPTIMIZERS[name](twin.parameters())
+    for step in range(2):
+        for model in (base, twin):
+            model.zero_grad()
+            model(**batch("llama")).loss.backward()
+        mine, theirs = count_ops(opt.step).syncs, count_ops(plain.step).syncs
+        added = {op: n - theirs.get(op, 0) for op, n in mine.items() if n > theirs.get(op, 0)}
+        assert bool(added) == (step == 0), (step, mine, theirs)
+        handle.drain()

@@ -607,3 +607,26 @@ def test_a_module_naming_flex_attention_that_runs_no_attention_seen_is_named():
     with pytest.warns(RuntimeWarning, match=r"other \(flex_attention\) name an attention"):
         model(x)
     assert handle.modules == ["sdpa"] and "other (flex_attention)" in handle.summary()["attention"]
+
+
+def test_arguments_the_checked_core_does_not_implement_are_refused_by_name():
+    """The checked core stands in for SDPA's call: arguments it does not implement (a mask
+    with is_causal, which torch 2.13's CPU SDPA applies together although its documentation
+    calls it an error; query heads not a multiple of key heads; operands that are not 4-D)
+    raise UnsupportedModelError naming the module, never a silently different result (the
+    core would drop the mask for the causal one)."""
+    from attnchecker.models.sdpa import checked_sdpa
+
+    model = build("nanogpt")
+    protect_(model, example=(torch.randint(0, VOCAB, (2, T)),))
+    attn = next(m for m in model.modules() if type(m).__name__ == "NanoGPTAttention")
+    q, k, v = torch.randn(3, 2, 4, T, 8).unbind(0)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    with pytest.raises(UnsupportedModelError, match="both attn_mask and is_causal"):
+        checked_sdpa(attn, q, k, v, attn_mask=mask, is_causal=True)
+    with pytest.raises(UnsupportedModelError, match=r"4 query heads over 3 key heads"):
+        checked_sdpa(attn, q, k[:, :3], v[:, :3], enable_gqa=True)
+    with pytest.raises(UnsupportedModelError, match="3-D operands"):
+        checked_sdpa(attn, q[0], k[0], v[0])
+    torch.testing.assert_close(checked_sdpa(attn, q, k, v, is_causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True))  # fmt: skip

@@ -92,7 +92,8 @@ def checked_sdpa(
     if attn_mask is not None and is_causal:
         raise UnsupportedModelError(
             f"{type(module).__name__} gives scaled_dot_product_attention both attn_mask and "
-            f"is_causal, which SDPA itself rejects"
+            f"is_causal (documented as an error; torch 2.13's CPU kernels apply both), which "
+            f"the checked attention does not implement; protect_ refuses"
         )
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads != kv_heads and (not enable_gqa or heads % kv_heads):

@@ -84,17 +84,52 @@ def test_one_extreme_element_is_found_and_repaired(impl, M, K, N, dtype, tx, ty,
 def test_a_whole_bad_column_is_repaired_and_a_second_one_is_lost(impl, dtype, tx, ty):
     x, y = _operands(40, 24, 16, dtype, 0, tx, ty)
     clean = x @ y
-    out = clean.clone()
-    out[:, 5] = float("inf")
-    rows, cols, _, lost, again = _check(out, x, y, impl=impl)
-    assert (rows, cols, lost, again) == (40, 1, False, False)
-    assert torch.isfinite(out).all()
-    assert torch.allclose(out.float(), clean.float(), rtol=1e-2, atol=1e-2)
+    for bad in (float("inf"), float("nan")):  # a NaN column ranks first and is taken too
+        out = clean.clone()
+        out[:, 5] = bad
+        rows, cols, _, lost, again = _check(out, x, y, impl=impl)
+        assert (rows, cols, lost, again) == (40, 1, False, False), bad
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out.float(), clean.float(), rtol=1e-2, atol=1e-2)
     out = clean.clone()
     out[:, 5] = float("nan")
     out[:, 9] = float("nan")  # one column repaired per check: the other stays, and is lost
-    rows, cols, _, lost, _ = _check(out, x, y, impl=impl)
+    rows, cols, _, lost, again = _check(out, x, y, impl=impl)
     assert cols == 2 and lost
+    assert not again  # lost beyond the budget, not reproduced: the recomputed rows are clean
+
+
+def test_every_row_within_the_budget_is_repaired():
+    """Faults in three rows and three columns, four rows of budget: each row recomputed, none
+    lost (a budget of one row leaves two)."""
+    x, y = _operands(32, 16, 24, torch.float32, 5)
+    clean = x @ y
+    out = clean.clone()
+    for i, j in ((3, 4), (11, 9), (20, 17)):
+        out[i, j] = float("inf")
+    rows, cols, _, lost, again = _check(out, x, y, max_rows=4)
+    assert (rows, cols, lost, again) == (3, 3, False, False)
+    assert torch.allclose(out, clean, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_false_alarm_where_the_rounding_errors_add_up(dtype):
+    """Constant operands: every output element rounds the same way, so a row's residual is as
+    large as the rounding model allows and the Cauchy-Schwarz magnitude is tight (what random
+    data never shows: a bound missing its sqrt(N) or the references' own rounding in half
+    precision fails here). fp16 rows of large values: the references are fp32, a row sum of
+    y overflows fp16's range."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        M, K, N = (int(v) for v in torch.randint(1, 200, (3,), generator=g))
+        c, d = (float(v) for v in torch.rand(2, generator=g) + 0.5)
+        x, y = torch.full((M, K), c).to(dtype), torch.full((K, N), d).to(dtype)
+        out = x @ y
+        assert _check(out, x, y)[:2] == (0, 0), (M, K, N, c, d)
+    if dtype == torch.float16:
+        x, y = torch.full((8, 16), 1e-3, dtype=dtype), torch.full((16, 128), 1e3, dtype=dtype)
+        out = x @ y  # 16 each; a row of y sums to 128,000 > 65,504
+        assert _check(out, x, y)[:2] == (0, 0)
 
 
 @IMPLS
@@ -145,3 +180,15 @@ def test_the_triton_kernels_give_the_eager_results(M, K, N, dtype, tx, ty, seed,
     assert torch.equal(out.isfinite(), want_out.isfinite())
     fin = want_out.isfinite()
     assert torch.allclose(out[fin].float(), want_out[fin].float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("v", [7e-20, 3e-20])
+def test_no_false_alarm_where_the_products_underflow(v):
+    """bf16 operands whose products (v^2, below fp32's smallest normal) a CPU bf16 GEMM flushes
+    to zero: the delivered product is 0 while the references keep 256 of them per element; the
+    underflow floor carries the ~2 inner products and sums lost behind each element (with one
+    per element it alarms on every row and column)."""
+    x = torch.full((16, 256), v).to(torch.bfloat16)
+    y = torch.full((256, 32), v).to(torch.bfloat16)
+    out = x @ y
+    assert _check(out, x, y)[:2] == (0, 0)

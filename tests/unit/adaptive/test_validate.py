@@ -1,6 +1,7 @@
 """validate's statistics on hand-made profiles: the predictive interval is calibrated (counts
-of a world with fixed true rates fall inside at its level), the binomial test, each row's verdicts and the
-exit status, the naive baselines matched to a measured cost, the paired gains."""
+of a world with fixed true rates fall inside at its level), the binomial test, each row's
+verdicts and the exit status, the naive baselines matched to a measured cost, the paired
+gains."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from attnchecker.adaptive.validate import (
 from attnchecker.errors import ConfigError
 
 from .test_controller import _cost, _vuln
-
 
 THETA = {"scores": 0.6, "context": 0.3, "dk": 0.1}  # the world's true non-trainable rates
 
@@ -156,5 +156,9 @@ def test_the_baselines_are_the_dearest_of_each_kind_whose_measured_cost_fits():
     gain = Gain("every check", (3, 5, 4))
     assert gain.mean.point == 4 and gain.mean.low < 4 < gain.mean.high
     assert Gain("x", (2, 2, 2)).mean == Estimate(2, 2, 2)
+    # Student's t with 4 degrees of freedom for 5 seeds (2.776), not the normal's 1.96:
+    # mean 3, sd sqrt(2.5), half-width 2.776 sqrt(2.5) / sqrt(5) = 1.963
+    assert Gain("x", (1, 2, 3, 4, 5)).mean == pytest.approx(Estimate(3, 3 - 1.963, 3 + 1.963),
+                                                            abs=1e-3)  # fmt: skip
     with pytest.raises(ConfigError, match="do not share"):
         priced(vuln, cost, rate, ((5, "scores", 1),), goal="x")

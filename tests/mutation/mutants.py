@@ -1,0 +1,169 @@
+"""The curated mutation run (issue 41 §4): one-line changes to the modules that carry the
+README's promises, each with the tests that must catch it. ``scripts/mutation.py`` applies each
+to a copy of ``src/`` and runs its tests there (``make test-all``); a change the tests miss is a
+survivor, and the run fails on it unless the entry says why it is equivalent (``equivalent``).
+``tests/mutation/test_mutants.py`` (the default run) keeps this list applicable: each ``old``
+occurs exactly once in its file, so a rewrite of a module fails it until the list follows.
+
+Tests are named per module (``TESTS``) unless an entry names its own; ``-k`` expressions keep
+the slow Triton-interpreter cases out (the eager reference is what these modules compute)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Mutant(NamedTuple):
+    path: str  # under src/attnchecker/
+    old: str  # occurs exactly once in the file
+    new: str
+    why: str  # what the change breaks (or, with ``equivalent``, why it cannot be seen)
+    tests: tuple[str, ...] = ()  # pytest arguments; () = TESTS[the module]
+    equivalent: str = ""  # a survivor argued equivalent: the run passes with it surviving
+
+
+TESTS = {
+    "abft/tolerance.py": ("tests/unit/abft/test_tolerance.py", "tests/unit/attention/test_tiny_rows.py",
+                          "tests/unit/attention/test_checks.py", "tests/unit/abft/test_gemm.py",
+                          "-k", "not triton"),
+    "abft/gemm.py": ("tests/unit/abft/test_gemm.py", "-k", "not triton"),
+    "attention/records.py": ("tests/unit/attention/test_records.py",
+                             "tests/integration/test_protect_runtime.py"),
+    "recovery/guard.py": ("tests/unit/recovery/test_guard.py", "tests/integration/test_guard.py"),
+    "models/sdpa.py": ("tests/unit/models/test_sdpa_trace.py",
+                       "tests/integration/test_protect_sdpa.py"),
+    "adaptive/controller.py": ("tests/unit/adaptive", "tests/integration/test_adaptive.py"),
+    "adaptive/validate.py": ("tests/unit/adaptive", "tests/integration/test_adaptive.py"),
+}  # fmt: skip
+
+# fmt: off
+MUTANTS: tuple[Mutant, ...] = (
+    # ------------------------------------------------------------------ abft/tolerance.py
+    Mutant("abft/tolerance.py", "return torch.finfo(dtype).eps / 2",
+           "return torch.finfo(dtype).eps / 8", "every rounding bound four times too tight"),
+    Mutant("abft/tolerance.py", "    factor = unit_roundoff(out_dtype) + 2 * (inner + length) *",
+           "    factor = unit_roundoff(out_dtype) + 0 * (inner + length) *",
+           "the accumulation term dropped: false alarms on long reductions"),
+    Mutant("abft/tolerance.py", "        factor += 2 * _U_TF32  # both operands",
+           "        factor += 0 * _U_TF32  # both operands",
+           "fp32 GEMMs on TF32 tensor cores checked at IEEE fp32's bound"),
+    Mutant("abft/tolerance.py", 'torch.get_float32_matmul_precision() != "highest"',
+           'torch.get_float32_matmul_precision() == "highest"',
+           "the precision's meaning inverted"),
+    Mutant("abft/tolerance.py", "    ) + rounded * unit_roundoff(out.dtype)",
+           "    ) + 0 * unit_roundoff(out.dtype)",
+           "an autocast operand's rounding to the output dtype left out of the bound"),
+    Mutant("abft/tolerance.py", "(length + 1) * (2 * inner + 1) * _TINY32",
+           "(length + 1) * 1 * _TINY32",
+           "the underflow floor of the products behind each element dropped"),
+    Mutant("abft/tolerance.py", "    return computed + squares_lost(n)  # >=",
+           "    return computed  # >=", "norms of tiny rows collapse: false alarms"),
+    Mutant("abft/tolerance.py", "    factor = 4 * (inner + length) * unit_roundoff(torch.float32)",
+           "    factor = 1 * (inner + length) * unit_roundoff(torch.float32)",
+           "the fused kernels' bound without truncating matrix units",
+           tests=("tests/unit/abft/test_tolerance.py",)),
+    # ------------------------------------------------------------------ abft/gemm.py
+    Mutant("abft/gemm.py", "rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0",
+           "rounding = 0.0", "the references' own rounding in half precision dropped"),
+    Mutant("abft/gemm.py", "underflow_floor(out.dtype, length=N, inner=K), -math.sqrt(N) * f_r,",
+           "underflow_floor(out.dtype, length=N, inner=K), -f_r,",
+           "a row's Cauchy-Schwarz bound without sqrt(N): false alarms"),
+    Mutant("abft/gemm.py", "*layout, min(max_rows, M), *limits)", "*layout, 1, *limits)",
+           "the repair budget cut to one row"),
+    Mutant("abft/gemm.py", "take = ~(top <= 0)[:, None]", "take = (top > 0)[:, None]",
+           "a NaN row is not taken for repair (NaN > 0 is False)"),
+    Mutant("abft/gemm.py", "torch.where(~(worst <= 0), new_col,", "torch.where(worst > 0, new_col,",
+           "a NaN column is not repaired"),
+    Mutant("abft/gemm.py", "again = (still.index_select(0, idx) & take.view(R)).any()",
+           "again = still.any()", "lost rows beyond the budget reported as reproduced"),
+    Mutant("abft/gemm.py", "x.dtype == y.dtype and x.dtype != torch.float16 else _F32",
+           "x.dtype == y.dtype else _F32", "fp16 references whose row sums overflow"),
+    Mutant("abft/gemm.py", "    rows = (~(exc_r <= 0)).sum(dtype=_F32)",
+           "    rows = (exc_r > 0).sum(dtype=_F32)", "NaN rows not counted as flagged"),
+    # ------------------------------------------------------------------ attention/records.py
+    Mutant("attention/records.py", "    if first is not None:\n        same",
+           "    if False:\n        same", "a checkpointing replay counted twice"),
+    Mutant("attention/records.py", "(recs == first) | (recs.isnan() & first.isnan())",
+           "(recs == first)", "a NaN record in both passes counted twice (NaN != NaN)"),
+    Mutant("attention/records.py", "        det = det & ~same", "        det = det",
+           "the replay's equal records kept"),
+    Mutant("attention/records.py", "if not replay and not torch.compiler.is_compiling():",
+           "if not torch.compiler.is_compiling():",
+           "a replay overwrites the first pass it is compared with",
+           equivalent="the replay's records differ from the first pass's only where they are "
+           "counted, and the next first pass (the next step's forward) overwrites them before "
+           "any other replay compares: checkpointing replays each segment once per backward"),
+    Mutant("attention/records.py", "            self.sink.grad = None\n        if self.kernel is not",
+           "            pass\n        if self.kernel is not",
+           "the backward's records not forgotten at a drain: counted again"),
+    Mutant("attention/records.py", "self.log.index_add_(0, self._index(ops, recs.device), rows)",
+           "self.log.index_copy_(0, self._index(ops, recs.device), rows)",
+           "a second detection before the drain overwrites the first"),
+    # ------------------------------------------------------------------ recovery/guard.py
+    Mutant("recovery/guard.py", "op=torch.distributed.ReduceOp.MAX", "op=torch.distributed.ReduceOp.MIN",
+           "one rank's flag does not skip the others: the replicas diverge"),
+    Mutant("recovery/guard.py", "both = flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))",
+           "both = flag", "under GradScaler a fused optimizer ignores the scaler's overflow"),
+    Mutant("recovery/guard.py", 'and any(g.get("momentum", 0) for g in optimizer.param_groups)',
+           "and False", "fused SGD's uninitialised momentum buffer after a skipped first step"),
+    Mutant("recovery/guard.py", "                p.copy_(torch.where(skip, old, p))",
+           "                pass", "a non-fused optimizer's parameters updated on a flagged step"),
+    Mutant("recovery/guard.py", "                    new.copy_(torch.where(skip.to(new.device), old_v, new))",
+           "                    pass", "a non-fused optimizer's state advanced on a flagged step"),
+    Mutant("recovery/guard.py", "return (~torch.isfinite(total)).to(torch.float32)",
+           "return torch.isnan(total).to(torch.float32)", "an INF gradient not skipped"),
+    Mutant("recovery/guard.py", "self.skipped = flag.clone() if self.skipped is None else self.skipped.add_(flag)",
+           "self.skipped = flag.clone()", "skipped steps not counted beyond the last"),
+    Mutant("recovery/guard.py", "if self._reads_first and self._first_step() and bool(flag):",
+           "if self._reads_first and bool(flag):", "a host read of the flag on every step"),
+    # ------------------------------------------------------------------ models/sdpa.py
+    Mutant("models/sdpa.py", "PROBE_ULPS = 64", "PROBE_ULPS = 100_000",
+           "the probe lets a misread scale through"),
+    Mutant("models/sdpa.py", "if not bool(same_nan.all()) or worst > tol:", "if worst > tol:",
+           "a NaN-only mismatch passes the probe"),
+    Mutant("models/sdpa.py", "    if differ := probe(found.calls):", "    if differ := []:",
+           "the probe's refusal unwired from protect_"),
+    Mutant("models/sdpa.py", "return 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale",
+           "return 1.0 / math.sqrt(query.shape[-1])", "an explicit scale ignored"),
+    Mutant("models/sdpa.py", "    if refused and (strict or not found.sdpa):",
+           "    if refused and not found.sdpa:", "strict=True leaves unrouted attention unchecked"),
+    Mutant("models/sdpa.py", "    if found.unseen:  # named", "    if False:  # named",
+           "modules naming another attention function that ran unseen: no warning"),
+    Mutant("models/sdpa.py", "    if attn_mask is not None and is_causal:\n        raise",
+           "    if False:\n        raise", "a mask with is_causal accepted: the core drops the mask"),
+    # ------------------------------------------------------------------ adaptive/controller.py
+    Mutant("adaptive/controller.py", "        if m.high <= budget:\n            return choice",
+           "        if m.point <= budget:\n            return choice",
+           "plan --verify accepts on the point, not the upper end"),
+    Mutant("adaptive/controller.py", "        b = min(b, choice.overhead.high) * budget / m.high",
+           "        b *= 0.9", "a fixed back-off instead of the measured one"),
+    Mutant("adaptive/controller.py", "            if budget < cost.engine.high + cheapest:",
+           "            if budget < cost.engine.point + cheapest:",
+           "a budget below the engine's upper end accepted"),
+    Mutant("adaptive/controller.py", "            f = greedy.for_budget(budget - cost.engine.high)",
+           "            f = greedy.for_budget(budget)", "the engine's cost not charged to the budget"),
+    Mutant("adaptive/controller.py", '    end = {"point": 0, "high": 2}[estimate]',
+           '    end = {"point": 0, "high": 0}[estimate]', "a target judged on the point risk"),
+    # ------------------------------------------------------------------ adaptive/validate.py
+    Mutant("adaptive/validate.py", "alphas.setdefault(post, [n + 0.5 for n in counts])",
+           "alphas.setdefault(post, [(n + 0.5) * 20 for n in counts])",
+           "the posterior twenty times overconfident"),
+    Mutant("adaptive/validate.py", "and self.checks and self.overhead.high > self.budget:",
+           "and self.checks and self.overhead.point > self.budget:",
+           "a budget judged by the median, not the upper end"),
+    Mutant("adaptive/validate.py", "    return p < alpha\n", "    return p < alpha / 10\n",
+           "the binomial test at 0.5%"),
+    Mutant("adaptive/validate.py", "low = torch.quantile(counts, (1 - level) / 2,",
+           "low = torch.quantile(counts, (1 - level),", "an interval of level 85%, not 90%"),
+    Mutant("adaptive/validate.py", "        counts = torch.poisson(mu)", "        counts = mu.round()",
+           "the Poisson noise of a run's count dropped from the interval"),
+    Mutant("adaptive/validate.py", "fit_measured(vuln, cost, rate, b, timed) if verify else choose(",
+           "fit_measured(vuln, cost, rate, b, timed) if False else choose(",
+           "validate --verify validates the unverified choice"),
+    Mutant("adaptive/validate.py", "        lo, hi = (mid, hi) if seen[mid] <= target else (lo, mid)",
+           "        lo, hi = (lo, mid) if seen[mid] <= target else (mid, hi)",
+           "the baselines' bisection inverted"),
+    Mutant("adaptive/validate.py", "        half = _T975.get(len(d) - 1, 1.96) * sd / math.sqrt(len(d))",
+           "        half = 1.96 * sd / math.sqrt(len(d))", "the gains' interval too narrow for 5 seeds"),
+)
+# fmt: on
