@@ -63,7 +63,8 @@ def test_each_row_states_the_verdicts():
     text = "\n".join(rows)
     assert "**Coverage: 3 of 9 counts inside their 90% predictive intervals**" in text
     assert "| every check at 5% | 2, 3, 1 | +2.0 [" in text
-    assert "exit status 1" in text and "budget 50%: overhead +60.0% OVER BUDGET" in text
+    assert "exit status 1" in text and "budget 50%: overhead +60.0% [" in text
+    assert "OVER BUDGET (budget 50%, upper end)" in text
 
 
 def test_the_frontier_is_rebuilt_from_its_json_alone(tmp_path):
