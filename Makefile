@@ -30,7 +30,7 @@ test: $(STAMP)
 
 # every test, then the curated mutation run (scripts/mutation.py, tests/mutation/mutants.py:
 # one-line changes to the modules that carry the README's promises, each must fail a test;
-# about 10 minutes on 2 cores)
+# about 4 minutes on 2 cores: benchmarks/results/mutation_cpu2_2026-12-05.md)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m "" -n 2 --dist worksteal
 	$(BIN)/python scripts/mutation.py --jobs 2
