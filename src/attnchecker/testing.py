@@ -23,8 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "SYNCING_OPS", "VIEW_OPS", "CleanRun", "KernelCalls", "OpCounter", "clean_run", "count_ops",
-    "inductor_kernels",
+    "H200", "SYNCING_OPS", "VIEW_OPS", "CleanRun", "Device", "KernelCalls", "Modelled", "OpCounter",
+    "OpTrace", "clean_run", "count_ops", "inductor_kernels",
 ]  # fmt: skip
 
 VIEW_OPS = frozenset(
@@ -35,6 +35,7 @@ VIEW_OPS = frozenset(
         "aten.split_with_sizes", "aten.unbind", "aten.narrow", "aten.lift_fresh",
         "aten._reshape_alias", "aten.view_as", "aten.diagonal",
         "profiler._record_function_enter_new", "profiler._record_function_exit",
+        "prim.device",  # a device query (FakeTensorMode dispatches it)
     }
 )  # fmt: skip
 """Ops that only make a new view of existing memory (or mark a profiler range)."""
@@ -112,6 +113,80 @@ def count_ops(fn: Callable[[], object]) -> OpCounter:
     with OpCounter() as counter:
         fn()
     return counter
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU as :class:`OpTrace` models it (``../shared/spec/gpu-path.md`` §7): a kernel takes
+    max(bytes / ``bandwidth``, FLOPs / ``flops``, ``kernel``) on the device, and each launching
+    op ``launch`` seconds of host time in eager (none in a CUDA graph)."""
+
+    name: str
+    bandwidth: float  # bytes / s that a memory-bound kernel reaches
+    flops: float  # FLOP / s that a large bf16 GEMM reaches
+    kernel: float  # s: the least a kernel takes on the device
+    launch: float  # s of host time per launching op, eager
+
+
+H200 = Device("H200", bandwidth=4.0e12, flops=7.0e14, kernel=3e-6, launch=20e-6)
+"""The H200 of the committed runs (``benchmarks/results/gpu_2026-12-04``): 4.8 TB/s and ~990
+TFLOP/s dense bf16 peak, taken at the rates kernels reach; ~20 us of host time per eager op was
+measured there (llama: 46 ms for 2,329 extra ops). ``benchmarks/gpu_model.py`` calibrates it."""
+
+
+@dataclass(frozen=True)
+class Modelled:
+    """A modelled step: its launching ops, host time and device time (seconds)."""
+
+    launches: int
+    host: float
+    device: float
+
+    def step(self, graph: bool = False) -> float:
+        """Eager: host and device overlap, the slower sets the pace; in a CUDA graph the host
+        launches nothing."""
+        return self.device if graph else max(self.host, self.device)
+
+
+_ALLOCATING = frozenset({"aten.empty", "aten.empty_like", "aten.empty_strided",
+                         "aten.new_empty", "aten.new_empty_strided"})  # fmt: skip
+"""Ops that allocate and launch no kernel (counted as launching by :class:`OpCounter`, which
+predates the model; left out of :attr:`OpTrace.work`)."""
+
+
+class OpTrace(OpCounter):
+    """An :class:`OpCounter` that also keeps each launching op's FLOPs (the formulas of
+    ``torch.utils.flop_counter``: GEMMs, convolutions, attention kernels; 0 for the rest) and
+    the bytes it moves (its tensor inputs and outputs, each once): enough to model its time
+    on a GPU (:meth:`modelled`). Works on real tensors, on the meta device and under
+    ``FakeTensorMode`` (shapes only: a training step at widths this machine cannot hold).
+    Allocations (``aten.empty`` and kin) launch nothing and are left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work: list[tuple[str, float, float]] = []  # (op, FLOPs, bytes) per launching op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        op = str(func.overloadpacket)
+        if op not in VIEW_OPS and op not in _ALLOCATING:
+            from torch.utils._pytree import tree_leaves
+            from torch.utils.flop_counter import flop_registry
+
+            count = flop_registry.get(func.overloadpacket)
+            flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
+            seen = {id(t): t for t in tree_leaves((args, kwargs, out))
+                    if isinstance(t, torch.Tensor)}  # fmt: skip
+            moved = sum(t.numel() * t.element_size() for t in seen.values())
+            self.work.append((op, flops, float(moved)))
+        return out
+
+    def modelled(self, device: Device = H200) -> Modelled:
+        """The traced work as a step on ``device``."""
+        busy = sum(max(b / device.bandwidth, f / device.flops, device.kernel)
+                   for _, f, b in self.work)  # fmt: skip
+        return Modelled(len(self.work), len(self.work) * device.launch, busy)
 
 
 class KernelCalls(Counter):

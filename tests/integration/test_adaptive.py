@@ -259,11 +259,13 @@ def test_linear_layers_are_profiled_priced_placed_and_validated(tmp_path):
     assert all(r.events == 0 for r in full.runs), full.to_dict()
 
 
-def test_validate_verify_judges_the_choice_plan_verify_ships(flow, tmp_path):
+def test_validate_verify_judges_the_choice_plan_verify_ships(flow, tmp_path, capsys):
     """``validate --verify`` (the CLI, as a user runs it) with a cost model twenty times too
-    cheap: the model's choice within +60% is every check every step, which measures about
+    cheap: the model's choice within +80% is every check every step, which measures above
     +100% here; the verified row is the one ``fit_measured`` backs off to (fewer or rarer
-    checks, its name says "verified"), judged against the budget by its measured upper end."""
+    checks, its name says "verified"), judged against the budget by its measured upper end.
+    On a loaded machine every try can measure over the budget: then validate says so by name
+    (exit 2, the tries listed); never does it validate the unmeasured choice."""
     vuln = VulnerabilityProfile.load(flow / "vulnerability-gpt2.json")
     cost = CostProfile.load(flow / "cost-gpt2.json")
     cheap = dataclasses.replace(
@@ -273,9 +275,13 @@ def test_validate_verify_judges_the_choice_plan_verify_ships(flow, tmp_path):
     naive = choose(vuln, cheap, RATE, budget=0.8)
     assert len(naive.checks) == len(SITES) * 2 and {k for *_, k in naive.checks} == {1}
     out = tmp_path / "frontier"
-    main(["validate", "--campaign", str(flow), "--cost", str(path), "--fault-rate", "1",
-          "--per", "step", "--kinds", "nan=1", "--budgets", "80%", "--verify", "--in-sample",
-          "--seeds", "1", "--steps", "10", "--timing-reps", "5", "--out", str(out)])  # fmt: skip
+    rc = main(["validate", "--campaign", str(flow), "--cost", str(path), "--fault-rate", "1",
+               "--per", "step", "--kinds", "nan=1", "--budgets", "80%", "--verify",
+               "--in-sample", "--seeds", "1", "--steps", "10", "--timing-reps", "5",
+               "--out", str(out)])  # fmt: skip
+    if rc == 2:  # no schedule measured within the budget on this (loaded) machine
+        assert "no schedule measured within 80%" in capsys.readouterr().err
+        return
     val = Validation.from_dict(json.loads((out / "frontier.json").read_text()))
     row = val.rows[1]
     assert row.name == "budget 80% (verified)" and row.budget == 0.8

@@ -1,0 +1,178 @@
+"""The protected training step on a GPU, modelled from its op trace on this machine
+(``../shared/spec/gpu-path.md`` §7; :class:`attnchecker.testing.OpTrace`): every figure here is
+**modelled**, not measured.
+
+Each launching op of one training step (forward, backward, AdamW with ``foreach`` as on CUDA) is
+recorded with its FLOPs and bytes; on the device it takes max(bytes / 4.0 TB/s, FLOPs / 700
+TFLOP/s, 3 us), on the host 20 us in eager and nothing in a CUDA graph; an eager step is the
+slower of the two sums, a graph step the device's.
+
+- **Calibration**: llama and gpt2 at base width (hidden 768, 2 layers, L 1024, B 1, bf16
+  autocast, the checks as eager ops), traced on real tensors here, the plain SDPA model and the
+  default config, against the H200's measured step times in
+  ``results/protect_vs_sdpa_eager_checks_cuda_2026-12-04.json`` (the same configuration): the
+  model's error on each.
+- **Llama-8B widths** (hidden 4096, 32 heads, 8 KV heads, MLP 14336, head dim 128, 2 layers,
+  L 4096, B 1, vocabulary 128), traced under ``FakeTensorMode`` (shapes only): the plain SDPA
+  model, the default config, the projections' checks alone (``ops`` = the projection part of
+  the op table) and ``all_linear``; eager and CUDA-graph step times and overheads.
+
+    python benchmarks/gpu_model.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+
+os.environ.setdefault("ATTNCHECKER_CHECK_IMPL", "eager")  # as the H200 run measured
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from _common import RESULTS, environment, parse, write
+from attnchecker import ABFTConfig, protect_
+from attnchecker.attention.ops import OP_TABLE
+from attnchecker.models.tiny import build
+from attnchecker.testing import H200, OpTrace
+
+MEASURED = RESULTS / "protect_vs_sdpa_eager_checks_cuda_2026-12-04.json"
+ARMS = {
+    "protected": ABFTConfig(),
+    "projections": ABFTConfig(ops=tuple(o.name for o in OP_TABLE if o.part == "projection")),
+    "all_linear": ABFTConfig(scope="all_linear"),
+}
+LLAMA_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "intermediate_size": 14336, "head_dim": 128}  # fmt: skip
+
+
+def trace(family: str, config: ABFTConfig | None, L: int, *, fake: bool, **widths) -> OpTrace:
+    """The op trace of one training step (the second: the first builds what is cached) of a
+    2-layer ``family`` model, plain SDPA (``config`` None) or protected by ``config``."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with mode:
+        torch.manual_seed(0)
+        model = build(family, ARGS.size, layers=2, max_len=max(L, 128), **widths)
+        model.config.use_cache = False
+        model.train()
+    if config is None:
+        model.set_attn_implementation("sdpa")
+    else:  # outside the fake mode: protect_'s probe compares real numbers
+        protect_(model, config)
+    with mode:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+        ids = torch.randint(3, 128, (1, L), generator=torch.Generator().manual_seed(0))
+
+        def step() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        with OpTrace() as t:
+            step()
+    return t
+
+
+def calibration() -> list[dict]:
+    measured = {r["family"]: r for r in json.loads(MEASURED.read_text())["rows"]}
+    rows = []
+    for family in ARGS.families:
+        for arm, config in (("sdpa", None), ("protected", ARMS["protected"])):
+            m = trace(family, config, ARGS.calibrate_length, fake=False).modelled(H200)
+            got = measured.get(family, {}).get(f"step_{arm}_ms")
+            rows.append({"family": family, "arm": arm, "launches": m.launches,
+                         "host_ms": m.host * 1e3, "device_ms": m.device * 1e3,
+                         "modelled_ms": m.step() * 1e3, "measured_ms": got,
+                         "error": None if got is None else m.step() * 1e3 / got - 1})  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
+def wide() -> list[dict]:
+    widths = {} if ARGS.quick else LLAMA_8B
+    plain = trace("llama", None, ARGS.length, fake=True, **widths).modelled(H200)
+    rows = [{"arm": "sdpa", "launches": plain.launches, "host_ms": plain.host * 1e3,
+             "device_ms": plain.device * 1e3, "eager_ms": plain.step() * 1e3,
+             "graph_ms": plain.step(graph=True) * 1e3, "eager_vs_sdpa": 0.0,
+             "graph_vs_sdpa": 0.0}]  # fmt: skip
+    print(rows[-1], flush=True)
+    for arm in ARGS.arms:
+        m = trace("llama", ARMS[arm], ARGS.length, fake=True, **widths).modelled(H200)
+        rows.append({"arm": arm, "launches": m.launches, "host_ms": m.host * 1e3,
+                     "device_ms": m.device * 1e3, "eager_ms": m.step() * 1e3,
+                     "graph_ms": m.step(graph=True) * 1e3,
+                     "eager_vs_sdpa": m.step() / plain.step() - 1,
+                     "graph_vs_sdpa": m.step(graph=True) / plain.step(graph=True) - 1})  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:+.1%}"
+
+
+def markdown(cal: list[dict], big: list[dict], env: dict, cmd: str) -> str:
+    widths = "base width (tiny at --quick)" if ARGS.quick else (
+        "hidden 4096, 32 heads, 8 KV heads, MLP 14336")  # fmt: skip
+    out = [
+        "# The protected step on an H200, **modelled** from op traces (not measured)",
+        "",
+        f"`{cmd}`; torch {env['torch']}, {env['date']}. Model (`attnchecker.testing.OpTrace`, "
+        f"`H200`): per launching op max(bytes / {H200.bandwidth / 1e12:.1f} TB/s, FLOPs / "
+        f"{H200.flops / 1e12:.0f} TFLOP/s, {H200.kernel * 1e6:.0f} us) on the device, "
+        f"{H200.launch * 1e6:.0f} us on the host in eager, none in a CUDA graph; eager step = "
+        "max(host, device). One training step (forward, backward, AdamW foreach), bf16 "
+        "autocast, the checks as eager ops.",
+        "",
+        f"## Calibration: base width, 2 layers, L {ARGS.calibrate_length}, B 1, real tensors, "
+        f"against the H200's measured steps (`{MEASURED.name}`)",
+        "",
+        "| family | arm | launches | host ms | device ms | modelled ms | measured ms | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in cal:
+        got = "" if r["measured_ms"] is None else f"{r['measured_ms']:.1f}"
+        out.append(f"| {r['family']} | {r['arm']} | {r['launches']} | {r['host_ms']:.1f} | "
+                   f"{r['device_ms']:.1f} | {r['modelled_ms']:.1f} | {got} | "
+                   f"{_pct(r['error'])} |")  # fmt: skip
+    out += [
+        "",
+        f"## llama, {widths}, 2 layers, L {ARGS.length}, B 1, FakeTensorMode (modelled)",
+        "",
+        "| arm | launches | host ms | device ms | eager ms | vs SDPA | CUDA graph ms | vs SDPA |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in big:
+        out.append(f"| {r['arm']} | {r['launches']} | {r['host_ms']:.1f} | {r['device_ms']:.1f} "
+                   f"| {r['eager_ms']:.1f} | {_pct(r['eager_vs_sdpa'])} | {r['graph_ms']:.1f} "
+                   f"| {_pct(r['graph_vs_sdpa'])} |")  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    global ARGS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", nargs="+", default=["llama", "gpt2"])
+    ap.add_argument("--size", default="base")
+    ap.add_argument("--calibrate-length", type=int, default=1024)
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ARGS = parse(ap, {"size": "tiny", "calibrate_length": 64, "length": 64,
+                      "families": ["llama"]})  # fmt: skip
+    env = environment()
+    cal, big = calibration(), wide()
+    from _common import command
+
+    write("gpu_model", {"environment": env, "args": vars(ARGS), "calibration": cal,
+                        "llama_8b": big}, markdown(cal, big, env, command()))  # fmt: skip
+
+
+ARGS: argparse.Namespace
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The GPU step model of ``attnchecker.testing`` (``OpTrace``, ``H200``; spec gpu-path §7):
+what each op is charged (a GEMM by its FLOPs, an elementwise op by its bytes, a tiny op the
+kernel floor), the host's launches in eager and none in a CUDA graph, and the same trace on real
+tensors and under FakeTensorMode (shapes only, the way Llama-8B widths are traced here). The
+calibration against the H200's measured steps is ``benchmarks/gpu_model.py``'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from attnchecker import protect_
+from attnchecker.models.tiny import build
+from attnchecker.testing import H200, Device, Modelled, OpTrace
+
+
+def test_each_op_is_charged_by_its_flops_its_bytes_or_the_floor():
+    with FakeTensorMode():
+        a, c = torch.empty(2, 4096, 4096, dtype=torch.bfloat16).unbind(0)
+        b = torch.empty(8)
+        with OpTrace() as t:
+            a @ c  # 2 * 4096^3 FLOPs, 3 * 32 MiB: compute-bound
+            a + c  # 3 * 32 MiB: memory-bound
+            b.add_(1)  # a few bytes: the floor
+            torch.empty_like(a)  # an allocation: no kernel
+    (mm, f1, b1), (add, f2, b2), (tiny, f3, b3) = t.work
+    assert (mm, add, tiny) == ("aten.mm", "aten.add", "aten.add_")
+    assert f1 == 2 * 4096**3 and b1 == b2 == 3 * 4096 * 4096 * 2
+    assert f2 == f3 == 0 and b3 == 8 * 4  # add_'s output is its input: counted once
+    m = t.modelled(H200)
+    gemm, copy = f1 / H200.flops, b2 / H200.bandwidth
+    assert gemm > b1 / H200.bandwidth  # the GEMM is charged its FLOPs, not its bytes
+    assert m.device == pytest.approx(gemm + copy + H200.kernel)
+    assert m.launches == 3 and m.host == pytest.approx(3 * H200.launch)
+    assert m.step() == max(m.host, m.device) and m.step(graph=True) == m.device
+    slow = Device("slow", bandwidth=1e9, flops=1e12, kernel=1e-3, launch=0.0)
+    assert t.modelled(slow).device == pytest.approx(f1 / 1e12 + b2 / 1e9 + 1e-3)
+    assert Modelled(5, 1.0, 2.0).step() == 2.0
+
+
+def _step(model, ids) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids).loss.backward()
+
+
+@pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
+def test_the_trace_under_fake_tensors_is_the_real_one(protected):
+    """A tiny protected llama's training step traced on real tensors and under FakeTensorMode
+    (built fake, protected outside it: its probe compares real numbers): the same launching
+    ops, op by op, but for the mask, which transformers builds in full when it cannot look at
+    the values (a handful of ops); protection adds its checks either way."""
+    traces = []
+    for fake in (False, True):
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+        with mode or torch.no_grad():
+            torch.manual_seed(0)
+            model = build("llama", layers=2, max_len=64)
+        model.config.use_cache = False
+        model.train()
+        if protected:
+            protect_(model)
+        ids = torch.randint(3, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+        with mode or torch.enable_grad():
+            _step(model, ids)
+            with OpTrace() as t:
+                _step(model, ids)
+        traces.append(t)
+    real, fake = traces
+    assert 0 <= len(fake.work) - len(real.work) <= 40, (len(real.work), len(fake.work))
+    mm = [w for w in real.work if w[0] in ("aten.mm", "aten.addmm", "aten.bmm")]
+    assert mm == [w for w in fake.work if w[0] in ("aten.mm", "aten.addmm", "aten.bmm")]
+    assert "prim.device" not in {op for op, *_ in fake.work}
