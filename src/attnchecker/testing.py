@@ -154,6 +154,14 @@ _ALLOCATING = frozenset({"aten.empty", "aten.empty_like", "aten.empty_strided",
 predates the model; left out of :attr:`OpTrace.work`)."""
 
 
+_FLOPS_AS = {  # CPU kernels the FLOP counter does not know, counted as their CUDA twins
+    "aten._scaled_dot_product_flash_attention_for_cpu":
+        torch.ops.aten._scaled_dot_product_flash_attention,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward":
+        torch.ops.aten._scaled_dot_product_flash_attention_backward,
+}  # fmt: skip
+
+
 class OpTrace(OpCounter):
     """An :class:`OpCounter` that also keeps each launching op's FLOPs (the formulas of
     ``torch.utils.flop_counter``: GEMMs, convolutions, attention kernels; 0 for the rest) and
@@ -174,7 +182,7 @@ class OpTrace(OpCounter):
             from torch.utils._pytree import tree_leaves
             from torch.utils.flop_counter import flop_registry
 
-            count = flop_registry.get(func.overloadpacket)
+            count = flop_registry.get(_FLOPS_AS.get(op, func.overloadpacket))
             flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
             seen = {id(t): t for t in tree_leaves((args, kwargs, out))
                     if isinstance(t, torch.Tensor)}  # fmt: skip
@@ -184,9 +192,15 @@ class OpTrace(OpCounter):
 
     def modelled(self, device: Device = H200) -> Modelled:
         """The traced work as a step on ``device``."""
-        busy = sum(max(b / device.bandwidth, f / device.flops, device.kernel)
-                   for _, f, b in self.work)  # fmt: skip
-        return Modelled(len(self.work), len(self.work) * device.launch, busy)
+        return Modelled(len(self.work), len(self.work) * device.launch,
+                        sum(self.device_time(device).values()))  # fmt: skip
+
+    def device_time(self, device: Device = H200) -> Counter[str]:
+        """Modelled device seconds per op name (where a step's device time goes)."""
+        out: Counter[str] = Counter()
+        for op, f, b in self.work:
+            out[op] += max(b / device.bandwidth, f / device.flops, device.kernel)
+        return out
 
 
 class KernelCalls(Counter):

@@ -71,3 +71,16 @@ def test_the_trace_under_fake_tensors_is_the_real_one(protected):
     mm = [w for w in real.work if w[0] in ("aten.mm", "aten.addmm", "aten.bmm")]
     assert mm == [w for w in fake.work if w[0] in ("aten.mm", "aten.addmm", "aten.bmm")]
     assert "prim.device" not in {op for op, *_ in fake.work}
+
+
+def test_the_cpu_flash_attention_is_charged_as_the_cuda_one():
+    """SDPA on a CPU runs its own flash kernel, which torch's FLOP counter does not know: the
+    model charges it (and its backward) the CUDA flash kernel's FLOPs, 4 B H L^2 d forward."""
+    with FakeTensorMode():
+        q, k, v = torch.empty(3, 1, 8, 256, 64, requires_grad=True).unbind(0)
+        with OpTrace() as t:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+    flops = {op: f for op, f, _ in t.work if "flash" in op}
+    assert flops == {"aten._scaled_dot_product_flash_attention_for_cpu": 4 * 8 * 256**2 * 64,
+                     "aten._scaled_dot_product_flash_attention_for_cpu_backward":
+                         2.5 * 4 * 8 * 256**2 * 64}, flops  # fmt: skip
