@@ -7,6 +7,9 @@
 # Stages, each under `timeout` inside an overall budget (GPU_CHECK_BUDGET seconds, 480 by
 # default), run in the order GPU_CHECK_STAGES gives (default: all, most telling first); every
 # stage runs even when an earlier one fails, and the exit status is 0 only when all succeeded:
+# - step: benchmarks/gpu_step.py, the training step of the plain SDPA model, the default config
+#   and all_linear, eager / CUDA graph / compiled, at base width (L 1024) and Llama-8B widths
+#   (L 4096), arms alternated, each row written as measured (step_rows.jsonl);
 # - tests: the `gpu` tests (tests/integration/test_gpu.py) and the fused kernels' tests
 #   (tests/unit/kernels, compiled for the GPU, no interpreter) with the system python, failing
 #   when any of them is skipped (they must really run on the GPU);
@@ -28,8 +31,9 @@
 #
 # Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (480), GPU_CHECK_STAGES,
 # GPU_CHECK_WORKERS (16), GPU_CHECK_ALARM_ARMS (all four),
-# GPU_CHECK_{TEST,TUNE,BENCH,GEMM,AUTO,ALARM,KERNEL,COMPILED}_TIMEOUT
-# (150, 150, 70, 40, 100, 100, 75, 60), OUT.
+# GPU_CHECK_{STEP,TEST,TUNE,BENCH,GEMM,AUTO,ALARM,KERNEL,COMPILED}_TIMEOUT
+# (240, 150, 150, 70, 40, 100, 100, 75, 60), OUT; GPU_CHECK_TINY=1 runs the step stage on the
+# CPU at tiny sizes (tests/integration/test_gpu_stage.py runs the script so).
 # Measured on an H200 (2026-12-04): tests 111 s with 16 workers, the alarm sweep ~90 s, the
 # kernels' benchmark ~60 s; the protect_vs_sdpa rows build 4 base-width models each.
 set -euo pipefail
@@ -42,6 +46,7 @@ if [[ -z "$PY" ]]; then
     echo "gpu_check: no python3 or python on PATH" >&2
     exit 2
 fi
+STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-240}
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-150}
 ALARM_TIMEOUT=${GPU_CHECK_ALARM_TIMEOUT:-100}
 KERNEL_TIMEOUT=${GPU_CHECK_KERNEL_TIMEOUT:-75}
@@ -134,6 +139,14 @@ stage() {
 # each a function; GPU_CHECK_STAGES names those to run, in order (default: all, most telling
 # first; a stage the budget has no room for is reported as "no time")
 
+# the training step where users train (see the header); GPU_CHECK_TINY: on the CPU, tiny
+run_step() {
+    local tiny=()
+    if [[ -n "${GPU_CHECK_TINY:-}" ]]; then tiny=(--tiny --device cpu --modes eager --reps 2); fi
+    stage step "$STEP_TIMEOUT" "$PY" benchmarks/gpu_step.py --out "$work/step_rows.jsonl" \
+        "${tiny[@]}"
+}
+
 # the gpu tests and the kernels' tests, compiled for the device, with tests/conftest.py as on
 # a CPU (it sets TRITON_INTERPRET only without CUDA; its ATTNCHECKER_CHECK_IMPL=eager is
 # overridden by test_gpu.py, whose checks run the CUDA default, CHECK_IMPL there, asserted by
@@ -222,7 +235,7 @@ run_compiled() {
         triton --reps 5 --tag compiled
 }
 
-for name in ${GPU_CHECK_STAGES:-tests tune benchmark gemm auto alarms kernels compiled}; do
+for name in ${GPU_CHECK_STAGES:-step tests gemm benchmark auto alarms kernels tune compiled}; do
     if ! declare -F "run_$name" >/dev/null; then
         echo "gpu_check: no stage $name"
         status=1
@@ -239,7 +252,7 @@ if [[ -n "$OUT_DIR" && -d "$OUT_DIR" ]]; then
     # the device runner brings back at most 8 files: one archive holds the results and logs
     mkdir -p "$work/gpu_check"
     cp "$work"/*.log "$work/gpu_check/" 2>/dev/null || true
-    cp "$work/junit.xml" "$work/gpu_check/" 2>/dev/null || true
+    cp "$work/junit.xml" "$work"/*.jsonl "$work/gpu_check/" 2>/dev/null || true
     # shellcheck disable=SC2086  # $new: one path per word
     tar -czf "$OUT_DIR/gpu_check.tgz" $new -C "$work" gpu_check
     echo "gpu_check: results and logs in $OUT_DIR/gpu_check.tgz"

@@ -1,0 +1,35 @@
+"""``scripts/gpu_check.sh`` runs on this machine before a GPU is lent, so that it cannot fail on
+a typo when one is: its first stage (``step``: ``benchmarks/gpu_step.py``, the training step of
+the plain SDPA model, the default config and ``all_linear``, arms alternated, each row written
+as measured) at tiny sizes on the CPU (``GPU_CHECK_TINY=1``), through the script's own stage
+runner, budget and archive."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_check_step_stage_runs_and_archives_its_rows(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_STAGES": "step",
+           "GPU_CHECK_TINY": "1", "OUT": str(tmp_path), "ATTNCHECKER_CHECK_IMPL": "eager",
+           "GPU_CHECK_BUDGET": "200"}  # fmt: skip
+    r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=280)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "step: rc 0" in r.stdout
+    with tarfile.open(tmp_path / "gpu_check.tgz") as tar:
+        rows = [json.loads(line) for line in
+                tar.extractfile("gpu_check/step_rows.jsonl").read().decode().splitlines()]  # fmt: skip
+        assert "gpu_check/step.log" in tar.getnames()
+    assert [(r["width"], r["mode"]) for r in rows] == [("base", "eager"), ("8b", "eager")]
+    for row in rows:
+        assert not row["errors"] and set(row["ms"]) == {"sdpa", "protected", "all_linear"}
+        assert all(ms > 0 for ms in row["ms"].values())
+        assert set(row["vs_sdpa"]) == {"protected", "all_linear"}
