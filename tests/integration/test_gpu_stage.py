@@ -25,8 +25,8 @@ def test_the_gpu_check_step_stage_runs_and_archives_its_rows(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "step: rc 0" in r.stdout
     with tarfile.open(tmp_path / "gpu_check.tgz") as tar:
-        rows = [json.loads(line) for line in
-                tar.extractfile("gpu_check/step_rows.jsonl").read().decode().splitlines()]  # fmt: skip
+        text = tar.extractfile("gpu_check/step_rows.jsonl").read().decode()
+        rows = [json.loads(line) for line in text.splitlines()]
         assert "gpu_check/step.log" in tar.getnames()
     assert [(r["width"], r["mode"]) for r in rows] == [("base", "eager"), ("8b", "eager")]
     for row in rows:
