@@ -27,6 +27,41 @@ def test_protection_adds_no_host_sync(family):
     assert added_syncs(protected, plain, inputs) == {}
 
 
+@pytest.mark.parametrize("scope", ["attention", "all_linear"])
+def test_the_records_stay_in_the_same_memory_across_steps(scope):
+    """What a CUDA graph needs of the records (spec gpu-path §6): every record tensor, the
+    backward's sinks' gradients included, keeps its storage from step to step (a drain zeroes
+    in place; setting .grad to None made autograd allocate anew each step, memory a captured
+    step would no longer write), and a drain still reads only its own step: a fault in step 2
+    is one event at drain 2 and none at drain 3."""
+    model, _ = models("llama")
+    handle = protect_(model, ABFTConfig(scope=scope))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs = batch("llama")
+
+    def memory() -> list[int]:
+        recs = [st.records for st in handle._states.values()]
+        return [t.data_ptr() for r in recs for t in (r.log, r.sink.grad) if t is not None]
+
+    seen, events = [], []
+    for step in range(4):
+        detach = None
+        if step == 2:
+            def hook(c):
+                if c.site == "dx.q" and c.layer == 1:
+                    c.tensor[(1,) * (c.tensor.dim() - 1) + (5,)] = float("inf")
+            detach = handle.attach(hook)
+        model(**inputs).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if detach is not None:
+            detach.remove()
+        seen.append(memory())
+        events.append([e.op for e in handle.drain()])
+    assert seen[1] == seen[2] == seen[3] and len(seen[1]) > len(handle.modules)
+    assert events[2] == ["dx.q"] and events[3] == [] and events[1] == [], events
+
+
 @pytest.mark.parametrize(
     ("family", "passes", "value"),
     [

@@ -93,8 +93,7 @@ MUTANTS: tuple[Mutant, ...] = (
            equivalent="the replay's records differ from the first pass's only where they are "
            "counted, and the next first pass (the next step's forward) overwrites them before "
            "any other replay compares: checkpointing replays each segment once per backward"),
-    Mutant("attention/records.py", "            self.sink.grad = None\n        if self.kernel is not",
-           "            pass\n        if self.kernel is not",
+    Mutant("attention/records.py", "                sink.grad.zero_()", "                pass",
            "the backward's records not forgotten at a drain: counted again"),
     Mutant("attention/records.py", "self.log.index_add_(0, self._index(ops, recs.device), rows)",
            "self.log.index_copy_(0, self._index(ops, recs.device), rows)",

@@ -187,14 +187,15 @@ class Records:
         self._first.clear()  # a replay's first pass is compared on the device it ran on
 
     def reset(self) -> None:
-        """Forget what was read (a drain)."""
+        """Forget what was read (a drain). Everything is zeroed in place, the backward's
+        sinks' ``.grad`` too (autograd then accumulates into the same memory): a step captured
+        in a CUDA graph writes its records where the drain reads them."""
         self.log.zero_()
-        if self.sink is not None:
-            self.sink.grad = None
+        for sink in (self.sink, self.kernel_sink):
+            if sink is not None and sink.grad is not None:
+                sink.grad.zero_()
         if self.kernel is not None:
             self.kernel.zero_()
-        if self.kernel_sink is not None:
-            self.kernel_sink.grad = None
 
 
 def _records_region(
