@@ -392,3 +392,61 @@ def test_a_model_of_ones_own_is_protected_on_cuda(layout, backend):
         detach.remove()
         site = "scores"
     assert [(e.op, e.action) for e in handle.drain()] == [(site, "corrected")]
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+
+
+def test_a_protected_step_is_captured_in_a_cuda_graph():
+    """A whole protected training step (forward, backward, AdamW capturable) captured with
+    torch.cuda.graph after a warm-up (spec gpu-path §6): its replays equal the same steps run
+    uncaptured, bitwise, and drain() reads their records; a fault hook attached before the
+    capture is part of the graph: every replay puts the INF in and corrects it (one event per
+    replay), and the parameters still follow the clean twin."""
+    ids = batch("llama")["input_ids"].cuda()
+    arms = {}
+    for name in ("clean", "graph", "faulty"):
+        torch.manual_seed(0)
+        model = build("llama").cuda().train()
+        handle = protect_(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+        arms[name] = (model, handle, opt)
+
+    def step(model, opt):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    def hook(c):
+        if c.site == "scores" and c.layer == 0:
+            c.tensor[0, 1, 2, 3] = float("inf")
+
+    arms["faulty"][1].attach(hook)
+    graphs = {}
+    for name in ("graph", "faulty"):
+        model, handle, opt = arms[name]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step(model, opt)
+        torch.cuda.current_stream().wait_stream(side)
+        handle.drain()
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            step(model, opt)
+    clean, handle = arms["clean"][0], arms["clean"][1]
+    for _ in range(3):  # the clean twin: 3 warm-up steps + the captured one, uncaptured
+        step(clean, arms["clean"][2])
+    handle.drain()
+    for _ in range(3):
+        step(clean, arms["clean"][2])
+        graphs["graph"].replay()
+        graphs["faulty"].replay()
+        torch.cuda.synchronize()
+        assert arms["graph"][1].drain() == []
+        assert [(e.op, e.action) for e in arms["faulty"][1].drain()] == [("scores", "corrected")]
+    for (n, p), q, r in zip(clean.named_parameters(), arms["graph"][0].parameters(),
+                            arms["faulty"][0].parameters(), strict=True):  # fmt: skip
+        assert torch.equal(p, q), n
+        torch.testing.assert_close(r, p, rtol=1e-5, atol=1e-5, msg=n)

@@ -43,14 +43,13 @@ def test_the_records_stay_in_the_same_memory_across_steps(scope):
         recs = [st.records for st in handle._states.values()]
         return [t.data_ptr() for r in recs for t in (r.log, r.sink.grad) if t is not None]
 
+    def hook(c):
+        if c.site == "dx.q" and c.layer == 1:
+            c.tensor[(1,) * (c.tensor.dim() - 1) + (5,)] = float("inf")
+
     seen, events = [], []
     for step in range(4):
-        detach = None
-        if step == 2:
-            def hook(c):
-                if c.site == "dx.q" and c.layer == 1:
-                    c.tensor[(1,) * (c.tensor.dim() - 1) + (5,)] = float("inf")
-            detach = handle.attach(hook)
+        detach = handle.attach(hook) if step == 2 else None
         model(**inputs).loss.backward()
         opt.step()
         opt.zero_grad()
