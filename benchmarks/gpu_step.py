@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from _common import alternate
 from attnchecker import ABFTConfig, protect_
 from attnchecker.models.tiny import build
 
@@ -36,11 +37,6 @@ WIDTHS = {
             "intermediate_size": 14336, "head_dim": 128}, 4096),
 }  # fmt: skip
 ARMS = {"sdpa": None, "protected": ABFTConfig(), "all_linear": ABFTConfig(scope="all_linear")}
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _model(widths: dict, L: int, arm: str, device: str, base: torch.nn.Module | None):
@@ -105,14 +101,7 @@ def measure(width: str, mode: str, device: str) -> dict:
         except Exception as e:  # a row that says why (capture, compile), not a dead stage
             errors[arm] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             traceback.print_exc(file=sys.stderr)
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(ARGS.reps):  # alternated, call by call
-        for arm, step in steps.items():
-            _sync(device)
-            s = time.perf_counter()
-            step()
-            _sync(device)
-            times[arm].append(time.perf_counter() - s)
+    times = alternate(steps, ARGS.reps, warmup=0)  # alternated, call by call
     row = {"width": width, "L": L, "mode": mode, "device": device, "reps": ARGS.reps,
            "setup_s": round(time.perf_counter() - t0, 1), "errors": errors,
            "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()}}  # fmt: skip
