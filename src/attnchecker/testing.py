@@ -131,7 +131,8 @@ class Device:
 H200 = Device("H200", bandwidth=4.0e12, flops=7.0e14, kernel=3e-6, launch=20e-6)
 """The H200 of the committed runs (``benchmarks/results/gpu_2026-12-04``): 4.8 TB/s and ~990
 TFLOP/s dense bf16 peak, taken at the rates kernels reach; ~20 us of host time per eager op was
-measured there (llama: 46 ms for 2,329 extra ops). ``benchmarks/gpu_model.py`` calibrates it."""
+measured there (llama: 46 ms for 2,329 extra ops). ``benchmarks/gpu_model.py`` sets it against
+those measured steps and states its error."""
 
 
 @dataclass(frozen=True)
