@@ -2,15 +2,15 @@
 
 Copies of one model are stepped alternately in one process (forward, backward, AdamW), a few
 steps in a row each per round (:func:`alternate`), so drift and bursts of load hit every arm
-alike: ``plain`` (what users run:
-transformers' default SDPA attention; GPT-Neo has none, so eager), ``engine`` (``protect_``
-checking nothing: the checked eager engine instead of SDPA) and one arm per op checking that op
-in every layer; a protected step ends with ``drain()``, as in a training loop. An op's cost
-is the median over rounds of (t_op - t_engine) / t_plain, the engine's of
-(t_engine - t_plain) / t_plain, each with the order-statistic interval of a median.
-Ops launched per step are counted (aten ops that launch a kernel on a GPU, eager), and each
-attention GEMM's multiply-adds per step are read from the shapes at its sites: the exposure of
-that site to faults that arrive per element operation.
+alike: ``plain`` (what users run: transformers' default SDPA attention; GPT-Neo has none, so
+eager), ``engine`` (``protect_`` checking nothing: the checked eager engine instead of SDPA,
+kept even though nothing needs it) and one arm per op checking that op in every layer, on that
+engine too; a protected step ends with ``drain()``, as in a training loop. An op's cost is the
+median over rounds of (t_op - t_engine) / t_plain, the engine's of (t_engine - t_plain) /
+t_plain, each with the order-statistic interval of a median. Ops launched per step are counted
+(aten ops that launch a kernel on a GPU, eager), and each attention GEMM's multiply-adds per
+step are read from the shapes at its sites: the exposure of that site to faults that arrive per
+element operation.
 """
 
 from __future__ import annotations
@@ -181,6 +181,15 @@ def _step_macs(model, step) -> int:
     return counter.get_total_flops() // 2
 
 
+def _on_engine(handle):
+    """``handle``'s attention modules kept on the checked core even where nothing needs it
+    (protection otherwise runs the model's own attention when no core op is checked): every
+    arm is priced on :data:`ENGINE`, the engine a plan pins."""
+    for name in handle.modules:
+        handle.state(name).keep_core = True
+    return handle
+
+
 def measure_costs(
     family: str,
     *,
@@ -219,7 +228,7 @@ def measure_costs(
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     example = source.example(base, ids)  # a model of the user's own: traced once
     engine = copy.deepcopy(base)
-    handle = protect_(engine, ABFTConfig(ops=(), backend=ENGINE), example=example)
+    handle = _on_engine(protect_(engine, ABFTConfig(ops=(), backend=ENGINE), example=example))
     wired = {s for name in handle.modules for s in handle.state(name).hooks}
     # (layer, role) -> the linear layer outside attention of each linear check asked for
     linears = _linears(base, handle, {p[0] for op in ops if (p := linear_parts(op))})
@@ -232,7 +241,7 @@ def measure_costs(
     arms = {"plain": plain, "engine": engine}
     for op in checked:
         arms[op] = copy.deepcopy(base)
-        protect_(arms[op], _arm_config(op, linears), example=example)
+        _on_engine(protect_(arms[op], _arm_config(op, linears), example=example))
     runs = {k: torch.compile(m) if compile else m for k, m in arms.items()}
     steps = {k: stepper(arms[k], runs[k], inputs, dtype, device) for k in arms}
     eager_steps = (  # launches and sizes are counted in eager

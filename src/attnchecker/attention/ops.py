@@ -93,6 +93,11 @@ GRAD_OPS = _names(backward=True, parts=(_C, _P))
 CORE_GRAD_OPS = _names(backward=True, parts=(_C,))
 """The core's backward checks (the eager engine's; the fused kernels check theirs)."""
 
+CORE_OPS = _names(backward=False, parts=(_C,)) + CORE_GRAD_OPS
+"""Every check of the attention core, forward and backward (its sites too): what only the
+checked core runs. A module whose config asks none of them, and that has no hook at one of their
+sites, runs the model's own attention (:meth:`~.state.AttentionState.needs_core`)."""
+
 ALL_OPS = OPS + GRAD_OPS
 
 LINEAR_OPS = tuple(o.name for o in OP_TABLE if o.part == _L)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from attnchecker.attention.config import ABFTConfig
-from attnchecker.attention.ops import GRAD_OPS, OPS
+from attnchecker.attention.ops import CORE_OPS, GRAD_OPS, OPS
 from attnchecker.attention.records import RECORD_FIELDS, Records, new_log
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.sites import SiteCall, SiteHook, Sites, in_replay
@@ -111,12 +111,25 @@ class AttentionState:
         # nn.MultiheadAttention's in_proj_weight), as ProjectionSpecs
         self.inline: tuple = ()
         self.coverage = Coverage()
+        # the checked core runs even where nothing needs it (attnchecker bench prices every
+        # check on the checked engine: adaptive.profile.ENGINE)
+        self.keep_core = False
 
     # -- what the engines ask
 
     def checks(self, op: str) -> bool:
         """Whether ``op`` is checked in this module now (the schedule's answer)."""
         return self.schedule.checks(self.name, op)
+
+    def needs_core(self) -> bool:
+        """Whether this module's attention must run the checked core: its schedule asks a core
+        check (:data:`~.ops.CORE_OPS`) on any step, a hook is attached at a core site (a fault
+        placed there), the fused kernels run it, or :attr:`keep_core` is set. Otherwise the
+        model's own attention runs, untouched, and only its projections are checked."""
+        if self.coverage.engine == "triton" or self.keep_core:
+            return True
+        asked = self.schedule.ops_of(self.name, on=True) | self.schedule.ops_of(self.name, on=False)
+        return any(op in asked or self.hooks.get(op) for op in CORE_OPS)
 
     def site(self, site: str, tensor: Tensor) -> None:
         """Run the hooks attached to ``site`` on ``tensor``."""

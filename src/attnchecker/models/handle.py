@@ -112,13 +112,16 @@ def _coverage(st: AttentionState) -> dict[str, object]:
         and op not in cov.missing
         and (op in st.hooks or (kernels and op in CORE_GRAD_OPS))
     ]
-    return {
+    out = {
         "engine": cov.engine,
         "note": cov.note,
         "fallbacks": sorted(cov.fallbacks),
         "checked": checked,
         "unchecked": dict(cov.missing),
     }
+    if "scores" in st.hooks:  # an attention module: whose attention runs now
+        out["core"] = "checked" if st.needs_core() else "own"
+    return out
 
 
 def _configured(config: ABFTConfig) -> list[str]:
@@ -374,6 +377,9 @@ class ProtectionHandle:
             "host": where.host,
             "device": where.device,
             "detections": dict(self._causes),
+            # per module: its engine, the ops it checks, those it does not and why, and for an
+            # attention module its "core": "checked", or "own" (nothing needs the checked core:
+            # the model's own attention runs, untouched)
             "per_module": _pending(self.config, self._pending)
             if self._pending is not None
             else {name: _coverage(st) for name, st in self._states.items()},

@@ -9,20 +9,30 @@ naming it: never silently different math.
 A custom implementation name needs a mask function registered under the same name too, or the
 model silently receives no mask (GPT-2 would stop being causal, padding would be ignored); the
 eager mask is the one the core's eager math expects (sliding windows included).
+
+When no protected module needs the checked core (no core op asked, no hook at a core site:
+:meth:`~attnchecker.attention.state.AttentionState.needs_core`), the model's own attention
+runs instead, untouched: its implementation's mask (transformers passes the config to the mask
+function, which finds the model's :class:`Own` by it) and its attention function, after the
+queued projection checks (:class:`Own`, decided once per forward by one predicate for the mask
+and for every layer).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from torch import Tensor, nn
 
 from attnchecker.attention.core import CORE, attend
+from attnchecker.attention.projection import flush
+from attnchecker.attention.state import AttentionState
 from attnchecker.errors import UnsupportedModelError
 
-__all__ = ["KEYWORDS", "NAME", "TRITON_NAME", "attend_bound", "install_interface"]
+__all__ = ["KEYWORDS", "NAME", "OWN", "TRITON_NAME", "Own", "attend_bound", "install_interface"]
 
 NAME = "attnchecker"
 TRITON_NAME = "attnchecker_triton"  # backend="triton" (the fused kernels): the 2D mask
@@ -51,6 +61,62 @@ KEYWORDS: dict[str, str] = {
 }
 """Keywords the checked core accepts. Anything else that is not None is refused by name:
 attention sinks (``s_aux``), and whatever transformers adds later."""
+
+
+OWN = "_attnchecker_own"
+"""Attribute of every attention core module of a model routed through :data:`NAME`: its
+:class:`Own`."""
+
+
+@dataclass(frozen=True)
+class Own:
+    """The model's own attention, and whether it runs instead of the checked core."""
+
+    impl: str  # the model's attention implementation before protect_ ("sdpa", "eager", ...)
+    states: Sequence[AttentionState]  # every protected module of the model
+
+    def runs(self) -> bool:
+        """No protected module needs the checked core: the model's own mask and attention."""
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        known = self.impl == "eager" or (
+            self.impl in AttentionInterface._global_mapping
+            and self.impl in AttentionMaskInterface._global_mapping
+        )
+        return known and not any(st.needs_core() for st in self.states)
+
+
+_OWNS: dict[int, Own] = {}  # id(model.config) -> its Own, while protected
+
+
+def _mask(*args: object, config: object = None, **kwargs: object) -> Tensor | None:
+    """The mask function of :data:`NAME`: the model's own implementation's while its own
+    attention runs (:meth:`Own.runs`), else the eager mask the checked core takes."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    own = _OWNS.get(id(config))
+    fn = ALL_MASK_ATTENTION_FUNCTIONS[own.impl] if own is not None and own.runs() else eager_mask
+    return fn(*args, config=config, **kwargs)
+
+
+def _own_attention(
+    impl: str, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+    attention_mask: Tensor | None, scaling: float | None, dropout: float, **kwargs: object,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """The model's own attention function ``impl`` on its own mask: exactly what it ran before
+    protection (``"eager"``: the family's ``eager_attention_forward``, GPT-2's upcast variant)."""
+    if impl != "eager":
+        from transformers import AttentionInterface
+
+        fn = AttentionInterface._global_mapping[impl]
+        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                  **kwargs)  # fmt: skip
+    if getattr(module, "reorder_and_upcast_attn", False):
+        return module._upcast_and_reordered_attn(query, key, value, attention_mask)
+    return _eager_of(module)(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
 
 
 def _refuse(kwargs: dict[str, object]) -> None:
@@ -101,8 +167,15 @@ def _attention(
     """The function registered as :data:`NAME`, and with ``fused`` as :data:`TRITON_NAME`: then
     ``attention_mask`` is the 2D key padding mask (or None), causality and the sliding window
     come from the module and the keywords, as for flash attention."""
-    _refuse(kwargs)
     bound = getattr(module, CORE, None)
+    own = None if fused else getattr(module, OWN, None)
+    if own is not None and own.runs():  # nothing needs the core: the model's own attention
+        if bound is not None and bound[1] is not None:
+            flush(bound[1])  # the projections it reads are checked first
+            bound[1].handoff = None
+        return _own_attention(own.impl, module, query, key, value, attention_mask, scaling,
+                              dropout, **kwargs)  # fmt: skip
+    _refuse(kwargs)
     upcast = bool(getattr(module, "reorder_and_upcast_attn", False))  # GPT-2's option
     s = query.size(-1) ** -0.5 if scaling is None else scaling  # the checked core's scaling
     if fused:
@@ -146,16 +219,36 @@ def _fused_mask(
     return None if attention_mask is None else attention_mask[:, -kv_length:]
 
 
-def install_interface(model: nn.Module, *, fused: bool = False) -> Callable[[], None]:
+def install_interface(
+    model: nn.Module,
+    *,
+    fused: bool = False,
+    cores: Sequence[nn.Module] = (),
+    states: Sequence[AttentionState] = (),
+) -> Callable[[], None]:
     """Register the core (idempotent) and switch ``model`` to it; return the undo. ``fused``:
-    the fused backend, with transformers' flash-attention mask (2D padding or None)."""
+    the fused backend, with transformers' flash-attention mask (2D padding or None). ``cores``
+    (the attention modules) get the model's :class:`Own` over ``states``: its own attention
+    runs while none of them needs the checked core."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, _attention)
-    AttentionMaskInterface.register(NAME, eager_mask)
+    AttentionMaskInterface.register(NAME, _mask)
     AttentionInterface.register(TRITON_NAME, partial(_attention, fused=True))
     AttentionMaskInterface.register(TRITON_NAME, _fused_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation(TRITON_NAME if fused else NAME)
-    return lambda: model.set_attn_implementation(previous)
+    own = Own(previous or "eager", tuple(states))
+    _OWNS[id(model.config)] = own
+    for core in cores:
+        setattr(core, OWN, own)
+
+    def undo() -> None:
+        model.set_attn_implementation(previous)
+        _OWNS.pop(id(model.config), None)
+        for core in cores:
+            if getattr(core, OWN, None) is own:
+                delattr(core, OWN)
+
+    return undo

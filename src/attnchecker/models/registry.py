@@ -14,7 +14,7 @@ math none reproduces is refused, naming the module. Never protect wrongly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -370,13 +370,17 @@ def transformer_blocks(model: nn.Module) -> list[TransformerBlock]:
     return []
 
 
-def install(model: nn.Module, found: Discovery, *, fused: bool = False) -> Callable[[], None]:
-    """Route every block's attention through the checked core (``fused``: the fused kernels);
-    return the undo."""
+def install(
+    model: nn.Module, found: Discovery, *, fused: bool = False, states: Sequence = ()
+) -> Callable[[], None]:
+    """Route every block's attention through the checked core (``fused``: the fused kernels),
+    or through the model's own while none of ``states`` needs the core (the attention
+    interface's families); return the undo."""
     if not found.wiring.patch:
         from attnchecker.models.interface import install_interface
 
-        return install_interface(model, fused=fused)
+        cores = [b.core for b in found.blocks]
+        return install_interface(model, fused=fused, cores=cores, states=states)
     method, make = found.wiring.patch
     for b in found.blocks:
         setattr(b.core, method, make(b.core))

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from attnchecker.attention.core import CORE, CoreSpec, attend
 from attnchecker.attention.fused import attend_fused
 from attnchecker.attention.ops import op as table_op
-from attnchecker.attention.projection import project
+from attnchecker.attention.projection import flush, project
 from attnchecker.attention.state import AttentionState
 from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.sdpa_trace import Found, class_source, mha_split, trace
@@ -78,7 +78,15 @@ def checked_sdpa(
 ) -> Tensor:
     """``F.scaled_dot_product_attention``'s result by the checked core bound to ``module``
     (q (..., H, L, E), k and v (..., Hkv, Lk, E)); raises
-    :class:`~attnchecker.errors.UnsupportedModelError` for what it does not implement."""
+    :class:`~attnchecker.errors.UnsupportedModelError` for what it does not implement. Where
+    nothing needs the core (no core op asked, no hook at a core site: ``state.needs_core()``),
+    SDPA itself runs, as the model called it."""
+    spec, state = getattr(module, CORE)
+    if state is not None and not state.needs_core():  # the model's own call, untouched
+        flush(state)  # the projections it reads are checked first
+        state.handoff = None
+        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)  # fmt: skip
     if any(t.is_nested for t in (query, key, value)):
         raise UnsupportedModelError(
             f"{type(module).__name__} calls scaled_dot_product_attention on nested tensors, "
@@ -103,7 +111,6 @@ def checked_sdpa(
         )
     Lk = key.shape[-2]
     scaling = _scaling(query, scale)
-    spec, state = getattr(module, CORE)
     if state is not None and state.coverage.engine == "triton":
         key_mask, why = _key_padding(attn_mask, query.shape[0], Lk)
         if is_causal and query.shape[-2] != Lk:
