@@ -57,9 +57,8 @@ def trace(family: str, config: ABFTConfig | None, L: int, *, fake: bool, **width
         model = build(family, ARGS.size, layers=2, max_len=max(L, 128), **widths)
         model.config.use_cache = False
         model.train()
-    if config is None:
-        model.set_attn_implementation("sdpa")
-    else:  # outside the fake mode: protect_'s probe compares real numbers
+    model.set_attn_implementation("sdpa")  # what users run, and what protection starts from
+    if config is not None:  # outside the fake mode: protect_'s probe compares real numbers
         protect_(model, config)
     with mode:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)

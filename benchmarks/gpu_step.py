@@ -49,9 +49,8 @@ def _model(widths: dict, L: int, arm: str, device: str, base: torch.nn.Module | 
         model.train()
         return model
     model = model.to(device)
-    if ARMS[arm] is None:
-        model.set_attn_implementation("sdpa")
-    else:
+    model.set_attn_implementation("sdpa")  # what users run, and what protection starts from
+    if ARMS[arm] is not None:
         protect_(model, ARMS[arm])
     return model
 
