@@ -48,8 +48,10 @@ def _step(model, ids):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-@pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "bart"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "bart", "gpt_neo"])
 def test_projection_checks_leave_the_models_own_attention_untouched(family, impl):
+    if family == "gpt_neo" and impl == "sdpa":
+        pytest.skip("GPT-Neo has no SDPA attention: its own is eager (its _attn)")
     base = build(family, layers=2, max_len=64)
     base.train()
     plain, protected = copy.deepcopy(base), copy.deepcopy(base)
@@ -127,3 +129,28 @@ def test_a_model_of_ones_own_keeps_its_sdpa_call():
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
     assert {v["core"] for v in handle.summary()["per_module"].values()} == {"own"}
     assert handle.drain() == []
+
+
+def test_gpt_neo_runs_its_own_attn_method(monkeypatch):
+    """GPT-Neo's patched ``_attn`` (it does not dispatch through transformers' interface)
+    hands over to the class's own method when nothing needs the checked core, and keeps the
+    core while a hook sits at a core site."""
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+
+    calls = []
+    own = GPTNeoSelfAttention._attn
+
+    def spy(self, *args, **kwargs):
+        calls.append(self)
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPTNeoSelfAttention, "_attn", spy)
+    model = build("gpt_neo", layers=2, max_len=64)
+    handle = protect_(model, PROJECTIONS)
+    ids = torch.randint(3, 100, (2, L), generator=torch.Generator().manual_seed(0))
+    _step(model, ids)
+    assert len(calls) == 2  # both layers, their own method
+    detach = handle.attach(lambda c: None, sites=("scores",))
+    _step(model, ids)
+    detach.remove()
+    assert len(calls) == 2  # the checked core ran instead
