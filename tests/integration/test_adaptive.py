@@ -17,6 +17,7 @@ from attnchecker.adaptive.profile import CostProfile, VulnerabilityProfile
 from attnchecker.adaptive.simulate import Condition, plan
 from attnchecker.adaptive.validate import Validation, validate
 from attnchecker.attention.config import ABFTConfig
+from attnchecker.attention.ops import CORE_OPS
 from attnchecker.cli import main
 from attnchecker.inject.campaign import load_trials
 from attnchecker.models.tiny import build
@@ -77,10 +78,13 @@ def test_plan_writes_a_config_that_protect_and_train_accept(flow, tmp_path, caps
     assert main(["train", "--out", str(run), "--plan", str(flow / "plan.json"), "--steps", "3",
                  "--batch", "2", "--seq-len", "16"]) == 0  # fmt: skip
     assert json.loads((run / "summary.json").read_text())["steps_done"] == 3
-    # a budget below the engine and the cheapest check as measured (a fixed 0.1% passed when a
-    # noisy CPU measured the engine below 0), and an unreachable target: one line, exit 2
+    # a budget below the cheapest check as measured, a core check with the engine or a
+    # projection's alone (a fixed 0.1% passed when a noisy CPU measured the engine below 0),
+    # and an unreachable target: one line, exit 2
     cost = CostProfile.load(flow / "cost-gpt2.json")
-    low = cost.engine.point + min(0.0, *(o.cost.point for o in cost.ops)) / 64 - 0.005
+    least = {core: min([0.0] + [o.cost.point for o in cost.ops if (o.op in CORE_OPS) == core])
+             for core in (True, False)}  # fmt: skip
+    low = min(cost.engine.point + least[True] / 64, least[False] / 64) - 0.005
     for goal in ([f"--budget={low:.6f}"], ["--target", "1e-9"]):
         assert main(["plan", "--campaign", str(flow), "--fault-rate", "1", "--per", "step",
                      *goal]) == 2  # fmt: skip

@@ -31,7 +31,9 @@ overhead is additive over checks,
 
     C = E + sum_i f_i * c_i      (C = 0 when nothing is checked; f_i = 1, 1/k or 0)
 
-with E what leaving SDPA for the checked engine costs and c_i the op's measured cost per layer,
+with E what leaving SDPA for the checked engine costs (charged only when a core check is
+chosen: with none, the model's own attention runs and only the projections and linear layers
+are checked) and c_i the op's measured cost per layer,
 both fractions of the plain step (:mod:`attnchecker.adaptive.bench`). Minimising L under C <=
 budget (or C under L <= target) is a knapsack with interactions: the greedy takes the check that
 removes the most risk per cost given the checks already taken (a check adds little where another
@@ -72,6 +74,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +90,7 @@ from attnchecker.adaptive.profile import (
     relative,
 )
 from attnchecker.attention.config import ABFTConfig
-from attnchecker.attention.ops import linear_parts, op_key
+from attnchecker.attention.ops import CORE_OPS, linear_parts, op_key
 from attnchecker.attention.schedule import Schedule
 from attnchecker.errors import ConfigError
 
@@ -319,10 +322,17 @@ def risk_of(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
     return _risk(ss, {i: every.get((s.layer, s.op), 0.0) for i, s in enumerate(ss)})
 
 
+def _core(ss: list[Site], f: dict[int, float]) -> bool:
+    """Whether ``f`` checks a core op: only then does the checked engine replace the model's
+    own attention (:meth:`~attnchecker.attention.state.AttentionState.needs_core`)."""
+    return any(v and ss[i].op in CORE_OPS for i, v in f.items())
+
+
 def _overhead(ss: list[Site], f: dict[int, float], engine: Estimate) -> Estimate:
     if not any(f.values()):
         return Estimate(0.0, 0.0, 0.0)
-    return Estimate(*(engine[j] + sum(v * ss[i].cost[j] for i, v in f.items()) for j in range(3)))
+    e = engine if _core(ss, f) else Estimate(0.0, 0.0, 0.0)
+    return Estimate(*(e[j] + sum(v * ss[i].cost[j] for i, v in f.items()) for j in range(3)))
 
 
 def choose(
@@ -359,9 +369,14 @@ def choose(
     greedy = Greedy(ss, end)
     useful = [i for i in range(len(ss)) if greedy.gain(i, 1.0, {}) > 0]
     notes = _notes(ss, rate, cost)
+    # without a core check the engine is not paid: the best schedule of those checks alone
+    # competes with the best of all of them, which pays it
+    free = Greedy(ss, end, frozenset(i for i, s in enumerate(ss) if s.op not in CORE_OPS))
     if target is not None:
         goal = f"at most {target:g} non-trainable events per million steps ({estimate} estimate)"
-        f = greedy.for_target(target / PER_MILLION)
+        fits = [f for f in (free.for_target(target / PER_MILLION),
+                            greedy.for_target(target / PER_MILLION)) if f is not None]  # fmt: skip
+        f = min(fits, key=lambda f: _overhead(ss, f, cost.engine).point, default=None)
         if f is None:
             raise ConfigError(
                 f"no schedule meets {target:g} non-trainable events per million steps: checking "
@@ -374,15 +389,22 @@ def choose(
         if not useful:
             f = {}
         else:
-            cheapest = min(max(ss[i].cost.high, 0.0) for i in useful) / PERIODS[-1]
-            if budget < cost.engine.high + cheapest:
+            def least(ids) -> float:  # the cheapest of these checks, every PERIODS[-1] steps
+                return min((max(ss[i].cost.high, 0.0) for i in ids), default=math.inf) / PERIODS[-1]
+
+            core = [i for i in useful if ss[i].op in CORE_OPS]
+            cheapest = min(cost.engine.high + least(core), least(set(useful) - set(core)))
+            if budget < cheapest:
                 raise ConfigError(
-                    f"a budget of {budget:.1%} is below the cheapest check: leaving SDPA for the "
-                    f"checked engine costs up to {cost.engine.high:.1%} and the cheapest check "
-                    f"{cheapest:.2%} (every {PERIODS[-1]} steps; upper ends of the measured "
-                    f"costs); raise the budget or leave the model unprotected"
+                    f"a budget of {budget:.1%} is below the cheapest check: {cheapest:.2%} (a "
+                    f"core check also pays for leaving SDPA for the checked engine, up to "
+                    f"{cost.engine.high:.1%}; every {PERIODS[-1]} steps; upper ends of the "
+                    f"measured costs); raise the budget or leave the model unprotected"
                 )
-            f = greedy.for_budget(budget - cost.engine.high)
+            options = [free.for_budget(budget)]
+            if budget - cost.engine.high >= 0:
+                options.append(greedy.for_budget(budget - cost.engine.high))
+            f = min(options, key=lambda f: (greedy.total(f), _overhead(ss, f, cost.engine).high))
     if not useful:
         notes += ("no check removes risk at this fault rate: nothing to check",)
     checks = tuple(sorted(((ss[i].layer, ss[i].op, round(1 / v)) for i, v in f.items() if v),
@@ -403,7 +425,8 @@ def _choice(ss, f, checks, cost, base, goal, notes, policy) -> Choice:
     scope = "all_linear" if any(linear_parts(op) for _, op, _ in checks) else "attention"
     config = (ABFTConfig(schedule=checks, policy=policy, backend=ENGINE, scope=scope) if checks
               else ABFTConfig(ops=()))  # fmt: skip
-    launches = (cost.engine_launches + sum(v * ss[i].launches for i, v in f.items())) if f else 0
+    engine = cost.engine_launches if _core(ss, f) else 0
+    launches = (engine + sum(v * ss[i].launches for i, v in f.items())) if f else 0
     return Choice(config, checks, _risk(ss, f), overhead=_overhead(ss, f, cost.engine),
                   launches=launches, goal=goal, notes=notes, **base)  # fmt: skip
 

@@ -55,8 +55,9 @@ class Greedy:
     (one k per schedule), keep the best. Decisions use end ``end`` of the risk intervals. A
     check's gain is summed over the sites it is credited at (:meth:`Site.covers`) only."""
 
-    def __init__(self, ss: list[Site], end: int) -> None:
+    def __init__(self, ss: list[Site], end: int, among: frozenset[int] | None = None) -> None:
         self.ss, self.end = ss, end
+        self.among = frozenset(range(len(ss))) if among is None else among  # checks it may take
         self.covered = [[j for j, t in enumerate(ss) if t.covers(s.layer, s.op)] for s in ss]
 
     def gain(self, i: int, v: float, f: dict[int, float]) -> float:
@@ -66,7 +67,7 @@ class Greedy:
         return sum(risk(j, before) - risk(j, after) for j in self.covered[i])
 
     def _gains(self, f: dict[int, float], v: float) -> dict[int, float]:
-        return {i: self.gain(i, v, f) for i in range(len(self.ss)) if i not in f}
+        return {i: self.gain(i, v, f) for i in sorted(self.among) if i not in f}
 
     def _best(self, gains: dict[int, float], v: float, left: float) -> int | None:
         """The check with the most risk removed per cost whose cost (upper end) at fraction v

@@ -286,3 +286,38 @@ def test_a_measured_fit_judges_the_upper_end_and_scales_the_budget_by_it(monkeyp
     assert priced_at[0] < 1.0 and len(budgets) == 2, (budgets, priced_at)
     assert budgets[1] == pytest.approx(priced_at[0] * 3.0 / (10 * measured[0].high))
     assert fit.measured.high <= 3.0 and fit.measured == Estimate(*(10 * x for x in measured[-1]))
+
+
+def test_the_engine_is_paid_only_by_a_schedule_with_a_core_check():
+    """With no core check chosen the model's own attention runs (issue 42 §9): a budget below
+    the engine's cost still buys the projections' checks, priced without it; a schedule with
+    a core check pays it, once."""
+    from attnchecker.adaptive.controller import priced
+
+    fatal = {"scores": 50, "dw.q": 25}  # of 50 unprotected faults
+    cells = tuple(Cell(op, layer, kind, 50, {"non_trainable": k, "masked": 50 - k},
+                       {"non_trainable": 0, "masked": 50})
+                  for op, k in fatal.items() for layer in (0, 1)
+                  for kind in ("nan", "inf"))  # fmt: skip
+    vuln = VulnerabilityProfile("gpt2", {"size": "tiny"}, cells)
+    cost = CostProfile(
+        "gpt2", {"layers": 2}, 0.01, Estimate(0.2, 0.1, 0.3), 10,
+        tuple(OpCost(op, Estimate(0.02, 0.01, 0.03), 100) for op in fatal),
+        tuple((layer, op, 1000) for layer in (0, 1) for op in fatal), step_macs=10_000,
+    )  # fmt: skip
+    rate = FaultRate(1.0)
+    cheap = choose(vuln, cost, rate, budget=0.1)  # below the engine's upper end, 0.3
+    assert {op for _, op, _ in cheap.checks} == {"dw.q"}
+    # 100 launches per op over 2 layers: 50 a check, and not the engine's 10
+    assert cheap.launches == pytest.approx(sum(50 / k for *_, k in cheap.checks))
+    # an op's cost 0.02 is over both layers: 0.01 a check
+    assert cheap.overhead.point == pytest.approx(sum(0.01 / k for *_, k in cheap.checks))
+    rich = choose(vuln, cost, rate, budget=1.0)
+    assert {op for _, op, _ in rich.checks} == {"scores", "dw.q"}
+    assert rich.overhead.point == pytest.approx(0.2 + sum(0.01 / k for *_, k in rich.checks))
+    one = {op: priced(vuln, cost, rate, ((0, op, 1),), goal="x").overhead.point for op in fatal}
+    assert one == pytest.approx({"dw.q": 0.01, "scores": 0.21})
+    target = choose(vuln, cost, rate, target=rich.risk.high * 1.5)  # cheapest that meets it
+    assert target.overhead.point <= rich.overhead.point
+    with pytest.raises(ConfigError, match="below the cheapest check"):
+        choose(vuln, cost, rate, budget=0.0001)
