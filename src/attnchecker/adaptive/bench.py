@@ -4,10 +4,12 @@ Copies of one model are stepped alternately in one process (forward, backward, A
 steps in a row each per round (:func:`alternate`), so drift and bursts of load hit every arm
 alike: ``plain`` (what users run: transformers' default SDPA attention; GPT-Neo has none, so
 eager), ``engine`` (``protect_`` checking nothing: the checked eager engine instead of SDPA,
-kept even though nothing needs it) and one arm per op checking that op in every layer, on that
-engine too; a protected step ends with ``drain()``, as in a training loop. An op's cost is the
-median over rounds of (t_op - t_engine) / t_plain, the engine's of (t_engine - t_plain) /
-t_plain, each with the order-statistic interval of a median. Ops launched per step are counted
+kept even though nothing needs it) and one arm per op checking that op in every layer (a core
+check on that engine, the others beside the model's own attention, which runs where no core
+check is asked); a protected step ends with ``drain()``, as in a training loop. A core op's
+cost is the median over rounds of (t_op - t_engine) / t_plain, another op's (t_op - t_plain) /
+t_plain, the engine's (t_engine - t_plain) / t_plain, each with the order-statistic interval of
+a median. Ops launched per step are counted
 (aten ops that launch a kernel on a GPU, eager), and each attention GEMM's multiply-adds per
 step are read from the shapes at its sites: the exposure of that site to faults that arrive per
 element operation.
@@ -29,7 +31,7 @@ from torch import nn
 
 from attnchecker.adaptive.profile import ENGINE, CostProfile, Estimate, OpCost
 from attnchecker.attention.config import ALL_OPS, LINEAR_OPS, OPS, ABFTConfig
-from attnchecker.attention.ops import linear_parts
+from attnchecker.attention.ops import CORE_OPS, linear_parts
 from attnchecker.errors import ConfigError
 
 __all__ = ["alternate", "measure_costs", "median_interval", "stepper"]
@@ -241,7 +243,9 @@ def measure_costs(
     arms = {"plain": plain, "engine": engine}
     for op in checked:
         arms[op] = copy.deepcopy(base)
-        _on_engine(protect_(arms[op], _arm_config(op, linears), example=example))
+        h = protect_(arms[op], _arm_config(op, linears), example=example)
+        if op in CORE_OPS:  # a core check runs on the engine; the others beside SDPA
+            _on_engine(h)
     runs = {k: torch.compile(m) if compile else m for k, m in arms.items()}
     steps = {k: stepper(arms[k], runs[k], inputs, dtype, device) for k in arms}
     eager_steps = (  # launches and sizes are counted in eager
@@ -259,11 +263,15 @@ def measure_costs(
         times = alternate(steps, reps, sync=sync, advance=advance)
     plain_t, engine_t = times["plain"], times["engine"]
 
-    def share(op: str) -> list[float]:  # (t_op - t_engine) / t_plain per round
-        return [(a - e) / p for a, e, p in zip(times[op], engine_t, plain_t, strict=True)]
+    def base(op: str) -> str:  # what a check is added to: the engine (core), else SDPA
+        return "engine" if op in CORE_OPS else "plain"
+
+    def share(op: str) -> list[float]:  # (t_op - t_base) / t_plain per round
+        b = times[base(op)]
+        return [(a - e) / p for a, e, p in zip(times[op], b, plain_t, strict=True)]
 
     op_costs = tuple(
-        OpCost(op, median_interval(share(op)), launches[op] - launches["engine"]) for op in checked
+        OpCost(op, median_interval(share(op)), launches[op] - launches[base(op)]) for op in checked
     )
     n_layers = len({layer for layer, op in macs if not linear_parts(op)})
     return CostProfile(

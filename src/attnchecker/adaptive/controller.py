@@ -322,6 +322,11 @@ def risk_of(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate,
     return _risk(ss, {i: every.get((s.layer, s.op), 0.0) for i, s in enumerate(ss)})
 
 
+def _least(ss: list[Site], ids: list[int]) -> float:
+    """The cheapest of the checks ``ids`` (upper end), every ``PERIODS[-1]`` steps."""
+    return min((max(ss[i].cost.high, 0.0) for i in ids), default=math.inf) / PERIODS[-1]
+
+
 def _core(ss: list[Site], f: dict[int, float]) -> bool:
     """Whether ``f`` checks a core op: only then does the checked engine replace the model's
     own attention (:meth:`~attnchecker.attention.state.AttentionState.needs_core`)."""
@@ -371,10 +376,10 @@ def choose(
     notes = _notes(ss, rate, cost)
     # without a core check the engine is not paid: the best schedule of those checks alone
     # competes with the best of all of them, which pays it
-    free = Greedy(ss, end, frozenset(i for i, s in enumerate(ss) if s.op not in CORE_OPS))
+    own = Greedy(ss, end, frozenset(i for i, s in enumerate(ss) if s.op not in CORE_OPS))
     if target is not None:
         goal = f"at most {target:g} non-trainable events per million steps ({estimate} estimate)"
-        fits = [f for f in (free.for_target(target / PER_MILLION),
+        fits = [f for f in (own.for_target(target / PER_MILLION),
                             greedy.for_target(target / PER_MILLION)) if f is not None]  # fmt: skip
         f = min(fits, key=lambda f: _overhead(ss, f, cost.engine).point, default=None)
         if f is None:
@@ -389,11 +394,9 @@ def choose(
         if not useful:
             f = {}
         else:
-            def least(ids) -> float:  # the cheapest of these checks, every PERIODS[-1] steps
-                return min((max(ss[i].cost.high, 0.0) for i in ids), default=math.inf) / PERIODS[-1]
-
             core = [i for i in useful if ss[i].op in CORE_OPS]
-            cheapest = min(cost.engine.high + least(core), least(set(useful) - set(core)))
+            free = [i for i in useful if ss[i].op not in CORE_OPS]
+            cheapest = min(cost.engine.high + _least(ss, core), _least(ss, free))
             if budget < cheapest:
                 raise ConfigError(
                     f"a budget of {budget:.1%} is below the cheapest check: {cheapest:.2%} (a "
@@ -401,7 +404,7 @@ def choose(
                     f"{cost.engine.high:.1%}; every {PERIODS[-1]} steps; upper ends of the "
                     f"measured costs); raise the budget or leave the model unprotected"
                 )
-            options = [free.for_budget(budget)]
+            options = [own.for_budget(budget)]
             if budget - cost.engine.high >= 0:
                 options.append(greedy.for_budget(budget - cost.engine.high))
             f = min(options, key=lambda f: (greedy.total(f), _overhead(ss, f, cost.engine).high))
