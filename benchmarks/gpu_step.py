@@ -39,16 +39,18 @@ WIDTHS = {
 ARMS = {"sdpa": None, "protected": ABFTConfig(), "all_linear": ABFTConfig(scope="all_linear")}
 
 
-def _model(widths: dict, L: int, arm: str, device: str, base: torch.nn.Module | None):
-    model = copy.deepcopy(base) if base is not None else None
-    if model is None:
-        torch.manual_seed(0)
-        model = build("llama", "tiny" if ARGS.tiny else "base", layers=2, max_len=max(L, 128),
-                      **widths)  # fmt: skip
-        model.config.use_cache = False
-        model.train()
-        return model
-    model = model.to(device)
+def _base(widths: dict, L: int) -> torch.nn.Module:
+    """The 2-layer llama every arm copies, on the CPU, in train mode."""
+    torch.manual_seed(0)
+    model = build("llama", "tiny" if ARGS.tiny else "base", layers=2, max_len=max(L, 128),
+                  **widths)  # fmt: skip
+    model.config.use_cache = False
+    return model.train()
+
+
+def _arm(base: torch.nn.Module, arm: str, device: str) -> torch.nn.Module:
+    """A copy of ``base`` on ``device`` in SDPA attention, protected as ``arm`` asks."""
+    model = copy.deepcopy(base).to(device)
     model.set_attn_implementation("sdpa")  # what users run, and what protection starts from
     if ARMS[arm] is not None:
         protect_(model, ARMS[arm])
@@ -90,12 +92,12 @@ def measure(width: str, mode: str, device: str) -> dict:
     if ARGS.tiny:
         widths, L = {}, 32
     t0 = time.perf_counter()
-    base = _model(widths, L, "", device, None)
+    base = _base(widths, L)
     ids = torch.randint(3, 128, (1, L), generator=torch.Generator().manual_seed(0)).to(device)
     steps, errors = {}, {}
     for arm in ARGS.arms:
         try:
-            steps[arm] = _stepper(_model(widths, L, arm, device, base), ids, mode, device)
+            steps[arm] = _stepper(_arm(base, arm, device), ids, mode, device)
             steps[arm]()  # the first step: compilation, caches
         except Exception as e:  # a row that says why (capture, compile), not a dead stage
             errors[arm] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

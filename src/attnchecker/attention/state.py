@@ -102,6 +102,9 @@ class AttentionState:
         self.name, self.layer, self.config, self.clock = name, layer, config, clock
         self.schedule = Schedule.of(config) if schedule is None else schedule
         self.schedule.bind(name, layer, fixed_ops, role)
+        # a core op on any step of the schedule (bound once: only its phase changes later)
+        asked = self.schedule.ops_of(name, on=True) | self.schedule.ops_of(name, on=False)
+        self._core_asked = not asked.isdisjoint(CORE_OPS)
         self.sites = Sites((*ops, *grad_ops), name, layer, clock)
         self.records = Records(ops, grad_ops, log, backward=backward,
                                kernel_checks=kernel_checks)  # fmt: skip
@@ -126,10 +129,9 @@ class AttentionState:
         check (:data:`~.ops.CORE_OPS`) on any step, a hook is attached at a core site (a fault
         placed there), the fused kernels run it, or :attr:`keep_core` is set. Otherwise the
         model's own attention runs, untouched, and only its projections are checked."""
-        if self.coverage.engine == "triton" or self.keep_core:
+        if self._core_asked or self.keep_core or self.coverage.engine == "triton":
             return True
-        asked = self.schedule.ops_of(self.name, on=True) | self.schedule.ops_of(self.name, on=False)
-        return any(op in asked or self.hooks.get(op) for op in CORE_OPS)
+        return any(self.hooks.get(op) for op in CORE_OPS)
 
     def site(self, site: str, tensor: Tensor) -> None:
         """Run the hooks attached to ``site`` on ``tensor``."""

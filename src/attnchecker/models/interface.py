@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 from torch import Tensor, nn
@@ -68,23 +67,26 @@ OWN = "_attnchecker_own"
 :class:`Own`."""
 
 
-@dataclass(frozen=True)
 class Own:
-    """The model's own attention, and whether it runs instead of the checked core."""
+    """The model's own attention implementation ``impl`` (before protect_: "sdpa", "eager",
+    ...), and whether it runs instead of the checked core (:meth:`runs`) over ``states``, every
+    protected module of the model."""
 
-    impl: str  # the model's attention implementation before protect_ ("sdpa", "eager", ...)
-    states: Sequence[AttentionState]  # every protected module of the model
-
-    def runs(self) -> bool:
-        """No protected module needs the checked core: the model's own mask and attention."""
+    def __init__(self, impl: str, states: Sequence[AttentionState]) -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 
-        known = self.impl == "eager" or (
-            self.impl in AttentionInterface._global_mapping
-            and self.impl in AttentionMaskInterface._global_mapping
+        self.impl, self.states = impl, tuple(states)
+        # an implementation transformers has both functions for (eager: the family's own)
+        self.known = impl == "eager" or (
+            impl in AttentionInterface._global_mapping
+            and impl in AttentionMaskInterface._global_mapping
         )
-        return known and not any(st.needs_core() for st in self.states)
+
+    def runs(self) -> bool:
+        """No protected module needs the checked core: the model's own mask and attention (per
+        call: a hook attached at a core site brings the core back at the next forward)."""
+        return self.known and not any(st.needs_core() for st in self.states)
 
 
 _OWNS: dict[int, Own] = {}  # id(model.config) -> its Own, while protected
@@ -239,7 +241,7 @@ def install_interface(
     AttentionMaskInterface.register(TRITON_NAME, _fused_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation(TRITON_NAME if fused else NAME)
-    own = Own(previous or "eager", tuple(states))
+    own = Own(previous or "eager", states)
     _OWNS[id(model.config)] = own
     for core in cores:
         setattr(core, OWN, own)
