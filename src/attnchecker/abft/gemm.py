@@ -95,18 +95,24 @@ def gemm_check_(
     x_rows: Tensor | None = None,
     y_cols: Tensor | None = None,
     impl: str = "eager",
-    region: Callable[..., tuple[Tensor, ...]] | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    kernels: Callable[..., None] | None = None,
+    rec: Tensor | None = None,
+    step: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
     """Check and repair in place out (M, N) = x (M, K) @ y (K, N) (see the module docstring).
 
     ``x_rows`` (M,), ``y_cols`` (N,): :func:`row_norms` of x and :func:`col_norms` of y when the
     caller has them. ``impl``: ``"eager"``, ``"compiled"`` or ``"auto"``
-    (:func:`~attnchecker.abft.regions.resolve`; the same results either way); ``region``: an
-    implementation of the region's tensor work to run instead (its arguments and results:
-    the Triton kernels' ``attnchecker.kernels.gemm_check.gemm_region``). Returns 0-dim
+    (:func:`~attnchecker.abft.regions.resolve`; the same results either way). Returns 0-dim
     float32 / bool tensors: flagged rows, flagged columns, the residual of the worst row, lost
     (a row fails after the repair), and reproduced (a recomputed row fails again: the operands
-    imply it)."""
+    imply it).
+
+    ``kernels``: the Triton kernels' check (``attnchecker.kernels.gemm_check.check_``, where
+    ``kernels.gemm_check_kernels`` says they run) instead of the region: rows only, every
+    flagged row repaired (no ``max_rows`` budget), columns located on a flag. With ``rec`` (a
+    zeroed (7,) float64 record row) and ``step`` (the clock) it writes the record there and
+    returns None; without, the same five results."""
     M, K = x.shape
     N = y.shape[1]
     dt = _reference_dtype(x, y)
@@ -123,11 +129,27 @@ def gemm_check_(
     # forward (torch 2.13), which made a compiled bf16 model multiply mixed dtypes
     layout = (x.stride(-1) == 1, y.stride(0) == 1)
     args = (out, x, y, x_rows, y_cols, *layout, min(max_rows, M), *limits)
+    if kernels is not None:
+        return _kernels(kernels, out, x, y, x_rows, limits[:2], rec, step)
     with torch.autocast(out.device.type, enabled=False):
-        if region is not None:  # another implementation of _gemm_region (Triton kernels)
-            with torch.no_grad():
-                return regions.ran(_gemm_region.__qualname__, "triton", region(*args))
         return regions.run(_gemm_region, impl, *args, on=out)
+
+
+def _kernels(
+    check: Callable[..., None], out: Tensor, x: Tensor, y: Tensor, x_rows: Tensor | None,
+    limits: tuple[float, float], rec: Tensor | None, step: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """:func:`gemm_check_` by the Triton kernels' ``check``, into ``rec`` or as five results."""
+    own = rec is None
+    if own:
+        rec = torch.zeros(7, dtype=torch.float64, device=out.device)
+        step = torch.zeros(1, dtype=torch.float64, device=out.device)
+    with torch.no_grad():
+        check(out, x, y, rec, step, floor=limits[0], c=limits[1], x_rows=x_rows)
+    regions.ran(_gemm_region.__qualname__, "triton", None)
+    if not own:
+        return None
+    return rec[0].float(), rec[1].float(), rec[2].float(), rec[3] > 0, rec[4] > 0
 
 
 def _reference_dtype(x: Tensor, y: Tensor) -> torch.dtype:

@@ -193,9 +193,17 @@ def _linear_grad_region(
     """One check region for a linear layer's backward: the checks of dX (T, K) = dY (T, N) W
     (N, K) and of dW = a @ b (dY^T X; Conv1D's X^T dY), those given, sharing dY's row and
     column norms, and their records as the sink's gradient (``shape``, rows ``index``).
-    ``kernels``: the two GEMM checks' Triton kernels (``kernels.gemm_check_kernels``), this
-    function's own ops then eager (called outside :func:`~attnchecker.abft.regions.run`)."""
-    kw = {"max_rows": max_rows, "scale": scale, "region": kernels}
+    ``kernels``: the GEMM checks' Triton kernels (``kernels.gemm_check_kernels``: each check's
+    rows verified and repaired by registered ops, three at most, writing its record row into the
+    sink's gradient; called outside :func:`~attnchecker.abft.regions.run`)."""
+    if kernels is not None:  # rows checked by the kernels, records written in place
+        grad = torch.zeros(shape, dtype=torch.float64, device=step.device)
+        kw = {"max_rows": max_rows, "scale": scale, "kernels": kernels, "step": step}
+        for i, (out, x, y) in zip(index, ((o, x, y) for o, x, y in ((dx, dy, w), (dw, a, b))
+                                          if o is not None), strict=True):  # fmt: skip
+            gemm_check_(out, x, y, rec=grad[i], **kw)
+        return grad
+    kw = {"max_rows": max_rows, "scale": scale}
     recs = []
     if dx is not None:
         recs.append(product_check_(dx, dy, w, x_rows=row_norms(dy), **kw))

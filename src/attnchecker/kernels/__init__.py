@@ -50,8 +50,8 @@ def interpreting() -> bool:
 
 
 def gemm_check_kernels(impl: str, on):
-    """The Triton kernels of a GEMM's check (``kernels.gemm_check.gemm_region``, for
-    ``abft.gemm.gemm_check_``'s ``region``) where ``check_impl=impl`` runs them for a check of
+    """The Triton kernels of a GEMM's check (``kernels.gemm_check.check_``, for
+    ``abft.gemm.gemm_check_``'s ``kernels``) where ``check_impl=impl`` runs them for a check of
     ``on``, else None: ``impl`` resolves to ``"triton"``, the call comes from eager code (a
     model being compiled traces the check's torch ops inline) and the kernels can run (CUDA,
     or the interpreter)."""
@@ -63,9 +63,9 @@ def gemm_check_kernels(impl: str, on):
         return None
     if not available() or not (on.device.type == "cuda" or interpreting()):
         return None
-    from attnchecker.kernels.gemm_check import gemm_region
+    from attnchecker.kernels.gemm_check import check_
 
-    return gemm_region
+    return check_
 
 
 def available() -> bool:

@@ -1,187 +1,302 @@
-"""The row and column check of one GEMM out (M, N) = x (M, K) @ y (K, N) as Triton kernels.
+"""The check of one GEMM out (M, N) = x (M, K) @ y (K, N) in three kernels, each a registered op.
 
-``check_impl="triton"``'s implementation of :func:`attnchecker.abft.gemm.gemm_check_`: the
-same residuals, tolerances and repair, with each large tensor read by one pass of a
-hand-written kernel instead of inductor's fusion of the region's ops (``"compiled"``, which
-on CUDA also generates Triton). Three launches, ordered by their dependencies:
+``check_impl="triton"``'s implementation of :func:`attnchecker.abft.gemm.gemm_check_` on CUDA
+(and in Triton's interpreter on a CPU, for the tests). Each kernel is one
+``torch.library.custom_op``, so one call is one dispatched op (a CPU run counts launches as a GPU
+launches them) and ``torch.compile`` keeps it as one kernel:
 
-1. :func:`_rows_pass`, over blocks of rows: out's row sums (M,) and column sums (N,) in one pass
-   over out, x's column sums 1^T x (K,) and its row norms (M,) in one pass over x, and
-   ||x||_F^2 (the column sums and ||x||_F^2 accumulate across programs with atomic adds);
-2. :func:`_cols_pass`, over blocks of columns, one pass over y: the column references
-   (1^T x) y, y's row sums y 1 (K,), its column norms and ||y||_F^2, and each column's excess
-   over its tolerance;
-3. :func:`_rows_ref`, over blocks of rows, a second pass over x: the row references x (y 1)
-   and each row's excess.
+1. ``attnchecker::gemm_refs`` (:func:`_refs`), the references' pass over y, where the caller has
+   no cached one: y's row sums y 1 (K,) and its Frobenius norm (partial sums of squares, one per
+   program, summed by the verify kernel: no atomics);
+2. ``attnchecker::gemm_verify`` (:func:`_verify`), one pass over the rows of out and of x: each
+   row's sum against its reference x_m . (y 1), and its excess over the tolerance
+   |residual| - floor + c ||x_m|| ||y||_F (c < 0; the constants are
+   :func:`~attnchecker.abft.gemm.gemm_check_`'s, from :mod:`attnchecker.abft.tolerance`). A
+   program with a flagged row adds its count to the record row and marks it detected at the
+   clock's step (the clean path writes nothing but the per-row scratch);
+3. ``attnchecker::gemm_repair`` (:func:`_repair`), predicated on the device flag (the record's
+   flagged-row count): every program returns at once when it is 0. Else each flagged row is
+   recomputed from the operands (every row of a whole-column fault: the whole product), its
+   delivered and recomputed elements compared to locate the bad columns (an element further apart
+   than twice its rounding bound; the count of distinct columns goes to the record), and checked
+   again: a row that still fails is ``lost`` and ``reproduced`` (the operands imply it). Program
+   0 writes the worst row's residual as the record's ``value``.
 
-An excess is |residual| - floor + c ||operand row or column|| ||other operand||_F (c < 0, as
-``gemm_check_`` computes it): > 0 or NaN where the check fails. All sums are fp32; the order of
-atomic adds varies from run to run, which the worst-case bound of
-:mod:`attnchecker.abft.tolerance` does not depend on. What follows the excesses (the worst
-column and rows recomputed from the operands, fixed sizes, and the check after repair) is the
-eager region's tail, :func:`attnchecker.abft.gemm.repair_`.
+Unlike the eager region (:func:`attnchecker.abft.gemm._gemm_region`), which repairs at most
+``max_rows`` rows and one column and checks columns too, this path detects by rows and repairs
+every flagged row, with no budget (the repair runs only on a flag, so its size costs nothing on
+a clean step); columns are located on a flag, not checked. Records are written straight into a
+float64 row of :data:`~attnchecker.attention.records.RECORD_FIELDS` that the caller zeroed.
 
-On a CPU the kernels run only in Triton's interpreter (tests); bf16 operands are read from fp32
-copies there (the interpreter computes through numpy, which has no bf16).
+On a CPU the kernels run only in Triton's interpreter; bf16 operands are read from fp32 copies
+there (it computes through numpy, which has no bf16). :func:`reference` computes what the three
+kernels compute with torch ops, for the tests that hold the two equal.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnchecker.abft.gemm import repair_
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
 
-__all__ = ["excesses", "gemm_region"]
+__all__ = ["check_", "gemm_refs", "gemm_repair", "gemm_verify", "reference"]
 
-_BM, _BN, _BK = 32, 64, 64  # tile of a pass; a program loops over the other dimension
+_BM, _BN, _BK = 32, 64, 64  # a program's rows; the tiles it loops over
 _F32 = torch.float32
+_DETECTED, _STEP = 5, 6  # fields of the record row (attention.records.RECORD_FIELDS)
 
 
 @triton.jit
 def _tile(P, r, c, s_r, s_c, rmask, cmask):
-    """The (len(r), len(c)) tile of P at rows r and columns c (strides s_r, s_c) in fp32, 0
-    outside the masks."""
-    at = P + r[:, None] * s_r + c[None, :] * s_c
-    return tl.load(at, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    """The (len(r), len(c)) tile of P at rows r and columns c (strides s_r, s_c), 0 outside."""
+    return tl.load(P + r[:, None] * s_r + c[None, :] * s_c, mask=rmask[:, None] & cmask[None, :],
+                   other=0.0)  # fmt: skip
 
 
 @triton.jit
 def _span(start, n, BLOCK: tl.constexpr):
-    """(start + 0 .. BLOCK - 1 as 64-bit offsets (BLOCK,), which of them are below n)."""
+    """(start + 0 .. BLOCK - 1 as 64-bit offsets, which of them are below n)."""
     offs = start + tl.arange(0, BLOCK).to(tl.int64)
     return offs, offs < n
 
 
 @triton.jit
-def _norms(GIVEN, offs, mask, sq, lost, FRO_AT, HAS_GIVEN: tl.constexpr):
-    """The norms (len(offs),) of rows or columns: GIVEN's (precomputed by the caller), or the
-    square roots of the sums of squares sq plus the rounding they lost; their squares are
-    added to the Frobenius norm's square at FRO_AT."""
-    if HAS_GIVEN:  # noqa: SIM108 (a static branch)
-        norms = tl.load(GIVEN + offs, mask=mask, other=0.0)
-    else:
-        norms = tl.sqrt(sq) + lost
-    tl.atomic_add(FRO_AT, tl.sum(tl.where(mask, norms * norms, 0.0), 0))
-    return norms
+def _refs(Y, REFS, K, N, sy_k, sy_n, BK: tl.constexpr, BN: tl.constexpr):
+    """REFS[:K] = y 1 over the program's rows of y; REFS[K + program] = their sum of squares."""
+    pid = tl.program_id(0)
+    rows, rmask = _span(pid.to(tl.int64) * BK, K, BK)
+    s = tl.zeros([BK], dtype=tl.float32)
+    sq = tl.zeros([BK], dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        cols, cmask = _span(n0, N, BN)
+        t = _tile(Y, rows, cols, sy_k, sy_n, rmask, cmask).to(tl.float32)
+        s += tl.sum(t, 1)
+        sq += tl.sum(t * t, 1)
+    tl.store(REFS + rows, s, mask=rmask)
+    tl.store(REFS + (pid.to(tl.int64) + K), tl.sum(sq, 0))
 
 
 @triton.jit
-def _rows_pass(OUT, X, XROWS, RS, XN, XSUM, CSUM, FRO, M, N, K,
-               so_m, so_n, sx_m, sx_k, lost_x,
-               HAS_XROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr):  # fmt: skip
-    rows, rmask = _span(tl.program_id(0).to(tl.int64) * BM, M, BM)  # (BM,)
+def _fro(REFS, K, P, lost, BP: tl.constexpr):
+    """||y||_F from the refs pass's P partial sums of squares (an upper bound: plus what the
+    squares can lose to underflow, ``lost``)."""
+    acc = tl.zeros([BP], dtype=tl.float32)
+    for p0 in range(0, P, BP):
+        ps, pmask = _span(p0, P, BP)
+        acc += tl.load(REFS + (ps + K), mask=pmask, other=0.0)
+    return tl.sqrt(tl.sum(acc, 0)) + lost
+
+
+@triton.jit
+def _verify(OUT, X, REFS, XN, SCR, BITS, REC, STEP, M, N, K, P, so_m, so_n, sx_m, sx_k,
+            lost_x, lost_y, floor, c, chunk,
+            HAS_XN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            BP: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    rows, rmask = _span(pid.to(tl.int64) * BM, M, BM)
     rs = tl.zeros([BM], dtype=tl.float32)
     for n0 in range(0, N, BN):
         cols, cmask = _span(n0, N, BN)
-        t = _tile(OUT, rows, cols, so_m, so_n, rmask, cmask)
-        rs += tl.sum(t, 1)
-        tl.atomic_add(CSUM + cols, tl.sum(t, 0), mask=cmask)
+        rs += tl.sum(_tile(OUT, rows, cols, so_m, so_n, rmask, cmask).to(tl.float32), 1)
+    ref = tl.zeros([BM], dtype=tl.float32)
     sq = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks, kmask = _span(k0, K, BK)
-        t = _tile(X, rows, ks, sx_m, sx_k, rmask, kmask)
-        tl.atomic_add(XSUM + ks, tl.sum(t, 0), mask=kmask)
-        if not HAS_XROWS:
+        t = _tile(X, rows, ks, sx_m, sx_k, rmask, kmask).to(tl.float32)
+        ref += tl.sum(t * tl.load(REFS + ks, mask=kmask, other=0.0)[None, :], 1)
+        if not HAS_XN:
             sq += tl.sum(t * t, 1)
-    xn = _norms(XROWS, rows, rmask, sq, lost_x, FRO, HAS_XROWS)
-    tl.store(RS + rows, rs, mask=rmask)
-    tl.store(XN + rows, xn, mask=rmask)
+    if HAS_XN:  # noqa: SIM108 (a static branch)
+        xn = tl.load(XN + rows, mask=rmask, other=0.0)
+    else:
+        xn = tl.sqrt(sq) + lost_x
+    res = rs - ref
+    exc = tl.abs(res) - floor + c * xn * _fro(REFS, K, P, lost_y, BP)
+    tl.store(SCR + rows, ref, mask=rmask)
+    tl.store(SCR + (rows + M), res, mask=rmask)
+    tl.store(SCR + (rows + 2 * M), exc, mask=rmask)
+    tl.store(SCR + (rows + 3 * M), xn, mask=rmask)
+    # the column bitmap the repair marks, zeroed here: this program's chunk of it
+    for j0 in range(0, chunk, BN):
+        js, jmask = _span(pid.to(tl.int64) * chunk + j0, N, BN)
+        tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (pid + 1) * chunk))
+    flagged = tl.sum((~(exc <= 0.0) & rmask).to(tl.int32), 0)  # NaN compares False: flagged
+    if flagged > 0:
+        tl.atomic_add(REC, flagged.to(tl.float64))
+        tl.store(REC + 5, 1.0)  # detected (every flagged program writes the same values)
+        tl.store(REC + 6, tl.load(STEP))
 
 
 @triton.jit
-def _cols_pass(Y, YCOLS, XSUM, CSUM, Y1, FRO, EXC_C, N, K, sy_k, sy_n, lost_y, floor_c, c_c,
-               HAS_YCOLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    cols, cmask = _span(tl.program_id(0).to(tl.int64) * BN, N, BN)  # (BN,)
-    ref = tl.zeros([BN], dtype=tl.float32)
-    sq = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        ks, kmask = _span(k0, K, BK)
-        t = _tile(Y, ks, cols, sy_k, sy_n, kmask, cmask)
-        xs = tl.load(XSUM + ks, mask=kmask, other=0.0)
-        ref += tl.sum(t * xs[:, None], 0)
-        tl.atomic_add(Y1 + ks, tl.sum(t, 1), mask=kmask)
-        if not HAS_YCOLS:
-            sq += tl.sum(t * t, 0)
-    yn = _norms(YCOLS, cols, cmask, sq, lost_y, FRO + 1, HAS_YCOLS)
-    x_fro = tl.sqrt(tl.load(FRO))  # complete: the rows pass has finished
-    res = tl.load(CSUM + cols, mask=cmask, other=0.0) - ref
-    tl.store(EXC_C + cols, tl.abs(res) - floor_c + c_c * yn * x_fro, mask=cmask)
+def _repair(OUT, X, Y, REFS, SCR, BITS, REC, M, N, K, P, so_m, so_n, sx_m, sx_k, sy_k, sy_n,
+            lost_y, floor, c, f,
+            IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            BP: tl.constexpr):  # fmt: skip
+    if tl.load(REC) > 0:  # the device flag: nothing below runs on a clean product
+        pid = tl.program_id(0)
+        if pid == 0:  # the worst row's residual (NaN ranks first) as the record's value
+            best = tl.full([], -float("inf"), tl.float32)
+            value = tl.zeros([], dtype=tl.float32)
+            nan = tl.zeros([], dtype=tl.int32)  # a NaN excess seen: its row is the worst
+            for m0 in range(0, M, BM):
+                ms, mmask = _span(m0, M, BM)
+                e = tl.load(SCR + (ms + 2 * M), mask=mmask, other=-float("inf"))
+                isnan = (e != e).to(tl.int32)
+                if nan == 0:
+                    if tl.max(isnan, 0) > 0:
+                        nan = 1
+                        value = tl.load(SCR + (tl.argmax(isnan, 0).to(tl.int64) + m0 + M))
+                    elif tl.max(e, 0) > best:
+                        best = tl.max(e, 0)
+                        value = tl.load(SCR + (tl.argmax(e, 0).to(tl.int64) + m0 + M))
+            tl.store(REC + 2, value)
+        rows, rmask = _span(pid.to(tl.int64) * BM, M, BM)
+        exc = tl.load(SCR + (rows + 2 * M), mask=rmask, other=0.0)
+        bad = ~(exc <= 0.0) & rmask
+        if tl.sum(bad.to(tl.int32), 0) > 0:
+            xn = tl.load(SCR + (rows + 3 * M), mask=rmask, other=0.0)
+            y_fro = _fro(REFS, K, P, lost_y, BP)
+            near = 2 * f * xn * y_fro + floor  # (BM,): two roundings of an element apart
+            sums = tl.zeros([BM], dtype=tl.float32)
+            for n0 in range(0, N, BN):
+                cols, cmask = _span(n0, N, BN)
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+                for k0 in range(0, K, BK):
+                    ks, kmask = _span(k0, K, BK)
+                    a = _tile(X, rows, ks, sx_m, sx_k, bad, kmask)
+                    b = _tile(Y, ks, cols, sy_k, sy_n, kmask, cmask)
+                    if IEEE:
+                        acc += tl.dot(a.to(tl.float32), b.to(tl.float32),
+                                      input_precision="ieee")  # fmt: skip
+                    else:
+                        acc += tl.dot(a, b)
+                new = acc.to(OUT.dtype.element_ty)
+                at = OUT + rows[:, None] * so_m + cols[None, :] * so_n
+                both = bad[:, None] & cmask[None, :]
+                old = tl.load(at, mask=both, other=0.0).to(tl.float32)
+                far = ~(tl.abs(old - new.to(tl.float32)) <= near[:, None]) & both
+                hit = tl.max(far.to(tl.int32), 0) > 0  # (BN,) columns this block locates
+                was = tl.atomic_xchg(BITS + cols, tl.full([BN], 1, tl.int32), mask=hit)
+                fresh = tl.sum((hit & (was == 0)).to(tl.int32), 0)
+                if fresh > 0:
+                    tl.atomic_add(REC + 1, fresh.to(tl.float64))
+                tl.store(at, new, mask=both)
+                sums += tl.sum(tl.where(both, new.to(tl.float32), 0.0), 1)
+            ref = tl.load(SCR + rows, mask=rmask, other=0.0)
+            again = ~(tl.abs(sums - ref) - floor + c * xn * y_fro <= 0.0) & bad
+            if tl.sum(again.to(tl.int32), 0) > 0:
+                tl.store(REC + 3, 1.0)  # lost
+                tl.store(REC + 4, 1.0)  # reproduced: recomputing from the operands repeats it
 
 
-@triton.jit
-def _rows_ref(X, Y1, RS, XN, FRO, REF, RES, EXC_R, M, K, sx_m, sx_k, floor_r, c_r,
-              BM: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    rows, rmask = _span(tl.program_id(0).to(tl.int64) * BM, M, BM)  # (BM,)
-    ref = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        ks, kmask = _span(k0, K, BK)
-        t = _tile(X, rows, ks, sx_m, sx_k, rmask, kmask)
-        y1 = tl.load(Y1 + ks, mask=kmask, other=0.0)
-        ref += tl.sum(t * y1[None, :], 1)
-    res = tl.load(RS + rows, mask=rmask, other=0.0) - ref
-    y_fro = tl.sqrt(tl.load(FRO + 1))  # complete: the columns pass has finished
-    xn = tl.load(XN + rows, mask=rmask, other=0.0)
-    tl.store(REF + rows, ref, mask=rmask)
-    tl.store(RES + rows, res, mask=rmask)
-    tl.store(EXC_R + rows, tl.abs(res) - floor_r + c_r * xn * y_fro, mask=rmask)
-
-
-def _readable(t: Tensor | None) -> Tensor | None:
+def _readable(t: Tensor) -> Tensor:
     """t as the kernels read it: an fp32 copy of a bf16 tensor in the interpreter."""
-    if t is not None and interpreting() and t.dtype == torch.bfloat16:
-        return t.to(_F32)
-    return t
+    return t.to(_F32) if interpreting() and t.dtype == torch.bfloat16 else t
 
 
-def excesses(
-    out: Tensor,
-    x: Tensor,
-    y: Tensor,
-    x_rows: Tensor | None,
-    y_cols: Tensor | None,
-    floor_r: float,
-    c_r: float,
-    floor_c: float,
-    c_c: float,
-) -> tuple[Tensor, ...]:
-    """The three passes: (xn (M,), y_fro (), ref_r (M,), res_r (M,), exc_r (M,), exc_c (N,)),
-    fp32, as :func:`attnchecker.abft.gemm._gemm_region` computes them."""
-    M, K = x.shape
-    N = y.shape[1]
-    dev = out.device
-    o, xr, yr = _readable(out), _readable(x), _readable(y)
-    acc = torch.zeros(2 * K + N + 2, device=dev, dtype=_F32)  # the atomic adds' accumulators
-    xsum, csum, y1, fro = acc[:K], acc[K : K + N], acc[K + N : 2 * K + N], acc[2 * K + N :]
-    rows = torch.empty(5, M, device=dev, dtype=_F32)  # row sums, norms, references, residuals,
-    rs, xn, ref_r, res_r, exc_r = rows  # excesses
-    exc_c = torch.empty(N, device=dev, dtype=_F32)
-    # unit strides (the kernels index them so); xn is a placeholder pointer when absent
-    xrows = x_rows.to(_F32).contiguous() if x_rows is not None else xn
-    ycols = y_cols.to(_F32).contiguous() if y_cols is not None else exc_c
-    grid_m, grid_n = (triton.cdiv(M, _BM),), (triton.cdiv(N, _BN),)
-    _rows_pass[grid_m](o, xr, xrows, rs, xn, xsum, csum, fro, M, N, K, o.stride(0), o.stride(1),
-                       xr.stride(0), xr.stride(1), squares_lost(K), HAS_XROWS=x_rows is not None,
-                       BM=_BM, BN=_BN, BK=_BK)  # fmt: skip
-    _cols_pass[grid_n](yr, ycols, xsum, csum, y1, fro, exc_c, N, K, yr.stride(0), yr.stride(1),
-                       squares_lost(K), floor_c, c_c, HAS_YCOLS=y_cols is not None, BN=_BN,
-                       BK=_BK)  # fmt: skip
-    _rows_ref[grid_m](xr, y1, rs, xn, fro, ref_r, res_r, exc_r, M, K, xr.stride(0), xr.stride(1),
-                      floor_r, c_r, BM=_BM, BK=_BK)  # fmt: skip
-    return xn, fro[1].sqrt(), ref_r, res_r, exc_r, exc_c
+def _programs(n: int, block: int) -> int:
+    return max(1, triton.cdiv(n, block))
 
 
-def gemm_region(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`attnchecker.abft.gemm._gemm_region` (the same arguments, the same results) with
-    the excesses from the kernels."""
-    out, x, y, x_rows, y_cols, _x_rm, y_cm, R, floor_r, c_r, floor_c, c_c = args
-    xn, y_fro, ref_r, res_r, exc_r, exc_c = excesses(
-        out, x, y, x_rows, y_cols, floor_r, c_r, floor_c, c_c
+@torch.library.custom_op("attnchecker::gemm_refs", mutates_args=())
+def gemm_refs(y: Tensor) -> Tensor:
+    """(K + P,) fp32: y's row sums y 1 (K,), then the P partial sums of squares of its rows."""
+    K, N = y.shape
+    P = _programs(K, _BK)
+    refs = torch.empty(K + P, device=y.device, dtype=_F32)
+    yr = _readable(y)
+    _refs[(P,)](yr, refs, K, N, yr.stride(0), yr.stride(1), BK=_BK, BN=_BN)
+    return refs
+
+
+@gemm_refs.register_fake
+def _(y: Tensor) -> Tensor:
+    return y.new_empty(y.shape[0] + _programs(y.shape[0], _BK), dtype=_F32)
+
+
+@torch.library.custom_op("attnchecker::gemm_verify", mutates_args=("rec",))
+def gemm_verify(
+    out: Tensor, x: Tensor, refs: Tensor, x_rows: Tensor | None, rec: Tensor, step: Tensor,
+    n_y: int, floor: float, c: float,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The rows' check of out (M, N) = x (M, K) @ y against ``refs`` (:func:`gemm_refs` of y,
+    which has ``n_y`` elements); ``x_rows``: x's row norms when the caller has them. Adds to the
+    record row ``rec`` (7,) float64; returns the scratch (4, M) fp32 (references, residuals,
+    excesses, x's row norms) and the column bitmap (N,) int32, zeroed, for :func:`gemm_repair`."""
+    M, N = out.shape
+    K = x.shape[1]
+    scr = torch.empty(4, M, device=out.device, dtype=_F32)
+    bits = torch.empty(N, device=out.device, dtype=torch.int32)
+    P, grid = refs.shape[0] - K, _programs(M, _BM)
+    o, xr = _readable(out), _readable(x)
+    xn = x_rows.to(_F32).contiguous() if x_rows is not None else scr
+    _verify[(grid,)](o, xr, refs, xn, scr, bits, rec, step, M, N, K, P, o.stride(0), o.stride(1),
+                     xr.stride(0), xr.stride(1), squares_lost(K), squares_lost(n_y), floor, c,
+                     triton.cdiv(N, grid), HAS_XN=x_rows is not None, BM=_BM, BN=_BN, BK=_BK,
+                     BP=64)  # fmt: skip
+    return scr, bits
+
+
+@gemm_verify.register_fake
+def _(out, x, refs, x_rows, rec, step, n_y, floor, c):
+    return out.new_empty(4, out.shape[0], dtype=_F32), out.new_empty(
+        out.shape[1], dtype=torch.int32
     )
-    # x as it is: the kernels run on CUDA (or in the interpreter, tests)
-    return repair_(out, x, x, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c)
+
+
+@torch.library.custom_op("attnchecker::gemm_repair", mutates_args=("out", "bits", "rec"))
+def gemm_repair(
+    out: Tensor, x: Tensor, y: Tensor, refs: Tensor, scr: Tensor, bits: Tensor, rec: Tensor,
+    floor: float, c: float,
+) -> None:  # fmt: skip
+    """Recompute, locate and re-check the rows :func:`gemm_verify` flagged (none on a clean
+    product: every program returns at once), into ``out`` and the record row ``rec``."""
+    M, N = out.shape
+    K = x.shape[1]
+    P = refs.shape[0] - K
+    o, xr, yr = _readable(out), _readable(x), _readable(y)
+    f = -c / math.sqrt(N)  # an element's rounding bound per ||x_m|| ||y||_F (c = -sqrt(N) f)
+    ieee = torch.float32 in (xr.dtype, yr.dtype)
+    if xr.dtype != yr.dtype:  # tl.dot multiplies one dtype
+        xr, yr = xr.to(_F32), yr.to(_F32)
+    _repair[(_programs(M, _BM),)](o, xr, yr, refs, scr, bits, rec, M, N, K, P, o.stride(0),
+                                  o.stride(1), xr.stride(0), xr.stride(1), yr.stride(0),
+                                  yr.stride(1), squares_lost(y.numel()), floor, c, f, IEEE=ieee,
+                                  BM=_BM, BN=_BN, BK=_BK, BP=64)  # fmt: skip
+    if o is not out:  # the interpreter's fp32 copy
+        out.copy_(o)
+
+
+def check_(
+    out: Tensor, x: Tensor, y: Tensor, rec: Tensor, step: Tensor, *, floor: float, c: float,
+    x_rows: Tensor | None = None, refs: Tensor | None = None,
+) -> None:  # fmt: skip
+    """Check and repair out = x @ y in place, adding to the zeroed record row ``rec`` (7,)
+    float64 at the clock ``step`` (1,): the three ops, or two with ``refs`` (:func:`gemm_refs`
+    of y) at hand. ``floor`` and ``c``: a row's tolerance is floor - c ||x_m|| ||y||_F."""
+    if refs is None:
+        refs = gemm_refs(y)
+    scr, bits = gemm_verify(out, x, refs, x_rows, rec, step, y.numel(), floor, c)
+    gemm_repair(out, x, y, refs, scr, bits, rec, floor, c)
+
+
+def reference(
+    out: Tensor, x: Tensor, y: Tensor, *, floor: float, c: float, x_rows: Tensor | None = None
+) -> dict[str, Tensor]:
+    """What the kernels compute before the repair, with torch ops (for the tests): the
+    references, residuals, excesses and row norms (M,), ||y||_F and the flagged-row count."""
+    y32, x32 = y.to(_F32), x.to(_F32)
+    fro = torch.linalg.vector_norm(y32) + squares_lost(y.numel())
+    ref = x32 @ y32.sum(1)
+    res = out.to(_F32).sum(1) - ref
+    xn = x_rows.to(_F32) if x_rows is not None else (
+        torch.linalg.vector_norm(x32, dim=1) + squares_lost(x.shape[1]))  # fmt: skip
+    exc = res.abs() - floor + c * xn * fro
+    return {"ref": ref, "res": res, "exc": exc, "xn": xn, "fro": fro,
+            "rows": (~(exc <= 0)).sum()}  # fmt: skip
