@@ -98,6 +98,7 @@ def gemm_check_(
     kernels: Callable[..., None] | None = None,
     rec: Tensor | None = None,
     step: Tensor | None = None,
+    refs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
     """Check and repair in place out (M, N) = x (M, K) @ y (K, N) (see the module docstring).
 
@@ -112,7 +113,8 @@ def gemm_check_(
     ``kernels.gemm_check_kernels`` says they run) instead of the region: rows only, every
     flagged row repaired (no ``max_rows`` budget), columns located on a flag. With ``rec`` (a
     zeroed (7,) float64 record row) and ``step`` (the clock) it writes the record there and
-    returns None; without, the same five results."""
+    returns None; without, the same five results. ``refs``: y's references for the kernels
+    (``gemm_refs`` of y), when the caller has them (a weight's, once per step)."""
     M, K = x.shape
     N = y.shape[1]
     dt = _reference_dtype(x, y)
@@ -130,14 +132,14 @@ def gemm_check_(
     layout = (x.stride(-1) == 1, y.stride(0) == 1)
     args = (out, x, y, x_rows, y_cols, *layout, min(max_rows, M), *limits)
     if kernels is not None:
-        return _kernels(kernels, out, x, y, x_rows, limits[:2], rec, step)
+        return _kernels(kernels, out, x, y, x_rows, refs, limits[:2], rec, step)
     with torch.autocast(out.device.type, enabled=False):
         return regions.run(_gemm_region, impl, *args, on=out)
 
 
 def _kernels(
     check: Callable[..., None], out: Tensor, x: Tensor, y: Tensor, x_rows: Tensor | None,
-    limits: tuple[float, float], rec: Tensor | None, step: Tensor | None,
+    refs: Tensor | None, limits: tuple[float, float], rec: Tensor | None, step: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
     """:func:`gemm_check_` by the Triton kernels' ``check``, into ``rec`` or as five results."""
     own = rec is None
@@ -145,7 +147,7 @@ def _kernels(
         rec = torch.zeros(7, dtype=torch.float64, device=out.device)
         step = torch.zeros(1, dtype=torch.float64, device=out.device)
     with torch.no_grad():
-        check(out, x, y, rec, step, floor=limits[0], c=limits[1], x_rows=x_rows)
+        check(out, x, y, rec, step, floor=limits[0], c=limits[1], x_rows=x_rows, refs=refs)
     regions.ran(_gemm_region.__qualname__, "triton", None)
     if not own:
         return None

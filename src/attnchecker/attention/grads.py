@@ -48,7 +48,6 @@ from attnchecker.abft.tolerance import (
 from attnchecker.attention.checks import detected, index_constant, log_rows, record
 from attnchecker.attention.ops import CORE_GRAD_OPS, GRAD_OPS
 from attnchecker.attention.records import new_records_sink
-from attnchecker.kernels import gemm_check_kernels
 
 __all__ = [
     "CORE_GRAD_OPS",
@@ -175,6 +174,27 @@ def _sink_grad(
     return grad.index_copy_(0, index_constant(index, step.device), rows)
 
 
+def _linear_grad_kernels(
+    dx: Tensor | None, dw: Tensor | None, dy: Tensor, w: Tensor, a: Tensor, b: Tensor,
+    index: tuple[int, ...], sink: Tensor, clock: Tensor, refs: Tensor, max_rows: int,
+    scale: float,
+) -> None:  # fmt: skip
+    """A linear layer's dX and dW checks (those given) by the registered Triton ops, their
+    records added into ``sink.grad`` (made once, zeroed in place by a drain) at the clock's
+    step: three ops a check, two for dX (W's references at hand)."""
+    from attnchecker.kernels.gemm_check import check_
+
+    if sink.grad is None:
+        sink.grad = torch.zeros_like(sink)
+    kw = {"max_rows": max_rows, "scale": scale, "kernels": check_, "step": clock}
+    with torch.no_grad():
+        rows = iter(index)
+        if dx is not None:
+            gemm_check_(dx, dy, w, rec=sink.grad[next(rows)], refs=refs, **kw)
+        if dw is not None:
+            gemm_check_(dw, a, b, rec=sink.grad[next(rows)], **kw)
+
+
 def _linear_grad_region(
     dx: Tensor | None,
     dw: Tensor | None,
@@ -188,21 +208,10 @@ def _linear_grad_region(
     shape: torch.Size,
     max_rows: int,
     scale: float,
-    kernels: Callable[..., tuple[Tensor, ...]] | None = None,
 ) -> Tensor:
     """One check region for a linear layer's backward: the checks of dX (T, K) = dY (T, N) W
     (N, K) and of dW = a @ b (dY^T X; Conv1D's X^T dY), those given, sharing dY's row and
-    column norms, and their records as the sink's gradient (``shape``, rows ``index``).
-    ``kernels``: the GEMM checks' Triton kernels (``kernels.gemm_check_kernels``: each check's
-    rows verified and repaired by registered ops, three at most, writing its record row into the
-    sink's gradient; called outside :func:`~attnchecker.abft.regions.run`)."""
-    if kernels is not None:  # rows checked by the kernels, records written in place
-        grad = torch.zeros(shape, dtype=torch.float64, device=step.device)
-        kw = {"max_rows": max_rows, "scale": scale, "kernels": kernels, "step": step}
-        for i, (out, x, y) in zip(index, ((o, x, y) for o, x, y in ((dx, dy, w), (dw, a, b))
-                                          if o is not None), strict=True):  # fmt: skip
-            gemm_check_(out, x, y, rec=grad[i], **kw)
-        return grad
+    column norms, and their records as the sink's gradient (``shape``, rows ``index``)."""
     kw = {"max_rows": max_rows, "scale": scale}
     recs = []
     if dx is not None:
@@ -324,9 +333,14 @@ def checked_matmul(
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, sink, step, ops, check, conv1d, max_rows, scale, hook, impl):
-        ctx.save_for_backward(x, weight, step.clone() if any(check) else None)
-        ctx.sink = sink.shape
+    def forward(
+        ctx, x, weight, bias, sink, step, ops, check, conv1d, max_rows, scale, hook, impl, refs
+    ):
+        # the Triton kernels (refs: W's sums for them, or None) read the clock itself in the
+        # backward and add into sink.grad; the eager ops return records at the forward's step
+        kernels = refs is not None
+        ctx.save_for_backward(x, weight, step.clone() if any(check) and not kernels else None)
+        ctx.sink, ctx.kernels = (sink, step, refs) if kernels else sink.shape, kernels
         ctx.args = (ops, check, conv1d, max_rows, scale, hook, bias is not None, impl)
         if conv1d:  # transformers' Conv1D
             out = x.view(-1, x.shape[-1])
@@ -357,16 +371,16 @@ class _Linear(torch.autograd.Function):
         grad_sink = None
         if check_x or check_w:
             index = tuple(op[0] for op, on in ((op_x, check_x), (op_w, check_w)) if on)
-            args = (dx2 if check_x else None, dw if check_w else None, dy2, w, a, b, step)
-            args += (conv1d, index, ctx.sink, max_rows, scale)
-            fused = gemm_check_kernels(impl, dy2)
-            if fused is not None:  # the GEMM checks' own Triton kernels
-                with torch.no_grad():
-                    grad_sink = _linear_grad_region(*args, kernels=fused)
+            checked = (dx2 if check_x else None, dw if check_w else None)
+            if ctx.kernels:  # the registered ops, records added into sink.grad
+                sink, clock, refs = ctx.sink
+                _linear_grad_kernels(*checked, dy2, w, a, b, index, sink, clock, refs,
+                                     max_rows, scale)  # fmt: skip
                 regions.ran(_linear_grad_region.__qualname__, "triton", None)
             else:
+                args = (*checked, dy2, w, a, b, step, conv1d, index, ctx.sink, max_rows, scale)
                 grad_sink = regions.run(_linear_grad_region, impl, *args, on=dy2)
-        return dx, dw, db, grad_sink, None, None, None, None, None, None, None, None
+        return dx, dw, db, grad_sink, None, None, None, None, None, None, None, None, None
 
 
 def checked_linear(
@@ -383,13 +397,16 @@ def checked_linear(
     scale: float,
     hook: GradSite | None = None,
     impl: str = "eager",
+    refs: Tensor | None = None,
 ) -> Tensor:
     """The module's y = x W^T + b (``conv1d``: x W + b) whose backward checks and repairs dX and
     dW as ``check`` selects; ``ops`` = ((row of ``sink``, site name) of dX, of dW). Under autocast
     the operands are cast as autocast casts them for the module's own op. ``impl``: how the
-    checks run (``ABFTConfig.check_impl``, :func:`~attnchecker.abft.regions.resolve`)."""
+    checks run (``ABFTConfig.check_impl``, :func:`~attnchecker.abft.regions.resolve`);
+    ``refs``: the Triton kernels run them (``kernels.gemm_check``), these being W's references
+    (``gemm_refs`` of W as (N, K), from the step's weight sums)."""
     x, weight, bias = autocast_operands(x, weight, bias)
-    args = (ops, check, conv1d, max_rows, scale, hook, impl)
+    args = (ops, check, conv1d, max_rows, scale, hook, impl, refs)
     return _Linear.apply(x, weight, bias, sink, step, *args)
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from attnchecker.attention import kernel_checks
 from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.grads import checked_linear
@@ -122,7 +123,7 @@ def project(state: AttentionState, spec: ProjectionSpec, x: Tensor) -> Tensor:
     :func:`patch_backward` checks a module's), then its sites and its check."""
     proj = spec.projection()
     y = _linear(state, x, proj.weight, proj.bias, False, *spec.ops,
-                lambda: F.linear(x, proj.weight, proj.bias))  # fmt: skip
+                lambda: F.linear(x, proj.weight, proj.bias), proj.groups)  # fmt: skip
     _sites_and_check(state, spec, proj, x, y)
     return y
 
@@ -202,16 +203,22 @@ def _check_group(
     factor = row_factor(x, pairs, config.tolerance_scale)
     sites = tuple(s for p, _ in pairs for s in p.sites)
     passing = config.mode == "passing"
-    with ranged("+".join(sites)):
-        rec, ref, bound = projection_check_(
-            x, pairs, max_rows=config.max_rows, factor=factor, floor=row_floor(pairs) / factor,
-            bounds=passing, impl=config.check_impl,
-        )  # fmt: skip
     checked = tuple(s for s in sites if state.checks(s))
-    if checked != sites:
-        rec = rec[[sites.index(s) for s in checked]]
-    if checked:
-        state.note(checked, rec)
+    if kernel_checks.available(state, pairs[0][1]):  # registered ops, records into the log
+        with ranged("+".join(sites)):
+            ref, bound = kernel_checks.check_group(state, x, pairs, checked, factor=factor,
+                                                   floor=row_floor(pairs) / factor,
+                                                   bounds=passing)  # fmt: skip
+    else:
+        with ranged("+".join(sites)):
+            rec, ref, bound = projection_check_(
+                x, pairs, max_rows=config.max_rows, factor=factor,
+                floor=row_floor(pairs) / factor, bounds=passing, impl=config.check_impl,
+            )  # fmt: skip
+        if checked != sites:
+            rec = rec[[sites.index(s) for s in checked]]
+        if checked:
+            state.note(checked, rec)
     if "out" in checked:
         state.commit()  # the last check of the layer
     if passing and not flat:
@@ -254,6 +261,11 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
         item = [(Projection(module.weight, module.bias, conv1d, ("y",), 1), y3)]
         config = state.config
         factor = row_factor(x3, item, config.tolerance_scale)
+        if kernel_checks.available(state, y):  # registered ops, the record into the log
+            with ranged(f"linear.{state.name}"):
+                kernel_checks.check_group(state, x3, item, ("y",), factor=factor,
+                                          floor=row_floor(item) / factor, bounds=False)
+            return
         with ranged(f"linear.{state.name}"):
             rec = projection_check_(
                 x3, item, max_rows=config.max_rows, factor=factor,
@@ -269,7 +281,7 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
 
 
 def patch_backward(
-    module: nn.Module, conv1d: bool, state: AttentionState, dx: str, dw: str
+    module: nn.Module, conv1d: bool, state: AttentionState, dx: str, dw: str, groups: int = 1
 ) -> Undo | None:
     """Route a Linear / Conv1D's forward through :func:`checked_linear`, whose backward checks
     dX (op ``dx``) and dW (op ``dw``) where the schedule checks them, and runs their sites either
@@ -282,7 +294,7 @@ def patch_backward(
 
     def forward(x: Tensor) -> Tensor:
         return _linear(state, x, module.weight, module.bias, conv1d, dx, dw,
-                       lambda: kind.forward(module, x))  # fmt: skip
+                       lambda: kind.forward(module, x), groups)  # fmt: skip
 
     module.forward = forward
     return lambda: delattr(module, "forward")
@@ -290,10 +302,12 @@ def patch_backward(
 
 def _linear(
     state: AttentionState, x: Tensor, weight: Tensor, bias: Tensor | None, conv1d: bool,
-    dx: str, dw: str, plain: Callable[[], Tensor],
+    dx: str, dw: str, plain: Callable[[], Tensor], groups: int = 1,
 ) -> Tensor:  # fmt: skip
     """y = x W^T + b (``conv1d``: x W + b) by :func:`checked_linear` where the schedule checks
-    its dX (op ``dx``) or dW (op ``dw``) or a hook waits at their sites, else by ``plain()``."""
+    its dX (op ``dx``) or dW (op ``dw``) or a hook waits at their sites, else by ``plain()``;
+    ``groups``: its head groups (the key of the step's weight sums it shares with its forward
+    check)."""
     hook = state.grad_hook()
     check = (state.checks(dx), state.checks(dw))  # per call: the schedule switches them
     sink = state.grads
@@ -301,10 +315,13 @@ def _linear(
         return plain()
     config = state.config
     ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
+    refs = None
+    if any(check) and kernel_checks.available(state, x):  # the registered ops check them
+        refs = kernel_checks.weight_refs(state.clock, weight, bias, groups, conv1d)
     return checked_linear(
         x, weight, bias, sink, state.clock.count, ops=ops, check=check, conv1d=conv1d,
         max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,
-        impl=config.check_impl,
+        impl=config.check_impl, refs=refs,
     )  # fmt: skip
 
 
@@ -354,7 +371,7 @@ def protect_attention(
             wired.update(ops)
             continue
         undo += [p.module.register_forward_hook(projection_hook(st, p)).remove]
-        patched = patch_backward(p.module, p.conv1d, st, *ops)
+        patched = patch_backward(p.module, p.conv1d, st, *ops, p.groups)
         if patched is not None:
             undo.append(patched)
             wired.update(ops)

@@ -127,6 +127,10 @@ class Records:
             self._first[ops] = recs  # (a traced dict write would be a side effect)
         self.log.index_add_(0, self._index(ops, recs.device), rows)
 
+    def row(self, op: str) -> int:
+        """The log row of forward op ``op`` (where the Triton kernels add its records)."""
+        return self._row[op]
+
     def _index(self, ops: tuple[str, ...], device: torch.device) -> Tensor:
         """The log rows of ``ops`` (a cached constant: not a host-to-device copy a step)."""
         return index_constant(tuple(self._row[o] for o in ops), device)

@@ -44,6 +44,10 @@ class Clock:
     drops in-place updates of 0-dim float64 CPU tensors held outside the graph (torch 2.13)."""
 
     count: Tensor
+    # what the checks compute once per step from the weights (the Triton kernels' sums, keyed by
+    # weight: projection.weight_sums), emptied at every tick in eager code: weights do not change
+    # between a forward and its backward, and a fused optimizer does not bump version counters
+    cache: dict = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -54,6 +58,8 @@ class Clock:
         if self.count.device != device:  # the model moved after protect_ (a guard, not a sync)
             self.count = self.count.to(device)
         self.count.add_(1)
+        if not torch.compiler.is_compiling():  # (compiled code does not run the kernels)
+            self.cache.clear()
 
 
 @dataclass
