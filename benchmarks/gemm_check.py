@@ -2,8 +2,8 @@
 dW = dY^T X (``attention.grads.product_check_``, rows and columns, repair included) against the
 GEMM it checks, eager and as the ``torch.compile``d region that ``check_impl="compiled"`` runs
 (inductor: C++ on a CPU), with its aten op count (eager) and the kernels its region calls, and
-on CUDA as the hand-written Triton kernels that ``check_impl="triton"`` runs
-(``attnchecker.kernels.gemm_check``).
+on CUDA as the registered Triton ops that ``check_impl="triton"`` (``"auto"`` on CUDA) runs
+(``attnchecker.kernels.gemm_check``: references, rows verified, repair waiting for a flag).
 
 The shapes are the fused Q|K|V projection of a base-width layer (T = 8 x 128 tokens, K 768,
 N 2,304) in GPT-2's Conv1D layout (dX multiplies the transposed weight) and in nn.Linear's (dW
@@ -60,10 +60,10 @@ def main() -> None:
             out = x @ y
 
             def check(out=out, x=x, y=y, impl="eager"):
-                # "triton": the GEMM check's own kernels, as the linear layers' backward
-                # passes them (region=); without it gemm_check_ runs its compiled region
-                region = gemm_check_kernels(impl, out)
-                product_check_(out, x, y, max_rows=8, scale=1.0, impl=impl, region=region)
+                # "triton": the GEMM check's registered ops (refs, verify, repair), as the
+                # linear layers' backward passes them (kernels=); without, its region
+                kernels = gemm_check_kernels(impl, out)
+                product_check_(out, x, y, max_rows=8, scale=1.0, impl=impl, kernels=kernels)
 
             arms = {"gemm": lambda x=x, y=y: x @ y, "eager": check}
             row = {"case": case, "dtype": dname, "ops": count_ops(check).launching}

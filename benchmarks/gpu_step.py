@@ -1,6 +1,8 @@
-"""The protected training step where users train: the plain SDPA model, the default config and
-``all_linear``, eager, compiled and as a CUDA graph, at base width and at Llama-8B widths, the
-arms alternated in one process. The first stage of ``scripts/gpu_check.sh``.
+"""The protected training step where users train: the plain SDPA model, the projections' checks
+alone, the default config and ``all_linear`` (the checks as ``check_impl="auto"`` runs them:
+on CUDA the GEMM checks' registered Triton ops), eager, compiled and as a CUDA graph, at base
+width and at Llama-8B widths, the arms alternated in one process. The first stage of
+``scripts/gpu_check.sh``.
 
 Each row (one width x mode) is printed and appended to ``--out`` (JSON lines) the moment it is
 measured, so a stage killed by its timeout keeps what it measured; a mode that fails for an arm
@@ -11,7 +13,7 @@ MLP 14336, head dim 128, L 4096); 2 llama layers, B 1, vocabulary 128, bf16 auto
 script (``tests/integration/test_gpu_stage.py``).
 
     python benchmarks/gpu_step.py [--widths base 8b] [--modes eager compiled graph]
-        [--arms sdpa protected all_linear] [--reps 10] [--out rows.jsonl] [--tiny]
+        [--arms sdpa projections protected all_linear] [--reps 10] [--out rows.jsonl] [--tiny]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from _common import alternate
 from attnchecker import ABFTConfig, protect_
+from attnchecker.attention.ops import OP_TABLE
 from attnchecker.models.tiny import build
 
 WIDTHS = {
@@ -36,7 +39,13 @@ WIDTHS = {
     "8b": ({"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
             "intermediate_size": 14336, "head_dim": 128}, 4096),
 }  # fmt: skip
-ARMS = {"sdpa": None, "protected": ABFTConfig(), "all_linear": ABFTConfig(scope="all_linear")}
+ARMS = {
+    "sdpa": None,
+    # the projection part of the op table alone: the model's own SDPA runs (issue 42's target)
+    "projections": ABFTConfig(ops=tuple(o.name for o in OP_TABLE if o.part == "projection")),
+    "protected": ABFTConfig(),
+    "all_linear": ABFTConfig(scope="all_linear"),
+}
 
 
 def _base(widths: dict, L: int) -> torch.nn.Module:

@@ -155,6 +155,12 @@ _ALLOCATING = frozenset({"aten.empty", "aten.empty_like", "aten.empty_strided",
 predates the model; left out of :attr:`OpTrace.work`)."""
 
 
+_ON_A_FLAG = frozenset({"attnchecker.gemm_repair", "attnchecker.proj_repair"})
+"""Registered ops whose work waits for a device flag (the GEMM checks' repairs): on a clean
+step each program reads a few counters and returns, so :class:`OpTrace` counts no bytes for
+them (the kernel floor), not the tensors they would rewrite on a flag."""
+
+
 _FLOPS_AS = {  # CPU kernels the FLOP counter does not know, counted as their CUDA twins
     "aten._scaled_dot_product_flash_attention_for_cpu":
         torch.ops.aten._scaled_dot_product_flash_attention,
@@ -166,7 +172,8 @@ _FLOPS_AS = {  # CPU kernels the FLOP counter does not know, counted as their CU
 class OpTrace(OpCounter):
     """An :class:`OpCounter` that also keeps each launching op's FLOPs (the formulas of
     ``torch.utils.flop_counter``: GEMMs, convolutions, attention kernels; 0 for the rest) and
-    the bytes it moves (its tensor inputs and outputs, each once): enough to model its time
+    the bytes it moves (its tensor inputs and outputs, each once; none for an op that waits
+    for a device flag, :data:`_ON_A_FLAG`, on a clean step): enough to model its time
     on a GPU (:meth:`modelled`). Works on real tensors, on the meta device and under
     ``FakeTensorMode`` (shapes only: a training step at widths this machine cannot hold).
     Allocations (``aten.empty`` and kin) launch nothing and are left out."""
@@ -187,7 +194,9 @@ class OpTrace(OpCounter):
             flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
             seen = {id(t): t for t in tree_leaves((args, kwargs, out))
                     if isinstance(t, torch.Tensor)}  # fmt: skip
-            moved = sum(t.numel() * t.element_size() for t in seen.values())
+            moved = (
+                0 if op in _ON_A_FLAG else sum(t.numel() * t.element_size() for t in seen.values())
+            )
             self.work.append((op, flops, float(moved)))
         return out
 

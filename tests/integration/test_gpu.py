@@ -61,12 +61,13 @@ def _check_impl():
 
 
 def test_the_checks_run_the_cuda_default():
-    """A bf16 and an fp32 check on CUDA resolve to the compiled regions: what ran is what a
-    user's default runs (the conftest's eager setting does not reach this module)."""
+    """A bf16 and an fp32 check on CUDA resolve to the Triton kernels (the GEMM checks' registered
+    ops; the other regions compiled): what ran is what a user's default runs (the conftest's
+    eager setting does not reach this module)."""
     from attnchecker.abft.regions import resolve
 
     cuda = torch.device("cuda")
-    assert [resolve("auto", cuda, d) for d in (torch.bfloat16, torch.float32)] == ["compiled"] * 2
+    assert [resolve("auto", cuda, d) for d in (torch.bfloat16, torch.float32)] == ["triton"] * 2
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,6 +1,7 @@
 """``scripts/gpu_check.sh`` runs on this machine before a GPU is lent, so that it cannot fail on
 a typo when one is: its first stage (``step``: ``benchmarks/gpu_step.py``, the training step of
-the plain SDPA model, the default config and ``all_linear``, arms alternated, each row written
+the plain SDPA model, the projections' checks, the default config and ``all_linear``, arms
+alternated, each row written
 as measured) at tiny sizes on the CPU (``GPU_CHECK_TINY=1``), through the script's own stage
 runner, budget and archive."""
 
@@ -30,6 +31,7 @@ def test_the_gpu_check_step_stage_runs_and_archives_its_rows(tmp_path):
         assert "gpu_check/step.log" in tar.getnames()
     assert [(r["width"], r["mode"]) for r in rows] == [("base", "eager"), ("8b", "eager")]
     for row in rows:
-        assert not row["errors"] and set(row["ms"]) == {"sdpa", "protected", "all_linear"}
+        arms = {"sdpa", "projections", "protected", "all_linear"}
+        assert not row["errors"] and set(row["ms"]) == arms
         assert all(ms > 0 for ms in row["ms"].values())
-        assert set(row["vs_sdpa"]) == {"protected", "all_linear"}
+        assert set(row["vs_sdpa"]) == arms - {"sdpa"}

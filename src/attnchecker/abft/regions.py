@@ -9,13 +9,15 @@ without touching the model's own arithmetic. Three implementations, :data:`IMPLS
   shape, dtype and layout (2-7 s each on a 2-core CPU; a transformer has a few: one per distinct
   linear-layer shape and check), run from eager code; inside a model the user compiles, the
   region is traced inline with the rest;
-- ``"triton"``: hand-written Triton kernels where a check has them
-  (:func:`attnchecker.abft.gemm.gemm_check_`: :mod:`attnchecker.kernels.gemm_check`), on
-  CUDA or in Triton's interpreter; every other region, and a CPU without the interpreter, as
-  measured (:data:`AUTO`: compiled on CUDA, which there is inductor's Triton);
-- ``"auto"``: compiled where it measured faster (:data:`AUTO`: on a CPU for bf16 / fp16
-  checks, not fp32 ones; on CUDA) and inductor can build for the device (a C++ compiler on a
-  CPU, Triton on CUDA), else eager.
+- ``"triton"``: hand-written Triton kernels, each a registered op, where a check has them
+  (the GEMM checks: a projection's forward check, :mod:`attnchecker.kernels.projection_check`;
+  a linear layer's dX and dW checks and :func:`attnchecker.abft.gemm.gemm_check_`,
+  :mod:`attnchecker.kernels.gemm_check`), on CUDA or in Triton's interpreter; every other
+  region, and a CPU without the interpreter, as measured (:data:`AUTO`: compiled on CUDA,
+  which there is inductor's Triton);
+- ``"auto"``: ``"triton"`` on CUDA (issue 42: a check there is two or three launches, not
+  60-90); elsewhere compiled where it measured faster (:data:`AUTO`: on a CPU for bf16 / fp16
+  checks, not fp32 ones) and inductor can build for the device (a C++ compiler), else eager.
 
 The regions: :func:`attnchecker.abft.gemm.gemm_check_` (one GEMM's check and repair),
 :func:`attnchecker.attention.checks.projection_check_` (the forward's projections, and every
@@ -69,14 +71,17 @@ def _can_compile(device_type: str) -> bool:
 
 
 def resolve(impl: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """``"compiled"`` or ``"eager"``: what ``impl`` means for a check on ``device`` whose GEMM
-    output is ``dtype``; ``"auto"`` defers to ``$ATTNCHECKER_CHECK_IMPL`` when it is set (e.g.
-    ``eager`` where compiling is not worth its seconds: short jobs, test suites), else picks by
-    measurement (:data:`AUTO`)."""
+    """``"triton"``, ``"compiled"`` or ``"eager"``: what ``impl`` means for a check on
+    ``device`` whose GEMM output is ``dtype``; ``"auto"`` defers to ``$ATTNCHECKER_CHECK_IMPL``
+    when it is set (e.g. ``eager`` where compiling is not worth its seconds: short jobs, test
+    suites), else is ``"triton"`` on CUDA (the GEMM checks' registered ops, a few launches a
+    check; every other region compiled) and elsewhere picks by measurement (:data:`AUTO`)."""
     if impl == "auto":
         impl = os.environ.get("ATTNCHECKER_CHECK_IMPL", "auto")
         if impl not in IMPLS:
             raise ValueError(f"ATTNCHECKER_CHECK_IMPL must be one of {list(IMPLS)}, got {impl!r}")
+    if impl == "auto" and device.type == "cuda" and _can_compile("cuda"):
+        return "triton"
     return _measured(device, dtype) if impl == "auto" else impl
 
 

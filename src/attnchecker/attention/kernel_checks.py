@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.attention.checks import Projection
 from attnchecker.attention.sites import in_replay
@@ -38,7 +39,8 @@ def weight_sums(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,
     not, which the tick covers)."""
     from attnchecker.kernels.projection_check import proj_weights
 
-    key = ("proj", id(weight), weight.data_ptr(), weight._version, groups, conv1d, id(bias))
+    ptr = 0 if isinstance(weight, FakeTensor) else weight.data_ptr()  # (a shapes-only trace)
+    key = ("proj", id(weight), ptr, weight._version, groups, conv1d, id(bias))
     hit = clock.cache.get(key)
     if hit is None:
         with torch.no_grad():

@@ -263,8 +263,15 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
         factor = row_factor(x3, item, config.tolerance_scale)
         if kernel_checks.available(state, y):  # registered ops, the record into the log
             with ranged(f"linear.{state.name}"):
-                kernel_checks.check_group(state, x3, item, ("y",), factor=factor,
-                                          floor=row_floor(item) / factor, bounds=False)
+                kernel_checks.check_group(
+                    state,
+                    x3,
+                    item,
+                    ("y",),
+                    factor=factor,
+                    floor=row_floor(item) / factor,
+                    bounds=False,
+                )
             return
         with ranged(f"linear.{state.name}"):
             rec = projection_check_(

@@ -191,11 +191,11 @@ _PTXAS = {
 
 def _narrow(ttir: str, fn) -> list[str]:
     """Tensor arguments of ``fn`` that some ``tt.addptr`` offsets by an i32 scalar (an offset
-    that wraps past 2^31 elements); the counters, the fault vector and the GEMM check's record
-    row and clock, a few fixed elements addressed by constants, are not tensors of the
+    that wraps past 2^31 elements); the counters, the fault vector, the GEMM checks' record
+    rows, log and clock, a few fixed elements addressed by constants, are not tensors of the
     problem's size."""
     pointers = [p.name for p in fn.params if not p.is_constexpr and p.name[0].isupper()
-                and p.name not in ("COUNTS", "FAULT", "REC", "STEP")]  # fmt: skip
+                and p.name not in ("COUNTS", "FAULT", "REC", "STEP", "LOG")]  # fmt: skip
     found = set()
     for name in pointers:
         if re.search(rf"tt\.addptr %{name}, %[\w.]+ : !tt\.ptr<[^>]+>, i32\b", ttir):
@@ -239,8 +239,10 @@ def compile_case(case: Case) -> list[Report]:
     return [_compile(case, kernel, *seen[kernel]) for kernel in KERNELS]
 
 
-GEMM_KERNELS = ("gemm_refs", "gemm_verify", "gemm_repair")
-"""The Triton kernels of a GEMM's check (:mod:`attnchecker.kernels.gemm_check`)."""
+GEMM_KERNELS = ("gemm_refs", "gemm_verify", "gemm_repair", "proj_weights", "proj_verify",
+                "proj_repair")  # fmt: skip
+"""The Triton kernels of the GEMM checks (:mod:`attnchecker.kernels.gemm_check`,
+:mod:`attnchecker.kernels.projection_check`)."""
 
 
 def gemm_cases() -> list[Case]:
@@ -250,21 +252,29 @@ def gemm_cases() -> list[Case]:
 
 
 def compile_gemm_case(case: Case) -> list[Report]:
-    """Compile the GEMM check's three kernels for ``case``'s architecture and dtype, as
-    :func:`attnchecker.kernels.gemm_check.check_` launches them (M 1,000, K 768, N 2,304)."""
+    """Compile the GEMM checks' kernels for ``case``'s architecture and dtype, as
+    :func:`attnchecker.kernels.gemm_check.check_` launches them (M 1,000, K 768, N 2,304) and
+    :func:`attnchecker.kernels.projection_check.check_` (a fused Q | K | V of 36 heads of 64)."""
     import torch
 
     from attnchecker.kernels import gemm_check as gc
+    from attnchecker.kernels import projection_check as pc
 
-    fns = dict(zip(GEMM_KERNELS, (gc._refs, gc._verify, gc._repair), strict=True))
+    kernels = (gc._refs, gc._verify, gc._repair, pc._weights, pc._verify, pc._repair)
+    fns = dict(zip(GEMM_KERNELS, kernels, strict=True))
     seen: dict[str, tuple] = {}
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
     x, y = torch.zeros(1000, 768, dtype=dtype), torch.zeros(768, 2304, dtype=dtype)
     with contextlib.ExitStack() as stack:
         for name, fn in fns.items():
             stack.enter_context(mock.patch.object(fn, "run", _recorder(seen, name, fn)))
-        rec = torch.zeros(7, dtype=torch.float64)
-        gc.check_(x @ y, x, y, rec, torch.zeros(1, dtype=torch.float64), floor=0.0, c=-1e-6)
+        rec, step = torch.zeros(7, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        gc.check_(x @ y, x, y, rec, step, floor=0.0, c=-1e-6)
+        w, b = y.t().contiguous(), torch.zeros(2304, dtype=dtype)  # (N, K), (N,)
+        ws = pc.proj_weights(w, b, 36, False)
+        pc.check_(x @ y, x, w, b, False, ws, (0,) * 12 + (1,) * 12 + (2,) * 12,
+                  torch.zeros(3, 7, dtype=torch.float64), step, [0, 1, 2], factor=1e-3,
+                  floor=0.0)  # fmt: skip
     return [_compile(case, kernel, *seen[kernel]) for kernel in GEMM_KERNELS]
 
 

@@ -6,7 +6,7 @@ x_t . (sum_{o in g} W_o) + sum_{o in g} b_o with the tolerance of the eager chec
 ``factor`` and ``floor``, :func:`~attnchecker.attention.checks.row_factor`):
 factor (||x_t|| + 1) ||[W_g | b_g]||_F.
 
-1. ``attnchecker::proj_weights`` (:func:`_weights`), once per step per weight (the caller
+1. ``attnchecker::proj_weights`` (:func:`_weights`), one pass over W once per step (the caller
    caches it on the step clock: weights do not change between a forward and its backward, and
    fused optimizers do not bump version counters): per group, the sums of W over the group's
    outputs S (G, K), of b, of b's squares and of W's squares, and W's row sums W 1 (N,). The
@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
@@ -48,30 +49,35 @@ _F32 = torch.float32
 
 
 @triton.jit
+def _i64(v):
+    """v as a 64-bit scalar (an int argument may be a constexpr)."""
+    return v + tl.zeros([], dtype=tl.int64)
+
+
+@triton.jit
 def _weights(W, B, OUT, N, K, G, n, sw_o, sw_k, HAS_B: tl.constexpr, BO: tl.constexpr,
              BK: tl.constexpr):  # fmt: skip
-    """Program g: S[g] (K,) over the group's outputs, its bias sum and squares, W's squares,
-    and each output's row sum (OUT: [S (G K) | b sums (G) | b squares (G) | W 1 (N) | W
-    squares (G)])."""
+    """Program g, one pass over the group's rows of W: S[g] (K,) summed over the group's
+    outputs, each output's row sum, the squares, the bias's sum and squares (OUT: [S (G K) |
+    b sums (G) | b squares (G) | W 1 (N) | W squares (G)])."""
     g = tl.program_id(0).to(tl.int64)
-    sq = tl.zeros([BO], dtype=tl.float32)
-    for k0 in range(0, K, BK):  # S: the group's outputs summed, one K chunk at a time
-        ks, kmask = _span(k0, K, BK)
-        s = tl.zeros([BK], dtype=tl.float32)
-        for o0 in range(0, n, BO):
-            os, omask = _span(o0, n, BO)
-            t = _tile(W, g * n + os, ks, sw_o, sw_k, omask, kmask).to(tl.float32)
-            s += tl.sum(t, 0)
-            sq += tl.sum(t * t, 1)
-        tl.store(OUT + g * K + ks, s, mask=kmask)
-    base = G * K
-    for o0 in range(0, n, BO):  # W 1: each output's row sum
+    base = _i64(G) * K
+    sq = tl.zeros([BK], dtype=tl.float32)
+    for o0 in range(0, n, BO):
         os, omask = _span(o0, n, BO)
         w1 = tl.zeros([BO], dtype=tl.float32)
         for k0 in range(0, K, BK):
             ks, kmask = _span(k0, K, BK)
-            w1 += tl.sum(_tile(W, g * n + os, ks, sw_o, sw_k, omask, kmask).to(tl.float32), 1)
-        tl.store(OUT + (base + 2 * G) + g * n + os, w1, mask=omask)
+            t = _tile(W, g * n + os, ks, sw_o, sw_k, omask, kmask).to(tl.float32)
+            w1 += tl.sum(t, 1)
+            sq += tl.sum(t * t, 0)
+            at = OUT + g * K + ks  # this program's own S row: read, add, write back
+            s = tl.sum(t, 0)
+            if o0 > 0:
+                s += tl.load(at, mask=kmask, other=0.0)
+            tl.store(at, s, mask=kmask)
+            tl.debug_barrier()  # the next chunk of outputs reads what this one wrote
+        tl.store(OUT + (g * n + os + (base + 2 * G)), w1, mask=omask)
     bs = tl.zeros([BO], dtype=tl.float32)
     bq = tl.zeros([BO], dtype=tl.float32)
     if HAS_B:
@@ -80,18 +86,18 @@ def _weights(W, B, OUT, N, K, G, n, sw_o, sw_k, HAS_B: tl.constexpr, BO: tl.cons
             b = tl.load(B + g * n + os, mask=omask, other=0.0).to(tl.float32)
             bs += b
             bq += b * b
-    tl.store(OUT + base + g, tl.sum(bs, 0))
-    tl.store(OUT + (base + G) + g, tl.sum(bq, 0))
-    tl.store(OUT + (base + 2 * G + N) + g, tl.sum(sq, 0))
+    tl.store(OUT + (g + base), tl.sum(bs, 0))
+    tl.store(OUT + (g + (base + G)), tl.sum(bq, 0))
+    tl.store(OUT + (g + (base + 2 * G + N)), tl.sum(sq, 0))
 
 
 @triton.jit
 def _norms(WS, gs, gmask, G, K, N, lost_w, floor):
     """||[W_g | b_g]||_F of groups gs, an upper bound (plus what squares lose to underflow),
     plus the absolute ``floor``."""
-    base = G * K
-    wq = tl.load(WS + (base + 2 * G + N) + gs, mask=gmask, other=0.0)
-    bq = tl.load(WS + (base + G) + gs, mask=gmask, other=0.0)
+    base = _i64(G) * K
+    wq = tl.load(WS + (gs + (base + 2 * G + N)), mask=gmask, other=0.0)
+    bq = tl.load(WS + (gs + (base + G)), mask=gmask, other=0.0)
     return tl.sqrt(wq + bq) + lost_w + floor
 
 
@@ -125,7 +131,7 @@ def _verify(Y, X, WS, SITE, SCR, BITS, T, N, K, G, n, P, sy_t, sy_n, sx_t, sx_k,
             ref += tl.dot(t.to(tl.float32), s, input_precision="ieee")
         t = t.to(tl.float32)
         sq += tl.sum(t * t, 1)
-    ref += tl.load(WS + G * K + gs, mask=gmask, other=0.0)[None, :]
+    ref += tl.load(WS + (gs + G * K), mask=gmask, other=0.0)[None, :]
     rs = tl.zeros([BM, GP], dtype=tl.float32)
     for g in range(0, G):  # each group's sum of its n outputs
         acc = tl.zeros([BM], dtype=tl.float32)
@@ -135,22 +141,23 @@ def _verify(Y, X, WS, SITE, SCR, BITS, T, N, K, G, n, P, sy_t, sy_n, sx_t, sx_k,
         rs += tl.where(gs[None, :] == g, acc[:, None], 0.0)
     xn1 = tl.sqrt(sq) + lost_x + 1.0
     res = rs - ref
-    exc = tl.abs(res) - factor * xn1[:, None] * _norms(WS, gs, gmask, G, K, N, lost_w, floor)[None, :]
+    norms = _norms(WS, gs, gmask, G, K, N, lost_w, floor)
+    exc = tl.abs(res) - factor * xn1[:, None] * norms[None, :]
     at = rows[:, None] * G + gs[None, :]
     both = rmask[:, None] & gmask[None, :]
     tl.store(SCR + at, ref, mask=both)
-    tl.store(SCR + T * G + at, res, mask=both)
-    tl.store(SCR + 2 * T * G + at, exc, mask=both)
-    tl.store(SCR + 3 * T * G + rows, xn1, mask=rmask)
+    tl.store(SCR + (at + T * G), res, mask=both)
+    tl.store(SCR + (at + 2 * T * G), exc, mask=both)
+    tl.store(SCR + (rows + 3 * T * G), xn1, mask=rmask)
     flagged = ~(exc <= 0.0) & both  # NaN compares False: flagged
     site = tl.load(SITE + gs, mask=gmask, other=-1)
     base = 3 * T * G + T
     for s in tl.static_range(S):  # tokens with a flagged group of site s
         hit = tl.max((flagged & (site[None, :] == s)).to(tl.int32), 1)
-        tl.store(SCR + base + pid * S + s, tl.sum(hit, 0).to(tl.float32))
+        tl.store(SCR + (pid.to(tl.int64) * S + s + base), tl.sum(hit, 0).to(tl.float32))
     if pid == 0:
         for s in tl.static_range(S):  # each site's lost flag, for the repair
-            tl.store(SCR + base + P * S + s, 0.0)
+            tl.store(SCR + (_i64(P) * S + s + base), 0.0)
     for j0 in range(0, chunk, BN):  # this program's chunk of the column bitmap
         js, jmask = _span(pid.to(tl.int64) * chunk + j0, N, BN)
         tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (pid + 1) * chunk))
@@ -165,7 +172,7 @@ def _repair(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, 
     total = tl.zeros([], dtype=tl.float32)
     for p0 in range(0, P * S, BP):  # the flag: every program's counts
         ps, pmask = _span(p0, P * S, BP)
-        total += tl.sum(tl.load(SCR + base + ps, mask=pmask, other=0.0), 0)
+        total += tl.sum(tl.load(SCR + (ps + base), mask=pmask, other=0.0), 0)
     if total > 0:
         pid = tl.program_id(0)
         if pid == 0:
@@ -173,10 +180,10 @@ def _repair(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, 
         rows, rmask = _span(pid.to(tl.int64) * BM, T, BM)
         gs, gmask = _span(0, G, GP)
         both = rmask[:, None] & gmask[None, :]
-        exc = tl.load(SCR + 2 * T * G + rows[:, None] * G + gs[None, :], mask=both, other=0.0)
+        exc = tl.load(SCR + (rows[:, None] * G + gs[None, :] + 2 * T * G), mask=both, other=0.0)
         bad = tl.max((~(exc <= 0.0) & both).to(tl.int32), 1) > 0  # (BM,) tokens to recompute
         if tl.sum(bad.to(tl.int32), 0) > 0:
-            xn1 = tl.load(SCR + 3 * T * G + rows, mask=rmask, other=0.0)
+            xn1 = tl.load(SCR + (rows + 3 * T * G), mask=rmask, other=0.0)
             norms = _norms(WS, gs, gmask, G, K, N, lost_w, 0.0)  # (GP,)
             sums = tl.zeros([BM, GP], dtype=tl.float32)
             for n0 in range(0, N, BN):
@@ -223,7 +230,8 @@ def _repair(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, 
                 row = _site_row(s, row0, row1, row2)
                 lost = tl.sum((still & (site[None, :] == s)).to(tl.int32), 1)
                 if (tl.sum(lost, 0) > 0) & (row >= 0):
-                    first = tl.atomic_xchg(SCR + base + P * S + s, 1.0)
+                    one = tl.full([], 1.0, tl.float32)
+                    first = tl.atomic_add(SCR + (_i64(P) * S + s + base), one)
                     if first == 0:  # once per site: lost, and reproduced (the operands imply it)
                         tl.atomic_add(LOG + row * 7 + 3, 1.0)
                         tl.atomic_add(LOG + row * 7 + 4, 1.0)
@@ -238,22 +246,22 @@ def _record(SCR, LOG, STEP, T, G, P, base, row0, row1, row2, S: tl.constexpr, BP
     nan = tl.zeros([], dtype=tl.int32)
     for m0 in range(0, T * G, BP):
         ms, mmask = _span(m0, T * G, BP)
-        e = tl.load(SCR + 2 * T * G + ms, mask=mmask, other=-float("inf"))
+        e = tl.load(SCR + (ms + 2 * T * G), mask=mmask, other=-float("inf"))
         isnan = (e != e).to(tl.int32)
         if nan == 0:
             if tl.max(isnan, 0) > 0:
                 nan = 1
-                value = tl.load(SCR + T * G + m0 + tl.argmax(isnan, 0))
+                value = tl.load(SCR + (tl.argmax(isnan, 0).to(tl.int64) + m0 + T * G))
             elif tl.max(e, 0) > best:
                 best = tl.max(e, 0)
-                value = tl.load(SCR + T * G + m0 + tl.argmax(e, 0))
+                value = tl.load(SCR + (tl.argmax(e, 0).to(tl.int64) + m0 + T * G))
     step = tl.load(STEP)
     for s in tl.static_range(S):
         row = _site_row(s, row0, row1, row2)
         count = tl.zeros([], dtype=tl.float32)
         for p0 in range(0, P, BP):
             ps, pmask = _span(p0, P, BP)
-            count += tl.sum(tl.load(SCR + base + ps * S + s, mask=pmask, other=0.0), 0)
+            count += tl.sum(tl.load(SCR + (ps * S + s + base), mask=pmask, other=0.0), 0)
         if (count > 0) & (row >= 0):
             at = LOG + row * 7
             tl.atomic_add(at, count.to(tl.float64))
@@ -308,10 +316,15 @@ def refs_of(ws: Tensor, N: int, K: int, groups: int) -> Tensor:
 
 
 def _site_of(sites: tuple[int, ...], device: torch.device) -> Tensor:
+    """(G,) int32 ``sites`` on ``device``, made once (a copy from host memory synchronises a
+    CUDA stream); not kept when made under a fake mode (a shapes-only trace)."""
     key = (sites, device)
-    if key not in _SITES:
-        _SITES[key] = torch.tensor(sites, dtype=torch.int32, device=device)
-    return _SITES[key]
+    if key in _SITES:
+        return _SITES[key]
+    t = torch.tensor(sites, dtype=torch.int32, device=device)
+    if not isinstance(t, FakeTensor):
+        _SITES[key] = t
+    return t
 
 
 _SITES: dict[tuple, Tensor] = {}
