@@ -321,6 +321,7 @@ def test_triton_gemm_check_kernels_match_the_eager_check_on_cuda(dtype):
     GPU: no alarm on clean products in both operand layouts, and a NaN / INF / 1e30 element
     flagged and repaired as the eager ops do."""
     from attnchecker.abft.gemm import gemm_check_
+    from attnchecker.kernels import gemm_check_kernels
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for tx, ty in [(False, False), (True, False), (False, True)]:
@@ -335,13 +336,47 @@ def test_triton_gemm_check_kernels_match_the_eager_check_on_cuda(dtype):
                 out = clean.clone()
                 if bad is not None:
                     out[17, 300] = bad
-                res = gemm_check_(out, x, y, max_rows=4, scale=1.0, impl=impl)
+                kernels = gemm_check_kernels(impl, out) if impl == "triton" else None
+                assert (kernels is None) == (impl == "eager")
+                res = gemm_check_(out, x, y, max_rows=4, scale=1.0, impl=impl, kernels=kernels)
                 got[impl] = out, [float(r) for r in res]
             (want_out, want), (out, res) = got["eager"], got["triton"]
             assert res[0:2] == want[0:2] and res[3:] == want[3:], (tx, ty, bad, res, want)
             assert res[0] == (0 if bad is None else 1), (tx, ty, bad, res)
             assert torch.isfinite(out).all()
             assert torch.allclose(out.float(), want_out.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_projection_check_kernels_compute_the_reference_on_cuda(dtype):
+    """``attnchecker.kernels.projection_check`` compiled for the GPU (bf16 references on the
+    tensor cores): the excesses of the torch reference, no flag on a clean projection, and a
+    NaN / INF / 1e30 element located, repaired and recorded."""
+    from attnchecker.kernels import projection_check as pc
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, K, G = 2048, 768, 36
+    x = torch.randn(T, K, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(G * 64, K, device="cuda", generator=g) / K**0.5).to(dtype)
+    b = torch.randn(G * 64, device="cuda", generator=g).to(dtype)
+    clean = torch.nn.functional.linear(x, w, b)
+    lim = {"factor": {torch.float32: 1e-4, torch.bfloat16: 8e-2, torch.float16: 1e-2}[dtype],
+           "floor": 1e-30}  # fmt: skip
+    sites = (0,) * 12 + (1,) * 12 + (2,) * 12
+    ws = pc.proj_weights(w, b, G, False)
+    for bad in (None, float("nan"), float("inf"), 1e30):
+        y = clean.clone()
+        if bad is not None:
+            y[17, 773] = bad  # group 12: site 1
+        want = pc.reference(y, x, w, b, False, G, **lim)
+        log = torch.zeros(3, 7, dtype=torch.float64, device="cuda")
+        step = torch.ones(1, dtype=torch.float64, device="cuda")
+        scr = pc.check_(y, x, w, b, False, ws, sites, log, step, [0, 1, 2], **lim)
+        exc = scr[2 * T * G : 3 * T * G].view(T, G)
+        assert torch.equal(~(exc <= 0), ~(want["exc"] <= 0)), bad
+        assert log[:, 0].tolist() == ([0, 0, 0] if bad is None else [0, 1, 0]), bad
+        assert torch.isfinite(y).all()
+        torch.testing.assert_close(y.float(), clean.float(), rtol=2e-2, atol=2e-2)
 
 
 # ------------------------------------------------------------------ models of one's own (SDPA)

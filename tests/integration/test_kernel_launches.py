@@ -58,6 +58,9 @@ def test_a_checked_step_adds_at_most_the_target_launches_per_layer(family, scope
     extra = Counter({k: got.ops[k] - plain.ops.get(k, 0) for k in got.ops if k not in VIEW_OPS})
     per_layer = (got.launching - plain.launching) / LAYERS
     assert per_layer <= TARGET[family, scope], extra
+    # after the warm-up step: no host sync, no tensor built from host data (a CUDA graph
+    # captures what this step launches)
+    assert got.syncs == plain.syncs and "aten.lift_fresh" not in extra, (got.syncs, extra)
     # what is left of the checks' own aten ops: a handful a step (the records' accumulation)
     assert sum(n for k, n in extra.items() if k.startswith("aten.")) <= 2 * LAYERS, extra
     # per checked GEMM: the forward check two ops, a backward one three at most (dX two: W's

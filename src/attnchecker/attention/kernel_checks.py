@@ -6,8 +6,11 @@ Per projection and step: one ``proj_weights`` (cached on the step clock: :func:`
 shared with the backward's dX check), then per call one ``proj_verify`` and one ``proj_repair``
 that returns at once on a clean call (:mod:`attnchecker.kernels.projection_check`). The records
 go straight into the module's log rows; nothing is noted, nothing committed. A checkpointing
-replay's forward runs the eager region instead, whose records are compared with the first
-pass's (:meth:`~attnchecker.attention.records.Records.commit`).
+replay's forward is checked and repaired the same way but records nothing: what the first pass
+found was counted then, and a fault that hits the recomputation alone is corrected there
+uncounted (the eager region instead compares a replay's records with the first pass's,
+:meth:`~attnchecker.attention.records.Records.commit`; the kernels' records are summed in the
+log as they are made, with no first pass's to compare with).
 """
 
 from __future__ import annotations
@@ -26,9 +29,8 @@ __all__ = ["available", "check_group", "sites_of", "weight_refs", "weight_sums"]
 
 def available(state: AttentionState, on: Tensor) -> bool:
     """Whether the forward checks of ``state`` run the registered ops for output ``on``: its
-    ``check_impl`` resolves to ``"triton"`` there, the kernels can run, the call is eager and
-    not a checkpointing replay."""
-    return not in_replay() and gemm_check_kernels(state.config.check_impl, on) is not None
+    ``check_impl`` resolves to ``"triton"`` there, the kernels can run and the call is eager."""
+    return gemm_check_kernels(state.config.check_impl, on) is not None
 
 
 def weight_sums(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,
@@ -87,6 +89,8 @@ def check_group(
     x2 = x.detach().reshape(-1, K)
     T = x2.shape[0]
     log, rows_of = state.records.log, state.records.row
+    if in_replay():  # checked and repaired, not recorded (see the module docstring)
+        checked = ()
     refs, bound = [], []
     with torch.no_grad():
         for p, y in pairs:
