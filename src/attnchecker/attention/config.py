@@ -68,12 +68,15 @@ class ABFTConfig:
       eager code:
       ``"compiled"``, each check one ``torch.compile``d region (a few fused kernels; compiled
       once per dtype and layout, seconds each, on first use); ``"eager"``, its aten ops;
-      ``"triton"``, the hand-written Triton kernels of a GEMM's check
-      (:mod:`attnchecker.kernels.gemm_check`: the backward's dX and dW checks) on CUDA, the
-      other checks compiled; ``"auto"``, compiled where inductor can build for the device,
-      unless the environment
-      variable ``ATTNCHECKER_CHECK_IMPL`` says otherwise (:mod:`attnchecker.abft.regions`).
-      Same checks, same results; inside a model the user compiles they are traced inline.
+      ``"triton"``, every GEMM check (the projections' forward checks, the linear layers' dX
+      and dW) as registered Triton ops (:mod:`attnchecker.kernels.projection_check`,
+      :mod:`attnchecker.kernels.gemm_check`: two or three launches a check, the repair
+      waiting for a device flag; rows detect, columns locate, every flagged row repaired) on
+      CUDA or in Triton's interpreter, the other checks compiled; ``"auto"``, ``"triton"`` on
+      CUDA and elsewhere compiled where that measured faster and inductor can build, unless
+      the environment variable ``ATTNCHECKER_CHECK_IMPL`` says otherwise
+      (:mod:`attnchecker.abft.regions`). Same tolerances; inside a model the user compiles
+      the checks are traced inline as regions.
     - ``strict``: a model of one's own with attention protect_ cannot route (written by hand,
       ``flex_attention``, ...; :mod:`attnchecker.models.sdpa`) is refused (True), or protected
       at the SDPA calls it has, with a warning and ``summary()["attention"]`` naming the rest

@@ -60,6 +60,12 @@ def _tile(P, r, c, s_r, s_c, rmask, cmask):
 
 
 @triton.jit
+def _i64(v):
+    """v as a 64-bit scalar (an int argument may be a constexpr)."""
+    return v + tl.zeros([], dtype=tl.int64)
+
+
+@triton.jit
 def _span(start, n, BLOCK: tl.constexpr):
     """(start + 0 .. BLOCK - 1 as 64-bit offsets, which of them are below n)."""
     offs = start + tl.arange(0, BLOCK).to(tl.int64)
@@ -91,6 +97,28 @@ def _fro(REFS, K, P, lost, BP: tl.constexpr):
         ps, pmask = _span(p0, P, BP)
         acc += tl.load(REFS + (ps + K), mask=pmask, other=0.0)
     return tl.sqrt(tl.sum(acc, 0)) + lost
+
+
+@triton.jit
+def _worst(SCR, exc, res, n, BLOCK: tl.constexpr):
+    """The residual (at offset ``res`` of SCR) of the largest of the n excesses (at ``exc``), a
+    NaN one first (as ``topk`` ranks them): the delivered error a record reports. One program,
+    on a flag only."""
+    best = tl.full([], -float("inf"), tl.float32)
+    value = tl.zeros([], dtype=tl.float32)
+    nan = tl.zeros([], dtype=tl.int32)  # a NaN excess seen: its row is the worst
+    for m0 in range(0, n, BLOCK):
+        ms, mmask = _span(m0, n, BLOCK)
+        e = tl.load(SCR + (ms + exc), mask=mmask, other=-float("inf"))
+        isnan = (e != e).to(tl.int32)
+        if nan == 0:
+            if tl.max(isnan, 0) > 0:
+                nan = 1
+                value = tl.load(SCR + (tl.argmax(isnan, 0).to(tl.int64) + m0 + res))
+            elif tl.max(e, 0) > best:
+                best = tl.max(e, 0)
+                value = tl.load(SCR + (tl.argmax(e, 0).to(tl.int64) + m0 + res))
+    return value
 
 
 @triton.jit
@@ -141,21 +169,7 @@ def _repair(OUT, X, Y, REFS, SCR, BITS, REC, M, N, K, P, so_m, so_n, sx_m, sx_k,
     if tl.load(REC) > 0:  # the device flag: nothing below runs on a clean product
         pid = tl.program_id(0)
         if pid == 0:  # the worst row's residual (NaN ranks first) as the record's value
-            best = tl.full([], -float("inf"), tl.float32)
-            value = tl.zeros([], dtype=tl.float32)
-            nan = tl.zeros([], dtype=tl.int32)  # a NaN excess seen: its row is the worst
-            for m0 in range(0, M, BM):
-                ms, mmask = _span(m0, M, BM)
-                e = tl.load(SCR + (ms + 2 * M), mask=mmask, other=-float("inf"))
-                isnan = (e != e).to(tl.int32)
-                if nan == 0:
-                    if tl.max(isnan, 0) > 0:
-                        nan = 1
-                        value = tl.load(SCR + (tl.argmax(isnan, 0).to(tl.int64) + m0 + M))
-                    elif tl.max(e, 0) > best:
-                        best = tl.max(e, 0)
-                        value = tl.load(SCR + (tl.argmax(e, 0).to(tl.int64) + m0 + M))
-            tl.store(REC + 2, value)
+            tl.store(REC + 2, _worst(SCR, 2 * M, M, M, BM))
         rows, rmask = _span(pid.to(tl.int64) * BM, M, BM)
         exc = tl.load(SCR + (rows + 2 * M), mask=rmask, other=0.0)
         bad = ~(exc <= 0.0) & rmask
@@ -265,10 +279,34 @@ def gemm_repair(
     ieee = torch.float32 in (xr.dtype, yr.dtype)
     if xr.dtype != yr.dtype:  # tl.dot multiplies one dtype
         xr, yr = xr.to(_F32), yr.to(_F32)
-    _repair[(_programs(M, _BM),)](o, xr, yr, refs, scr, bits, rec, M, N, K, P, o.stride(0),
-                                  o.stride(1), xr.stride(0), xr.stride(1), yr.stride(0),
-                                  yr.stride(1), squares_lost(y.numel()), floor, c, f, IEEE=ieee,
-                                  BM=_BM, BN=_BN, BK=_BK, BP=64)  # fmt: skip
+    _repair[(_programs(M, _BM),)](
+        o,
+        xr,
+        yr,
+        refs,
+        scr,
+        bits,
+        rec,
+        M,
+        N,
+        K,
+        P,
+        o.stride(0),
+        o.stride(1),
+        xr.stride(0),
+        xr.stride(1),
+        yr.stride(0),
+        yr.stride(1),
+        squares_lost(y.numel()),
+        floor,
+        c,
+        f,
+        IEEE=ieee,
+        BM=_BM,
+        BN=_BN // 2 if ieee else _BN,
+        BK=_BK,
+        BP=64,
+    )  # fmt: skip (fp32 tiles: half as wide, no spill)
     if o is not out:  # the interpreter's fp32 copy
         out.copy_(o)
 

@@ -40,18 +40,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
-from attnchecker.kernels.gemm_check import _span, _tile
+from attnchecker.kernels.gemm_check import _i64, _span, _tile, _worst
 
 __all__ = ["check_", "norms", "proj_repair", "proj_verify", "proj_weights", "reference", "refs_of"]
 
 _BM, _BN, _BK, _BO, _BP = 32, 64, 64, 32, 64
 _F32 = torch.float32
-
-
-@triton.jit
-def _i64(v):
-    """v as a 64-bit scalar (an int argument may be a constexpr)."""
-    return v + tl.zeros([], dtype=tl.int64)
 
 
 @triton.jit
@@ -241,20 +235,7 @@ def _repair(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, 
 def _record(SCR, LOG, STEP, T, G, P, base, row0, row1, row2, S: tl.constexpr, BP: tl.constexpr):
     """The detection into the sites' log rows (program 0 of a flagged repair): flagged tokens,
     the worst residual (NaN first), detected once, the step."""
-    best = tl.full([], -float("inf"), tl.float32)
-    value = tl.zeros([], dtype=tl.float32)
-    nan = tl.zeros([], dtype=tl.int32)
-    for m0 in range(0, T * G, BP):
-        ms, mmask = _span(m0, T * G, BP)
-        e = tl.load(SCR + (ms + 2 * T * G), mask=mmask, other=-float("inf"))
-        isnan = (e != e).to(tl.int32)
-        if nan == 0:
-            if tl.max(isnan, 0) > 0:
-                nan = 1
-                value = tl.load(SCR + (tl.argmax(isnan, 0).to(tl.int64) + m0 + T * G))
-            elif tl.max(e, 0) > best:
-                best = tl.max(e, 0)
-                value = tl.load(SCR + (tl.argmax(e, 0).to(tl.int64) + m0 + T * G))
+    value = _worst(SCR, 2 * T * G, T * G, T * G, BP)
     step = tl.load(STEP)
     for s in tl.static_range(S):
         row = _site_row(s, row0, row1, row2)
