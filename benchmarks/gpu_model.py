@@ -15,7 +15,10 @@ slower of the two sums, a graph step the device's.
 - **Llama-8B widths** (hidden 4096, 32 heads, 8 KV heads, MLP 14336, head dim 128, 2 layers,
   L 4096, B 1, vocabulary 128), traced under ``FakeTensorMode`` (shapes only): the plain SDPA
   model, the default config, the projections' checks alone (``ops`` = the projection part of
-  the op table) and ``all_linear``; eager and CUDA-graph step times and overheads.
+  the op table) and ``all_linear``, with the checks as eager ops and as the registered Triton
+  ops (the ``_triton`` arms: ``check_impl="triton"``, what ``auto`` runs on CUDA); eager and
+  CUDA-graph step times and overheads; the same at base width (L 1024); and one checked dX
+  GEMM (T 8192, 2304 -> 768) by the registered ops.
 
     python benchmarks/gpu_model.py [--quick]
 """
@@ -120,6 +123,33 @@ def wide(widths: dict, L: int) -> list[dict]:
     return rows
 
 
+def one_gemm() -> list[dict]:
+    """One checked dX GEMM of the spec's measurement (T 8192, N 2304 -> K 768, bf16) by the
+    registered ops, with W's references at hand (the step's weight sums) and with its own
+    references pass, against the GEMM itself, under FakeTensorMode."""
+    from attnchecker.kernels import gemm_check as gc
+
+    rows = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        T, N, K = (64, 96, 32) if ARGS.quick else (8192, 2304, 768)
+        dy, w = torch.empty(T, N, dtype=torch.bfloat16), torch.empty(N, K, dtype=torch.bfloat16)
+        dx = torch.empty(T, K, dtype=torch.bfloat16)
+        rec, step = torch.zeros(7, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        refs = gc.gemm_refs(w)
+        with OpTrace() as t:
+            dy @ w
+        gemm = t.modelled(H200)
+        for arm, kw in (("W's references at hand", {"refs": refs}), ("own references", {})):
+            with OpTrace() as t:
+                gc.check_(dx, dy, w, rec, step, floor=0.0, c=-1e-3, **kw)
+            m = t.modelled(H200)
+            rows.append({"arm": arm, "shape": [T, N, K], "launches": m.launches,
+                         "host_us": m.host * 1e6, "device_us": m.device * 1e6,
+                         "gemm_device_us": gemm.device * 1e6})  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
 def _top(times, n: int = 5) -> str:
     """The ``n`` ops with the most modelled device time (ms)."""
     return ", ".join(f"{op.removeprefix('aten.')} {t * 1e3:.1f}"
@@ -130,7 +160,9 @@ def _pct(x: float | None) -> str:
     return "" if x is None else f"{x:+.1%}"
 
 
-def markdown(cal: list[dict], big: list[dict], base: list[dict], env: dict, cmd: str) -> str:
+def markdown(
+    cal: list[dict], big: list[dict], base: list[dict], one: list[dict], env: dict, cmd: str
+) -> str:
     widths = "base width (tiny at --quick)" if ARGS.quick else (
         "hidden 4096, 32 heads, 8 KV heads, MLP 14336")  # fmt: skip
     out = [
@@ -173,6 +205,18 @@ def markdown(cal: list[dict], big: list[dict], base: list[dict], env: dict, cmd:
                        f"{r['device_ms']:.1f} | {r['eager_ms']:.1f} | "
                        f"{_pct(r['eager_vs_sdpa'])} | {r['graph_ms']:.1f} | "
                        f"{_pct(r['graph_vs_sdpa'])} | {r['top']} |")  # fmt: skip
+    T, N, K = one[0]["shape"]
+    out += [
+        "",
+        f"## One checked dX GEMM, T {T} x N {N} -> K {K}, bf16, registered ops (modelled)",
+        "",
+        f"The GEMM itself: {one[0]['gemm_device_us']:.1f} us on the device.",
+        "",
+        "| check | launches | host us (eager) | device us |",
+        "|---|---:|---:|---:|",
+    ]
+    out += [f"| {r['arm']} | {r['launches']} | {r['host_us']:.1f} | {r['device_us']:.1f} |"
+            for r in one]  # fmt: skip
     return "\n".join(out) + "\n"
 
 
@@ -190,11 +234,12 @@ def main() -> None:
     cal = calibration()
     big = wide({} if ARGS.quick else LLAMA_8B, ARGS.length)
     base = wide({}, ARGS.calibrate_length)
+    one = one_gemm()
     from _common import command
 
     write("gpu_model", {"environment": env, "args": vars(ARGS), "calibration": cal,
-                        "llama_8b": big, "base": base},
-          markdown(cal, big, base, env, command()))  # fmt: skip
+                        "llama_8b": big, "base": base, "one_gemm": one},
+          markdown(cal, big, base, one, env, command()))  # fmt: skip
 
 
 ARGS: argparse.Namespace
