@@ -51,9 +51,13 @@ def parse(ap: argparse.ArgumentParser, quick: dict[str, object]) -> argparse.Nam
 
 
 def command() -> str:
-    """The command line of this run, as ``python benchmarks/<script> ...``."""
+    """The command line of this run, as ``python benchmarks/<script> ...``, after the check
+    implementation's environment variable where it is set (it changes what runs; a script may
+    set it itself)."""
     script = Path(sys.argv[0])
-    return shlex.join(["python", f"benchmarks/{script.name}", *sys.argv[1:]])
+    impl = os.environ.get("ATTNCHECKER_CHECK_IMPL")
+    env = [f"ATTNCHECKER_CHECK_IMPL={impl}"] if impl else []
+    return shlex.join([*env, "python", f"benchmarks/{script.name}", *sys.argv[1:]])
 
 
 def environment() -> dict[str, object]:
