@@ -88,6 +88,8 @@ def check_group(
     K = x.shape[-1]
     x2 = x.detach().reshape(-1, K)
     T = x2.shape[0]
+    if state.records.log.device != x.device:  # moved without a root forward (a layer alone)
+        state.records.to(x.device)
     log, rows_of = state.records.log, state.records.row
     if in_replay():  # checked and repaired, not recorded (see the module docstring)
         checked = ()
