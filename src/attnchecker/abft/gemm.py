@@ -99,6 +99,7 @@ def gemm_check_(
     rec: Tensor | None = None,
     step: Tensor | None = None,
     refs: Tensor | None = None,
+    refs_rounding: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
     """Check and repair in place out (M, N) = x (M, K) @ y (K, N) (see the module docstring).
 
@@ -114,12 +115,14 @@ def gemm_check_(
     flagged row repaired (no ``max_rows`` budget), columns located on a flag. With ``rec`` (a
     zeroed (7,) float64 record row) and ``step`` (the clock) it writes the record there and
     returns None; without, the same five results. ``refs``: y's references for the kernels
-    (``gemm_refs`` of y), when the caller has them (a weight's, once per step)."""
+    (``gemm_refs`` of y), when the caller has them (a weight's, once per step);
+    ``refs_rounding``: they come from a wider copy of y than the one multiplied (an fp32
+    parameter autocast rounds to bf16: its unit roundoff, added to the rows' factor)."""
     M, K = x.shape
     N = y.shape[1]
     dt = _reference_dtype(x, y)
     rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0  # the references are computed in dt
-    f_r = (gemm_factor(out, x, y, inner=K, length=N) + rounding) * scale
+    f_r = (gemm_factor(out, x, y, inner=K, length=N) + rounding + refs_rounding) * scale
     f_c = (gemm_factor(out, x, y, inner=K, length=M) + rounding) * scale
     # the constants that depend on sizes are arguments: a compiled region stays size-generic
     limits = (

@@ -176,8 +176,8 @@ def _sink_grad(
 
 def _linear_grad_kernels(
     dx: Tensor | None, dw: Tensor | None, dy: Tensor, w: Tensor, a: Tensor, b: Tensor,
-    index: tuple[int, ...], sink: Tensor, clock: Tensor, refs: Tensor, max_rows: int,
-    scale: float,
+    index: tuple[int, ...], sink: Tensor, clock: Tensor, refs: tuple[Tensor, torch.dtype],
+    max_rows: int, scale: float,
 ) -> None:  # fmt: skip
     """A linear layer's dX and dW checks (those given) by the registered Triton ops, their
     records added into ``sink.grad`` (made once, zeroed in place by a drain) at the clock's
@@ -190,7 +190,10 @@ def _linear_grad_kernels(
     with torch.no_grad():
         rows = iter(index)
         if dx is not None:
-            gemm_check_(dx, dy, w, rec=sink.grad[next(rows)], refs=refs, **kw)
+            refs, wider = refs  # W's sums from the parameter, maybe wider than w (autocast)
+            rounding = unit_roundoff(w.dtype) if wider != w.dtype else 0.0
+            gemm_check_(dx, dy, w, rec=sink.grad[next(rows)], refs=refs, refs_rounding=rounding,
+                        **kw)  # fmt: skip
         if dw is not None:
             gemm_check_(dw, a, b, rec=sink.grad[next(rows)], **kw)
 
@@ -405,8 +408,10 @@ def checked_linear(
     checks run (``ABFTConfig.check_impl``, :func:`~attnchecker.abft.regions.resolve`);
     ``refs``: the Triton kernels run them (``kernels.gemm_check``), these being W's references
     (``gemm_refs`` of W as (N, K), from the step's weight sums)."""
+    wider = weight.dtype  # the dtype W's sums (refs) were computed in
     x, weight, bias = autocast_operands(x, weight, bias)
-    args = (ops, check, conv1d, max_rows, scale, hook, impl, refs)
+    kernel_refs = None if refs is None else (refs, wider)
+    args = (ops, check, conv1d, max_rows, scale, hook, impl, kernel_refs)
     return _Linear.apply(x, weight, bias, sink, step, *args)
 
 
