@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from attnchecker import ABFTConfig, protect_, unprotect_
+from attnchecker import ABFTConfig, kernels, protect_, unprotect_
 from attnchecker.attention.config import ALL_OPS, GRAD_OPS, OPS
 from attnchecker.models.families import FAMILIES
 
@@ -124,7 +124,7 @@ def test_fault_beyond_repair_is_uncorrectable_and_flags_the_step():
     """A block of dW wider than ``max_rows`` rows and spanning several columns cannot be
     rebuilt from row and column sums: reported uncorrectable, and ``found_inf`` says so."""
     model, _ = models("llama")
-    handle = protect_(model, ABFTConfig(policy="warn", max_rows=1))
+    handle = protect_(model, ABFTConfig(policy="warn", max_rows=1, check_impl="eager"))
     hook = fire_once("dw.q", "2D", "nan")
     handle.attach(hook, sites=["dw.q"])
     train_step(model, batch("llama"))
@@ -133,6 +133,23 @@ def test_fault_beyond_repair_is_uncorrectable_and_flags_the_step():
         events = handle.drain()
     assert [e.action for e in events if e.op == "dw.q"] == ["uncorrectable"]
     assert float(handle.found_inf()) == 0.0
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs triton (or its interpreter)")
+def test_the_registered_ops_repair_a_block_beyond_the_eager_budget():
+    """The same block with the GEMM checks' registered ops (``check_impl="triton"``): they
+    recompute every flagged row (their repair runs on a flag only, so it has no budget), and
+    the step equals the fault-free one."""
+    model, ref = models("llama")
+    inputs = batch("llama")
+    want = train_step(ref, inputs)
+    handle = protect_(model, ABFTConfig(policy="warn", max_rows=1, check_impl="triton"))
+    handle.attach(fire_once("dw.q", "2D", "nan"), sites=["dw.q"])
+    got = train_step(model, inputs)
+    events = handle.drain()
+    assert [e.action for e in events if e.op == "dw.q"] == ["recomputed"]
+    assert torch.equal(got[0], want[0])
+    assert max_diff(got[1], want[1]) <= 1e-5
 
 
 @pytest.mark.parametrize("impl", ["eager", "compiled"])
