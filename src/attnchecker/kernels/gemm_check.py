@@ -100,6 +100,23 @@ def _fro(REFS, K, P, lost, BP: tl.constexpr):
 
 
 @triton.jit
+def _product(X, Y, rows, rmask, cols, cmask, K, sx_m, sx_k, sy_k, sy_n, IEEE: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """x[rows] @ y[:, cols], (BM, BN) fp32 accumulators (rows outside rmask: 0), fp32 operands
+    in IEEE precision (no TF32: a recomputation must not round more than the GEMM did)."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks, kmask = _span(k0, K, BK)
+        a = _tile(X, rows, ks, sx_m, sx_k, rmask, kmask)
+        b = _tile(Y, ks, cols, sy_k, sy_n, kmask, cmask)
+        if IEEE:
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    return acc
+
+
+@triton.jit
 def _worst(SCR, exc, res, n, BLOCK: tl.constexpr):
     """The residual (at offset ``res`` of SCR) of the largest of the n excesses (at ``exc``), a
     NaN one first (as ``topk`` ranks them): the delivered error a record reports. One program,
@@ -180,16 +197,8 @@ def _repair(OUT, X, Y, REFS, SCR, BITS, REC, M, N, K, P, so_m, so_n, sx_m, sx_k,
             sums = tl.zeros([BM], dtype=tl.float32)
             for n0 in range(0, N, BN):
                 cols, cmask = _span(n0, N, BN)
-                acc = tl.zeros([BM, BN], dtype=tl.float32)
-                for k0 in range(0, K, BK):
-                    ks, kmask = _span(k0, K, BK)
-                    a = _tile(X, rows, ks, sx_m, sx_k, bad, kmask)
-                    b = _tile(Y, ks, cols, sy_k, sy_n, kmask, cmask)
-                    if IEEE:
-                        acc += tl.dot(a.to(tl.float32), b.to(tl.float32),
-                                      input_precision="ieee")  # fmt: skip
-                    else:
-                        acc += tl.dot(a, b)
+                acc = _product(X, Y, rows, bad, cols, cmask, K, sx_m, sx_k, sy_k, sy_n, IEEE,
+                               BM, BN, BK)  # fmt: skip
                 new = acc.to(OUT.dtype.element_ty)
                 at = OUT + rows[:, None] * so_m + cols[None, :] * so_n
                 both = bad[:, None] & cmask[None, :]

@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
-from attnchecker.kernels.gemm_check import _i64, _span, _tile, _worst
+from attnchecker.kernels.gemm_check import _i64, _product, _span, _tile, _worst
 
 __all__ = ["check_", "norms", "proj_repair", "proj_verify", "proj_weights", "reference", "refs_of"]
 
@@ -182,16 +182,9 @@ def _repair(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, 
             sums = tl.zeros([BM, GP], dtype=tl.float32)
             for n0 in range(0, N, BN):
                 cols, cmask = _span(n0, N, BN)
-                acc = tl.zeros([BM, BN], dtype=tl.float32)
-                for k0 in range(0, K, BK):
-                    ks, kmask = _span(k0, K, BK)
-                    a = _tile(X, rows, ks, sx_t, sx_k, bad, kmask)
-                    w = _tile(W, cols, ks, sw_o, sw_k, cmask, kmask)  # (BN, BK)
-                    if IEEE:
-                        acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)),
-                                      input_precision="ieee")  # fmt: skip
-                    else:
-                        acc += tl.dot(a, tl.trans(w))
+                # W^T's columns: W (N, K) read as (K, N) through its strides
+                acc = _product(X, W, rows, bad, cols, cmask, K, sx_t, sx_k, sw_k, sw_o, IEEE,
+                               BM, BN, BK)  # fmt: skip
                 if HAS_B:
                     acc += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
                 new = acc.to(Y.dtype.element_ty)
