@@ -33,7 +33,7 @@ from attnchecker.attention.records import new_log, ranged
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock
 from attnchecker.errors import UnsupportedModelError
-from attnchecker.kernels import CHECKS, gemm_check_kernels
+from attnchecker.kernels import CHECKS
 
 __all__ = [
     "ProjectionSpec",
@@ -323,7 +323,7 @@ def _linear(
     config = state.config
     ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
     refs = None  # the registered ops check them (a checkpointing replay too: the same saved
-    if any(check) and gemm_check_kernels(config.check_impl, x) is not None:  # tensors)
+    if any(check) and kernel_checks.available(state, x):  # tensors in both passes)
         refs = kernel_checks.weight_refs(state.clock, weight, bias, groups, conv1d)
     return checked_linear(
         x, weight, bias, sink, state.clock.count, ops=ops, check=check, conv1d=conv1d,

@@ -218,9 +218,11 @@ def _repair(OUT, X, Y, REFS, SCR, BITS, REC, M, N, K, P, so_m, so_n, sx_m, sx_k,
                 tl.store(REC + 4, 1.0)  # reproduced: recomputing from the operands repeats it
 
 
-def _readable(t: Tensor) -> Tensor:
+def _readable(t: Tensor | None) -> Tensor | None:
     """t as the kernels read it: an fp32 copy of a bf16 tensor in the interpreter."""
-    return t.to(_F32) if interpreting() and t.dtype == torch.bfloat16 else t
+    if t is not None and interpreting() and t.dtype == torch.bfloat16:
+        return t.to(_F32)
+    return t
 
 
 def _programs(n: int, block: int) -> int:

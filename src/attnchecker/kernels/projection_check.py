@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
-from attnchecker.kernels.gemm_check import _i64, _product, _span, _tile, _worst
+from attnchecker.kernels.gemm_check import _i64, _product, _readable, _span, _tile, _worst
 
 __all__ = ["check_", "norms", "proj_repair", "proj_verify", "proj_weights", "reference", "refs_of"]
 
@@ -242,13 +242,6 @@ def _record(SCR, LOG, STEP, T, G, P, base, row0, row1, row2, S: tl.constexpr, BP
             tl.atomic_add(at + 2, value.to(tl.float64))
             tl.atomic_add(at + 5, 1.0)
             tl.atomic_add(at + 6, step)
-
-
-def _readable(t: Tensor | None) -> Tensor | None:
-    """t as the kernels read it: an fp32 copy of a bf16 tensor in the interpreter."""
-    if t is not None and interpreting() and t.dtype == torch.bfloat16:
-        return t.to(_F32)
-    return t
 
 
 def _as_rows(weight: Tensor, conv1d: bool) -> Tensor:
