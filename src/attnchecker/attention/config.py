@@ -16,7 +16,7 @@ __all__ = [
 SCOPES = ("attention", "all_linear")
 POLICIES = ("raise", "skip_step", "warn")
 MODES = ("naive", "passing")
-BACKENDS = ("eager", "triton", "auto")
+BACKENDS = ("eager", "sdpa", "triton", "auto")
 CHECK_IMPLS = ("auto", "compiled", "eager", "triton")  # attnchecker.abft.regions.IMPLS
 
 

@@ -1,4 +1,7 @@
-"""The fused backend of the attention core: the checked flash kernels in place of the eager math.
+"""The engines of the attention core other than the eager math: the choice among them
+(:func:`choose_engine`), the SDPA route's entry for the attention interface
+(:func:`attend_sdpa_route`), and the fused backend: the checked flash kernels in place of the
+eager math.
 
 The attention interface calls :func:`attend_fused` with transformers' flash-attention mask
 convention (the 2D key padding mask, or None) and the module's causality and sliding window.
@@ -29,22 +32,35 @@ from attnchecker.attention.projection import flush
 from attnchecker.attention.state import AttentionState
 from attnchecker.errors import ConfigError, UnsupportedModelError
 
-__all__ = ["attend_fused", "choose_engine", "eager_mask"]
+__all__ = ["attend_fused", "attend_sdpa_route", "choose_engine", "eager_mask"]
 
-_WARNED: set[str] = set()
+_WARNED: set[tuple[str, str]] = set()
 
 
 def choose_engine(
     config: ABFTConfig, device: torch.device, *, family: str, interface: bool
 ) -> tuple[str, str]:
     """Which engine runs the attention core of a model on ``device`` (``config.backend``):
-    ``("triton", "")`` for the fused kernels, or ``("eager", why)``, why saying what made
-    ``backend="auto"`` choose eager. ``interface``: the family dispatches through transformers'
-    attention interface (what the fused kernels plug into)."""
+    ``("sdpa", "")`` for the SDPA route (``"auto"`` on CUDA), ``("triton", "")`` for the fused
+    kernels, or ``("eager", why)``, why saying what made ``backend="auto"`` choose eager.
+    ``interface``: the family dispatches through transformers' attention interface, or the
+    model calls SDPA (what both routes plug into)."""
     from attnchecker import kernels
 
     if config.backend == "eager":
         return "eager", ""
+    if config.backend == "sdpa":
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(
+                f"backend='sdpa' runs the CPU and CUDA SDPA kernels; the model is on {device}: "
+                f"use backend='eager'"
+            )
+        if not interface:
+            raise UnsupportedModelError(
+                f"backend='sdpa': {family} does not dispatch through transformers' attention "
+                f"interface or call F.scaled_dot_product_attention; use backend='eager'"
+            )
+        return "sdpa", ""
     if config.backend == "triton":
         if not kernels.available():
             raise ConfigError(
@@ -61,22 +77,26 @@ def choose_engine(
     if device.type != "cuda":
         return "eager", (
             f"{why}: the model was on {device} at protect_ (protect it after moving it to CUDA "
-            f"for the fused kernels)"
+            f"for the SDPA route)"
         )
-    if not kernels.available():
-        return "eager", f"{why}: triton is not available"
     if not interface:
-        return "eager", f"{why}: the fused kernels do not cover this model or failed"
-    reason = kernels.self_test(device)
-    if reason is not None:
+        return "eager", f"{why}: the model's attention is not SDPA the route can take over"
+    # the SDPA route: measured / modelled faster than the fused kernels on CUDA (README)
+    return "sdpa", ""
+
+
+def _fell_back(state: AttentionState, reason: str, backend: str, what: str) -> None:
+    """Name a call the engine does not cover in ``summary()`` and warn once per reason."""
+    if not torch.compiler.is_compiling():  # summary() names it (a warning is once a process)
+        state.coverage.fallbacks.add(reason)
+    if (backend, reason) not in _WARNED:
+        _WARNED.add((backend, reason))
         warnings.warn(
-            f"backend='auto': the fused kernels failed their self-test on {device} "
-            f"({reason}); the checked eager attention runs instead",
+            f"attnchecker backend={backend!r}: {reason} is not covered by {what}; those calls "
+            f"run the checked eager attention",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-        return "eager", f"{why}: the fused kernels do not cover this model or failed"
-    return "triton", ""
 
 
 def _fallback_reason(
@@ -140,16 +160,7 @@ def attend_fused(
     if reason is None and wide and operand_kind(query) == "fp32":
         reason = f"fp32 without TF32 at head size > {FP32_MAX_HEAD} (the kernels spill)"
     if reason is not None:
-        if not torch.compiler.is_compiling():  # summary() names it (a warning is once a process)
-            state.coverage.fallbacks.add(reason)
-        if reason not in _WARNED:
-            _WARNED.add(reason)
-            warnings.warn(
-                f"attnchecker backend='triton': {reason} is not covered by the fused kernels; "
-                f"those calls run the checked eager attention",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        _fell_back(state, reason, "triton", "the fused kernels")
         L, Lk = query.shape[-2], key.shape[-2]
         mask = eager_mask(key_mask, L, Lk, causal=causal, window=window, dtype=query.dtype,
                           device=query.device)  # fmt: skip
@@ -169,6 +180,51 @@ def attend_fused(
         check=checks_of(op for op in ALL_OPS if state.checks(op)),
         tolerance_scale=state.config.tolerance_scale,
     )  # fmt: skip
+    if not state.checks("out"):
+        state.commit()
+    return output_layout(spec, out), None
+
+
+def attend_sdpa_route(
+    spec: CoreSpec,
+    state: AttentionState,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    *,
+    scaling: float,
+    dropout: float,
+    training: bool,
+    causal: bool,
+    softcap: float | None = None,
+    upcast_reordered: bool = False,
+) -> tuple[Tensor, None]:
+    """Checked attention of q (B, H, L, d), k and v (B, Hkv, Lk, d) by the backend's SDPA kernel
+    (:mod:`~attnchecker.attention.sdpa_core`; ``mask``: transformers' SDPA mask, 4-D bool or
+    None, then ``causal``): (output in the family's layout, None). What SDPA cannot compute as
+    the family does (attention dropout in training: the repair could not redraw it; soft-capping;
+    GPT-2's ``reorder_and_upcast_attn``, GPT-Neo's fp32 q and k) runs the checked eager
+    attention, named in ``summary()``, with a warning once."""
+    from attnchecker.attention.sdpa_core import attend_sdpa
+
+    reason = _fallback_reason(spec, dropout, training, softcap, upcast_reordered)
+    if reason is not None:
+        _fell_back(state, reason, "sdpa", "the SDPA route")
+        L, Lk = query.shape[-2], key.shape[-2]
+        if mask is None:
+            eager = eager_mask(None, L, Lk, causal=causal, window=0, dtype=query.dtype,
+                               device=query.device)  # fmt: skip
+        else:
+            low = torch.finfo(query.dtype).min
+            eager = torch.where(mask, torch.zeros((), dtype=query.dtype, device=mask.device), low)
+        return attend(
+            spec, query, key, value, eager, scaling=scaling, dropout=dropout, training=training,
+            state=state, upcast_reordered=upcast_reordered, softcap=softcap,
+        )  # fmt: skip
+    flush(state)  # projections still waiting for their group (Q alone)
+    state.handoff = None
+    out = attend_sdpa(state, query, key, value, mask, scaling=scaling, causal=causal)
     if not state.checks("out"):
         state.commit()
     return output_layout(spec, out), None

@@ -31,10 +31,14 @@ from attnchecker.attention.projection import flush
 from attnchecker.attention.state import AttentionState
 from attnchecker.errors import UnsupportedModelError
 
-__all__ = ["KEYWORDS", "NAME", "OWN", "TRITON_NAME", "Own", "attend_bound", "install_interface"]
+__all__ = [
+    "KEYWORDS", "NAME", "OWN", "SDPA_NAME", "TRITON_NAME", "Own", "attend_bound",
+    "install_interface",
+]  # fmt: skip
 
 NAME = "attnchecker"
 TRITON_NAME = "attnchecker_triton"  # backend="triton" (the fused kernels): the 2D mask
+SDPA_NAME = "attnchecker_sdpa"  # backend="sdpa" (the SDPA route): transformers' SDPA mask
 
 KEYWORDS: dict[str, str] = {
     # keyword: why the checked core may take it as the family's eager attention does
@@ -92,13 +96,18 @@ class Own:
 _OWNS: dict[int, Own] = {}  # id(model.config) -> its Own, while protected
 
 
-def _mask(*args: object, config: object = None, **kwargs: object) -> Tensor | None:
-    """The mask function of :data:`NAME`: the model's own implementation's while its own
-    attention runs (:meth:`Own.runs`), else the eager mask the checked core takes."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+def _mask(
+    *args: object, config: object = None, sdpa: bool = False, **kwargs: object
+) -> Tensor | None:
+    """The mask function of :data:`NAME` (``sdpa``: of :data:`SDPA_NAME`): the model's own
+    implementation's while its own attention runs (:meth:`Own.runs`), else the mask the checked
+    core takes (the eager one; the SDPA route's: transformers' SDPA mask)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
     own = _OWNS.get(id(config))
-    fn = ALL_MASK_ATTENTION_FUNCTIONS[own.impl] if own is not None and own.runs() else eager_mask
+    fn = sdpa_mask if sdpa else eager_mask
+    if own is not None and own.runs():
+        fn = ALL_MASK_ATTENTION_FUNCTIONS[own.impl]
     return fn(*args, config=config, **kwargs)
 
 
@@ -164,11 +173,14 @@ def _attention(
     dropout: float = 0.0,
     *,
     fused: bool = False,
+    sdpa: bool = False,
     **kwargs: object,
 ) -> tuple[Tensor, Tensor | None]:
-    """The function registered as :data:`NAME`, and with ``fused`` as :data:`TRITON_NAME`: then
+    """The function registered as :data:`NAME`; with ``fused`` as :data:`TRITON_NAME`: then
     ``attention_mask`` is the 2D key padding mask (or None), causality and the sliding window
-    come from the module and the keywords, as for flash attention."""
+    come from the module and the keywords, as for flash attention; with ``sdpa`` as
+    :data:`SDPA_NAME`: transformers' SDPA mask (4-D bool or None), causality as its SDPA
+    attention decides it."""
     bound = getattr(module, CORE, None)
     own = None if fused else getattr(module, OWN, None)
     if own is not None and own.runs():  # nothing needs the core: the model's own attention
@@ -180,6 +192,23 @@ def _attention(
     _refuse(kwargs)
     upcast = bool(getattr(module, "reorder_and_upcast_attn", False))  # GPT-2's option
     s = query.size(-1) ** -0.5 if scaling is None else scaling  # the checked core's scaling
+    if sdpa and bound is not None and bound[1] is not None:
+        from attnchecker.attention.fused import attend_sdpa_route
+
+        causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True)) if causal is None else bool(causal)
+        causal = query.shape[2] > 1 and attention_mask is None and causal  # as transformers'
+        spec, state = bound
+        return attend_sdpa_route(
+            spec, state, query, key, value, attention_mask, scaling=s, dropout=dropout,
+            training=module.training, causal=causal, softcap=kwargs.get("softcap"),
+            upcast_reordered=upcast,
+        )  # fmt: skip
+    if sdpa:  # not protected: transformers' SDPA attention on its own mask
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)  # fmt: skip
     if fused:
         from attnchecker.attention.fused import attend_fused, eager_mask
 
@@ -225,13 +254,15 @@ def install_interface(
     model: nn.Module,
     *,
     fused: bool = False,
+    sdpa: bool = False,
     cores: Sequence[nn.Module] = (),
     states: Sequence[AttentionState] = (),
 ) -> Callable[[], None]:
     """Register the core (idempotent) and switch ``model`` to it; return the undo. ``fused``:
     the fused backend, with transformers' flash-attention mask (2D padding or None). ``cores``
     (the attention modules) get the model's :class:`Own` over ``states``: its own attention
-    runs while none of them needs the checked core."""
+    runs while none of them needs the checked core. ``sdpa``: the SDPA route, with
+    transformers' SDPA mask."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -239,8 +270,10 @@ def install_interface(
     AttentionMaskInterface.register(NAME, _mask)
     AttentionInterface.register(TRITON_NAME, partial(_attention, fused=True))
     AttentionMaskInterface.register(TRITON_NAME, _fused_mask)
+    AttentionInterface.register(SDPA_NAME, partial(_attention, sdpa=True))
+    AttentionMaskInterface.register(SDPA_NAME, partial(_mask, sdpa=True))
     previous = model.config._attn_implementation
-    model.set_attn_implementation(TRITON_NAME if fused else NAME)
+    model.set_attn_implementation(TRITON_NAME if fused else SDPA_NAME if sdpa else NAME)
     own = Own(previous or "eager", states)
     _OWNS[id(model.config)] = own
     for core in cores:

@@ -121,7 +121,7 @@ def _protect(
     try:
         unpatched = _wire(model, found, chosen, config, clock, schedule, engine, note, states, undo)
         if found is not None:
-            undo.append(install(model, found, fused=engine == "triton",
+            undo.append(install(model, found, fused=engine == "triton", sdpa=engine == "sdpa",
                                 states=tuple(states.values())))  # fmt: skip
         elif not states:
             raise UnsupportedModelError(f"{unprotected}; and it has no linear layer to check")

@@ -371,16 +371,22 @@ def transformer_blocks(model: nn.Module) -> list[TransformerBlock]:
 
 
 def install(
-    model: nn.Module, found: Discovery, *, fused: bool = False, states: Sequence = ()
+    model: nn.Module,
+    found: Discovery,
+    *,
+    fused: bool = False,
+    sdpa: bool = False,
+    states: Sequence = (),
 ) -> Callable[[], None]:
-    """Route every block's attention through the checked core (``fused``: the fused kernels),
+    """Route every block's attention through the checked core (``fused``: the fused kernels;
+    ``sdpa``: the SDPA route),
     or through the model's own while none of ``states`` needs the core (the attention
     interface's families); return the undo."""
     if not found.wiring.patch:
         from attnchecker.models.interface import install_interface
 
         cores = [b.core for b in found.blocks]
-        return install_interface(model, fused=fused, cores=cores, states=states)
+        return install_interface(model, fused=fused, sdpa=sdpa, cores=cores, states=states)
     method, make = found.wiring.patch
     for b in found.blocks:
         setattr(b.core, method, make(b.core))

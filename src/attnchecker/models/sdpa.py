@@ -45,6 +45,7 @@ from attnchecker.attention.core import CORE, CoreSpec, attend
 from attnchecker.attention.fused import attend_fused
 from attnchecker.attention.ops import op as table_op
 from attnchecker.attention.projection import flush, project
+from attnchecker.attention.sdpa_core import checked_attention
 from attnchecker.attention.state import AttentionState
 from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.sdpa_trace import Found, class_source, mha_split, trace
@@ -111,6 +112,20 @@ def checked_sdpa(
         )
     Lk = key.shape[-2]
     scaling = _scaling(query, scale)
+    if state is not None and state.coverage.engine == "sdpa":
+        if not dropout_p:
+            flush(state)  # the projections it reads are checked first
+            state.handoff = None
+            mask = attn_mask
+            if mask is not None and mask.dim() < 4:  # SDPA broadcasts (L, Lk), (B|1, L, Lk)
+                mask = mask.view(*(1,) * (4 - mask.dim()), *mask.shape)
+            out = checked_attention(state, query, key, value, mask, causal=is_causal,
+                                    scale=scaling)  # fmt: skip
+            if not state.checks("out"):
+                state.commit()
+            return out
+        if not torch.compiler.is_compiling():  # summary() names it
+            state.coverage.fallbacks.add("attention dropout in training")
     if state is not None and state.coverage.engine == "triton":
         key_mask, why = _key_padding(attn_mask, query.shape[0], Lk)
         if is_causal and query.shape[-2] != Lk:

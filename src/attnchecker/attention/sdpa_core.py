@@ -1,0 +1,250 @@
+"""The SDPA route of the attention core (``backend="sdpa"``): the model's own fast attention
+kernel, checked by what it returns.
+
+:func:`attend_sdpa` runs the aten op that ``F.scaled_dot_product_attention`` runs (flash or
+memory-efficient on CUDA, the flash kernel on a CPU) inside one autograd function, so that each
+row's log-sum-exp is at hand, and checks, forward and backward, with the invariants of
+:mod:`attnchecker.kernels.sdpa_check` (a few reductions per layer; nothing of size L x L): the
+LSE bound for the scores, V's range for the context, the exact sums of dV and dK and the bound
+of dQ in the backward. A flagged (batch, head) is recomputed and written in place by a repair
+op that does nothing on a clean call.
+
+The config's ops map onto these checks: ``scores`` the LSE bound; ``context`` (or ``probs``
+alone: P is not materialised, a fault in it reaches O) the range of O; ``dv`` the dV sum;
+``dk`` the dK sum and ``dq`` the dQ bound (``dp`` alone: both, a fault in dP reaches dS, which
+they see).
+
+Faults at the core's named sites (scores, probs, context; dp, dv, dq, dk) are emulated: with a
+hook attached, the call also computes S, P and O (and dP, dV, dS, dQ, dK) in eager math, runs the
+hooks on them and, for the (batch, head) pairs a hook changed, replaces what the kernel returned
+by what the corrupted tensor gives, before the checks. So a campaign measures what this route
+detects; nothing of the kind runs without a hook.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from attnchecker.attention.sites import in_replay
+from attnchecker.attention.state import AttentionState
+from attnchecker.kernels.sdpa_check import (
+    attention_backward,
+    attention_forward,
+    backend_mask,
+    bwd_repair_op,
+    bwd_verify_op,
+    fwd_repair_op,
+    fwd_verify_op,
+    kv_stats_op,
+    mask_facts,
+)
+
+__all__ = ["attend_sdpa", "checked_attention", "operands"]
+
+_FWD_SITES, _BWD_SITES = ("scores", "probs", "context"), ("dp", "dv", "dq", "dk")
+
+
+def operands(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as SDPA takes them: under autocast cast to its dtype (SDPA is one of autocast's
+    lower-precision ops; a model's RoPE can leave q and k in fp32 while v is bf16)."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        low = torch.get_autocast_dtype(device)
+        q, k, v = (t.to(low) if t.is_floating_point() and t.dtype != low else t
+                   for t in (q, k, v))  # fmt: skip
+    return q, k, v
+
+
+def _additive(mask: Tensor | None, causal: bool, L: int, Lk: int, device) -> Tensor | float:
+    """The fp32 additive form of an SDPA mask (0 where attended, -inf elsewhere); causal is
+    top-left aligned, as SDPA's."""
+    bias: Tensor | float = 0.0
+    if causal:
+        bias = torch.ones(L, Lk, dtype=torch.bool, device=device).tril().logical_not()
+        bias = torch.zeros(L, Lk, device=device).masked_fill(bias, -math.inf)
+    if mask is not None:
+        m = mask.float() if mask.dtype != torch.bool else torch.zeros(
+            (), device=device).masked_fill(~mask, -math.inf)  # fmt: skip
+        bias = bias + m
+    return bias
+
+
+def _changed(before: Tensor, after: Tensor) -> Tensor:
+    """(B, H) bool: which matrices a hook changed (NaN where there was none counts)."""
+    return (~(after == before)).flatten(2).any(-1)
+
+
+class _Sums:
+    """Group sums of (B, H, ...) gradients onto their (B, Hkv, ...) K/V heads."""
+
+    def __init__(self, H: int, Hkv: int) -> None:
+        self.rep, self.Hkv = H // Hkv, Hkv
+
+    def __call__(self, t: Tensor) -> Tensor:
+        return t.view(t.shape[0], self.Hkv, self.rep, *t.shape[2:]).sum(2)
+
+    def any(self, heads: Tensor) -> Tensor:
+        return heads.view(heads.shape[0], self.Hkv, self.rep).any(-1)
+
+
+def _emulate_forward(sites, q, k, v, mask, causal, scale, out, lse) -> None:
+    """The forward's sites on eager S, P, O: what a hook changed replaces ``out`` / ``lse``."""
+    H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
+    if sites.hooks.get("scores") or sites.hooks.get("probs"):
+        rep = H // k.shape[1]
+        ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = q @ ke.mT  # (B, H, L, Lk)
+        before = s.clone()
+        sites.run("scores", s)
+        hit = _changed(before, s)
+        z = s.float() * scale + _additive(mask, causal, L, Lk, q.device)
+        p = torch.softmax(z, -1).nan_to_num(0.0).to(q.dtype)  # a row with no key: 0
+        before = p.clone()
+        sites.run("probs", p)
+        heads = hit | _changed(before, p)
+        o = (p @ ve).to(out.dtype)
+        out.copy_(torch.where(heads[..., None, None], o, out))
+        lse.copy_(torch.where(hit[..., None], torch.logsumexp(z, -1), lse))
+    sites.run("context", out)
+
+
+def _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv) -> None:
+    """The backward's sites on eager dP, dV, dQ, dK (dS from the possibly corrupted dP):
+    what a hook changed replaces the kernel's gradients of those heads (dK, dV: their group)."""
+    H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
+    sums = _Sums(H, k.shape[1])
+    ke, ve = k.repeat_interleave(sums.rep, 1), v.repeat_interleave(sums.rep, 1)
+    z = (q @ ke.mT).float() * scale + _additive(mask, causal, L, Lk, q.device)
+    p = torch.softmax(z, -1).nan_to_num(0.0)  # (B, H, L, Lk) fp32
+    found = {}
+    dp = grad @ ve.mT  # (B, H, L, Lk)
+    dvf = p.to(q.dtype).mT @ grad  # (B, H, Lk, d)
+    for site, t in (("dp", dp), ("dv", dvf)):
+        before = t.clone()
+        hook(site, t)
+        found[site] = _changed(before, t)
+    ds = p * (dp.float() - (grad.float() * out.float()).sum(-1, keepdim=True))
+    ds = ds.to(q.dtype)
+    dqf, dkf = (ds @ ke) * scale, (ds.mT @ q) * scale
+    for site, t in (("dq", dqf), ("dk", dkf)):
+        before = t.clone()
+        hook(site, t)
+        found[site] = _changed(before, t)
+    heads = found["dp"] | found["dq"]
+    dq.copy_(torch.where(heads[..., None, None], dqf.to(dq.dtype), dq))
+    groups = sums.any(found["dp"] | found["dk"] | found["dv"])[..., None, None]
+    dk.copy_(torch.where(groups, sums(dkf.float()).to(dk.dtype), dk))
+    dv.copy_(torch.where(groups, sums(dvf.float()).to(dv.dtype), dv))
+
+
+class _Checked(torch.autograd.Function):
+    """The backend's attention and its checks: forward (q, k, v, mask, sink, step, log,
+    rowmax, plan) -> (out, lse); the backward's records are the gradient of ``sink``.
+    ``plan``: (causal, scale, tol, forward rows, forward checked, backward rows, backward
+    checked, number of backward rows, the forward's sites or None, the backward's hook or None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, sink, step, log, rowmax, plan):
+        causal, scale, tol, fwd_rows, fwd_on, _, _, _, sites, _ = plan
+        out, lse, aux = attention_forward(q, k, v, mask, causal, scale)
+        if sites is not None:
+            _emulate_forward(sites, q, k, v, mask, causal, scale, out, lse)
+        stats = None
+        if fwd_on:
+            stats = kv_stats_op(k, v)
+            flags = fwd_verify_op(q, k, out, lse, stats, log, step, list(fwd_rows), scale,
+                                  rowmax, tol)  # fmt: skip
+            fwd_repair_op(q, k, v, mask, out, lse, stats, flags, log, list(fwd_rows), causal,
+                          scale, rowmax, tol)  # fmt: skip
+        ctx.save_for_backward(q, k, v, mask, out, lse, stats, step, rowmax)
+        ctx.plan, ctx.aux, ctx.sink = plan, aux, sink.numel() > 0
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad, _grad_lse):
+        q, k, v, mask, out, lse, stats, step, rowmax = ctx.saved_tensors
+        causal, scale, tol, _, _, bwd_rows, bwd_on, n_grad, _, hook = ctx.plan
+        grad = grad.contiguous()
+        dq, dk, dv = attention_backward(grad, q, k, v, out, lse, mask, causal, scale, ctx.aux)
+        if hook is not None:
+            _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv)
+        rec = None
+        if bwd_on and ctx.sink:
+            stats = kv_stats_op(k, v) if stats is None else stats
+            rec = torch.zeros(n_grad, 7, dtype=torch.float64, device=q.device)
+            flags = bwd_verify_op(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step,
+                                  list(bwd_rows), scale, tol)  # fmt: skip
+            bwd_repair_op(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, flags, rec,
+                          list(bwd_rows), causal, scale, tol)  # fmt: skip
+        return dq, dk, dv, None, rec, None, None, None, None
+
+
+def _row(state: AttentionState, rows_of, *ops: str, replay: bool = False) -> int:
+    """The record row of the first of ``ops`` checked now; -1 for none, or in a checkpointing
+    replay's forward (``replay``), which records nothing: the first pass counted it."""
+    for op in ops:
+        if state.checks(op):
+            return -1 if replay else rows_of(op)
+    return -1
+
+
+def _facts(state: AttentionState, mask: Tensor | None, q: Tensor) -> tuple[Tensor | None, Tensor]:
+    """(the mask as the backend takes it, each row's largest mask value: :func:`mask_facts`),
+    once per mask and step (the layers share one mask)."""
+    if mask is None:
+        return None, mask_facts(None, q.shape[2]).to(q.device)
+    key = ("sdpa_mask", id(mask), mask.data_ptr(), mask._version, q.dtype, q.shape[:3])
+    hit = None if torch.compiler.is_compiling() else state.clock.cache.get(key)
+    if hit is None:
+        hit = (mask, backend_mask(mask, q), mask_facts(mask, q.shape[2]))
+        if not torch.compiler.is_compiling():
+            state.clock.cache[key] = hit
+    return hit[1], hit[2]
+
+
+def checked_attention(
+    state: AttentionState, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *,
+    causal: bool, scale: float,
+) -> Tensor:  # fmt: skip
+    """SDPA of q (B, H, L, d), k and v (B, Hkv, Lk, d) (``mask``: 4-D bool or additive,
+    broadcast to (B, H, L, Lk); ``causal`` top-left) by the backend's kernel, with the checks
+    the state asks for now: (B, H, L, d) in q's dtype."""
+    q, k, v = operands(q, k, v)
+    if state.records.log.device != q.device:  # moved without a root forward (a layer alone)
+        state.records.to(q.device)
+    grad_rows = {o: i for i, o in enumerate(state.records.grad_ops)}.get
+    mask, rowmax = _facts(state, mask, q)
+    replay = in_replay()
+    fwd_rows = (_row(state, state.records.row, "scores", replay=replay),
+                _row(state, state.records.row, "context", "probs", replay=replay))  # fmt: skip
+    bwd_rows = (_row(state, grad_rows, "dq", "dp"), _row(state, grad_rows, "dk", "dp"),
+                _row(state, grad_rows, "dv"))  # fmt: skip
+    hooked = not torch.compiler.is_compiling() and any(state.hooks.get(s) for s in _FWD_SITES)
+    plan = (
+        causal, scale, float(state.config.tolerance_scale),
+        fwd_rows, any(state.checks(o) for o in _FWD_SITES),
+        bwd_rows, any(state.checks(o) for o in _BWD_SITES), len(state.records.grad_ops),
+        state.sites if hooked else None, state.sites.grad_hook(_BWD_SITES),
+    )  # fmt: skip
+    sink = state.grads
+    if sink is None or not torch.is_grad_enabled():
+        sink = torch.zeros(0, device=q.device)  # (no backward records: an inert input)
+    out, _ = _Checked.apply(q, k, v, mask, sink, state.clock.count, state.records.log, rowmax,
+                            plan)  # fmt: skip
+    return out
+
+
+def attend_sdpa(
+    state: AttentionState, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
+    scaling: float, causal: bool,
+) -> Tensor:  # fmt: skip
+    """The SDPA route's core for the attention interface (transformers' SDPA mask: 4-D bool or
+    None, then ``causal`` from the module): (B, H, L, d)."""
+    L, Lk = query.shape[2], key.shape[2]
+    if causal and mask is None and Lk > L:  # prefill of an empty static cache, as transformers
+        key, value = key[:, :, :L], value[:, :, :L]
+    return checked_attention(state, query, key, value, mask, causal=causal, scale=scaling)

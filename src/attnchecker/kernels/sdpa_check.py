@@ -1,0 +1,448 @@
+"""The SDPA route's checks (``backend="sdpa"``): the backend's own attention kernel, checked by
+what it returns, as registered ops.
+
+The core runs the aten op that ``F.scaled_dot_product_attention`` runs (the CPU flash kernel; on
+CUDA the flash kernel, or the memory-efficient one where a mask is given), because those return
+each row's log-sum-exp. Nothing of size L x L is made. What holds exactly for any mask and any
+backend (no dropout), per (batch, head), q_i / k_j / v_j rows, P the softmax, n the key count:
+
+- **scores** (forward): LSE_i = log sum_j exp(scale s_ij + m_ij) <= max_j (scale s_ij + m_ij) +
+  log n <= |scale| ||q_i|| max_j ||k_j|| + max m + log n. An INF, NaN or near-INF score (or any
+  finite one above that bound) breaks it. A bound, not a checksum: extreme errors only.
+- **context** (forward): O_i = sum_j p_ij v_j with p_ij >= 0, sum_j p_ij in {0, 1}, so each O_if
+  lies in [min(0, min_j v_jf), max(0, max_j v_jf)]. Extreme errors only (a fault in P or in the
+  P V product that leaves O inside V's range is not seen).
+- **dv** (backward): sum_j dV_j = sum_i (sum_j p_ij) dO_i = sum_i dO_i over the rows that attend
+  to a key. A checksum: any error above rounding.
+- **dk** (backward): sum_j dK_j = scale sum_i (sum_j dS_ij) q_i = 0 (each row of
+  dS = P o (dP - D) sums to 0). A checksum: any error above rounding in dK, dS or dP.
+- **dq** (backward): |dQ_if| <= scale sum_j |dS_ij| |k_jf| <= 2 scale ||dO_i||_1 max|V| max_j |k_jf|
+  (sum_j |dS_ij| <= sum_j p_ij (|dP_ij| + |D_i|) <= 2 max_j |dP_ij|). A bound: extreme errors.
+
+Tolerances (derived where they are computed) are in units of the operands' ``finfo.eps`` and of
+fp32 accumulation, times ``tolerance_scale``.
+
+A flagged (batch, head) is recomputed by the same aten op from the operands (forward: O and the
+LSE; backward: the whole K/V head group's dQ, dK, dV), written in place, checked again: still
+flagged is ``reproduced`` and ``lost`` (the operands imply it). The repair is a second op that
+does nothing on a clean call. The records go straight into the module's log rows (forward) and
+into a (n ops, 7) records tensor returned as the backward's sink gradient.
+
+Each function below is the torch reference the ops run (CPU; on CUDA until Triton versions of
+the verify and repair kernels are written beside them: there the repair reads the flag on the
+host, one synchronisation per flagged-or-not call, which the CUDA kernels are to remove).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DEAD",
+    "attention_backward",
+    "attention_forward",
+    "backend_mask",
+    "bwd_repair",
+    "bwd_verify",
+    "fwd_repair",
+    "fwd_verify",
+    "kv_stats",
+    "mask_facts",
+]
+
+_F32 = torch.float32
+_EPS32 = torch.finfo(_F32).eps
+_LOSE, _REPRO = 3, 4  # RECORD_FIELDS' lost, reproduced
+_aten = torch.ops.aten
+
+
+# ------------------------------------------------------------------------------ the backend
+
+
+def _expand(t: Tensor, heads: int) -> Tensor:
+    """K or V (B, Hkv, Lk, d) -> (B, H, Lk, d) as repeat_kv (head h reads kv head h // rep)."""
+    rep = heads // t.shape[1]
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def backend_mask(mask: Tensor | None, q: Tensor) -> Tensor | None:
+    """An SDPA mask (4-D, bool: True attends, or additive) as the backend's kernel takes it: an
+    additive mask in q's dtype (a bool one as 0 / -inf, as SDPA converts it); on CUDA expanded
+    to (B, H, L, Lk) with its last dimension padded to a multiple of 16 and sliced back (the
+    memory-efficient kernel's alignment). Views where nothing needs changing."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
+    mask = mask.to(q.dtype)
+    if q.device.type == "cpu":
+        return mask
+    B, H, L = q.shape[:3]
+    Lk = mask.shape[-1]
+    mask = mask.expand(B, H, L, Lk)
+    if mask.stride(-2) % 16 or mask.stride(-1) != 1:
+        mask = torch.nn.functional.pad(mask, (0, -Lk % 16 or 16))[..., :Lk]
+    return mask
+
+
+def attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, tuple]:
+    """(out (B, H, L, d), lse (B, H, L) fp32 natural log, what the backward needs) of the
+    backend's attention kernel on q (B, H, L, d), k and v (B, Hkv, Lk, d)."""
+    if q.device.type == "cpu":  # GQA native
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=backend_mask(mask, q), scale=scale
+        )
+        return out, lse, ()
+    H, L = q.shape[1], q.shape[2]
+    k, v = _expand(k, H), _expand(v, H)
+    if mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return out, lse, ("flash", cq, ck, mq, mk, seed, offset)
+    bias = backend_mask(mask, q)
+    out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., :L], ("efficient", bias, lse, seed, offset)
+
+
+def attention_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    mask: Tensor | None, causal: bool, scale: float, aux: tuple,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv) of :func:`attention_forward` for the output gradient ``grad``."""
+    if q.device.type == "cpu":
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, attn_mask=backend_mask(mask, q), scale=scale
+        )
+    H, Hkv = q.shape[1], k.shape[1]
+    ke, ve = _expand(k, H), _expand(v, H)
+    if aux[0] == "flash":
+        _, cq, ck, mq, mk, seed, offset = aux
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            grad, q, ke, ve, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
+        )
+    else:
+        _, bias, lse_full, seed, offset = aux
+        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, ke, ve, bias, out, lse_full, seed, offset, 0.0,
+            [True, True, True, False], causal, scale=scale,
+        )  # fmt: skip
+    if Hkv != H:  # the group's gradients summed onto its kv head
+        dk, dv = (t.view(t.shape[0], Hkv, H // Hkv, *t.shape[2:]).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------- the checks
+
+
+DEAD = -1e30
+"""A query row whose mask's largest value is at or below this (finfo.min, -inf, all False)
+attends no key: the backends each define its output their own way, so no check reads it."""
+
+
+def mask_facts(mask: Tensor | None, L: int) -> Tensor:
+    """Each query row's largest mask value, (B | 1, H | 1, L | 1) fp32 (0 without a mask; a bool
+    mask's True is 0, False -inf): what the LSE bounds add, and :data:`DEAD` rows. The caller
+    computes it once per mask and step (one pass over a mask the backend reads anyway)."""
+    if mask is None:
+        return torch.zeros(1, 1, 1, dtype=_F32)
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=_F32, device=mask.device).masked_fill(
+            ~mask.any(-1), -math.inf)  # fmt: skip
+    return mask.float().amax(-1)
+
+
+def kv_stats(k: Tensor, v: Tensor) -> Tensor:
+    """(B, Hkv, 3 d + 2) fp32 per kv head: [min_j v_jf (d), max_j v_jf (d), max_j |k_jf| (d),
+    max_j ||k_j||, max_jf |v_jf|]: what the forward and the backward checks bound with (K and V
+    are read once a forward)."""
+    kf, vf = k.float(), v.float()
+    return torch.cat(
+        [vf.amin(2), vf.amax(2), kf.abs().amax(2), torch.linalg.vector_norm(kf, dim=-1).amax(2,
+         keepdim=True), vf.abs().amax((2, 3))[..., None]], -1
+    )  # fmt: skip
+
+
+def _worst(values: Tensor, excess: Tensor) -> Tensor:
+    """The delivered value where ``excess`` is largest (NaN first), 0-dim fp64."""
+    flat_e, flat_v = excess.reshape(-1), values.reshape(-1).to(torch.float64)
+    key = torch.where(flat_e.isnan(), torch.inf, flat_e)
+    return flat_v[key.argmax()]
+
+
+def _record(
+    log: Tensor, row: int, bad: Tensor, n_cols: Tensor, value: Tensor, step: Tensor
+) -> None:
+    """Add one check's record (n_rows, n_cols, value, -, -, detected, step) to ``log[row]``."""
+    n_rows = bad.sum().to(torch.float64)
+    det = (n_rows > 0).to(torch.float64)
+    zero, at = det * 0, det * step.to(torch.float64).reshape(())
+    value = torch.where(det > 0, value, 0.0)
+    log[row].add_(torch.stack([n_rows, n_cols.to(torch.float64) * det, value, zero, zero, det, at]))
+
+
+def _fwd_flags(q, k, out, lse, stats, scale, rowmax, tol):
+    """(lse_bad (B, H, L), o_bad (B, H, L, d), lse excess, o excess) of the forward checks."""
+    H, d = q.shape[1], q.shape[3]
+    Hkv, Lk = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    st = stats.repeat_interleave(rep, 1)[:, :, None]  # (B, H, 1, 3d + 2)
+    lo, hi, knorm = st[..., :d], st[..., d : 2 * d], st[..., 3 * d]
+    rowmax = rowmax.to(q.device)
+    live = rowmax > DEAD  # (B | 1, H | 1, L | 1)
+    m = torch.where(live, rowmax, 0.0)
+    # max_j (scale s_ij + m_ij) <= LSE_i <= max_j (scale s_ij + m_ij) + log n, and
+    # |scale s_ij| <= r_i = |scale| ||q_i|| max_j ||k_j||, so m_i - r_i <= LSE_i <= m_i + r_i +
+    # log n (m_i: the row's largest mask value, attained by some key). The scores' fp32
+    # accumulation over d exact products stays within d eps32 of r_i; 1e-3 absolute covers the
+    # kernel's exp and log
+    r = abs(scale) * torch.linalg.vector_norm(q.float(), dim=-1) * knorm
+    slack = r * tol * (d + 4) * _EPS32 + tol * 1e-3
+    lse_excess = torch.maximum(lse - (m + r + math.log(max(Lk, 1)) + slack), (m - r - slack) - lse)
+    lse_bad = ~(lse_excess <= 0) & live
+    # a row that attends a key: O_if in [lo_f, hi_f] (a convex combination). The products p v in
+    # the kernel's precision (P rounded to the operands' dtype for the MMA, sum p~ within eps of
+    # 1), the output rounded once, fp32 accumulation over Lk terms: (4 eps + Lk eps32) max|v_f|
+    # covers them all
+    eps = torch.finfo(out.dtype).eps
+    t = tol * (4 * eps + Lk * _EPS32) * torch.maximum(lo.abs(), hi.abs())
+    o = out.float()
+    o_excess = torch.maximum(o - (hi + t), (lo - t) - o)
+    o_bad = ~(o_excess <= 0) & live[..., None]
+    return lse_bad, o_bad, lse_excess, o_excess
+
+
+def fwd_verify(
+    q: Tensor, k: Tensor, out: Tensor, lse: Tensor, stats: Tensor, log: Tensor, step: Tensor,
+    rows: tuple[int, int], scale: float, rowmax: Tensor, tol: float,
+) -> Tensor:  # fmt: skip
+    """The forward's checks of one call: records added to ``log`` rows ``rows`` (scores,
+    context; -1: not recorded) and the flags (B, H) int32 (bit 1: the LSE bound, bit 2: the
+    context's range) that :func:`fwd_repair` reads."""
+    lse_bad, o_bad, lse_ex, o_ex = _fwd_flags(q, k, out, lse, stats, scale, rowmax, tol)
+    if rows[0] >= 0:
+        _record(log, rows[0], lse_bad, torch.zeros(()), _worst(lse, lse_ex), step)
+    if rows[1] >= 0:
+        o_rows = o_bad.any(-1)
+        n_cols = o_bad.flatten(0, 2).any(0).sum()
+        _record(log, rows[1], o_rows, n_cols, _worst(out, o_ex), step)
+    return lse_bad.any(-1).int() | (o_bad.any((-1, -2)).int() << 1)
+
+
+def _full(rows: Tensor, q: Tensor) -> Tensor:
+    """Per-row facts (B | 1, H | 1, L | 1) broadcast to q's (B, H, L)."""
+    return rows.to(q.device).expand(*q.shape[:3])
+
+
+def _heads(x: Tensor, b: Tensor, h: Tensor) -> Tensor:
+    """x[b, h] of (batch, head) pairs as one batch of heads (1, n, ...); a broadcast (size-1)
+    batch or head dimension is indexed at 0."""
+    b = b if x.shape[0] > 1 else torch.zeros_like(b)
+    h = h if x.shape[1] > 1 else torch.zeros_like(h)
+    return x[b, h][None]
+
+
+def fwd_repair(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
+    stats: Tensor, flags: Tensor, log: Tensor, rows: tuple[int, int], causal: bool,
+    scale: float, rowmax: Tensor, tol: float,
+) -> None:  # fmt: skip
+    """Recompute the flagged (batch, head) outputs and LSEs in place; those still flagged are
+    lost and reproduced in the rows of the checks that flagged them. Nothing on a clean call."""
+    if not bool(flags.any()):  # (CPU: no device to wait for; CUDA: the sync to remove)
+        return
+    b, h = flags.nonzero(as_tuple=True)
+    rep = q.shape[1] // k.shape[1]
+    sub = [_heads(q, b, h), _heads(k, b, h // rep), _heads(v, b, h // rep)]
+    m = None if mask is None else _heads(mask, b, h)
+    new_out, new_lse, _ = attention_forward(*sub, m, causal, scale)
+    out[b, h], lse[b, h] = new_out[0], new_lse[0]
+    again = fwd_verify(sub[0], sub[1], new_out, new_lse, stats[b, h // rep][None],
+                       log.new_zeros(2, 7), log.new_zeros(1), (-1, -1), scale,
+                       _heads(_full(rowmax, q), b, h), tol)  # fmt: skip
+    for bit, row in ((1, rows[0]), (2, rows[1])):
+        if row >= 0 and bool((again & bit).any()):
+            log[row, _LOSE] += 1
+            log[row, _REPRO] += 1
+
+
+def _bwd_flags(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, scale, tol):
+    """(dq_bad (B, H, L, d), dk_bad (B, Hkv, d), dv_bad (B, Hkv, d), excesses) of the backward
+    checks."""
+    B, H, L, d = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    eps = torch.finfo(q.dtype).eps
+    g = grad.float()
+    dead = _full(rowmax, q) <= DEAD
+    live = (~dead).float()[..., None]  # (B, H, L, 1)
+    lse_abs = torch.where(dead, 0.0, lse.abs()).nan_to_num(0.0, 0.0, 0.0)[..., None]
+
+    def group(t: Tensor) -> Tensor:  # (B, H, ...) -> (B, Hkv, ...) summed over the group
+        return t.view(B, Hkv, rep, *t.shape[2:]).sum(2)
+
+    # The tolerances are bounds predicted from the operands, never from the delivered dK / dV
+    # (a whole column scaled by a fault would scale such a tolerance with it).
+    # dV: sum_j dV_j = sum_i live_i dO_i. Error terms per row i: P rounded to the operands'
+    # dtype for the MMA (eps), fp32 accumulation over L + Lk (the P^T dO sum and P's own
+    # normaliser), P recomputed as exp(s - LSE) with the LSE rounded (eps32 |LSE_i|), and the
+    # key rows dV_j rounded to the output dtype (eps sum_j |dV_jf| <= eps sum_i |dO_if|). A dead
+    # row adds up to Lk |dO_i| (P of ones).
+    acc = (L + Lk) * _EPS32
+    w = live * (2 * eps + acc + _EPS32 * lse_abs) + (1 - live) * Lk  # (B, H, L, 1)
+    ref = group((live * g).sum(2))  # (B, Hkv, d)
+    t_v = tol * 4 * group((w * g.abs()).sum(2))
+    v_excess = (dv.float().sum(2) - ref).abs() - t_v
+    # dK: sum_j dK_j = 0, and sum_j |dK_jf| <= |scale| sum_i (sum_j |dS_ij|) |q_if| <= 2 |scale|
+    # sum_i a_i |q_if| (a_i = ||dO_i||_1 max|V|; Lk a_i on a dead row). Relative to that: dS
+    # rounded for the MMA, D_i from the delivered O, dK_j rounded to the output dtype (eps
+    # each), the products in fp32 over L + Lk + d terms, P from the rounded LSE
+    st = stats[:, :, None]  # (B, Hkv, 1, 3d + 2)
+    vabs = st[..., 3 * d + 1].repeat_interleave(rep, 1)  # (B, H, 1)
+    a = g.abs().sum(-1) * vabs * (live[..., 0] + (1 - live[..., 0]) * Lk)  # (B, H, L)
+    qa = group((a[..., None] * q.float().abs()).sum(2))  # (B, Hkv, d)
+    c = 4 * eps + (L + Lk + d) * _EPS32 + _EPS32 * lse_abs.amax((1, 2, 3))[:, None, None]
+    t_k = tol * 4 * c * abs(scale) * 2 * qa
+    k_excess = dk.float().sum(2).abs() - t_k
+    # dQ: |dQ_if| <= 2 |scale| a_i max_j |k_jf|, the same terms relative to it
+    kabs = st[..., 2 * d : 3 * d].repeat_interleave(rep, 1)  # (B, H, 1, d)
+    c_q = 1 + tol * 4 * (3 * eps + (Lk + d) * _EPS32)
+    q_excess = dq.float().abs() - c_q * 2 * abs(scale) * a[..., None] * kabs
+    bad = [~(x <= 0) for x in (q_excess, k_excess, v_excess)]
+    return (*bad, q_excess, k_excess, v_excess)
+
+
+def bwd_verify(
+    q: Tensor, k: Tensor, v: Tensor, lse: Tensor, grad: Tensor, dq: Tensor, dk: Tensor,
+    dv: Tensor, stats: Tensor, rowmax: Tensor, rec: Tensor, step: Tensor,
+    rows: tuple[int, int, int],
+    scale: float, tol: float,
+) -> Tensor:  # fmt: skip
+    """The backward's checks of one call: records added to ``rec`` rows ``rows`` (dq, dk, dv;
+    -1: not recorded) and the flags (B, Hkv) int32 (bits 1, 2, 4: dq, dk, dv) of each K/V head
+    group, which :func:`bwd_repair` reads."""
+    q_bad, k_bad, v_bad, q_ex, k_ex, v_ex = _bwd_flags(q, k, v, lse, grad, dq, dk, dv, stats,
+                                                       rowmax, scale, tol)  # fmt: skip
+    B, Hkv = k.shape[:2]
+    if rows[0] >= 0:
+        _record(rec, rows[0], q_bad.any(-1), q_bad.flatten(0, 2).any(0).sum(),
+                _worst(dq, q_ex), step)  # fmt: skip
+    for row, bad, ex, t in ((rows[1], k_bad, k_ex, dk), (rows[2], v_bad, v_ex, dv)):
+        if row >= 0:  # key rows are not told apart by a column sum: the flagged columns
+            _record(rec, row, bad.any(-1), bad.flatten(0, 1).any(0).sum(), _worst(t.sum(2), ex),
+                    step)  # fmt: skip
+    q_group = q_bad.any((-1, -2)).view(B, Hkv, -1).any(-1)
+    return q_group.int() | (k_bad.any(-1).int() << 1) | (v_bad.any(-1).int() << 2)
+
+
+def bwd_repair(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
+    grad: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, stats: Tensor, rowmax: Tensor,
+    flags: Tensor, rec: Tensor, rows: tuple[int, int, int], causal: bool, scale: float,
+    tol: float,
+) -> None:  # fmt: skip
+    """Recompute dQ, dK and dV of the flagged K/V head groups in place (every query head of a
+    group), check them again, and mark the still flagged lost and reproduced. Nothing on a clean
+    call."""
+    if not bool(flags.any()):
+        return
+    b, g = flags.nonzero(as_tuple=True)
+    rep = q.shape[1] // k.shape[1]
+    hq = (g[:, None] * rep + torch.arange(rep, device=g.device)).reshape(-1)  # (n rep,)
+    bq = b.repeat_interleave(rep)
+    sub_q = [_heads(t, bq, hq) for t in (q, out, grad)]
+    sub_lse = lse[bq, hq][None]
+    sub_k = [_heads(t, b, g) for t in (k, v)]
+    m = None if mask is None else _heads(mask, bq, hq)
+    with torch.no_grad():  # (the CUDA kernels' backward takes their forward's own state)
+        aux = attention_forward(sub_q[0], *sub_k, m, causal, scale)[2] if q.is_cuda else ()
+        new = attention_backward(sub_q[2], sub_q[0], *sub_k, sub_q[1], sub_lse, m, causal, scale,
+                                 aux)  # fmt: skip
+    dq[bq, hq], dk[b, g], dv[b, g] = new[0][0], new[1][0], new[2][0]
+    again = bwd_verify(sub_q[0], *sub_k, sub_lse, sub_q[2], *new, stats[b, g][None],
+                       _heads(_full(rowmax, q), bq, hq),
+                       rec.new_zeros(3, 7), rec.new_zeros(1), (-1, -1, -1), scale, tol)  # fmt: skip
+    for bit, row in ((1, rows[0]), (2, rows[1]), (4, rows[2])):
+        if row >= 0 and bool((again & bit).any()):
+            rec[row, _LOSE] += 1
+            rec[row, _REPRO] += 1
+
+
+# ------------------------------------------------------------------------ the registered ops
+# One call, one dispatched op (what a CPU counts as a launch); opaque to torch.compile.
+
+
+@torch.library.custom_op("attnchecker::sdpa_kv_stats", mutates_args=())
+def kv_stats_op(k: Tensor, v: Tensor) -> Tensor:
+    return kv_stats(k, v)
+
+
+@kv_stats_op.register_fake
+def _(k, v):
+    return k.new_empty(k.shape[0], k.shape[1], 3 * k.shape[-1] + 2, dtype=_F32)
+
+
+@torch.library.custom_op("attnchecker::sdpa_fwd_verify", mutates_args=("log",))
+def fwd_verify_op(
+    q: Tensor, k: Tensor, out: Tensor, lse: Tensor, stats: Tensor, log: Tensor, step: Tensor,
+    rows: list[int], scale: float, rowmax: Tensor, tol: float,
+) -> Tensor:  # fmt: skip
+    return fwd_verify(q, k, out, lse, stats, log, step, tuple(rows), scale, rowmax, tol)
+
+
+@fwd_verify_op.register_fake
+def _(q, k, out, lse, stats, log, step, rows, scale, rowmax, tol):
+    return q.new_empty(q.shape[0], q.shape[1], dtype=torch.int32)
+
+
+@torch.library.custom_op("attnchecker::sdpa_fwd_repair", mutates_args=("out", "lse", "log"))
+def fwd_repair_op(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
+    stats: Tensor, flags: Tensor, log: Tensor, rows: list[int], causal: bool, scale: float,
+    rowmax: Tensor, tol: float,
+) -> None:  # fmt: skip
+    fwd_repair(q, k, v, mask, out, lse, stats, flags, log, tuple(rows), causal, scale, rowmax,
+               tol)  # fmt: skip
+
+
+@fwd_repair_op.register_fake
+def _(q, k, v, mask, out, lse, stats, flags, log, rows, causal, scale, rowmax, tol):
+    return None
+
+
+@torch.library.custom_op("attnchecker::sdpa_bwd_verify", mutates_args=("rec",))
+def bwd_verify_op(
+    q: Tensor, k: Tensor, v: Tensor, lse: Tensor, grad: Tensor, dq: Tensor, dk: Tensor,
+    dv: Tensor, stats: Tensor, rowmax: Tensor, rec: Tensor, step: Tensor, rows: list[int],
+    scale: float, tol: float,
+) -> Tensor:  # fmt: skip
+    return bwd_verify(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, tuple(rows),
+                      scale, tol)  # fmt: skip
+
+
+@bwd_verify_op.register_fake
+def _(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol):
+    return q.new_empty(k.shape[0], k.shape[1], dtype=torch.int32)
+
+
+@torch.library.custom_op("attnchecker::sdpa_bwd_repair", mutates_args=("dq", "dk", "dv", "rec"))
+def bwd_repair_op(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
+    grad: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, stats: Tensor, rowmax: Tensor,
+    flags: Tensor, rec: Tensor, rows: list[int], causal: bool, scale: float, tol: float,
+) -> None:  # fmt: skip
+    bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, flags, rec,
+               tuple(rows), causal, scale, tol)  # fmt: skip
+
+
+@bwd_repair_op.register_fake
+def _(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, flags, rec, rows, causal, scale,
+      tol):  # fmt: skip
+    return None
