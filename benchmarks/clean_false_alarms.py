@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from _common import environment, parse, write
+from _common import command, environment, parse, write
 from attnchecker import ABFTConfig, protect_
 from attnchecker.errors import UncorrectableFaultError
 from attnchecker.models.families import FAMILIES
@@ -75,13 +75,25 @@ def _is_norm(name: str) -> bool:
     return "norm" in owner.lower() or owner.startswith("ln")
 
 
-def clean(blocks, regime, family, dtype, config, *, steps, lr, outliers, seed) -> Run:
-    model = build(family, vocab_size=blocks.vocab_size, max_len=SEQ_LEN, seed=seed)
+def _no_dropout(family: str) -> dict[str, float]:
+    """Config overrides that set every dropout probability of ``family``'s model to 0 (the SDPA
+    route runs the checked eager attention for attention dropout in training)."""
+    from attnchecker.models.tiny import family_config
+
+    cfg = family_config(family).to_dict()
+    return {k: 0.0 for k, v in cfg.items()
+            if isinstance(v, float) and ("dropout" in k or "pdrop" in k)}  # fmt: skip
+
+
+def clean(blocks, regime, family, dtype, config, *, steps, lr, outliers, seed, backend="eager",
+          dropout=True) -> Run:  # fmt: skip
+    extra = {} if dropout else _no_dropout(family)
+    model = build(family, vocab_size=blocks.vocab_size, max_len=SEQ_LEN, seed=seed, **extra)
     model.train()
     with torch.no_grad():
         model.get_input_embeddings().weight[:, :2] *= outliers
     norms = {n: p.detach().clone() for n, p in model.named_parameters() if _is_norm(n)}
-    handle = protect_(model, CONFIGS[config])
+    handle = protect_(model, CONFIGS[config].replace(backend=backend))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     low = DTYPES[dtype]
     alarm_steps = raised = 0
@@ -123,10 +135,8 @@ def _markdown(runs: list[Run], args, seconds: float) -> str:
     lines = [
         "# Clean-run false alarms of protect_ (tiny models, Shakespeare, AdamW)",
         "",
-        f"`python benchmarks/clean_false_alarms.py --steps {args.steps} --outlier-steps "
-        f"{args.outlier_steps} --families {' '.join(args.families)} --outlier-families "
-        f"{' '.join(args.outlier_families)} --outlier-dtypes {' '.join(args.outlier_dtypes)} "
-        f"--outlier-seeds {args.outlier_seeds}`; {seconds:.0f} s. Nothing injected: every "
+        f"`{command()}`; backend {args.backend}"
+        f"{', dropout off' if args.no_dropout else ''}; {seconds:.0f} s. Nothing injected: every "
         "detection is a false alarm. Alarm steps: steps whose `drain()` returned events or raised "
         "(`ABFTConfig()`'s policy is `raise`: the run counts the step and trains on); detections: "
         "flagged rows per op over the run. L 64, batch 4, BPE 512.",
@@ -206,6 +216,10 @@ def main() -> None:
     ap.add_argument("--outlier-lrs", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2])
     ap.add_argument("--outlier-seeds", type=int, default=3, help="init seeds 0 .. n-1")
     ap.add_argument("--tag", default="", help="suffix of the result files (a focused rerun)")
+    ap.add_argument("--backend", default="eager", choices=["eager", "sdpa", "triton"],
+                    help="ABFTConfig.backend of every run")  # fmt: skip
+    ap.add_argument("--no-dropout", action="store_true",
+                    help="every dropout probability 0 (so that the sdpa route runs)")  # fmt: skip
     args = parse(
         ap,
         quick={
@@ -231,7 +245,8 @@ def main() -> None:
     ]
     runs, t0 = [], time.perf_counter()
     for i, (regime, fam, dtype, config, lr, x, seed, steps) in enumerate(plan):
-        r = clean(blocks, regime, fam, dtype, config, steps=steps, lr=lr, outliers=x, seed=seed)
+        r = clean(blocks, regime, fam, dtype, config, steps=steps, lr=lr, outliers=x, seed=seed,
+                  backend=args.backend, dropout=not args.no_dropout)  # fmt: skip
         runs.append(r)
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t0:.0f} s] {regime} {config} {fam} "
               f"{dtype} x{x:g} lr {lr:g} seed {seed}: {r.alarm_steps} alarm steps / {r.steps} "
@@ -241,7 +256,7 @@ def main() -> None:
         "env": environment(),
         "args": vars(args),
         "seconds": seconds,
-        "configs": {k: c.to_dict() for k, c in CONFIGS.items()},
+        "configs": {k: c.replace(backend=args.backend).to_dict() for k, c in CONFIGS.items()},
         "runs": [dataclasses.asdict(r) for r in runs],
     }
     theme = "clean_false_alarms" + (f"_{args.tag}" if args.tag else "")

@@ -81,7 +81,15 @@ def train_step(model: nn.Module, inputs: dict[str, Tensor], *, lr: float = 1e-3)
     return loss.detach(), grads, params
 
 
-def models(family: str, **kw) -> tuple[nn.Module, nn.Module]:
+def models(family: str, *, dropout: bool = True, **kw) -> tuple[nn.Module, nn.Module]:
+    """A tiny ``family`` model in training mode, twice; ``dropout=False``: every dropout
+    probability of its config 0."""
+    if not dropout:
+        from attnchecker.models.tiny import family_config
+
+        cfg = family_config(family, **kw).to_dict()
+        kw |= {k: 0.0 for k, v in cfg.items()
+               if isinstance(v, float) and ("dropout" in k or "pdrop" in k)}  # fmt: skip
     m = build(family, **kw)
     m.train()
     return m, copy.deepcopy(m)
@@ -155,6 +163,7 @@ def fault_matrix(
     rtol=1e-6,
     atol=1e-5,
     rotate=None,
+    reported=None,
 ):
     """Run ``step(model, inputs) -> (loss, grads, params)`` on a protected copy of ``base`` once
     per fault and compare with the fault-free step; return the failures (empty when every fault
@@ -162,7 +171,8 @@ def fault_matrix(
 
     The faults: every (site, kind, pattern), or with ``rotate`` (an int) every (site, pattern)
     once, the kinds taking turns from the ``rotate``-th on: calls with ``rotate`` 0, 1, ...
-    len(kinds) - 1 together run every triple."""
+    len(kinds) - 1 together run every triple. ``reported``: the checks whose event may report a
+    fault at a site (site -> ops; the site's own op by default)."""
     from attnchecker import ABFTConfig, protect_
 
     want = step(copy.deepcopy(base), inputs)
@@ -179,7 +189,11 @@ def fault_matrix(
             and torch.allclose(got[0], want[0], rtol=rtol, atol=0)
             and max_diff(got[1], want[1]) <= atol
             and update_excess(got, want) <= atol
-            and any(e.op == site and e.action in ("corrected", "recomputed") for e in events)
+            and any(
+                e.op in ((reported or {}).get(site) or (site,))
+                and e.action in ("corrected", "recomputed")
+                for e in events
+            )
             and not any(e.action == "uncorrectable" for e in events)
         )
         if not ok:

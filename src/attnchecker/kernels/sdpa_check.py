@@ -40,6 +40,8 @@ import math
 import torch
 from torch import Tensor
 
+from attnchecker.abft.tolerance import underflow_floor
+
 __all__ = [
     "DEAD",
     "attention_backward",
@@ -212,7 +214,8 @@ def _fwd_flags(q, k, out, lse, stats, scale, rowmax, tol):
     # 1), the output rounded once, fp32 accumulation over Lk terms: (4 eps + Lk eps32) max|v_f|
     # covers them all
     eps = torch.finfo(out.dtype).eps
-    t = tol * (4 * eps + Lk * _EPS32) * torch.maximum(lo.abs(), hi.abs())
+    t = tol * ((4 * eps + Lk * _EPS32) * torch.maximum(lo.abs(), hi.abs())
+               + underflow_floor(out.dtype, length=1, inner=Lk))  # fmt: skip
     o = out.float()
     o_excess = torch.maximum(o - (hi + t), (lo - t) - o)
     o_bad = ~(o_excess <= 0) & live[..., None]
@@ -298,7 +301,9 @@ def _bwd_flags(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, scale, tol):
     acc = (L + Lk) * _EPS32
     w = live * (2 * eps + acc + _EPS32 * lse_abs) + (1 - live) * Lk  # (B, H, L, 1)
     ref = group((live * g).sum(2))  # (B, Hkv, d)
-    t_v = tol * 4 * group((w * g.abs()).sum(2))
+    # each dV_j rounded to the output dtype loses up to a subnormal spacing where it underflows
+    # (fp16 gradients without a loss scale: ~1e-5), which no relative term covers
+    t_v = tol * 4 * (group((w * g.abs()).sum(2)) + underflow_floor(dv.dtype, length=Lk, inner=L))
     v_excess = (dv.float().sum(2) - ref).abs() - t_v
     # dK: sum_j dK_j = 0, and sum_j |dK_jf| <= |scale| sum_i (sum_j |dS_ij|) |q_if| <= 2 |scale|
     # sum_i a_i |q_if| (a_i = ||dO_i||_1 max|V|; Lk a_i on a dead row). Relative to that: dS
@@ -309,12 +314,15 @@ def _bwd_flags(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, scale, tol):
     a = g.abs().sum(-1) * vabs * (live[..., 0] + (1 - live[..., 0]) * Lk)  # (B, H, L)
     qa = group((a[..., None] * q.float().abs()).sum(2))  # (B, Hkv, d)
     c = 4 * eps + (L + Lk + d) * _EPS32 + _EPS32 * lse_abs.amax((1, 2, 3))[:, None, None]
-    t_k = tol * 4 * c * abs(scale) * 2 * qa
+    t_k = tol * 4 * (c * abs(scale) * 2 * qa + underflow_floor(dk.dtype, length=Lk, inner=L))
     k_excess = dk.float().sum(2).abs() - t_k
     # dQ: |dQ_if| <= 2 |scale| a_i max_j |k_jf|, the same terms relative to it
     kabs = st[..., 2 * d : 3 * d].repeat_interleave(rep, 1)  # (B, H, 1, d)
     c_q = 1 + tol * 4 * (3 * eps + (Lk + d) * _EPS32)
-    q_excess = dq.float().abs() - c_q * 2 * abs(scale) * a[..., None] * kabs
+    q_excess = dq.float().abs() - (
+        c_q * 2 * abs(scale) * a[..., None] * kabs
+        + tol * 4 * underflow_floor(dq.dtype, length=1, inner=Lk)
+    )
     bad = [~(x <= 0) for x in (q_excess, k_excess, v_excess)]
     return (*bad, q_excess, k_excess, v_excess)
 

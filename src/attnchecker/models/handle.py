@@ -337,9 +337,9 @@ class ProtectionHandle:
             for reason in st.coverage.fallbacks - (self._engines_logged or set()):
                 self._engines_logged.add(reason)
                 _LOG.warning(
-                    "attnchecker: fused kernels fell back to the eager engine in %s (and maybe "
+                    "attnchecker: the %s engine fell back to the eager engine in %s (and maybe "
                     "others): %s; handle.summary()['per_module'] lists them",
-                    name, reason,
+                    st.coverage.engine, name, reason,
                 )  # fmt: skip
 
     def _apply_policy(self, bad: list[Event], events: list[Event]) -> None:

@@ -38,7 +38,8 @@ __all__ = [
 
 NAME = "attnchecker"
 TRITON_NAME = "attnchecker_triton"  # backend="triton" (the fused kernels): the 2D mask
-SDPA_NAME = "attnchecker_sdpa"  # backend="sdpa" (the SDPA route): transformers' SDPA mask
+SDPA_NAME = "attnchecker_route"  # backend="sdpa": transformers' SDPA mask (no "sdpa" in the name:
+# transformers reads a name holding it as its own SDPA and asks the model to support that)
 
 KEYWORDS: dict[str, str] = {
     # keyword: why the checked core may take it as the family's eager attention does
