@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from _common import RESULTS, environment, parse, write
 from attnchecker import ABFTConfig, protect_
-from attnchecker.attention.ops import OP_TABLE
+from attnchecker.attention.ops import CORE_OPS, OP_TABLE
 from attnchecker.models.tiny import build
 from attnchecker.testing import H200, OpTrace
 
@@ -53,6 +53,11 @@ ARMS = {
     "protected_triton": ABFTConfig(check_impl="triton"),
     "projections_triton": ABFTConfig(ops=PROJECTIONS, check_impl="triton"),
     "all_linear_triton": ABFTConfig(ops=PROJECTIONS, scope="all_linear", check_impl="triton"),
+    # the attention core's checks alone: the eager core, and the SDPA route (issue 43)
+    "core": ABFTConfig(ops=CORE_OPS),
+    "core_sdpa": ABFTConfig(ops=CORE_OPS, backend="sdpa"),
+    # the default config as "auto" runs it on CUDA: the SDPA route, the GEMM checks' Triton ops
+    "protected_sdpa": ABFTConfig(backend="sdpa", check_impl="triton"),
 }
 LLAMA_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
             "intermediate_size": 14336, "head_dim": 128}  # fmt: skip

@@ -30,12 +30,12 @@ import time
 
 import torch
 
-from _common import environment, parse, write
+from _common import command, environment, parse, write
 from attnchecker import ABFTConfig, protect_
 from attnchecker.attention.config import OPS
 from attnchecker.models.families import TABLE
 from attnchecker.models.registry import discover
-from attnchecker.models.tiny import build
+from attnchecker.models.tiny import build, family_config
 from attnchecker.testing import count_ops, inductor_kernels, region_kernels
 
 ATTENTION = ("self_attn", "attn", "attention")  # how transformers' layers name their attention
@@ -45,6 +45,7 @@ ALL_ARMS = {  # the protected arms: the forward's checks, + the backward's (defa
     "protected": ABFTConfig(),
     "all_linear": ABFTConfig(scope="all_linear"),
     "triton": ABFTConfig(backend="triton"),
+    "sdpa_route": ABFTConfig(backend="sdpa"),  # the default config on the SDPA route
 }
 ARMS = {k: ALL_ARMS[k] for k in ("forward", "protected", "all_linear")}  # --arms
 
@@ -61,7 +62,11 @@ def _autocast(device: str, dtype: str):
 
 
 def _models(family: str, L: int, device: str):
-    base = build(family, ARGS.size, layers=ARGS.layers, max_len=max(L, 128))
+    extra = {} if not ARGS.no_dropout else {
+        k: 0.0 for k, v in family_config(family, ARGS.size).to_dict().items()
+        if isinstance(v, float) and ("dropout" in k or "pdrop" in k)
+    }  # fmt: skip
+    base = build(family, ARGS.size, layers=ARGS.layers, max_len=max(L, 128), **extra)
     base.config.use_cache = False
     base.train()
     sdpa = copy.deepcopy(base)
@@ -310,6 +315,8 @@ def main() -> None:
                     help="model width (attnchecker.models.tiny: hidden 32 / 256 / 768)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--tag", default="", help="suffix of the result files (a focused rerun)")
+    ap.add_argument("--no-dropout", action="store_true",
+                    help="every dropout probability 0 (so that the SDPA route runs its kernel)")  # fmt: skip
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ALL_ARMS),
                     help="protected arms beside sdpa and eager (protected is always measured)")  # fmt: skip
     ARGS = parse(
@@ -342,13 +349,7 @@ def main() -> None:
 
 
 def _write(rows: list[dict], env: dict) -> None:
-    cmd = "python benchmarks/protect_vs_sdpa.py " + " ".join(
-        [f"--device {ARGS.device}", "--families", *ARGS.families, "--lengths",
-         *map(str, ARGS.lengths), "--dtypes", *ARGS.dtypes, "--compile", *ARGS.compile,
-         f"--layers {ARGS.layers}", f"--size {ARGS.size}", f"--reps {ARGS.reps}"]
-        + ([f"--compile-max-len {ARGS.compile_max_len}"] if ARGS.compile_max_len else [])
-        + ([f"--tag {ARGS.tag}"] if ARGS.tag else [])
-    )  # fmt: skip
+    cmd = command()
     write("protect_vs_sdpa" + (f"_{ARGS.tag}" if ARGS.tag else ""), {"environment": env, "args": vars(ARGS), "rows": rows},
           _markdown(rows, env, cmd))  # fmt: skip
 

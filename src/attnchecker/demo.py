@@ -25,7 +25,7 @@ from attnchecker.inject import exponent_flip
 __all__ = ["BACKENDS", "run_demo", "run_math_demo"]
 
 B, NH, L, D = 2, 4, 128, 64
-BACKENDS = ("eager", "triton")  # the model demo's: a named engine ("auto" would hide which ran)
+BACKENDS = ("eager", "sdpa", "triton")  # the model demo's: a named engine ("auto" hides which)
 
 
 @dataclass(frozen=True)
@@ -199,9 +199,8 @@ def run_model_demo(
     torch.manual_seed(seed)
     base = build(family, "small", max_len=64, seed=seed)
     base.train()
-    faults = _MODEL_FAULTS
-    if backend != "eager":
-        faults = _fused_faults()
+    faults = _fused_faults() if backend == "triton" else _MODEL_FAULTS
+    if backend != "eager":  # (attention dropout in training runs the checked eager attention)
         for m in base.modules():
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0

@@ -27,6 +27,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.attention.sites import in_replay
 from attnchecker.attention.state import AttentionState
@@ -197,7 +198,8 @@ def _facts(state: AttentionState, mask: Tensor | None, q: Tensor) -> tuple[Tenso
     once per mask and step (the layers share one mask)."""
     if mask is None:
         return None, mask_facts(None, q.shape[2]).to(q.device)
-    key = ("sdpa_mask", id(mask), mask.data_ptr(), mask._version, q.dtype, q.shape[:3])
+    ptr = 0 if isinstance(mask, FakeTensor) else mask.data_ptr()  # (a shapes-only trace)
+    key = ("sdpa_mask", id(mask), ptr, mask._version, q.dtype, q.shape[:3])
     hit = None if torch.compiler.is_compiling() else state.clock.cache.get(key)
     if hit is None:
         hit = (mask, backend_mask(mask, q), mask_facts(mask, q.shape[2]))

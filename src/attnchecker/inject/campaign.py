@@ -59,6 +59,7 @@ class CampaignConfig:
     rank: int = 0
     world: int = 1
     backend: str = "eager"  # ABFTConfig.backend of every arm; "triton" adds the kernel:<site> sites
+    # ("sdpa": the core's sites are emulated on the SDPA route; attention dropout runs eager)
     check_arms: bool = False  # an arm per check and layer per lost trial (:func:`arm_checks`)
 
     def __post_init__(self) -> None:
@@ -70,7 +71,7 @@ class CampaignConfig:
 
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
-        kernel = [f"kernel:{s}" for s in KERNEL_SITES] if self.backend != "eager" else []
+        kernel = [f"kernel:{s}" for s in KERNEL_SITES] if self.backend == "triton" else []
         from attnchecker.models.source import kind_of
 
         own = [f for f in self.families if f not in FAMILIES and kind_of(f)]  # the user's own
@@ -94,7 +95,7 @@ class CampaignConfig:
                 f"layers must be layer indices (-1: linear layers outside the blocks, such as "
                 f"linear:lm_head:y), got {self.layers!r}"
             )
-        if self.check_arms and (self.backend != "eager" or any(kernel)):
+        if self.check_arms and (self.backend == "triton" or any(kernel)):
             raise ConfigError(
                 "check arms run one check of a schedule alone; the fused kernels' checks are not "
                 "ops of a schedule: use backend='eager' with check_arms"

@@ -82,12 +82,10 @@ def backend_mask(mask: Tensor | None, q: Tensor) -> Tensor | None:
     mask = mask.to(q.dtype)
     if q.device.type == "cpu":
         return mask
-    B, H, L = q.shape[:3]
     Lk = mask.shape[-1]
-    mask = mask.expand(B, H, L, Lk)
-    if mask.stride(-2) % 16 or mask.stride(-1) != 1:
-        mask = torch.nn.functional.pad(mask, (0, -Lk % 16 or 16))[..., :Lk]
-    return mask
+    if mask.stride(-1) != 1 or (mask.shape[-2] > 1 and mask.stride(-2) % 16):
+        mask = torch.nn.functional.pad(mask, (0, -Lk % 16 or 16))[..., :Lk]  # before expanding
+    return mask.expand(*q.shape[:3], Lk)
 
 
 def attention_forward(
