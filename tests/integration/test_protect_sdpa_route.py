@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attnchecker import ABFTConfig, protect_
+from attnchecker import ABFTConfig, kernels, protect_
 from attnchecker.attention.ops import CORE_OPS, GRAD_OPS, OPS
 from attnchecker.testing import VIEW_OPS, OpCounter
 
-from .helpers import batch, fault_matrix, fire_once, max_diff, models, train_step
+from .helpers import KINDS, batch, fault_matrix, fire_once, max_diff, models, train_step
 
 SDPA = ABFTConfig(backend="sdpa")
 # families whose attention runs through transformers' interface, dropout off
@@ -150,7 +150,7 @@ def test_the_core_checks_add_at_most_15_launches_per_layer_and_no_square(family)
     assert got_sq == plain_sq == Counter(), (got_sq, plain_sq)
     assert got.syncs == plain.syncs, (got.syncs, plain.syncs)
     for op in ("sdpa_kv_stats", "sdpa_fwd_verify", "sdpa_fwd_repair", "sdpa_bwd_verify",
-               "sdpa_bwd_repair"):  # fmt: skip
+               "sdpa_bwd_sums", "sdpa_bwd_repair"):  # fmt: skip
         assert extra[f"attnchecker.{op}"] == LAYERS, extra
     assert handle.drain() == []
 
@@ -207,3 +207,31 @@ def test_compiled_the_route_is_one_graph_that_never_recompiles():
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert torch.allclose(got[0], want[0], rtol=1e-6)
     assert max_diff(got[1], want[1]) <= 1e-5
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs triton (CUDA or the interpreter)")
+def test_the_triton_kernels_run_the_route_in_a_model():
+    """``check_impl="triton"`` (what ``"auto"`` runs on CUDA): the check ops run their Triton
+    kernels (the interpreter here): a clean step equals the plain model's, and faults in the
+    forward and the backward are corrected by the kernels' repairs, as by the reference's."""
+    base, _ = models("llama", dropout=False, layers=1)
+    config = SDPA.replace(check_impl="triton")
+    inputs = batch("llama")
+    want = _plain_step(base, inputs)
+    model = copy.deepcopy(base)
+    handle = protect_(model, config)
+    with OpCounter() as c:
+        got = train_step(model, inputs)
+    assert c.ops["attnchecker.sdpa_fwd_repair"] == 1
+    assert torch.allclose(got[0], want[0], rtol=1e-6, atol=0)
+    assert max_diff(got[1], want[1]) <= 1e-5
+    assert handle.drain() == []
+    cases = [(s, "inf", "1R") for s in ("scores", "probs")] + [
+        ("context", "nan", "0D"), ("dq", "nan", "1R"), ("dk", "1e10", "0D"),
+        ("dv", "inf", "1C"), ("dp", "nan", "0D")]  # fmt: skip
+    failures = []
+    for site, kind, pattern in cases:
+        failures += fault_matrix(base, inputs, train_step, config=config, sites=(site,),
+                                 kinds={kind: KINDS[kind]}, patterns=(pattern,),
+                                 reported=REPORTED)  # fmt: skip
+    assert not failures, failures

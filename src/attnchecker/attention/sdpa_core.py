@@ -36,6 +36,7 @@ from attnchecker.kernels.sdpa_check import (
     attention_forward,
     backend_mask,
     bwd_repair_op,
+    bwd_sums_op,
     bwd_verify_op,
     fwd_repair_op,
     fwd_verify_op,
@@ -145,21 +146,22 @@ class _Checked(torch.autograd.Function):
     """The backend's attention and its checks: forward (q, k, v, mask, sink, step, log,
     rowmax, plan) -> (out, lse); the backward's records are the gradient of ``sink``.
     ``plan``: (causal, scale, tol, forward rows, forward checked, backward rows, backward
-    checked, number of backward rows, the forward's sites or None, the backward's hook or None)."""
+    checked, number of backward rows, the forward's sites or None, the backward's hook or None,
+    whether the check ops run their Triton kernels)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, sink, step, log, rowmax, plan):
-        causal, scale, tol, fwd_rows, fwd_on, _, _, _, sites, _ = plan
+        causal, scale, tol, fwd_rows, fwd_on, _, _, _, sites, _, kernels = plan
         out, lse, aux = attention_forward(q, k, v, mask, causal, scale)
         if sites is not None:
             _emulate_forward(sites, q, k, v, mask, causal, scale, out, lse)
         stats = None
         if fwd_on:
-            stats = kv_stats_op(k, v)
+            stats = kv_stats_op(k, v, kernels)
             flags = fwd_verify_op(q, k, out, lse, stats, log, step, list(fwd_rows), scale,
-                                  rowmax, tol)  # fmt: skip
-            fwd_repair_op(q, k, v, mask, out, lse, stats, flags, log, list(fwd_rows), causal,
-                          scale, rowmax, tol)  # fmt: skip
+                                  rowmax, tol, kernels)  # fmt: skip
+            fwd_repair_op(q, k, v, mask, out, lse, stats, flags, log, step, list(fwd_rows),
+                          causal, scale, rowmax, tol, kernels)  # fmt: skip
         ctx.save_for_backward(q, k, v, mask, out, lse, stats, step, rowmax)
         ctx.plan, ctx.aux, ctx.sink = plan, aux, sink.numel() > 0
         ctx.mark_non_differentiable(lse)
@@ -168,20 +170,32 @@ class _Checked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _grad_lse):
         q, k, v, mask, out, lse, stats, step, rowmax = ctx.saved_tensors
-        causal, scale, tol, _, _, bwd_rows, bwd_on, n_grad, _, hook = ctx.plan
+        causal, scale, tol, _, _, bwd_rows, bwd_on, n_grad, _, hook, kernels = ctx.plan
         grad = grad.contiguous()
         dq, dk, dv = attention_backward(grad, q, k, v, out, lse, mask, causal, scale, ctx.aux)
         if hook is not None:
             _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv)
         rec = None
         if bwd_on and ctx.sink:
-            stats = kv_stats_op(k, v) if stats is None else stats
+            stats = kv_stats_op(k, v, kernels) if stats is None else stats
             rec = torch.zeros(n_grad, 7, dtype=torch.float64, device=q.device)
-            flags = bwd_verify_op(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step,
-                                  list(bwd_rows), scale, tol)  # fmt: skip
-            bwd_repair_op(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, flags, rec,
-                          list(bwd_rows), causal, scale, tol)  # fmt: skip
+            part, flags = bwd_verify_op(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step,
+                                        list(bwd_rows), scale, tol, kernels)  # fmt: skip
+            sums = bwd_sums_op(dk, dv, kernels)
+            bwd_repair_op(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags,
+                          sums, rec, step, list(bwd_rows), causal, scale, tol, kernels)  # fmt: skip
         return dq, dk, dv, None, rec, None, None, None, None
+
+
+def _kernels(impl: str, q: Tensor) -> bool:
+    """Whether the check ops run their Triton kernels: ``check_impl`` resolves to ``"triton"``
+    for q (``"auto"`` on CUDA), triton imports, and q is on CUDA or in the interpreter."""
+    from attnchecker import kernels
+    from attnchecker.abft import regions
+
+    if regions.resolve(impl, q.device, q.dtype) != "triton" or not kernels.available():
+        return False
+    return q.is_cuda or kernels.interpreting()
 
 
 def _row(state: AttentionState, rows_of, *ops: str, replay: bool = False) -> int:
@@ -231,6 +245,7 @@ def checked_attention(
         fwd_rows, any(state.checks(o) for o in _FWD_SITES),
         bwd_rows, any(state.checks(o) for o in _BWD_SITES), len(state.records.grad_ops),
         state.sites if hooked else None, state.sites.grad_hook(_BWD_SITES),
+        _kernels(state.config.check_impl, q),
     )  # fmt: skip
     sink = state.grads
     if sink is None or not torch.is_grad_enabled():

@@ -240,9 +240,11 @@ def compile_case(case: Case) -> list[Report]:
 
 
 GEMM_KERNELS = ("gemm_refs", "gemm_verify", "gemm_repair", "proj_weights", "proj_verify",
-                "proj_repair")  # fmt: skip
+                "proj_repair", "sdpa_kv_stats", "sdpa_fwd_verify", "sdpa_fwd_repair",
+                "sdpa_bwd_q", "sdpa_bwd_kv", "sdpa_bwd_repair")  # fmt: skip
 """The Triton kernels of the GEMM checks (:mod:`attnchecker.kernels.gemm_check`,
-:mod:`attnchecker.kernels.projection_check`)."""
+:mod:`attnchecker.kernels.projection_check`) and of the SDPA route's checks
+(:mod:`attnchecker.kernels.sdpa_kernels`)."""
 
 
 def gemm_cases() -> list[Case]:
@@ -260,7 +262,11 @@ def compile_gemm_case(case: Case) -> list[Report]:
     from attnchecker.kernels import gemm_check as gc
     from attnchecker.kernels import projection_check as pc
 
-    kernels = (gc._refs, gc._verify, gc._repair, pc._weights, pc._verify, pc._repair)
+    from attnchecker.kernels import sdpa_kernels as sk
+
+    kernels = (gc._refs, gc._verify, gc._repair, pc._weights, pc._verify, pc._repair,
+               sk._kv_stats, sk._fwd_verify, sk._fwd_repair, sk._bwd_q, sk._bwd_kv,
+               sk._bwd_repair)  # fmt: skip
     fns = dict(zip(GEMM_KERNELS, kernels, strict=True))
     seen: dict[str, tuple] = {}
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
@@ -275,7 +281,28 @@ def compile_gemm_case(case: Case) -> list[Report]:
         pc.check_(x @ y, x, w, b, False, ws, (0,) * 12 + (1,) * 12 + (2,) * 12,
                   torch.zeros(3, 7, dtype=torch.float64), step, [0, 1, 2], factor=1e-3,
                   floor=0.0)  # fmt: skip
+        _sdpa_launches(sk, dtype, step)
     return [_compile(case, kernel, *seen[kernel]) for kernel in GEMM_KERNELS]
+
+
+def _sdpa_launches(sk, dtype, step) -> None:
+    """The SDPA route's six kernels as a causal GQA call launches them, with an additive mask
+    (B 2, 32 heads over 8, L 1,000, d 128)."""
+    import torch
+
+    q = torch.zeros(2, 32, 1000, 128, dtype=dtype)
+    k = v = torch.zeros(2, 8, 1000, 128, dtype=dtype)
+    lse, rowmax = torch.zeros(2, 32, 1000), torch.zeros(1, 1, 1000)
+    mask = torch.zeros(2, 1, 1000, 1000, dtype=dtype)
+    log, rec = torch.zeros(2, 7, dtype=torch.float64), torch.zeros(3, 7, dtype=torch.float64)
+    stats = sk.kv_stats(k, v)
+    flags = sk.fwd_verify(q, k, q, lse, stats, rowmax, 0.09, 1.0)
+    sk.fwd_repair(q, k, v, mask, q, lse, stats, rowmax, flags, log, step, (0, 1), True, 0.09,
+                  1.0)  # fmt: skip
+    part, qflags = sk.bwd_rows(q, k, lse, q, q, stats, rowmax, 0.09, 1.0)
+    sums = sk.bwd_cols(k, v)
+    sk.bwd_repair(q, k, v, mask, q, lse, q, q, k, v, stats, rowmax, part, qflags, sums, rec,
+                  step, (0, 1, 2), True, 0.09, 1.0)  # fmt: skip
 
 
 def _recorder(seen: dict, name: str, fn):
@@ -299,10 +326,10 @@ def _compile(case: Case, kernel: str, fn, args: tuple, kwargs: dict) -> Report:
     backend = make_backend(target)
     # the tile: (BLOCK_M, BLOCK_N) of an attention kernel, (BM, BN), (BK, BN) or (BM, BK) of
     # the GEMM check's; warps and stages Triton's defaults where the launcher sets none
-    first, second = ("BLOCK_M", "BM", "BK"), ("BLOCK_N", "BN", "BK")
-    launch = {"BLOCK_M": next(kwargs[k] for k in first if k in kwargs),
-              "BLOCK_N": next(kwargs[k] for k in second if k in kwargs),
-              "BLOCK_D": kwargs.get("BLOCK_D"), "num_warps": kwargs.get("num_warps", "default"),
+    first, second = ("BLOCK_M", "BM", "BK", "CH"), ("BLOCK_N", "BN", "BK")
+    launch = {"BLOCK_M": next((kwargs[k] for k in first if k in kwargs), None),
+              "BLOCK_N": next((kwargs[k] for k in second if k in kwargs), None),
+              "BLOCK_D": kwargs.get("BLOCK_D", kwargs.get("BD")), "num_warps": kwargs.get("num_warps", "default"),
               "num_stages": kwargs.get("num_stages", "default")}  # fmt: skip
     rep = Report(case, kernel, launch=launch)
     start = time.perf_counter()

@@ -382,44 +382,80 @@ def bwd_repair(
 
 
 # ------------------------------------------------------------------------ the registered ops
-# One call, one dispatched op (what a CPU counts as a launch); opaque to torch.compile.
+# One call, one dispatched op (what a CPU counts as a launch); opaque to torch.compile. With
+# ``kernels`` each runs one Triton kernel (:mod:`attnchecker.kernels.sdpa_kernels`: CUDA, or the
+# interpreter), else the torch reference above; the scratch tensors between them differ.
+
+CHUNK, BM, BN = 512, 32, 32  # the kernels' keys per stats program, query / key rows per block
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def reduce_stats(stats: Tensor) -> Tensor:
+    """(B, Hkv, S, 3 d + 2) partial ranges (S chunks of keys) -> (B, Hkv, 3 d + 2)."""
+    if stats.shape[2] == 1:
+        return stats[:, :, 0]
+    d = (stats.shape[-1] - 2) // 3
+    return torch.cat([stats[..., :d].amin(2), stats[..., d:].amax(2)], -1)
 
 
 @torch.library.custom_op("attnchecker::sdpa_kv_stats", mutates_args=())
-def kv_stats_op(k: Tensor, v: Tensor) -> Tensor:
-    return kv_stats(k, v)
+def kv_stats_op(k: Tensor, v: Tensor, kernels: bool) -> Tensor:
+    if kernels:
+        from attnchecker.kernels import sdpa_kernels
+
+        return sdpa_kernels.kv_stats(k, v)
+    return kv_stats(k, v)[:, :, None]
 
 
 @kv_stats_op.register_fake
-def _(k, v):
-    return k.new_empty(k.shape[0], k.shape[1], 3 * k.shape[-1] + 2, dtype=_F32)
+def _(k, v, kernels):
+    S = _cdiv(k.shape[2], CHUNK) if kernels else 1
+    return k.new_empty(k.shape[0], k.shape[1], S, 3 * k.shape[-1] + 2, dtype=_F32)
 
 
 @torch.library.custom_op("attnchecker::sdpa_fwd_verify", mutates_args=("log",))
 def fwd_verify_op(
     q: Tensor, k: Tensor, out: Tensor, lse: Tensor, stats: Tensor, log: Tensor, step: Tensor,
-    rows: list[int], scale: float, rowmax: Tensor, tol: float,
+    rows: list[int], scale: float, rowmax: Tensor, tol: float, kernels: bool,
 ) -> Tensor:  # fmt: skip
-    return fwd_verify(q, k, out, lse, stats, log, step, tuple(rows), scale, rowmax, tol)
+    if kernels:  # (the kernels record in the repair, on a flag)
+        from attnchecker.kernels import sdpa_kernels
+
+        return sdpa_kernels.fwd_verify(q, k, out, lse, stats, rowmax, scale, tol)
+    return fwd_verify(q, k, out, lse, reduce_stats(stats), log, step, tuple(rows), scale,
+                      rowmax, tol)  # fmt: skip
 
 
 @fwd_verify_op.register_fake
-def _(q, k, out, lse, stats, log, step, rows, scale, rowmax, tol):
-    return q.new_empty(q.shape[0], q.shape[1], dtype=torch.int32)
+def _(q, k, out, lse, stats, log, step, rows, scale, rowmax, tol, kernels):
+    B, H, L = q.shape[:3]
+    if kernels:
+        return q.new_empty(3 * B * H * _cdiv(L, BM) + 4, dtype=torch.int32)
+    return q.new_empty(B, H, dtype=torch.int32)
 
 
 @torch.library.custom_op("attnchecker::sdpa_fwd_repair", mutates_args=("out", "lse", "log"))
 def fwd_repair_op(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
-    stats: Tensor, flags: Tensor, log: Tensor, rows: list[int], causal: bool, scale: float,
-    rowmax: Tensor, tol: float,
+    stats: Tensor, flags: Tensor, log: Tensor, step: Tensor, rows: list[int], causal: bool,
+    scale: float, rowmax: Tensor, tol: float, kernels: bool,
 ) -> None:  # fmt: skip
-    fwd_repair(q, k, v, mask, out, lse, stats, flags, log, tuple(rows), causal, scale, rowmax,
-               tol)  # fmt: skip
+    if kernels:
+        from attnchecker.kernels import sdpa_kernels
+
+        sdpa_kernels.fwd_repair(q, k, v, mask, out, lse, stats, rowmax, flags, log, step, rows,
+                                causal, scale, tol)  # fmt: skip
+        return
+    fwd_repair(q, k, v, mask, out, lse, reduce_stats(stats), flags, log, tuple(rows), causal,
+               scale, rowmax, tol)  # fmt: skip
 
 
 @fwd_repair_op.register_fake
-def _(q, k, v, mask, out, lse, stats, flags, log, rows, causal, scale, rowmax, tol):
+def _(q, k, v, mask, out, lse, stats, flags, log, step, rows, causal, scale, rowmax, tol,
+      kernels):  # fmt: skip
     return None
 
 
@@ -427,28 +463,63 @@ def _(q, k, v, mask, out, lse, stats, flags, log, rows, causal, scale, rowmax, t
 def bwd_verify_op(
     q: Tensor, k: Tensor, v: Tensor, lse: Tensor, grad: Tensor, dq: Tensor, dk: Tensor,
     dv: Tensor, stats: Tensor, rowmax: Tensor, rec: Tensor, step: Tensor, rows: list[int],
-    scale: float, tol: float,
-) -> Tensor:  # fmt: skip
-    return bwd_verify(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, tuple(rows),
-                      scale, tol)  # fmt: skip
+    scale: float, tol: float, kernels: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(partials, flags): the kernels' query-side pass (dK / dV's column sums are
+    :func:`bwd_sums_op`'s); the reference's whole check, its flags (B, Hkv) and no partials."""
+    if kernels:
+        from attnchecker.kernels import sdpa_kernels
+
+        return sdpa_kernels.bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale, tol)
+    flags = bwd_verify(q, k, v, lse, grad, dq, dk, dv, reduce_stats(stats), rowmax, rec, step,
+                       tuple(rows), scale, tol)  # fmt: skip
+    return q.new_empty(0, dtype=_F32), flags
 
 
 @bwd_verify_op.register_fake
-def _(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol):
-    return q.new_empty(k.shape[0], k.shape[1], dtype=torch.int32)
+def _(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol, kernels):
+    B, H, L, d = q.shape
+    if kernels:
+        nM = _cdiv(L, BM)
+        return (q.new_empty(B * H * nM * (3 * d + 1), dtype=_F32),
+                q.new_empty(2 * B * H * nM + 8, dtype=torch.int32))  # fmt: skip
+    return q.new_empty(0, dtype=_F32), q.new_empty(k.shape[0], k.shape[1], dtype=torch.int32)
+
+
+@torch.library.custom_op("attnchecker::sdpa_bwd_sums", mutates_args=())
+def bwd_sums_op(dk: Tensor, dv: Tensor, kernels: bool) -> Tensor:
+    """dK's and dV's column sums per block of key rows (the kernels; the reference has none)."""
+    if kernels:
+        from attnchecker.kernels import sdpa_kernels
+
+        return sdpa_kernels.bwd_cols(dk, dv)
+    return dk.new_empty(0, dtype=_F32)
+
+
+@bwd_sums_op.register_fake
+def _(dk, dv, kernels):
+    B, Hkv, Lk, d = dk.shape
+    return dk.new_empty(B * Hkv * _cdiv(Lk, BN) * 2 * d if kernels else 0, dtype=_F32)
 
 
 @torch.library.custom_op("attnchecker::sdpa_bwd_repair", mutates_args=("dq", "dk", "dv", "rec"))
 def bwd_repair_op(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
     grad: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, stats: Tensor, rowmax: Tensor,
-    flags: Tensor, rec: Tensor, rows: list[int], causal: bool, scale: float, tol: float,
+    part: Tensor, flags: Tensor, sums: Tensor, rec: Tensor, step: Tensor, rows: list[int],
+    causal: bool, scale: float, tol: float, kernels: bool,
 ) -> None:  # fmt: skip
-    bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, flags, rec,
-               tuple(rows), causal, scale, tol)  # fmt: skip
+    if kernels:
+        from attnchecker.kernels import sdpa_kernels
+
+        sdpa_kernels.bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part,
+                                flags, sums, rec, step, rows, causal, scale, tol)  # fmt: skip
+        return
+    bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, reduce_stats(stats), rowmax, flags,
+               rec, tuple(rows), causal, scale, tol)  # fmt: skip
 
 
 @bwd_repair_op.register_fake
-def _(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, flags, rec, rows, causal, scale,
-      tol):  # fmt: skip
+def _(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags, sums, rec, step,
+      rows, causal, scale, tol, kernels):  # fmt: skip
     return None
