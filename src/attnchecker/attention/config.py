@@ -56,13 +56,17 @@ class ABFTConfig:
       (:func:`~attnchecker.attention.ops.linear_op`: ``(0, "mlp.c_fc:y", 1)``; layer -1 for a
       layer outside the blocks, ``(-1, "lm_head:dw", 1)``); only the linear layers named are
       then instrumented.
-    - ``backend``: ``"eager"`` runs the checked eager attention (materialised scores);
-      ``"triton"`` the fused flash kernels with their checks inside
-      (:mod:`attnchecker.kernels`: forward and backward, no L x L tensor), falling back to the
-      eager engine, with a warning once, for a call they do not cover (attention dropout in
-      training, soft-capping); ``"auto"`` is triton on CUDA where the family dispatches through
-      transformers' attention interface, eager otherwise. The projections are checked by the
-      same hooks in every backend.
+    - ``backend``: ``"eager"`` runs the checked eager attention (materialised scores,
+      checksums that see any error above rounding in S, P and O); ``"sdpa"`` the SDPA route
+      (:mod:`~attnchecker.attention.sdpa_core`): the backend's own SDPA kernel, checked by the
+      invariants of what it returns (no L x L tensor; bounds that see extreme errors in the
+      forward, exact sums of dV and dK in the backward); ``"triton"`` the fused flash kernels
+      with their checks inside (:mod:`attnchecker.kernels`); the last two fall back to the eager
+      engine, with a warning once, for a call they do not cover (attention dropout in training,
+      soft-capping). ``"auto"`` (the default) is the SDPA route on CUDA where the model's
+      attention goes through transformers' attention interface or SDPA and the route passes a
+      self-test there, eager otherwise (on a CPU: the eager core's checksums see more). The
+      projections are checked by the same hooks in every backend.
     - ``check_impl``: how the projections' checks (forward and backward; with
       ``scope="all_linear"`` every linear layer's) and the core's backward checks run from
       eager code:
@@ -91,7 +95,7 @@ class ABFTConfig:
     max_rows: int = 4
     max_heads: int = 2
     tolerance_scale: float = 1.0
-    backend: str = "eager"
+    backend: str = "auto"
     check_impl: str = "auto"
     schedule: tuple[tuple[int, str, int], ...] | None = None
     strict: bool = True

@@ -81,7 +81,17 @@ def choose_engine(
         )
     if not interface:
         return "eager", f"{why}: the model's attention is not SDPA the route can take over"
-    # the SDPA route: measured / modelled faster than the fused kernels on CUDA (README)
+    from attnchecker.attention.sdpa_core import self_test
+
+    reason = self_test(device)  # the route: modelled far below the fused kernels (README)
+    if reason is not None:
+        warnings.warn(
+            f"backend='auto': the SDPA route failed its self-test on {device} ({reason}); the "
+            f"checked eager attention runs instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return "eager", f"{why}: the SDPA route failed its self-test ({reason})"
     return "sdpa", ""
 
 

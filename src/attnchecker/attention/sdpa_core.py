@@ -44,7 +44,7 @@ from attnchecker.kernels.sdpa_check import (
     mask_facts,
 )
 
-__all__ = ["attend_sdpa", "checked_attention", "operands"]
+__all__ = ["attend_sdpa", "checked_attention", "operands", "self_test"]
 
 _FWD_SITES, _BWD_SITES = ("scores", "probs", "context"), ("dp", "dv", "dq", "dk")
 
@@ -207,11 +207,20 @@ def _row(state: AttentionState, rows_of, *ops: str, replay: bool = False) -> int
     return -1
 
 
+_NO_MASK: dict[torch.device, Tensor] = {}
+
+
 def _facts(state: AttentionState, mask: Tensor | None, q: Tensor) -> tuple[Tensor | None, Tensor]:
     """(the mask as the backend takes it, each row's largest mask value: :func:`mask_facts`),
-    once per mask and step (the layers share one mask)."""
+    once per mask and step (the layers share one mask); without a mask a zero made once per
+    device (no host-to-device copy a call: a CUDA graph captures none)."""
     if mask is None:
-        return None, mask_facts(None, q.shape[2]).to(q.device)
+        if q.device not in _NO_MASK or torch.compiler.is_compiling():
+            zero = torch.zeros(1, 1, 1, device=q.device)
+            if torch.compiler.is_compiling():
+                return None, zero
+            _NO_MASK[q.device] = zero
+        return None, _NO_MASK[q.device]
     ptr = 0 if isinstance(mask, FakeTensor) else mask.data_ptr()  # (a shapes-only trace)
     key = ("sdpa_mask", id(mask), ptr, mask._version, q.dtype, q.shape[:3])
     hit = None if torch.compiler.is_compiling() else state.clock.cache.get(key)
@@ -265,3 +274,55 @@ def attend_sdpa(
     if causal and mask is None and Lk > L:  # prefill of an empty static cache, as transformers
         key, value = key[:, :, :L], value[:, :, :L]
     return checked_attention(state, query, key, value, mask, causal=causal, scale=scaling)
+
+
+_SELF_TESTS: dict[str, str | None] = {}
+
+
+def self_test(device: torch.device | str) -> str | None:
+    """Run the SDPA route once on ``device`` (a small causal GQA case and a padded one, forward
+    and backward, bf16 on CUDA) against ``F.scaled_dot_product_attention``: None when it agrees
+    and raises no alarm, else why not. Cached per device; ``backend="auto"`` takes the route only
+    where it passes (a torch whose aten kernels take other arguments costs a warning, not a
+    crash)."""
+    from attnchecker.attention.config import ABFTConfig
+    from attnchecker.attention.records import new_log
+    from attnchecker.attention.state import Clock
+
+    key = str(device)
+    if key in _SELF_TESTS:
+        return _SELF_TESTS[key]
+    reason = None
+    try:
+        device = torch.device(device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
+        state = AttentionState("self_test", 0, ABFTConfig(backend="sdpa"), clock,
+                               new_log(device), backward=True)  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, n, 80, 64, generator=g).to(device, dtype).requires_grad_()
+                   for n in (4, 2, 2))  # fmt: skip
+        keep = torch.ones(2, 1, 80, 80, dtype=torch.bool, device=device).tril()
+        keep[1, :, :, :7] = False  # left padding
+        errors = []
+        for mask, causal in ((None, True), (keep, False)):
+            clock.tick(device)
+            out = checked_attention(state, q, k, v, mask, causal=causal, scale=0.125)
+            grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=0.125, enable_gqa=True
+            )
+            wants = torch.autograd.grad(want.float().sum(), (q, k, v))
+            live = slice(None) if mask is None else (0,)  # (SDPA's rows of no key: its own)
+            errors += [(out - want).detach()[live].abs().max()] + [
+                (a - b)[live].abs().max() for a, b in zip(grads, wants, strict=True)
+            ]
+        worst = max(float(e) for e in errors)
+        if not worst <= (5e-2 if dtype == torch.bfloat16 else 1e-4):
+            reason = f"results differ from SDPA by {worst:.2e}"
+        elif bool(state.records.rows(clock.count)[:, 5].any()):
+            reason = "false alarms on clean data"
+    except Exception as exc:  # an aten kernel's other signature, a missing one: the reason
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    _SELF_TESTS[key] = reason
+    return reason

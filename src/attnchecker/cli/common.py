@@ -49,11 +49,14 @@ def add_command(
 def add_backend(
     p: argparse.ArgumentParser, help: str, choices: tuple[str, ...] | None = None
 ) -> None:
-    """``--backend``: which engine runs protected attention (default the checked eager math;
-    ``choices`` default :data:`attnchecker.attention.config.BACKENDS`)."""
+    """``--backend``: which engine runs protected attention (default ``auto``, as
+    :class:`~attnchecker.ABFTConfig`'s: the SDPA route on CUDA, the checked eager math
+    elsewhere; ``choices`` default :data:`attnchecker.attention.config.BACKENDS`)."""
     from attnchecker.attention.config import BACKENDS
 
-    p.add_argument("--backend", default="eager", choices=choices or BACKENDS, help=help)
+    choices = choices or BACKENDS
+    default = "auto" if "auto" in choices else "eager"
+    p.add_argument("--backend", default=default, choices=choices, help=help)
 
 
 def needs_torchrun(args: argparse.Namespace) -> bool:

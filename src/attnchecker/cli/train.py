@@ -40,7 +40,9 @@ def _train(args: argparse.Namespace) -> int:
 
     abft = None
     if args.plan:  # attnchecker plan's choice
-        abft = load_plan(args.plan, backend=args.backend).replace(policy=args.policy)
+        # a plan pins the engine it was priced for ("auto", the default, asks for none)
+        backend = None if args.backend == "auto" else args.backend
+        abft = load_plan(args.plan, backend=backend).replace(policy=args.policy)
     elif args.protect:
         abft = ABFTConfig(policy=args.policy, backend=args.backend, scope=args.scope)
     if args.faults:
@@ -81,7 +83,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--protect", action="store_true", help="protect_ the model")
     tr.add_argument("--plan", help="protect with attnchecker plan's choice (its plan.json)")
     tr.add_argument("--policy", default="warn", choices=POLICIES)
-    add_backend(tr, "protected attention: the checked eager math, or the fused kernels (triton)")
+    add_backend(
+        tr,
+        "protected attention: the SDPA route on CUDA and the checked eager math "
+        "elsewhere (auto), or one of them, or the fused kernels (triton)",
+    )
     tr.add_argument("--recovery", default="none", choices=RECOVERIES)
     tr.add_argument("--checkpoint-every", type=int, default=10)
     tr.add_argument("--warmup", type=int, default=0, help="linear learning-rate warmup steps")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CHECKS", "KERNEL_CHECKS", "KERNEL_SITES", "available", "checks_of",
-           "gemm_check_kernels", "interpreting", "self_test"]  # fmt: skip
+__all__ = ["CHECKS", "DEAD", "KERNEL_CHECKS", "KERNEL_SITES", "SDPA_BLOCKS", "available",
+           "checks_of", "gemm_check_kernels", "interpreting", "self_test"]  # fmt: skip
 
 KERNEL_CHECKS: dict[str, tuple[str, ...]] = {
     "s": ("scores",),  # forward: the S tile (column checksums)
@@ -38,6 +38,16 @@ def checks_of(ops) -> frozenset[str]:
     ops = set(ops)
     return frozenset(c for c, need in KERNEL_CHECKS.items() if ops.intersection(need))
 
+
+SDPA_BLOCKS = (512, 32, 32)
+"""The SDPA route's kernels (:mod:`~attnchecker.kernels.sdpa_kernels`): keys per stats program,
+query rows and key rows per block; the scratch sizes follow from them (the ops' fake
+implementations too, where nothing imports triton)."""
+
+DEAD = -1e30
+"""A query row whose mask's largest value is at or below this (finfo.min, -inf, all False)
+attends no key: the backends each define its output their own way, so no SDPA-route check reads
+it."""
 
 KERNEL_SITES = ("s", "pv", "st", "dpt", "dv", "dk", "sq", "dp", "dq")
 """The GEMMs of the fused kernels a fault can hit (``kernels.flash.SITES``; named here, where

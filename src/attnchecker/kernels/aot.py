@@ -261,7 +261,6 @@ def compile_gemm_case(case: Case) -> list[Report]:
 
     from attnchecker.kernels import gemm_check as gc
     from attnchecker.kernels import projection_check as pc
-
     from attnchecker.kernels import sdpa_kernels as sk
 
     kernels = (gc._refs, gc._verify, gc._repair, pc._weights, pc._verify, pc._repair,
@@ -329,7 +328,8 @@ def _compile(case: Case, kernel: str, fn, args: tuple, kwargs: dict) -> Report:
     first, second = ("BLOCK_M", "BM", "BK", "CH"), ("BLOCK_N", "BN", "BK")
     launch = {"BLOCK_M": next((kwargs[k] for k in first if k in kwargs), None),
               "BLOCK_N": next((kwargs[k] for k in second if k in kwargs), None),
-              "BLOCK_D": kwargs.get("BLOCK_D", kwargs.get("BD")), "num_warps": kwargs.get("num_warps", "default"),
+              "BLOCK_D": kwargs.get("BLOCK_D", kwargs.get("BD")),
+              "num_warps": kwargs.get("num_warps", "default"),
               "num_stages": kwargs.get("num_stages", "default")}  # fmt: skip
     rep = Report(case, kernel, launch=launch)
     start = time.perf_counter()

@@ -41,9 +41,9 @@ import torch
 from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
+from attnchecker.kernels import DEAD, SDPA_BLOCKS
 
 __all__ = [
-    "DEAD",
     "attention_backward",
     "attention_forward",
     "backend_mask",
@@ -140,11 +140,6 @@ def attention_backward(
 
 
 # --------------------------------------------------------------------------------- the checks
-
-
-DEAD = -1e30
-"""A query row whose mask's largest value is at or below this (finfo.min, -inf, all False)
-attends no key: the backends each define its output their own way, so no check reads it."""
 
 
 def mask_facts(mask: Tensor | None, L: int) -> Tensor:
@@ -386,7 +381,7 @@ def bwd_repair(
 # ``kernels`` each runs one Triton kernel (:mod:`attnchecker.kernels.sdpa_kernels`: CUDA, or the
 # interpreter), else the torch reference above; the scratch tensors between them differ.
 
-CHUNK, BM, BN = 512, 32, 32  # the kernels' keys per stats program, query / key rows per block
+CHUNK, BM, BN = SDPA_BLOCKS  # the kernels' keys per stats program, query / key rows per block
 
 
 def _cdiv(a: int, b: int) -> int:

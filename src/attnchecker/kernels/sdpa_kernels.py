@@ -36,17 +36,16 @@ import triton.language as tl
 from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
-from attnchecker.kernels import interpreting
-from attnchecker.kernels.sdpa_check import BM as _BM
-from attnchecker.kernels.sdpa_check import BN as _BN
-from attnchecker.kernels.sdpa_check import CHUNK as _CHUNK
-from attnchecker.kernels.sdpa_check import DEAD as _DEAD_VALUE
+from attnchecker.kernels import DEAD, SDPA_BLOCKS, interpreting
 
-__all__ = ["bwd_check", "fwd_check", "kv_stats"]
+__all__ = [
+    "bwd_cols", "bwd_repair", "bwd_rows", "fwd_repair", "fwd_verify", "kv_stats", "stats_size",
+]  # fmt: skip
 
 _F32 = torch.float32
 _EPS32 = torch.finfo(_F32).eps
-_DEAD = tl.constexpr(_DEAD_VALUE)
+_CHUNK, _BM, _BN = SDPA_BLOCKS
+_DEAD = tl.constexpr(DEAD)
 _EPS32_K = tl.constexpr(1.1920928955078125e-07)  # fp32's eps, inside the kernels
 
 
@@ -107,7 +106,7 @@ def _stats(STATS, bkv, S, d, ds, dm):
 
 
 @triton.jit
-def _fwd_flags(Q, O, LSE, RMX, rows, rm, ds, dm, lo, hi, kn, sq_l, sq_d, so_l, so_d, sl_l, sr_l,
+def _fwd_flags(Q, Out, LSE, RMX, rows, rm, ds, dm, lo, hi, kn, sq_l, sq_d, so_l, so_d, sl_l, sr_l,
                scale_abs, logn, tol_rel, tol_abs, hull_rel, hull_abs):  # fmt: skip
     """(lse_bad (BM,), o_bad (BM, BD), the LSE, O) of a block of rows (pointers at its head)."""
     q = _tile(Q, rows, ds, sq_l, sq_d, rm, dm, 0.0).to(tl.float32)
@@ -119,7 +118,7 @@ def _fwd_flags(Q, O, LSE, RMX, rows, rm, ds, dm, lo, hi, kn, sq_l, sq_d, so_l, s
     slack = r * tol_rel + tol_abs
     exc = tl.maximum(lse - (m + r + logn + slack), (m - r - slack) - lse)
     lse_bad = ~(exc <= 0.0) & live
-    o = _tile(O, rows, ds, so_l, so_d, rm, dm, 0.0).to(tl.float32)
+    o = _tile(Out, rows, ds, so_l, so_d, rm, dm, 0.0).to(tl.float32)
     t = hull_rel * tl.maximum(tl.abs(lo), tl.abs(hi)) + hull_abs
     oexc = tl.maximum(o - (hi + t)[None, :], (lo - t)[None, :] - o)
     o_bad = ~(oexc <= 0.0) & live[:, None] & dm[None, :]
@@ -127,7 +126,7 @@ def _fwd_flags(Q, O, LSE, RMX, rows, rm, ds, dm, lo, hi, kn, sq_l, sq_d, so_l, s
 
 
 @triton.jit
-def _fwd_verify(Q, O, LSE, STATS, RMX, FLAGS, H, rep, L, d, S, nM,
+def _fwd_verify(Q, Out, LSE, STATS, RMX, FLAGS, H, rep, L, d, S, nM,
                 sq_b, sq_h, sq_l, sq_d, so_b, so_h, so_l, so_d, sl_b, sl_h, sl_l,
                 sr_b, sr_h, sr_l, scale_abs, logn, tol_rel, tol_abs, hull_rel, hull_abs,
                 BM: tl.constexpr, BD: tl.constexpr):  # fmt: skip
@@ -139,7 +138,7 @@ def _fwd_verify(Q, O, LSE, STATS, RMX, FLAGS, H, rep, L, d, S, nM,
     rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
     rm = rows < L
     lse_bad, o_bad, _, _ = _fwd_flags(
-        Q + b * sq_b + h * sq_h, O + b * so_b + h * so_h, LSE + b * sl_b + h * sl_h,
+        Q + b * sq_b + h * sq_h, Out + b * so_b + h * so_h, LSE + b * sl_b + h * sl_h,
         RMX + b * sr_b + h * sr_h, rows, rm, ds, dm, lo, hi, kn, sq_l, sq_d, so_l, so_d, sl_l,
         sr_l, scale_abs, logn, tol_rel, tol_abs, hull_rel, hull_abs,
     )  # fmt: skip
@@ -171,7 +170,7 @@ def _record(LOG, row, CLAIM, n_rows, n_cols, value, step):
 @triton.jit
 def _lost(LOG, row, CLAIM):
     """Mark ``LOG[row]`` lost and reproduced, once a call."""
-    if row >= 0:
+    if row >= 0:  # noqa: SIM102 (the claim is taken only for a recorded row)
         if tl.atomic_xchg(CLAIM, 1) == 0:
             tl.atomic_add(LOG + row * 7 + 3, 1.0)
             tl.atomic_add(LOG + row * 7 + 4, 1.0)
@@ -210,7 +209,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fwd_repair(Q, K, V, M, O, LSE, STATS, RMX, FLAGS, LOG, STEP, row_s, row_c,
+def _fwd_repair(Q, K, V, M, Out, LSE, STATS, RMX, FLAGS, LOG, STEP, row_s, row_c,
                 H, rep, L, Lk, d, S, nM,
                 sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
                 sm_b, sm_h, sm_l, sm_k, so_b, so_h, so_l, so_d, sl_b, sl_h, sl_l,
@@ -228,7 +227,7 @@ def _fwd_repair(Q, K, V, M, O, LSE, STATS, RMX, FLAGS, LOG, STEP, row_s, row_c,
         ds = tl.arange(0, BD)
         dm = ds < d
         lo, hi, _, kn, _ = _stats(STATS, b * (H // rep) + hkv, S, d, ds, dm)
-        Qh, Oh = Q + b * sq_b + h * sq_h, O + b * so_b + h * so_h
+        Qh, Oh = Q + b * sq_b + h * sq_h, Out + b * so_b + h * so_h
         Kh, Vh = K + b * sk_b + hkv * sk_h, V + b * sv_b + hkv * sv_h
         Mh, Lh, Rh = M + b * sm_b + h * sm_h, LSE + b * sl_b + h * sl_h, RMX + b * sr_b + h * sr_h
         claims = FLAGS + 3 * tl.num_programs(0).to(tl.int64) * nM
@@ -268,8 +267,8 @@ def _fwd_repair(Q, K, V, M, O, LSE, STATS, RMX, FLAGS, LOG, STEP, row_s, row_c,
             for n0 in range(0, end, BN):
                 cols = (n0 + tl.arange(0, BN)).to(tl.int64)
                 cm = cols < Lk
-                z, _ = _scores(q, Kh, Mh, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k,
-                               scale, HAS_MASK, CAUSAL, IEEE)  # fmt: skip
+                z, _k = _scores(q, Kh, Mh, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k,
+                                scale, HAS_MASK, CAUSAL, IEEE)  # fmt: skip
                 m_new = tl.maximum(m_i, tl.max(z, 1))
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
                 p = tl.exp(z - m_safe[:, None])
@@ -281,10 +280,10 @@ def _fwd_repair(Q, K, V, M, O, LSE, STATS, RMX, FLAGS, LOG, STEP, row_s, row_c,
             l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row with no key (or past L): 0
             o = tl.where(l_i[:, None] > 0, acc / l_safe[:, None], 0.0)
             lse = tl.where(l_i > 0, m_i + tl.log(l_safe), 0.0)
-            tl.store(Oh + rows[:, None] * so_l + ds[None, :] * so_d, o.to(O.dtype.element_ty),
+            tl.store(Oh + rows[:, None] * so_l + ds[None, :] * so_d, o.to(Out.dtype.element_ty),
                      mask=rm[:, None] & dm[None, :])  # fmt: skip
             tl.store(Lh + rows * sl_l, lse, mask=rm)
-            lse_bad, o_bad, _, _ = _fwd_flags(
+            lse_bad, o_bad, _l, _o = _fwd_flags(
                 Qh, Oh, Lh, Rh, rows, rm, ds, dm, lo, hi, kn, sq_l, sq_d, so_l, so_d, sl_l,
                 sr_l, scale_abs, logn, tol_rel, tol_abs, hull_rel, hull_abs,
             )  # fmt: skip
@@ -336,7 +335,6 @@ def _bwd_q(Q, DO, LSE, DQ, STATS, RMX, PART, FLAGS, H, rep, L, Lk, d, S, nM,
     if (pm == 0) & (bh == 0):  # the records' claims, for the repair
         claims = FLAGS + 2 * tl.num_programs(1).to(tl.int64) * nM + tl.arange(0, 8)
         tl.store(claims, tl.zeros([8], dtype=tl.int32))
-
 
 
 @triton.jit
@@ -395,7 +393,7 @@ def _sums_bad(ref, tv, qa, lm, sk, sv, dm, scale_abs, c_k, tol, floor_k, floor_v
 
 
 @triton.jit
-def _bwd_repair(Q, K, V, M, O, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS, REC, STEP,
+def _bwd_repair(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS, REC, STEP,
                 row_q, row_k, row_v, H, rep, L, Lk, d, S, nM, nN,
                 sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
                 sm_b, sm_h, sm_l, sm_k, so_b, so_h, so_l, so_d, sl_b, sl_h, sl_l,
@@ -404,6 +402,8 @@ def _bwd_repair(Q, K, V, M, O, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS, 
                 scale, scale_abs, c_k, tol, floor_k, floor_v, w_live, c_q, floor_q,
                 HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """(nM, nN: the partials' blocks; BM, BN: the recomputation's, smaller: a rare path that
+    must not spill)"""
     bkv = tl.program_id(0).to(tl.int64)
     Hkv = H // rep
     b, g = bkv // Hkv, bkv % Hkv
@@ -431,7 +431,7 @@ def _bwd_repair(Q, K, V, M, O, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS, 
         again_q = tl.zeros([], dtype=tl.int32)
         _, _, ka, _, va = _stats(STATS, bkv, S, d, ds, dm)
         # dK, dV of every key block, over the group's heads and query blocks
-        for nb in range(0, nN):
+        for nb in range(0, tl.cdiv(Lk, BN)):
             cols = (nb * BN + tl.arange(0, BN)).to(tl.int64)
             cm = cols < Lk
             dk = tl.zeros([BN, BD], dtype=tl.float32)
@@ -439,13 +439,14 @@ def _bwd_repair(Q, K, V, M, O, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS, 
             v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm, 0.0)
             for r in range(0, rep):
                 h = g * rep + r
-                for mb in range(0, nM):
+                for mb in range(0, tl.cdiv(L, BM)):
                     rows = (mb * BM + tl.arange(0, BM)).to(tl.int64)
                     rm = rows < L
                     q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm, 0.0)
-                    z, k = _scores(q, Kh, M + b * sm_b + h * sm_h, rows, cols, rm, cm, ds, dm,
-                                   sk_l, sk_d, sm_l, sm_k, scale, HAS_MASK, CAUSAL, IEEE)  # fmt: skip
-                    p, do, dsc = _dsc(z, O + b * so_b + h * so_h, LSE + b * sl_b + h * sl_h,
+                    Mh = M + b * sm_b + h * sm_h
+                    z, k = _scores(q, Kh, Mh, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k,
+                                   scale, HAS_MASK, CAUSAL, IEEE)  # fmt: skip
+                    p, do, dsc = _dsc(z, Out + b * so_b + h * so_h, LSE + b * sl_b + h * sl_h,
                                       DO + b * sg_b + h * sg_h, rows, rm, ds, dm, v, so_l, so_d,
                                       sl_l, sg_l, sg_d, IEEE)  # fmt: skip
                     dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
@@ -460,18 +461,19 @@ def _bwd_repair(Q, K, V, M, O, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS, 
         # dQ of every query block of the group's heads, over the key blocks
         for r in range(0, rep):
             h = g * rep + r
-            for mb in range(0, nM):
+            for mb in range(0, tl.cdiv(L, BM)):
                 rows = (mb * BM + tl.arange(0, BM)).to(tl.int64)
                 rm = rows < L
                 q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm, 0.0)
                 dq = tl.zeros([BM, BD], dtype=tl.float32)
-                for nb in range(0, nN):
+                for nb in range(0, tl.cdiv(Lk, BN)):
                     cols = (nb * BN + tl.arange(0, BN)).to(tl.int64)
                     cm = cols < Lk
                     v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm, 0.0)
-                    z, k = _scores(q, Kh, M + b * sm_b + h * sm_h, rows, cols, rm, cm, ds, dm,
-                                   sk_l, sk_d, sm_l, sm_k, scale, HAS_MASK, CAUSAL, IEEE)  # fmt: skip
-                    p, do, dsc = _dsc(z, O + b * so_b + h * so_h, LSE + b * sl_b + h * sl_h,
+                    Mh = M + b * sm_b + h * sm_h
+                    z, k = _scores(q, Kh, Mh, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k,
+                                   scale, HAS_MASK, CAUSAL, IEEE)  # fmt: skip
+                    p, do, dsc = _dsc(z, Out + b * so_b + h * so_h, LSE + b * sl_b + h * sl_h,
                                       DO + b * sg_b + h * sg_h, rows, rm, ds, dm, v, so_l, so_d,
                                       sl_l, sg_l, sg_d, IEEE)  # fmt: skip
                     dq += _dot(dsc.to(k.dtype), k, IEEE) * scale
@@ -600,7 +602,8 @@ def fwd_repair(q, k, v, mask, out, lse, stats, rowmax, flags, log, step, rows, c
         H, H // Hkv, L, Lk, d, S, nM, *qr.stride(), *kr.stride(), *vr.stride(), *sm,
         *orr.stride(), *lse.stride(), *rmx.stride(), scale, c["scale_abs"], c["logn"],
         c["tol_rel"], c["tol_abs"], c["hull_rel"], c["hull_abs"],
-        HAS_MASK=has_mask, CAUSAL=causal, IEEE=_ieee(q), BM=_BM, BN=_BN, BD=_bd(d),
+        HAS_MASK=has_mask, CAUSAL=causal, IEEE=_ieee(q), BM=_BM, BN=16, BD=_bd(d),
+        num_warps=8,  # (a rare path: small key tiles, more warps, no spill)
     )  # fmt: skip
     if orr is not out:  # the interpreter's fp32 copy
         out.copy_(orr)
@@ -668,7 +671,7 @@ def bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, 
         *gr.stride(), *dqr.stride(), *dkr.stride(), *dvr.stride(), *rmx.stride(),
         scale, c["scale_abs"], c["c_k"], c["tol"], c["floor_k"], c["floor_v"], c["w_live"],
         c["c_q"], c["floor_q"],
-        HAS_MASK=has_mask, CAUSAL=causal, IEEE=_ieee(q), BM=_BM, BN=_BN, BD=_bd(d),
+        HAS_MASK=has_mask, CAUSAL=causal, IEEE=_ieee(q), BM=16, BN=16, BD=_bd(d), num_warps=8,
     )  # fmt: skip
     for t, r in ((dq, dqr), (dk, dkr), (dv, dvr)):
         if r is not t:  # the interpreter's fp32 copies
