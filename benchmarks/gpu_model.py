@@ -16,7 +16,9 @@ slower of the two sums, a graph step the device's.
   L 4096, B 1, vocabulary 128), traced under ``FakeTensorMode`` (shapes only): the plain SDPA
   model, the default config, the projections' checks alone (``ops`` = the projection part of
   the op table) and ``all_linear``, with the checks as eager ops and as the registered Triton
-  ops (the ``_triton`` arms: ``check_impl="triton"``, what ``auto`` runs on CUDA); eager and
+  ops (the ``_triton`` arms: ``check_impl="triton"``, what ``auto`` runs on CUDA); the core's
+  checks alone on the eager core and on the SDPA route, and the default config as ``auto``
+  runs it on CUDA (``protected_sdpa``: the SDPA route and the Triton ops); eager and
   CUDA-graph step times and overheads; the same at base width (L 1024); and one checked dX
   GEMM (T 8192, 2304 -> 768) by the registered ops.
 
@@ -55,7 +57,7 @@ ARMS = {
     "all_linear_triton": ABFTConfig(ops=PROJECTIONS, scope="all_linear", check_impl="triton"),
     # the attention core's checks alone: the eager core, and the SDPA route (issue 43)
     "core": ABFTConfig(ops=CORE_OPS),
-    "core_sdpa": ABFTConfig(ops=CORE_OPS, backend="sdpa"),
+    "core_sdpa": ABFTConfig(ops=CORE_OPS, backend="sdpa", check_impl="triton"),
     # the default config as "auto" runs it on CUDA: the SDPA route, the GEMM checks' Triton ops
     "protected_sdpa": ABFTConfig(backend="sdpa", check_impl="triton"),
 }
@@ -180,7 +182,11 @@ def markdown(
         "max(host, device). One training step (forward, backward, AdamW foreach), bf16 "
         'autocast; the checks as eager ops, or (`_triton` arms, `check_impl="triton"`, '
         "what `auto` runs on CUDA) the GEMM checks as registered Triton ops (a repair waiting "
-        "for its flag costs the kernel floor), the rest as eager ops.",
+        "for its flag costs the kernel floor), the rest as eager ops. `core`: the attention "
+        "core's checks alone on the eager core; `core_sdpa`: the same on the SDPA route "
+        '(`backend="sdpa"`: the backend\'s kernel and its six check kernels); `protected_sdpa`: '
+        "the default config as `auto` runs it on CUDA (the SDPA route, the GEMM checks' "
+        "Triton ops). A CUDA graph's step stands in for a compiled one (launch cost gone).",
         "",
         f"## Calibration: base width, 2 layers, L {ARGS.calibrate_length}, B 1, real tensors, "
         f"against the H200's measured steps (`{MEASURED.name}`)",

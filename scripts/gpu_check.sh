@@ -7,11 +7,13 @@
 # Stages, each under `timeout` inside an overall budget (GPU_CHECK_BUDGET seconds, 480 by
 # default), run in the order GPU_CHECK_STAGES gives (default: all, most telling first); every
 # stage runs even when an earlier one fails, and the exit status is 0 only when all succeeded:
-# - step: benchmarks/gpu_step.py, the training step of the plain SDPA model, the projections'
-#   checks alone, the default config and all_linear (the GEMM checks as registered Triton ops:
+# - step: benchmarks/gpu_step.py, the training step of the plain SDPA model, the core's checks
+#   alone and the default config (both on the SDPA route, backend="auto" on CUDA), the
+#   projections' checks alone and all_linear (the GEMM checks as registered Triton ops:
 #   check_impl="auto" on CUDA), eager / CUDA graph / compiled, at base width (L 1024) and Llama-8B widths
 #   (L 4096), arms alternated, each row written as measured (step_rows.jsonl);
-# - tests: the `gpu` tests (tests/integration/test_gpu.py) and the fused kernels' tests
+# - tests: the `gpu` tests (tests/integration/test_gpu.py: the SDPA route's among them) and the
+#   fused kernels' tests
 #   (tests/unit/kernels, compiled for the GPU, no interpreter) with the system python, failing
 #   when any of them is skipped (they must really run on the GPU);
 # - tune: benchmarks/tune_launch.py, the kernels' launch settings timed over a grid;

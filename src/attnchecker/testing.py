@@ -155,10 +155,12 @@ _ALLOCATING = frozenset({"aten.empty", "aten.empty_like", "aten.empty_strided",
 predates the model; left out of :attr:`OpTrace.work`)."""
 
 
-_ON_A_FLAG = frozenset({"attnchecker.gemm_repair", "attnchecker.proj_repair"})
-"""Registered ops whose work waits for a device flag (the GEMM checks' repairs): on a clean
-step each program reads a few counters and returns, so :class:`OpTrace` counts no bytes for
-them (the kernel floor), not the tensors they would rewrite on a flag."""
+_ON_A_FLAG = frozenset({"attnchecker.gemm_repair", "attnchecker.proj_repair",
+                        "attnchecker.sdpa_fwd_repair", "attnchecker.sdpa_bwd_repair"})  # fmt: skip
+"""Registered ops whose work waits for a device flag (the GEMM checks' and the SDPA route's
+repairs, as their Triton kernels run on CUDA): on a clean step each program reads a few flags
+and returns, so :class:`OpTrace` counts no bytes for them (the kernel floor), not the tensors
+they would rewrite on a flag."""
 
 
 _FLOPS_AS = {  # CPU kernels the FLOP counter does not know, counted as their CUDA twins

@@ -5,6 +5,11 @@ synchronisation added by the checks.
 Every test is marked ``gpu`` and skipped where ``torch.cuda.is_available()`` is false, so on a
 CPU machine the module is collected and skipped. Nothing touches CUDA at import time.
 
+The default on CUDA is the SDPA route (``backend="auto"``); the tests of the eager engine
+(bitwise equal to the eager model, its fault matrices) pin ``backend="eager"`` (:data:`EAGER`),
+and the route has its own (equal to the model's own SDPA attention, its fault matrix, its
+kernels against their reference, no synchronisation, a CUDA graph).
+
 fp32 comparisons need IEEE fp32 GEMMs: TF32 is switched off for this module (it is off by
 default for matmuls in PyTorch, but a site configuration may turn it on, and the checks'
 rounding bounds assume full fp32 accumulation). Tolerances of the fault matrix are the CPU
@@ -41,6 +46,8 @@ pytestmark = [
 ]
 
 FAULT_FAMILIES = ("gpt2", "bert", "llama")
+EAGER = ABFTConfig(backend="eager")
+REPORTED = {"probs": ("context",), "dp": ("dq", "dk")}  # the SDPA route's checks of a site
 FAULT_KINDS = {k: KINDS[k] for k in ("inf", "nan", "1e10")}
 TRAIN_STEPS = 20
 
@@ -104,7 +111,7 @@ def test_clean_step_is_bitwise_unchanged_on_cuda(family, bf16):
     the parameters after the AdamW step too), with no event and no detection."""
     protected, plain = cuda_models(family)
     inputs = cuda_batch(family)
-    handle = protect_(protected)
+    handle = protect_(protected, EAGER)
     with _autocast(bf16):
         got = train_step(protected, inputs)
         want = train_step(plain, inputs)
@@ -127,7 +134,7 @@ def test_every_check_region_compiles_on_cuda(bf16):
     from attnchecker.abft import regions
 
     protected, _ = cuda_models("llama")
-    handle = protect_(protected, ABFTConfig(check_impl="compiled", scope="all_linear"))
+    handle = protect_(protected, EAGER.replace(check_impl="compiled", scope="all_linear"))
     regions._RAN.clear()  # what ran in this test only (a failed compile stays in _FAILED)
     with warnings.catch_warnings(record=True) as seen, _autocast(bf16):
         warnings.simplefilter("always")
@@ -143,7 +150,7 @@ def test_no_grad_inference_is_unchanged_on_cuda(family):
     protected, plain = cuda_models(family)
     protected.eval(), plain.eval()
     inputs = {k: v for k, v in cuda_batch(family).items() if k != "labels"}
-    handle = protect_(protected)
+    handle = protect_(protected, EAGER)
     with torch.no_grad():
         assert torch.equal(protected(**inputs).logits, plain(**inputs).logits)
     assert handle.drain() == []
@@ -190,7 +197,7 @@ def test_every_fault_is_corrected_on_cuda(family):
     base, _ = cuda_models(family)
     inputs = cuda_batch(family)
     failures = fault_matrix(
-        base, inputs, train_step, sites=SITES, kinds=FAULT_KINDS, patterns=PATTERNS
+        base, inputs, train_step, config=EAGER, sites=SITES, kinds=FAULT_KINDS, patterns=PATTERNS
     )
     total = len(SITES) * len(FAULT_KINDS) * len(PATTERNS)
     assert not failures, f"{len(failures)} of {total}: {failures[:5]}"
@@ -277,7 +284,7 @@ def test_backward_faults_are_corrected_on_cuda(family):
     base, ref = cuda_models(family)
     inputs = cuda_batch(family)
     want = train_step(ref, inputs)
-    handle = protect_(base)
+    handle = protect_(base, EAGER)
     snapshot = copy.deepcopy(base.state_dict())
     sites = ("dq", "dk", "dp", "dv", "dx.q", "dw.q", "dx.out", "dw.out")
     failures = []
@@ -382,7 +389,7 @@ def test_the_projection_check_kernels_compute_the_reference_on_cuda(dtype):
 # ------------------------------------------------------------------ models of one's own (SDPA)
 
 
-@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "triton"])
 @pytest.mark.parametrize("layout", ["nanogpt", "litgpt"])
 def test_a_model_of_ones_own_is_protected_on_cuda(layout, backend):
     """A nanoGPT / litgpt look-alike (tests/integration/sdpa_models.py) on the GPU, protected at
@@ -433,18 +440,20 @@ def test_a_model_of_ones_own_is_protected_on_cuda(layout, backend):
 # ------------------------------------------------------------------------------ CUDA graphs
 
 
-def test_a_protected_step_is_captured_in_a_cuda_graph():
+@pytest.mark.parametrize("backend", ["eager", "auto"])
+def test_a_protected_step_is_captured_in_a_cuda_graph(backend):
     """A whole protected training step (forward, backward, AdamW capturable) captured with
     torch.cuda.graph after a warm-up (spec gpu-path §6): its replays equal the same steps run
     uncaptured, bitwise, and drain() reads their records; a fault hook attached before the
     capture is part of the graph: every replay puts the INF in and corrects it (one event per
-    replay), and the parameters still follow the clean twin."""
+    replay), and the parameters still follow the clean twin. On the eager engine and on the
+    default (the SDPA route: its repairs wait for a device flag, which a graph captures)."""
     ids = batch("llama")["input_ids"].cuda()
     arms = {}
     for name in ("clean", "graph", "faulty"):
         torch.manual_seed(0)
         model = build("llama").cuda().train()
-        handle = protect_(model)
+        handle = protect_(model, ABFTConfig(backend=backend))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
         arms[name] = (model, handle, opt)
 
@@ -486,3 +495,78 @@ def test_a_protected_step_is_captured_in_a_cuda_graph():
                             arms["faulty"][0].parameters(), strict=True):  # fmt: skip
         assert torch.equal(p, q), n
         torch.testing.assert_close(r, p, rtol=1e-5, atol=1e-5, msg=n)
+
+
+# ------------------------------------------------------------------- the SDPA route (default)
+
+ROUTE_FAMILIES = ("llama", "gpt2", "mistral")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("family", ROUTE_FAMILIES)
+def test_the_cuda_default_is_the_sdpa_route_and_equals_sdpa(family, bf16):
+    """protect_(model) on CUDA runs the SDPA route (its self-test passed here); a clean step
+    equals the plain model's own SDPA attention (the same kernel; the checks write nothing) and
+    reports nothing."""
+    base, plain = cuda_models(family, dropout=False)
+    plain.set_attn_implementation("sdpa")
+    handle = protect_(base)
+    assert {c["engine"] for c in handle.summary()["per_module"].values()} == {"sdpa"}
+    inputs = cuda_batch(family)
+    with _autocast(bf16):
+        got, want = train_step(base, inputs), train_step(plain, inputs)
+    tol = 1e-2 if bf16 else 1e-5
+    torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
+    assert max_diff(got[1], want[1]) <= (5e-2 if bf16 else 1e-4)
+    assert handle.drain() == []
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_sdpa_route_corrects_faults_on_cuda(family):
+    """The route's fault matrix on CUDA (fp32): every site of the core, forward and backward,
+    kinds inf, nan and 1e10, every pattern: corrected in the same step by the Triton kernels'
+    repairs (reported by the check that sees it: a fault in P by the context's, one in dP by
+    dQ's and dK's)."""
+    base, _ = cuda_models(family, dropout=False)
+    failures = fault_matrix(
+        base, cuda_batch(family), train_step, config=ABFTConfig(backend="sdpa"),
+        sites=("scores", "probs", "context", "dq", "dk", "dp", "dv"), kinds=FAULT_KINDS,
+        patterns=PATTERNS, reported=REPORTED,
+    )  # fmt: skip
+    assert not failures, failures[:5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_sdpa_kernels_match_their_reference_on_cuda(dtype):
+    """The route's six Triton kernels against the torch reference on CUDA tensors: no flag on
+    clean results, the same flags on corrupted ones, repairs back to the backend's values."""
+    import math
+
+    from attnchecker.kernels import sdpa_check as ref
+    from attnchecker.kernels import sdpa_kernels as kern
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 200, 64, generator=g).to("cuda", dtype) for h in (8, 2, 2))
+    out, lse, aux = ref.attention_forward(q, k, v, None, True, 0.125)
+    grad = torch.randn(out.shape, generator=g).to("cuda", dtype)
+    dq, dk, dv = ref.attention_backward(grad, q, k, v, out, lse, None, True, 0.125, aux)
+    rowmax, step = torch.zeros(1, 1, 1, device="cuda"), torch.ones(1, device="cuda")
+    stats = kern.kv_stats(k, v)
+    bad_out = out.clone()
+    bad_out[1, 3, 50, :] = math.inf
+    log = torch.zeros(2, 7, dtype=torch.float64, device="cuda")
+    flags = kern.fwd_verify(q, k, bad_out, lse, stats, rowmax, 0.125, 1.0)
+    kern.fwd_repair(q, k, v, None, bad_out, lse, stats, rowmax, flags, log, step, (0, 1), True,
+                    0.125, 1.0)  # fmt: skip
+    torch.testing.assert_close(bad_out.float(), out.float(), rtol=2e-2, atol=2e-2)
+    assert log[1, [0, 3, 5]].tolist() == [1, 0, 1] and log[0].sum() == 0
+    rec = torch.zeros(3, 7, dtype=torch.float64, device="cuda")
+    bad = [t.clone() for t in (dq, dk, dv)]
+    bad[0][0, 5, 9, 3] = math.nan
+    part, qflags = kern.bwd_rows(q, k, lse, grad, bad[0], stats, rowmax, 0.125, 1.0)
+    sums = kern.bwd_cols(bad[1], bad[2])
+    kern.bwd_repair(q, k, v, None, out, lse, grad, *bad, stats, rowmax, part, qflags, sums, rec,
+                    step, (0, 1, 2), True, 0.125, 1.0)  # fmt: skip
+    for got, want in zip(bad, (dq, dk, dv), strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+    assert rec[0, [0, 3, 5]].tolist() == [1, 0, 1] and rec[1:].sum() == 0

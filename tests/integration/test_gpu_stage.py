@@ -31,7 +31,7 @@ def test_the_gpu_check_step_stage_runs_and_archives_its_rows(tmp_path):
         assert "gpu_check/step.log" in tar.getnames()
     assert [(r["width"], r["mode"]) for r in rows] == [("base", "eager"), ("8b", "eager")]
     for row in rows:
-        arms = {"sdpa", "projections", "protected", "all_linear"}
+        arms = {"sdpa", "core", "protected", "projections", "all_linear"}
         assert not row["errors"] and set(row["ms"]) == arms
         assert all(ms > 0 for ms in row["ms"].values())
         assert set(row["vs_sdpa"]) == arms - {"sdpa"}

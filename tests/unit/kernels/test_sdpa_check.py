@@ -49,7 +49,7 @@ def _mask(kind: str):
 def _run(q, k, v, mask=None, causal=False):
     """Forward, a backward of a fixed output gradient, and the checks' inputs."""
     out, lse, aux = attention_forward(q, k, v, mask, causal, SCALE)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(q.dtype)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(q.device, q.dtype)
     dq, dk, dv = attention_backward(grad, q, k, v, out, lse, mask, causal, SCALE, aux)
     rowmax = mask_facts(mask, L)
     return out, lse, grad, dq, dk, dv, kv_stats(k, v), rowmax

@@ -20,34 +20,35 @@ from attnchecker.kernels import sdpa_kernels as kern  # noqa: E402
 
 from .test_sdpa_check import SCALE, _mask, _operands, _run  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on a CPU
 CASES = [("fp32", None), ("fp32", "bool"), ("bf16", None)]
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _case(dtype, mask):
-    q, k, v = _operands(DTYPE[dtype])
-    m = _mask(mask) if mask else None
+    q, k, v = (t.to(DEVICE) for t in _operands(DTYPE[dtype]))
+    m = _mask(mask).to(DEVICE) if mask else None
     return (q, k, v, m, mask is None, *_run(q, k, v, m, mask is None))
 
 
 def _fwd(q, k, v, m, causal, out, lse, rowmax):
     """The kernels' forward check and repair on (out, lse) in place: the log."""
-    log = torch.zeros(2, 7, dtype=torch.float64)
+    log = torch.zeros(2, 7, dtype=torch.float64, device=DEVICE)
     stats = kern.kv_stats(k, v)
     flags = kern.fwd_verify(q, k, out, lse, stats, rowmax, SCALE, 1.0)
     kern.fwd_repair(q, k, v, ref.backend_mask(m, q), out, lse, stats, rowmax, flags, log,
-                    torch.ones(1), (0, 1), causal, SCALE, 1.0)  # fmt: skip
+                    torch.ones(1, device=DEVICE), (0, 1), causal, SCALE, 1.0)  # fmt: skip
     return log
 
 
 def _bwd(q, k, v, m, causal, out, lse, grad, dq, dk, dv, rowmax):
-    rec = torch.zeros(3, 7, dtype=torch.float64)
+    rec = torch.zeros(3, 7, dtype=torch.float64, device=DEVICE)
     stats = kern.kv_stats(k, v)
     part, flags = kern.bwd_rows(q, k, lse, grad, dq, stats, rowmax, SCALE, 1.0)
     sums = kern.bwd_cols(dk, dv)
     kern.bwd_repair(q, k, v, ref.backend_mask(m, q), out, lse, grad, dq, dk, dv, stats, rowmax,
-                    part, flags, sums, rec, torch.ones(1), (0, 1, 2), causal, SCALE,
-                    1.0)  # fmt: skip
+                    part, flags, sums, rec, torch.ones(1, device=DEVICE), (0, 1, 2), causal,
+                    SCALE, 1.0)  # fmt: skip
     return rec
 
 
@@ -73,9 +74,9 @@ def test_the_forward_repair_restores_the_flagged_heads(dtype, mask):
     bad_out, bad_lse = out.clone(), lse.clone()
     bad_out[0, 2, 30, :] = math.inf  # a live row of every case
     bad_lse[1, 1, 40] = math.nan
-    want = torch.zeros(2, 7, dtype=torch.float64)  # the reference's records
-    flags = ref.fwd_verify(q, k, bad_out, bad_lse, ref.kv_stats(k, v), want, torch.ones(1),
-                           (0, 1), SCALE, rowmax, 1.0)  # fmt: skip
+    want = torch.zeros(2, 7, dtype=torch.float64, device=DEVICE)  # the reference's records
+    flags = ref.fwd_verify(q, k, bad_out, bad_lse, ref.kv_stats(k, v), want,
+                           torch.ones(1, device=DEVICE), (0, 1), SCALE, rowmax, 1.0)  # fmt: skip
     assert flags.tolist() == [[0, 0, 2, 0], [0, 1, 0, 0]]
     log = _fwd(q, k, v, m, causal, bad_out, bad_lse, rowmax)
     tol = 1e-5 if dtype == "fp32" else 1e-2
@@ -92,9 +93,9 @@ def test_the_backward_repair_restores_the_flagged_groups(dtype, mask):
     bad = [t.clone() for t in (dq, dk, dv)]
     bad[0][0, 3, 20, 2] = math.nan  # query head 3: group 1
     bad[1][1, 0, 7, :] += 1e3 * dk[1, 0].abs().max()
-    want = torch.zeros(3, 7, dtype=torch.float64)
+    want = torch.zeros(3, 7, dtype=torch.float64, device=DEVICE)
     flags = ref.bwd_verify(q, k, v, lse, grad, *bad, ref.kv_stats(k, v), rowmax, want,
-                           torch.ones(1), (0, 1, 2), SCALE, 1.0)  # fmt: skip
+                           torch.ones(1, device=DEVICE), (0, 1, 2), SCALE, 1.0)  # fmt: skip
     assert flags.tolist() == [[0, 1], [2, 0]]
     rec = _bwd(q, k, v, m, causal, out, lse, grad, *bad, rowmax)
     tol = 1e-5 if dtype == "fp32" else 5e-2
