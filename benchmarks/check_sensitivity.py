@@ -42,11 +42,23 @@ from _common import environment, parse, write
 from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
 from attnchecker.attention.handoff import Handoff
 from attnchecker.attention.heads import context_residual, probs_residual, scores_residual
+from attnchecker.kernels import sdpa_check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DATA = ("normal", "positive", "lognormal", "outlier")
 LAYOUTS = ("gpt2", "bert", "llama")
-CHECKS = ("projection", "scores", "probs", "context (naive)", "context (passing)")
+CHECKS = (
+    "projection",
+    "scores",
+    "probs",
+    "context (naive)",
+    "context (passing)",
+    "scores (sdpa route)",
+    "probs (sdpa route)",
+    "context (sdpa route)",
+)
+EAGER = CHECKS[:5]  # the eager engine's; ROUTE, the SDPA route's forward checks
+ROUTE = CHECKS[5:]  # (backend="sdpa"): sensitivity only, its false alarms are measured elsewhere
 MAX_ROWS = 4  # ABFTConfig's default
 
 
@@ -124,7 +136,7 @@ def false_alarms(dtype: torch.dtype, cases: int, seed: int) -> dict[str, object]
         data: _draw((3 * 768 + pad, 768 + pad), data, g)
         for data in ("normal", "positive", "lognormal")
     }
-    out = {c: {"checks": 0, "flagged": 0, "rows": 0, "flagged_rows": 0} for c in CHECKS}
+    out = {c: {"checks": 0, "flagged": 0, "rows": 0, "flagged_rows": 0} for c in EAGER}
     for o in out.values():  # of the flagged checks: residual not finite, smallest magnitude
         o.update(flagged_nonfinite=0, flagged_min_scale=None)
     examples: list[dict[str, object]] = []
@@ -234,6 +246,20 @@ def _one_per_row(t: Tensor, r: float, l1: Tensor, g: torch.Generator) -> Tensor:
     return rows.view(t.shape)
 
 
+def _route(q, k, v, s, stats, scale, *, z=None, p=None, o=None) -> int:
+    """Rows the SDPA route's forward checks flag when the kernel delivers the LSE and O of a
+    faulty S (scaled, ``z``), the O of a faulty P, or a faulty O (``s``: the clean scores)."""
+    if z is not None:
+        lse, p = torch.logsumexp(z, -1), torch.softmax(z, -1)
+    else:
+        lse = torch.logsumexp(s * scale, -1)
+    if o is None:
+        o = p.to(v.dtype) @ v
+    lse_bad, o_bad, _, _ = sdpa_check._fwd_flags(q, k, o, lse, stats, scale,
+                                                  torch.zeros(1, 1, 1), 1.0)  # fmt: skip
+    return int((lse_bad | o_bad.any(-1)).sum())
+
+
 def sensitivity(
     dtype: torch.dtype, trials: int, seed: int, B: int = 8, step: float = 0.25
 ) -> dict[str, object]:
@@ -264,8 +290,18 @@ def sensitivity(
             "context": c.float().abs().sum(-1),
         }
         total["projection"] += T
-        for name in CHECKS[1:]:
+        for name in CHECKS[1:]:  # (each route check: the same query rows)
             total[name] += B * H * L
+        # the SDPA route sees S, P and O only through the LSE and O (no mask: every score
+        # attended; its false alarms are the clean sweeps' and tests/unit/kernels/test_sdpa_check)
+        scale = d**-0.5
+        rs = q.float() @ k.float().mT
+        rp = torch.softmax(rs * scale, -1)
+        rc = rp.to(dtype) @ v
+        l1["route"] = (rs.abs().sum(-1), rp.abs().sum(-1), rc.float().abs().sum(-1))
+        stats = sdpa_check.kv_stats(k, v)
+
+        ops = (q, k, v, rs, stats, scale)
         for gi, r in enumerate(GRID):
             # projection: one fault per token, in a random head group of Q, K or V
             grp = torch.randint(0, 3 * H, (T,), generator=g)
@@ -286,6 +322,10 @@ def sensitivity(
             }
             for name, e in ex.items():
                 hits[name][gi] += _flagged(e)
+            s1, p1, c1 = l1["route"]
+            hits["scores (sdpa route)"][gi] += _route(*ops, z=_one_per_row(rs, r, s1, g) * scale)
+            hits["probs (sdpa route)"][gi] += _route(*ops, p=_one_per_row(rp, r, p1, g))
+            hits["context (sdpa route)"][gi] += _route(*ops, o=_one_per_row(rc, r, c1, g))
     out = {}
     for name in CHECKS:
         rates = [h / total[name] for h in hits[name]]
@@ -305,10 +345,10 @@ def sensitivity(
 # --------------------------------------------------------------------------------------- main
 
 
-def _table(cell, by_dtype: dict[str, dict[str, dict]]) -> list[str]:
+def _table(cell, by_dtype: dict[str, dict[str, dict]], checks=CHECKS) -> list[str]:
     """A markdown table, a row per check and a column per dtype, of ``cell(by_dtype[d][c])``."""
     lines = ["| check | " + " | ".join(DTYPES) + " |", "|---|" + "---|" * len(DTYPES)]
-    for check in CHECKS:
+    for check in checks:
         lines.append(f"| {check} | " + " | ".join(cell(by_dtype[d][check]) for d in DTYPES) + " |")
     return lines
 
@@ -333,7 +373,7 @@ def main() -> None:
         sens[name] = sensitivity(dt, args.trials, args.seed, args.batch, args.grid_step)
         fa[name] = false_alarms(dt, args.cases, args.seed + 1)
         print(f"{name}: {time.perf_counter() - t:.0f} s")
-        for check in CHECKS:
+        for check in EAGER:
             f, s = fa[name]["checks"][check], sens[name][check]
             print(
                 f"  {check:18s} false alarms {f['flagged']:4d} / {f['checks']:4d} checks "
@@ -363,6 +403,7 @@ def main() -> None:
         *_table(
             lambda f: f"{f['flagged']} / {f['checks']} ({f['flagged_rows']} / {f['rows']})",
             {n: fa[n]["checks"] for n in DTYPES},
+            EAGER,
         ),
     ]
     notes = [
@@ -370,7 +411,7 @@ def main() -> None:
         "residual that is not finite; smallest magnitude (max |x W^T|) of a flagged case "
         f"{f['flagged_min_scale']:.3g}."
         for name in DTYPES
-        for check in CHECKS
+        for check in EAGER
         if (f := fa[name]["checks"][check])["flagged"]
     ]
     lines += ["", *notes, ""] if notes else [""]
@@ -388,7 +429,11 @@ def main() -> None:
         f"{args.grid_step:g} decade; {args.trials} batch(es) per "
         "grid point, every checked row faulty: delta = r * ||row||_1 (the row a check sums: a "
         "token's head group for the projection, a query row of a head for attention). The "
-        "smallest r from which 100% of the faulty rows are flagged (50% point in brackets).",
+        "smallest r from which 100% of the faulty rows are flagged (50% point in brackets). "
+        'The SDPA route\'s rows (`backend="sdpa"`): the same faults in S, P and O as the '
+        "backend's kernel would deliver them (the LSE and O of a faulty S; O of a faulty P), "
+        "seen through the LSE bound and V's range only, without a mask; '-' where some faulty "
+        "rows are never flagged (a lowered score: the bound sees only raised ones).",
         "",
         *_table(
             lambda s: f"{_g(s['always_detected_rel_l1'])} ({_g(s['half_detected_rel_l1'])})",

@@ -11,6 +11,7 @@ kernel on fewer heads (fault matrices: the helpers' 1e-6 / 1e-5).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
 
@@ -235,3 +236,30 @@ def test_the_triton_kernels_run_the_route_in_a_model():
                                  kinds={kind: KINDS[kind]}, patterns=(pattern,),
                                  reported=REPORTED)  # fmt: skip
     assert not failures, failures
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs triton (CUDA or the interpreter)")
+@pytest.mark.parametrize(("family", "target"), [("llama", 45), ("gpt2", 30)])
+def test_the_cuda_default_adds_at_most_a_few_dozen_launches_per_layer(family, target):
+    """The default config as CUDA runs it (the SDPA route, every check a registered Triton op:
+    ``check_impl="triton"``, the interpreter here), counted on a CPU: at most 45 (llama) / 30
+    (gpt2) launching ops per layer over the plain SDPA model, forward and backward (the eager
+    engine's default adds ~1,100 / ~800), and no host synchronisation."""
+    base, _ = models(family, dropout=False, layers=LAYERS, max_len=64)
+    base.set_attn_implementation("sdpa")
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def counted(model):
+        for counting in (False, True):  # a warm-up step first
+            model.zero_grad(set_to_none=True)
+            with OpCounter() if counting else contextlib.nullcontext() as c:
+                model(input_ids=ids, labels=ids).loss.backward()
+        return c
+
+    plain = counted(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    handle = protect_(model, SDPA.replace(check_impl="triton"))
+    got = counted(model)
+    assert (got.launching - plain.launching) / LAYERS <= target
+    assert got.syncs == plain.syncs
+    assert handle.drain() == []
