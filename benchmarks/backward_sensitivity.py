@@ -18,6 +18,12 @@ and ``max_rows`` 4.
    the smallest r from which every faulty row is flagged (the row's own L1 norm as the unit,
    as ``check_sensitivity.py`` reports the forward's).
 
+The SDPA route's backward checks (``backend="sdpa"``, ``attnchecker.kernels.sdpa_check``) on
+the backend's own backward (the CPU flash kernel, causal, B 8, H 12, L 128, d 64, q / k / v ~
+N(0, 1), dO ~ N(0, 1e-3^2)): dV's and dK's exact column sums per head and dQ's bound. One element
+of one row of each (batch, head) matrix moved by r x that row's L1 norm; reported: the smallest r
+from which every head is flagged, and false alarms over the clean cases.
+
     python benchmarks/backward_sensitivity.py [--clean 500] [--quick]
 """
 
@@ -31,6 +37,7 @@ from torch import Tensor
 
 from _common import environment, parse, write
 from attnchecker.attention.grads import product_check_, product_residual
+from attnchecker.kernels import sdpa_check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRID = [10.0 ** (e / 2) for e in range(-16, 5)]
@@ -68,9 +75,9 @@ def _gemms(o: dict[str, Tensor]):
 def _flags(out: Tensor, x: Tensor, y: Tensor, kind: str) -> Tensor:
     """Per-row flags of the check (for a linear, rows flagged before the repair)."""
     if kind == "linear":
-        from attnchecker.attention.grads import _excess, _reference
+        from attnchecker.abft.gemm import rows_excess
 
-        return ~(_excess(out, *_reference(out, x, y, scale=1.0))[1] <= 0)
+        return ~(rows_excess(out, x, y, scale=1.0) <= 0)
     return ~(product_residual(out, x, y, scale=1.0, nonneg=kind == "heads+")[1] <= 0)
 
 
@@ -115,15 +122,74 @@ def _sensitivity(dtype: torch.dtype) -> dict[str, float | None]:
     return found
 
 
+ROUTE = ("dQ (sdpa route)", "dK (sdpa route)", "dV (sdpa route)")
+
+
+def _route_case(dtype: torch.dtype, g: torch.Generator):
+    """A causal attention's backward by the CPU flash kernel: (inputs of the checks, grads)."""
+    B, H, L, d = 8, 12, 128, 64
+    q, k, v = (torch.randn(B, H, L, d, generator=g).to(dtype) for _ in range(3))
+    out, lse, aux = sdpa_check.attention_forward(q, k, v, None, True, d**-0.5)
+    grad = (torch.randn(B, H, L, d, generator=g) * 1e-3).to(dtype)
+    dq, dk, dv = sdpa_check.attention_backward(grad, q, k, v, out, lse, None, True, d**-0.5, aux)
+    return (q, k, v, lse, grad), [dq, dk, dv]
+
+
+def _route_flags(ins, grads) -> tuple[Tensor, Tensor, Tensor]:
+    """(B, H) flags of dQ's bound, dK's sum and dV's sum."""
+    q, k, v, lse, grad = ins
+    stats = sdpa_check.kv_stats(k, v)
+    bad = sdpa_check._bwd_flags(q, k, v, lse, grad, *grads, stats, torch.zeros(1, 1, 1),
+                                q.shape[-1] ** -0.5, 1.0)  # fmt: skip
+    return bad[0].flatten(2).any(-1), bad[1].any(-1), bad[2].any(-1)
+
+
+def _route_sensitivity(dtype: torch.dtype) -> dict[str, float | None]:
+    g = torch.Generator().manual_seed(1234)
+    ins, grads = _route_case(dtype, g)
+    found: dict[str, float | None] = {}
+    for i, name in enumerate(ROUTE):
+        t = grads[i]
+        B, H, L, d = t.shape
+        rows = torch.randint(0, L, (B, H), generator=g)
+        cols = torch.randint(0, d, (B, H), generator=g)
+        sign = torch.randint(0, 2, (B, H), generator=g) * 2 - 1
+        b, h = torch.meshgrid(torch.arange(B), torch.arange(H), indexing="ij")
+        l1 = t[b, h, rows].float().abs().sum(-1)  # (B, H): the faulty rows' L1 norms
+        found[name] = None
+        for r in GRID:
+            faulty = [x.clone() for x in grads]
+            was = t[b, h, rows, cols]
+            faulty[i][b, h, rows, cols] = (was.float() + sign * r * l1).to(dtype)
+            changed = faulty[i][b, h, rows, cols] != was
+            if bool(changed.all()) and bool(_route_flags(ins, faulty)[i].all()):
+                found[name] = r
+                break
+    return found
+
+
+def _route_clean(n: int) -> dict[str, dict[str, int]]:
+    """Clean backward passes whose route checks flag a head, per dtype and check."""
+    alarms = {d: dict.fromkeys(ROUTE, 0) for d in DTYPES}
+    for seed in range(n):
+        for dname, dtype in DTYPES.items():
+            ins, grads = _route_case(dtype, torch.Generator().manual_seed(seed))
+            for name, flags in zip(ROUTE, _route_flags(ins, grads), strict=True):
+                alarms[dname][name] += bool(flags.any())
+    return alarms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clean", type=int, default=500, help="clean cases per GEMM and dtype")
     args = parse(ap, quick={"clean": 2})
     env = environment()
     t0 = time.perf_counter()
-    rows = {dname: {"smallest": _sensitivity(dtype)} for dname, dtype in DTYPES.items()}
+    rows = {dname: {"smallest": _sensitivity(dtype) | _route_sensitivity(dtype)}
+            for dname, dtype in DTYPES.items()}  # fmt: skip
+    route = _route_clean(max(1, args.clean // 10))
     for dname, alarms in _clean(args.clean).items():
-        rows[dname]["false_alarms"] = alarms
+        rows[dname]["false_alarms"] = alarms | route[dname]
         print(dname, rows[dname], flush=True)
     elapsed = time.perf_counter() - t0
     names = list(rows["fp32"]["smallest"])
@@ -134,7 +200,9 @@ def main() -> None:
         f"{elapsed:.0f} s. The checks as `ABFTConfig()` (the default) runs them "
         "(tolerance_scale 1, max_rows 4). Smallest r (one element changed by r x its row's L1 "
         f"norm) from which every faulty row is flagged, and false alarms in {args.clean} clean "
-        "products per GEMM and dtype.",
+        "products per GEMM and dtype. The SDPA route's rows: a head flagged, one fault per "
+        f"(batch, head) matrix, false alarms in {max(1, args.clean // 10)} clean backward "
+        "passes (96 heads each).",
         "",
         "| GEMM | " + " | ".join(f"{d} smallest r | {d} false alarms" for d in DTYPES) + " |",
         "|---|" + "---|---|" * len(DTYPES),
@@ -143,8 +211,9 @@ def main() -> None:
         cells = []
         for d in DTYPES:
             r = rows[d]["smallest"][name]
+            n = max(1, args.clean // 10) if name in ROUTE else args.clean
             cells += ["not within 1e2" if r is None else f"{r:.1e}",
-                      f"{rows[d]['false_alarms'][name]} / {args.clean}"]  # fmt: skip
+                      f"{rows[d]['false_alarms'][name]} / {n}"]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     payload = {"environment": env, "args": vars(args), "seconds": elapsed, "rows": rows}
     write("backward_sensitivity", payload, "\n".join(lines) + "\n")

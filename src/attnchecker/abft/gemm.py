@@ -32,7 +32,7 @@ from attnchecker.abft.tolerance import (
     unit_roundoff,
 )
 
-__all__ = ["col_norms", "gemm_check_", "row_norms"]
+__all__ = ["col_norms", "gemm_check_", "row_norms", "rows_excess"]
 
 _F32 = torch.float32
 
@@ -118,17 +118,8 @@ def gemm_check_(
     (``gemm_refs`` of y), when the caller has them (a weight's, once per step);
     ``refs_rounding``: they come from a wider copy of y than the one multiplied (an fp32
     parameter autocast rounds to bf16: its unit roundoff, added to the rows' factor)."""
-    M, K = x.shape
-    N = y.shape[1]
-    dt = _reference_dtype(x, y)
-    rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0  # the references are computed in dt
-    f_r = (gemm_factor(out, x, y, inner=K, length=N) + rounding + refs_rounding) * scale
-    f_c = (gemm_factor(out, x, y, inner=K, length=M) + rounding) * scale
-    # the constants that depend on sizes are arguments: a compiled region stays size-generic
-    limits = (
-        underflow_floor(out.dtype, length=N, inner=K), -math.sqrt(N) * f_r,
-        underflow_floor(out.dtype, length=M, inner=K), -math.sqrt(M) * f_c,
-    )  # fmt: skip
+    M = x.shape[0]
+    limits = _limits(out, x, y, scale, refs_rounding)
     # the layouts too, read here: under torch.compile a layout query on a gradient inside
     # autocast(enabled=False) in a backward leaves autocast off for the rest of the traced
     # forward (torch 2.13), which made a compiled bf16 model multiply mixed dtypes
@@ -138,6 +129,32 @@ def gemm_check_(
         return _kernels(kernels, out, x, y, x_rows, refs, limits[:2], rec, step)
     with torch.autocast(out.device.type, enabled=False):
         return regions.run(_gemm_region, impl, *args, on=out)
+
+
+def _limits(out: Tensor, x: Tensor, y: Tensor, scale: float, refs_rounding: float = 0.0):
+    """(floor_r, c_r, floor_c, c_c): a row fails where |residual| - floor_r exceeds
+    -c_r ||x_m|| ||y||_F, a column likewise (the constants that depend on sizes are arguments:
+    a compiled region stays size-generic)."""
+    M, K = x.shape
+    N = y.shape[1]
+    dt = _reference_dtype(x, y)
+    rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0  # the references are computed in dt
+    f_r = (gemm_factor(out, x, y, inner=K, length=N) + rounding + refs_rounding) * scale
+    f_c = (gemm_factor(out, x, y, inner=K, length=M) + rounding) * scale
+    return (
+        underflow_floor(out.dtype, length=N, inner=K), -math.sqrt(N) * f_r,
+        underflow_floor(out.dtype, length=M, inner=K), -math.sqrt(M) * f_c,
+    )  # fmt: skip
+
+
+def rows_excess(out: Tensor, x: Tensor, y: Tensor, *, scale: float) -> Tensor:
+    """(M,) each row's excess over its tolerance in :func:`gemm_check_` (> 0 or NaN: flagged),
+    before any repair (for measurements: ``benchmarks/backward_sensitivity.py``)."""
+    floor_r, c_r, _, _ = _limits(out, x, y, scale)
+    dt = _reference_dtype(x, y)
+    xn, y_fro = row_norms(x), torch.linalg.vector_norm(row_norms(y.t()))
+    res = out.sum(1, dtype=_F32) - _matvec(x, y.sum(1, dtype=_F32).to(dt)).to(_F32)
+    return _rows_excess(res, floor_r, c_r, xn, y_fro)
 
 
 def _kernels(
