@@ -544,6 +544,7 @@ def test_the_sdpa_kernels_match_their_reference_on_cuda(dtype):
 
     from attnchecker.kernels import sdpa_check as ref
     from attnchecker.kernels import sdpa_kernels as kern
+    from attnchecker.kernels import sdpa_kernels_bwd as kb
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 200, 64, generator=g).to("cuda", dtype) for h in (8, 2, 2))
@@ -563,9 +564,9 @@ def test_the_sdpa_kernels_match_their_reference_on_cuda(dtype):
     rec = torch.zeros(3, 7, dtype=torch.float64, device="cuda")
     bad = [t.clone() for t in (dq, dk, dv)]
     bad[0][0, 5, 9, 3] = math.nan
-    part, qflags = kern.bwd_rows(q, k, lse, grad, bad[0], stats, rowmax, 0.125, 1.0)
-    sums = kern.bwd_cols(bad[1], bad[2])
-    kern.bwd_repair(q, k, v, None, out, lse, grad, *bad, stats, rowmax, part, qflags, sums, rec,
+    part, qflags = kb.bwd_rows(q, k, lse, grad, bad[0], stats, rowmax, 0.125, 1.0)
+    sums = kb.bwd_cols(bad[1], bad[2])
+    kb.bwd_repair(q, k, v, None, out, lse, grad, *bad, stats, rowmax, part, qflags, sums, rec,
                     step, (0, 1, 2), True, 0.125, 1.0)  # fmt: skip
     for got, want in zip(bad, (dq, dk, dv), strict=True):
         torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)

@@ -262,10 +262,11 @@ def compile_gemm_case(case: Case) -> list[Report]:
     from attnchecker.kernels import gemm_check as gc
     from attnchecker.kernels import projection_check as pc
     from attnchecker.kernels import sdpa_kernels as sk
+    from attnchecker.kernels import sdpa_kernels_bwd as sb
 
     kernels = (gc._refs, gc._verify, gc._repair, pc._weights, pc._verify, pc._repair,
-               sk._kv_stats, sk._fwd_verify, sk._fwd_repair, sk._bwd_q, sk._bwd_kv,
-               sk._bwd_repair)  # fmt: skip
+               sk._kv_stats, sk._fwd_verify, sk._fwd_repair, sb._bwd_q, sb._bwd_kv,
+               sb._bwd_repair)  # fmt: skip
     fns = dict(zip(GEMM_KERNELS, kernels, strict=True))
     seen: dict[str, tuple] = {}
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
@@ -280,11 +281,11 @@ def compile_gemm_case(case: Case) -> list[Report]:
         pc.check_(x @ y, x, w, b, False, ws, (0,) * 12 + (1,) * 12 + (2,) * 12,
                   torch.zeros(3, 7, dtype=torch.float64), step, [0, 1, 2], factor=1e-3,
                   floor=0.0)  # fmt: skip
-        _sdpa_launches(sk, dtype, step)
+        _sdpa_launches(sk, sb, dtype, step)
     return [_compile(case, kernel, *seen[kernel]) for kernel in GEMM_KERNELS]
 
 
-def _sdpa_launches(sk, dtype, step) -> None:
+def _sdpa_launches(sk, sb, dtype, step) -> None:
     """The SDPA route's six kernels as a causal GQA call launches them, with an additive mask
     (B 2, 32 heads over 8, L 1,000, d 128)."""
     import torch
@@ -298,9 +299,9 @@ def _sdpa_launches(sk, dtype, step) -> None:
     flags = sk.fwd_verify(q, k, q, lse, stats, rowmax, 0.09, 1.0)
     sk.fwd_repair(q, k, v, mask, q, lse, stats, rowmax, flags, log, step, (0, 1), True, 0.09,
                   1.0)  # fmt: skip
-    part, qflags = sk.bwd_rows(q, k, lse, q, q, stats, rowmax, 0.09, 1.0)
-    sums = sk.bwd_cols(k, v)
-    sk.bwd_repair(q, k, v, mask, q, lse, q, q, k, v, stats, rowmax, part, qflags, sums, rec,
+    part, qflags = sb.bwd_rows(q, k, lse, q, q, stats, rowmax, 0.09, 1.0)
+    sums = sb.bwd_cols(k, v)
+    sb.bwd_repair(q, k, v, mask, q, lse, q, q, k, v, stats, rowmax, part, qflags, sums, rec,
                   step, (0, 1, 2), True, 0.09, 1.0)  # fmt: skip
 
 

@@ -22,15 +22,17 @@ backend (no dropout), per (batch, head), q_i / k_j / v_j rows, P the softmax, n 
 Tolerances (derived where they are computed) are in units of the operands' ``finfo.eps`` and of
 fp32 accumulation, times ``tolerance_scale``.
 
-A flagged (batch, head) is recomputed by the same aten op from the operands (forward: O and the
-LSE; backward: the whole K/V head group's dQ, dK, dV), written in place, checked again: still
-flagged is ``reproduced`` and ``lost`` (the operands imply it). The repair is a second op that
-does nothing on a clean call. The records go straight into the module's log rows (forward) and
-into a (n ops, 7) records tensor returned as the backward's sink gradient.
+A flagged (batch, head) is recomputed from the operands (forward: O and the LSE; backward: the
+whole K/V head group's dQ, dK, dV), written in place, checked again: still flagged is
+``reproduced`` and ``lost`` (the operands imply it). The repair is a second op that does nothing
+on a clean call. The records go straight into the module's log rows (forward) and into a (n ops,
+7) records tensor returned as the backward's sink gradient.
 
-Each function below is the torch reference the ops run (CPU; on CUDA until Triton versions of
-the verify and repair kernels are written beside them: there the repair reads the flag on the
-host, one synchronisation per flagged-or-not call, which the CUDA kernels are to remove).
+The functions below are the torch reference; the registered ops at the end run either it (a
+CPU's default: the repair reads its flag on the host, which costs nothing there) or, with
+``kernels``, the Triton kernels of :mod:`attnchecker.kernels.sdpa_kernels` (CUDA's default,
+``check_impl="auto"``, and the interpreter in tests), whose repairs read their flags on the
+device: no host synchronisation.
 """
 
 from __future__ import annotations
@@ -463,9 +465,9 @@ def bwd_verify_op(
     """(partials, flags): the kernels' query-side pass (dK / dV's column sums are
     :func:`bwd_sums_op`'s); the reference's whole check, its flags (B, Hkv) and no partials."""
     if kernels:
-        from attnchecker.kernels import sdpa_kernels
+        from attnchecker.kernels import sdpa_kernels_bwd
 
-        return sdpa_kernels.bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale, tol)
+        return sdpa_kernels_bwd.bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale, tol)
     flags = bwd_verify(q, k, v, lse, grad, dq, dk, dv, reduce_stats(stats), rowmax, rec, step,
                        tuple(rows), scale, tol)  # fmt: skip
     return q.new_empty(0, dtype=_F32), flags
@@ -485,9 +487,9 @@ def _(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol
 def bwd_sums_op(dk: Tensor, dv: Tensor, kernels: bool) -> Tensor:
     """dK's and dV's column sums per block of key rows (the kernels; the reference has none)."""
     if kernels:
-        from attnchecker.kernels import sdpa_kernels
+        from attnchecker.kernels import sdpa_kernels_bwd
 
-        return sdpa_kernels.bwd_cols(dk, dv)
+        return sdpa_kernels_bwd.bwd_cols(dk, dv)
     return dk.new_empty(0, dtype=_F32)
 
 
@@ -505,10 +507,10 @@ def bwd_repair_op(
     causal: bool, scale: float, tol: float, kernels: bool,
 ) -> None:  # fmt: skip
     if kernels:
-        from attnchecker.kernels import sdpa_kernels
+        from attnchecker.kernels.sdpa_kernels_bwd import bwd_repair as kernels_repair
 
-        sdpa_kernels.bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part,
-                                flags, sums, rec, step, rows, causal, scale, tol)  # fmt: skip
+        kernels_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags,
+                       sums, rec, step, rows, causal, scale, tol)  # fmt: skip
         return
     bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, reduce_stats(stats), rowmax, flags,
                rec, tuple(rows), causal, scale, tol)  # fmt: skip

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(not available(), reason="needs triton (CUDA or t
 
 from attnchecker.kernels import sdpa_check as ref  # noqa: E402
 from attnchecker.kernels import sdpa_kernels as kern  # noqa: E402
+from attnchecker.kernels import sdpa_kernels_bwd as kb  # noqa: E402
 
 from .test_sdpa_check import SCALE, _mask, _operands, _run  # noqa: E402
 
@@ -44,9 +45,9 @@ def _fwd(q, k, v, m, causal, out, lse, rowmax):
 def _bwd(q, k, v, m, causal, out, lse, grad, dq, dk, dv, rowmax):
     rec = torch.zeros(3, 7, dtype=torch.float64, device=DEVICE)
     stats = kern.kv_stats(k, v)
-    part, flags = kern.bwd_rows(q, k, lse, grad, dq, stats, rowmax, SCALE, 1.0)
-    sums = kern.bwd_cols(dk, dv)
-    kern.bwd_repair(q, k, v, ref.backend_mask(m, q), out, lse, grad, dq, dk, dv, stats, rowmax,
+    part, flags = kb.bwd_rows(q, k, lse, grad, dq, stats, rowmax, SCALE, 1.0)
+    sums = kb.bwd_cols(dk, dv)
+    kb.bwd_repair(q, k, v, ref.backend_mask(m, q), out, lse, grad, dq, dk, dv, stats, rowmax,
                     part, flags, sums, rec, torch.ones(1, device=DEVICE), (0, 1, 2), causal,
                     SCALE, 1.0)  # fmt: skip
     return rec

@@ -1,0 +1,324 @@
+"""The SDPA route's backward checks as Triton kernels (the forward's and the shared helpers:
+:mod:`attnchecker.kernels.sdpa_kernels`), three launches a layer, none waiting for the host:
+
+- ``_bwd_q``: per block of query rows, dQ's bound and the partial sums the dV and dK checks
+  compare with (sum live_i dO_i, its tolerance, sum a_i |q_i|);
+- ``_bwd_kv``: per block of key rows, the column sums of dK and dV;
+- ``_bwd_repair``: per K/V head group: reduces the partials, compares; returns unless a check
+  failed; else adds the records, recomputes the group's dQ, dK, dV (FlashAttention-2's backward
+  from the saved LSE: P = exp(s - LSE), dS = P (dP - D)) and checks them again.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from attnchecker.abft.tolerance import underflow_floor
+from attnchecker.kernels.sdpa_kernels import (
+    _BM,
+    _BN,
+    _DEAD,
+    _EPS32,
+    _EPS32_K,
+    _F32,
+    _bd,
+    _dot,
+    _ieee,
+    _lost,
+    _mask4,
+    _readable,
+    _record,
+    _rows,
+    _scores,
+    _stats,
+    _tile,
+)
+
+__all__ = ["bwd_cols", "bwd_repair", "bwd_rows"]
+
+
+@triton.jit
+def _bwd_q(Q, DO, LSE, DQ, STATS, RMX, PART, FLAGS, H, rep, L, Lk, d, S, nM,
+           sq_b, sq_h, sq_l, sq_d, sg_b, sg_h, sg_l, sg_d, sl_b, sl_h, sl_l,
+           sd_b, sd_h, sd_l, sd_d, sr_b, sr_h, sr_l, scale_abs, w_live, c_q, floor_q,
+           BM: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    pm, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    ds = tl.arange(0, BD)
+    dm = ds < d
+    _, _, ka, _, va = _stats(STATS, b * (H // rep) + h // rep, S, d, ds, dm)
+    rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+    rm = rows < L
+    g = _tile(DO + b * sg_b + h * sg_h, rows, ds, sg_l, sg_d, rm, dm, 0.0).to(tl.float32)
+    q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm, 0.0).to(tl.float32)
+    dq = _tile(DQ + b * sd_b + h * sd_h, rows, ds, sd_l, sd_d, rm, dm, 0.0).to(tl.float32)
+    lse = tl.load(LSE + b * sl_b + h * sl_h + rows * sl_l, mask=rm, other=0.0)
+    rmx = tl.load(RMX + b * sr_b + h * sr_h + rows * sr_l, mask=rm, other=_DEAD)
+    live = rmx > _DEAD
+    lse_abs = tl.where(live & (tl.abs(lse) < float("inf")), tl.abs(lse), 0.0)
+    a = tl.sum(tl.abs(g), 1) * va * tl.where(live, 1.0, Lk * 1.0)
+    bound = c_q * 2 * scale_abs * a[:, None] * ka[None, :] + floor_q
+    q_bad = ~(tl.abs(dq) - bound <= 0.0) & rm[:, None] & dm[None, :]
+    w = tl.where(live, w_live + _EPS32_K * lse_abs, Lk * 1.0)
+    w = tl.where(rm, w, 0.0)
+    at = PART + (bh.to(tl.int64) * nM + pm) * (3 * d + 1)
+    tl.store(at + ds, tl.sum(tl.where(live[:, None], g, 0.0), 0), mask=dm)
+    tl.store(at + d + ds, tl.sum(w[:, None] * tl.abs(g), 0), mask=dm)
+    tl.store(at + 2 * d + ds, tl.sum(a[:, None] * tl.abs(q), 0), mask=dm)
+    tl.store(at + 3 * d, tl.max(lse_abs, 0))
+    n_q = tl.sum(tl.max(q_bad.to(tl.int32), 1), 0)
+    tl.store(FLAGS + 2 * (bh.to(tl.int64) * nM + pm), n_q)
+    cols = tl.max(q_bad.to(tl.int32), 0)
+    tl.store(FLAGS + 2 * (bh.to(tl.int64) * nM + pm) + 1, tl.sum(cols, 0))
+    if (pm == 0) & (bh == 0):  # the records' claims, for the repair
+        claims = FLAGS + 2 * tl.num_programs(1).to(tl.int64) * nM + tl.arange(0, 8)
+        tl.store(claims, tl.zeros([8], dtype=tl.int32))
+
+
+@triton.jit
+def _bwd_kv(DK, DV, PART, Hkv, Lk, d, nN, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
+            BN: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    pn, bkv = tl.program_id(0), tl.program_id(1)
+    b, h = (bkv // Hkv).to(tl.int64), (bkv % Hkv).to(tl.int64)
+    ds = tl.arange(0, BD)
+    dm = ds < d
+    rows = (pn * BN + tl.arange(0, BN)).to(tl.int64)
+    rm = rows < Lk
+    dk = _tile(DK + b * sk_b + h * sk_h, rows, ds, sk_l, sk_d, rm, dm, 0.0).to(tl.float32)
+    dv = _tile(DV + b * sv_b + h * sv_h, rows, ds, sv_l, sv_d, rm, dm, 0.0).to(tl.float32)
+    at = PART + (bkv.to(tl.int64) * nN + pn) * (2 * d)
+    tl.store(at + ds, tl.sum(dk, 0), mask=dm)
+    tl.store(at + d + ds, tl.sum(dv, 0), mask=dm)
+
+
+@triton.jit
+def _group(QP, KVP, FLAGS, bkv, rep, d, nM, nN, ds, dm, BD: tl.constexpr):
+    """The reduced partials of one K/V head group: (ref, tol_v, qa (d,), max |LSE|, sum dK,
+    sum dV (d,), flagged dQ rows, flagged dQ columns)."""
+    ref = tl.zeros([BD], dtype=tl.float32)
+    tv = tl.zeros([BD], dtype=tl.float32)
+    qa = tl.zeros([BD], dtype=tl.float32)
+    lm = tl.zeros([], dtype=tl.float32)
+    n_q = tl.zeros([], dtype=tl.int32)
+    c_q = tl.zeros([], dtype=tl.int32)
+    for r in range(0, rep):
+        bh = bkv.to(tl.int64) * rep + r
+        for j in range(0, nM):
+            at = QP + (bh * nM + j) * (3 * d + 1)
+            ref += tl.load(at + ds, mask=dm, other=0.0)
+            tv += tl.load(at + d + ds, mask=dm, other=0.0)
+            qa += tl.load(at + 2 * d + ds, mask=dm, other=0.0)
+            lm = tl.maximum(lm, tl.load(at + 3 * d))
+            n_q += tl.load(FLAGS + 2 * (bh * nM + j))
+            c_q += tl.load(FLAGS + 2 * (bh * nM + j) + 1)
+    sk = tl.zeros([BD], dtype=tl.float32)
+    sv = tl.zeros([BD], dtype=tl.float32)
+    for j in range(0, nN):
+        at = KVP + (bkv.to(tl.int64) * nN + j) * (2 * d)
+        sk += tl.load(at + ds, mask=dm, other=0.0)
+        sv += tl.load(at + d + ds, mask=dm, other=0.0)
+    return ref, tv, qa, lm, sk, sv, n_q, c_q
+
+
+@triton.jit
+def _sums_bad(ref, tv, qa, lm, sk, sv, dm, scale_abs, c_k, tol, floor_k, floor_v):
+    """(dK's flagged columns, dV's) of a group."""
+    t_k = tol * 4 * ((c_k + _EPS32_K * lm) * scale_abs * 2 * qa + floor_k)
+    t_v = tol * 4 * (tv + floor_v)
+    k_bad = ~(tl.abs(sk) - t_k <= 0.0) & dm
+    v_bad = ~(tl.abs(sv - ref) - t_v <= 0.0) & dm
+    return k_bad, v_bad
+
+
+@triton.jit
+def _bwd_repair(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS, REC, STEP,
+                row_q, row_k, row_v, H, rep, L, Lk, d, S, nM, nN,
+                sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
+                sm_b, sm_h, sm_l, sm_k, so_b, so_h, so_l, so_d, sl_b, sl_h, sl_l,
+                sg_b, sg_h, sg_l, sg_d, sdq_b, sdq_h, sdq_l, sdq_d,
+                sdk_b, sdk_h, sdk_l, sdk_d, sdv_b, sdv_h, sdv_l, sdv_d, sr_b, sr_h, sr_l,
+                scale, scale_abs, c_k, tol, floor_k, floor_v, w_live, c_q, floor_q,
+                HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """(nM, nN: the partials' blocks; BM, BN: the recomputation's, smaller: a rare path that
+    must not spill)"""
+    bkv = tl.program_id(0).to(tl.int64)
+    Hkv = H // rep
+    b, g = bkv // Hkv, bkv % Hkv
+    ds = tl.arange(0, BD)
+    dm = ds < d
+    ref, tv, qa, lm, sk, sv, n_q, c_qn = _group(QP, KVP, FLAGS, bkv, rep, d, nM, nN, ds, dm, BD)
+    k_bad, v_bad = _sums_bad(ref, tv, qa, lm, sk, sv, dm, scale_abs, c_k, tol, floor_k, floor_v)
+    n_k = tl.sum(k_bad.to(tl.int32), 0)
+    n_v = tl.sum(v_bad.to(tl.int32), 0)
+    if (n_q + n_k + n_v) > 0:  # the device flag: nothing below runs for a clean group
+        claims = FLAGS + 2 * tl.num_programs(0).to(tl.int64) * rep * nM
+        step = tl.load(STEP)
+        zero = tl.zeros([], dtype=tl.int32)
+        if n_q > 0:
+            _record(REC, row_q, claims, n_q, c_qn, tl.zeros([], dtype=tl.float32), step)
+        if n_k > 0:
+            _record(REC, row_k, claims + 1, zero + 1, n_k, tl.max(tl.where(k_bad, sk, 0.0), 0),
+                    step)  # fmt: skip
+        if n_v > 0:
+            _record(REC, row_v, claims + 2, zero + 1, n_v, tl.max(tl.where(v_bad, sv, 0.0), 0),
+                    step)  # fmt: skip
+        Kh, Vh = K + b * sk_b + g * sk_h, V + b * sv_b + g * sv_h
+        new_sk = tl.zeros([BD], dtype=tl.float32)
+        new_sv = tl.zeros([BD], dtype=tl.float32)
+        again_q = tl.zeros([], dtype=tl.int32)
+        _, _, ka, _, va = _stats(STATS, bkv, S, d, ds, dm)
+        # dK, dV of every key block, over the group's heads and query blocks
+        for nb in range(0, tl.cdiv(Lk, BN)):
+            cols = (nb * BN + tl.arange(0, BN)).to(tl.int64)
+            cm = cols < Lk
+            dk = tl.zeros([BN, BD], dtype=tl.float32)
+            dv = tl.zeros([BN, BD], dtype=tl.float32)
+            v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm, 0.0)
+            for r in range(0, rep):
+                h = g * rep + r
+                for mb in range(0, tl.cdiv(L, BM)):
+                    rows = (mb * BM + tl.arange(0, BM)).to(tl.int64)
+                    rm = rows < L
+                    q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm, 0.0)
+                    Mh = M + b * sm_b + h * sm_h
+                    z, k = _scores(q, Kh, Mh, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k,
+                                   scale, HAS_MASK, CAUSAL, IEEE)  # fmt: skip
+                    p, do, dsc = _dsc(z, Out + b * so_b + h * so_h, LSE + b * sl_b + h * sl_h,
+                                      DO + b * sg_b + h * sg_h, rows, rm, ds, dm, v, so_l, so_d,
+                                      sl_l, sg_l, sg_d, IEEE)  # fmt: skip
+                    dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
+                    dk += _dot(tl.trans(dsc.to(q.dtype)), q, IEEE) * scale
+            both = cm[:, None] & dm[None, :]
+            tl.store(DK + b * sdk_b + g * sdk_h + cols[:, None] * sdk_l + ds[None, :] * sdk_d,
+                     dk.to(DK.dtype.element_ty), mask=both)  # fmt: skip
+            tl.store(DV + b * sdv_b + g * sdv_h + cols[:, None] * sdv_l + ds[None, :] * sdv_d,
+                     dv.to(DV.dtype.element_ty), mask=both)  # fmt: skip
+            new_sk += tl.sum(tl.where(both, dk.to(DK.dtype.element_ty).to(tl.float32), 0.0), 0)
+            new_sv += tl.sum(tl.where(both, dv.to(DV.dtype.element_ty).to(tl.float32), 0.0), 0)
+        # dQ of every query block of the group's heads, over the key blocks
+        for r in range(0, rep):
+            h = g * rep + r
+            for mb in range(0, tl.cdiv(L, BM)):
+                rows = (mb * BM + tl.arange(0, BM)).to(tl.int64)
+                rm = rows < L
+                q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm, 0.0)
+                dq = tl.zeros([BM, BD], dtype=tl.float32)
+                for nb in range(0, tl.cdiv(Lk, BN)):
+                    cols = (nb * BN + tl.arange(0, BN)).to(tl.int64)
+                    cm = cols < Lk
+                    v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm, 0.0)
+                    Mh = M + b * sm_b + h * sm_h
+                    z, k = _scores(q, Kh, Mh, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k,
+                                   scale, HAS_MASK, CAUSAL, IEEE)  # fmt: skip
+                    p, do, dsc = _dsc(z, Out + b * so_b + h * so_h, LSE + b * sl_b + h * sl_h,
+                                      DO + b * sg_b + h * sg_h, rows, rm, ds, dm, v, so_l, so_d,
+                                      sl_l, sg_l, sg_d, IEEE)  # fmt: skip
+                    dq += _dot(dsc.to(k.dtype), k, IEEE) * scale
+                both = rm[:, None] & dm[None, :]
+                tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None] * sdq_l + ds[None, :] * sdq_d,
+                         dq.to(DQ.dtype.element_ty), mask=both)  # fmt: skip
+                # dQ's bound again on the new rows
+                g_ = _tile(DO + b * sg_b + h * sg_h, rows, ds, sg_l, sg_d, rm, dm, 0.0)
+                rmx = tl.load(RMX + b * sr_b + h * sr_h + rows * sr_l, mask=rm, other=_DEAD)
+                a = tl.sum(tl.abs(g_.to(tl.float32)), 1) * va * tl.where(rmx > _DEAD, 1.0, Lk * 1.0)
+                bound = c_q * 2 * scale_abs * a[:, None] * ka[None, :] + floor_q
+                newq = dq.to(DQ.dtype.element_ty).to(tl.float32)
+                worse = ~(tl.abs(newq) - bound <= 0.0) & both
+                again_q += tl.sum(tl.max(worse.to(tl.int32), 1), 0)
+        k_bad, v_bad = _sums_bad(ref, tv, qa, lm, new_sk, new_sv, dm, scale_abs, c_k, tol,
+                                 floor_k, floor_v)  # fmt: skip
+        if (n_q > 0) & (again_q > 0):
+            _lost(REC, row_q, claims + 3)
+        if (n_k > 0) & (tl.sum(k_bad.to(tl.int32), 0) > 0):
+            _lost(REC, row_k, claims + 4)
+        if (n_v > 0) & (tl.sum(v_bad.to(tl.int32), 0) > 0):
+            _lost(REC, row_v, claims + 5)
+
+
+@triton.jit
+def _dsc(z, Oh, Lh, Gh, rows, rm, ds, dm, v, so_l, so_d, sl_l, sg_l, sg_d, IEEE: tl.constexpr):
+    """(P, dO, dS) of a block from its scores z: P = exp(z - LSE) (0 where excluded),
+    dS = P (dO v^T - D), D_i = dO_i . O_i (the delivered O)."""
+    lse = tl.load(Lh + rows * sl_l, mask=rm, other=0.0)
+    p = tl.where(z == -float("inf"), 0.0, tl.exp(z - lse[:, None]))
+    do = _tile(Gh, rows, ds, sg_l, sg_d, rm, dm, 0.0)
+    o = _tile(Oh, rows, ds, so_l, so_d, rm, dm, 0.0)
+    dd = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    dp = _dot(do, tl.trans(v), IEEE)
+    return p, do, p * (dp - dd[:, None])
+
+
+# ------------------------------------------------------------------------------ the launchers
+
+
+def bwd_consts(q: Tensor, k: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, scale: float,
+               tol: float) -> dict[str, float]:  # fmt: skip
+    """The backward checks' constants, as the reference derives them."""
+    L, d, Lk = q.shape[2], q.shape[3], k.shape[2]
+    eps = torch.finfo(q.dtype).eps
+    return {"scale_abs": abs(scale), "c_k": 4 * eps + (L + Lk + d) * _EPS32, "tol": tol,
+            "floor_k": underflow_floor(dk.dtype, length=Lk, inner=L),
+            "floor_v": underflow_floor(dv.dtype, length=Lk, inner=L),
+            "w_live": 2 * eps + (L + Lk) * _EPS32,
+            "c_q": 1 + tol * 4 * (3 * eps + (Lk + d) * _EPS32),
+            "floor_q": tol * 4 * underflow_floor(dq.dtype, length=1, inner=Lk)}  # fmt: skip
+
+
+def bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale: float, tol: float):
+    """dQ's bound and the query-side partial sums, per block of query rows: (partials fp32,
+    flags int32; its last 8 entries, zeroed, are the records' claims)."""
+    B, H, L, d = q.shape
+    Hkv, Lk, S = k.shape[1], k.shape[2], stats.shape[2]
+    nM = triton.cdiv(L, _BM)
+    part = torch.empty(B * H * nM * (3 * d + 1), device=q.device, dtype=_F32)
+    flags = torch.empty(2 * B * H * nM + 8, device=q.device, dtype=torch.int32)
+    qr, gr, dqr = _readable(q), _readable(grad), _readable(dq)
+    rmx = _rows(rowmax, q)
+    c = bwd_consts(q, k, dq, dq, dq, scale, tol)
+    _bwd_q[(nM, B * H)](qr, gr, lse, dqr, stats, rmx, part, flags, H, H // Hkv, L, Lk, d, S, nM,
+                        *qr.stride(), *gr.stride(), *lse.stride(), *dqr.stride(), *rmx.stride(),
+                        c["scale_abs"], c["w_live"], c["c_q"], c["floor_q"], BM=_BM,
+                        BD=_bd(d))  # fmt: skip
+    return part, flags
+
+
+def bwd_cols(dk: Tensor, dv: Tensor) -> Tensor:
+    """The column sums of dK and dV per block of key rows (fp32 partials)."""
+    B, Hkv, Lk, d = dk.shape
+    nN = triton.cdiv(Lk, _BN)
+    part = torch.empty(B * Hkv * nN * 2 * d, device=dk.device, dtype=_F32)
+    kr, vr = _readable(dk), _readable(dv)
+    _bwd_kv[(nN, B * Hkv)](kr, vr, part, Hkv, Lk, d, nN, *kr.stride(), *vr.stride(), BN=_BN,
+                           BD=_bd(d))  # fmt: skip
+    return part
+
+
+def bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, flags, kvpart,
+               rec, step, rows, causal: bool, scale: float, tol: float) -> None:  # fmt: skip
+    """Compare the partials per K/V head group; recompute the failing groups' dQ, dK, dV in
+    place, their records into ``rec`` rows ``rows`` (dq, dk, dv; -1: none): nothing on a clean
+    call."""
+    B, H, L, d = q.shape
+    Hkv, Lk, S = k.shape[1], k.shape[2], stats.shape[2]
+    nM, nN = triton.cdiv(L, _BM), triton.cdiv(Lk, _BN)
+    qr, kr, vr, orr, gr = (_readable(t) for t in (q, k, v, out, grad))
+    dqr, dkr, dvr = (_readable(t) for t in (dq, dk, dv))
+    m, sm, has_mask = _mask4(mask, q, Lk)
+    rmx = _rows(rowmax, q)
+    c = bwd_consts(q, k, dq, dk, dv, scale, tol)
+    _bwd_repair[(B * Hkv,)](
+        qr, kr, vr, m, orr, lse, gr, dqr, dkr, dvr, stats, rmx, qpart, kvpart, flags, rec, step,
+        rows[0], rows[1], rows[2], H, H // Hkv, L, Lk, d, S, nM, nN,
+        *qr.stride(), *kr.stride(), *vr.stride(), *sm, *orr.stride(), *lse.stride(),
+        *gr.stride(), *dqr.stride(), *dkr.stride(), *dvr.stride(), *rmx.stride(),
+        scale, c["scale_abs"], c["c_k"], c["tol"], c["floor_k"], c["floor_v"], c["w_live"],
+        c["c_q"], c["floor_q"],
+        HAS_MASK=has_mask, CAUSAL=causal, IEEE=_ieee(q), BM=16, BN=16, BD=_bd(d), num_warps=8,
+    )  # fmt: skip
+    for t, r in ((dq, dqr), (dk, dkr), (dv, dvr)):
+        if r is not t:  # the interpreter's fp32 copies
+            t.copy_(r)
