@@ -184,12 +184,12 @@ def _bwd_repair(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS
                     rows = (mb * BM + tl.arange(0, BM)).to(tl.int64)
                     rm = rows < L
                     q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm, 0.0)
-                    Mh = M + b * sm_b + h * sm_h
-                    z, k = _scores(q, Kh, Mh, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k,
-                                   scale, HAS_MASK, CAUSAL, IEEE)  # fmt: skip
-                    p, do, dsc = _dsc(z, Out + b * so_b + h * so_h, LSE + b * sl_b + h * sl_h,
-                                      DO + b * sg_b + h * sg_h, rows, rm, ds, dm, v, so_l, so_d,
-                                      sl_l, sg_l, sg_d, IEEE)  # fmt: skip
+                    k, p, do, dsc = _block(
+                        q, Kh, M + b * sm_b + h * sm_h, Out + b * so_b + h * so_h,
+                        LSE + b * sl_b + h * sl_h, DO + b * sg_b + h * sg_h, v, rows, rm, cols, cm,
+                        ds, dm, sk_l, sk_d, sm_l, sm_k, so_l, so_d, sl_l, sg_l, sg_d, scale,
+                        HAS_MASK, CAUSAL, IEEE,
+                    )  # fmt: skip
                     dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
                     dk += _dot(tl.trans(dsc.to(q.dtype)), q, IEEE) * scale
             both = cm[:, None] & dm[None, :]
@@ -211,12 +211,12 @@ def _bwd_repair(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS
                     cols = (nb * BN + tl.arange(0, BN)).to(tl.int64)
                     cm = cols < Lk
                     v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm, 0.0)
-                    Mh = M + b * sm_b + h * sm_h
-                    z, k = _scores(q, Kh, Mh, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k,
-                                   scale, HAS_MASK, CAUSAL, IEEE)  # fmt: skip
-                    p, do, dsc = _dsc(z, Out + b * so_b + h * so_h, LSE + b * sl_b + h * sl_h,
-                                      DO + b * sg_b + h * sg_h, rows, rm, ds, dm, v, so_l, so_d,
-                                      sl_l, sg_l, sg_d, IEEE)  # fmt: skip
+                    k, _p, _do, dsc = _block(
+                        q, Kh, M + b * sm_b + h * sm_h, Out + b * so_b + h * so_h,
+                        LSE + b * sl_b + h * sl_h, DO + b * sg_b + h * sg_h, v, rows, rm, cols, cm,
+                        ds, dm, sk_l, sk_d, sm_l, sm_k, so_l, so_d, sl_l, sg_l, sg_d, scale,
+                        HAS_MASK, CAUSAL, IEEE,
+                    )  # fmt: skip
                     dq += _dot(dsc.to(k.dtype), k, IEEE) * scale
                 both = rm[:, None] & dm[None, :]
                 tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None] * sdq_l + ds[None, :] * sdq_d,
@@ -240,16 +240,21 @@ def _bwd_repair(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS
 
 
 @triton.jit
-def _dsc(z, Oh, Lh, Gh, rows, rm, ds, dm, v, so_l, so_d, sl_l, sg_l, sg_d, IEEE: tl.constexpr):
-    """(P, dO, dS) of a block from its scores z: P = exp(z - LSE) (0 where excluded),
-    dS = P (dO v^T - D), D_i = dO_i . O_i (the delivered O)."""
+def _block(q, Kh, Mh, Oh, Lh, Gh, v, rows, rm, cols, cm, ds, dm, sk_l, sk_d, sm_l, sm_k, so_l,
+           so_d, sl_l, sg_l, sg_d, scale, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+           IEEE: tl.constexpr):  # fmt: skip
+    """(K's tile, P, dO, dS) of a (rows, cols) block of one head (pointers at the head):
+    P = exp(z - LSE) (0 where excluded), dS = P (dO v^T - D), D_i = dO_i . O_i (the delivered
+    O)."""
+    z, k = _scores(q, Kh, Mh, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k, scale,
+                   HAS_MASK, CAUSAL, IEEE)  # fmt: skip
     lse = tl.load(Lh + rows * sl_l, mask=rm, other=0.0)
     p = tl.where(z == -float("inf"), 0.0, tl.exp(z - lse[:, None]))
     do = _tile(Gh, rows, ds, sg_l, sg_d, rm, dm, 0.0)
     o = _tile(Oh, rows, ds, so_l, so_d, rm, dm, 0.0)
     dd = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     dp = _dot(do, tl.trans(v), IEEE)
-    return p, do, p * (dp - dd[:, None])
+    return k, p, do, p * (dp - dd[:, None])
 
 
 # ------------------------------------------------------------------------------ the launchers
