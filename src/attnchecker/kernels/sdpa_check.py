@@ -102,7 +102,11 @@ def attention_forward(
         return out, lse, ()
     H, L = q.shape[1], q.shape[2]
     k, v = _expand(k, H), _expand(v, H)
-    if mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+    # flash takes no mask, half precision, head sizes to 256, and aligns causality bottom-right
+    # (SDPA's is top-left: the same only where L == Lk); the memory-efficient kernel the rest
+    square = not causal or k.shape[2] == L
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if mask is None and square and half and q.shape[-1] <= 256:
         out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale
         )
