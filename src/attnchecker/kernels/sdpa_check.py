@@ -6,16 +6,20 @@ CUDA the flash kernel, or the memory-efficient one where a mask is given), becau
 each row's log-sum-exp. Nothing of size L x L is made. What holds exactly for any mask and any
 backend (no dropout), per (batch, head), q_i / k_j / v_j rows, P the softmax, n the key count:
 
-- **scores** (forward): LSE_i = log sum_j exp(scale s_ij + m_ij) <= max_j (scale s_ij + m_ij) +
-  log n <= |scale| ||q_i|| max_j ||k_j|| + max m + log n. An INF, NaN or near-INF score (or any
-  finite one above that bound) breaks it. A bound, not a checksum: extreme errors only.
-- **context** (forward): O_i = sum_j p_ij v_j with p_ij >= 0, sum_j p_ij in {0, 1}, so each O_if
-  lies in [min(0, min_j v_jf), max(0, max_j v_jf)]. Extreme errors only (a fault in P or in the
-  P V product that leaves O inside V's range is not seen).
+- **scores** (forward): max_j (scale s_ij + m_ij) <= LSE_i <= max_j (scale s_ij + m_ij) + log n,
+  and |scale s_ij| <= r_i = |scale| ||q_i|| max_j ||k_j||, so m_i - r_i <= LSE_i <= m_i + r_i +
+  log n (m_i: the row's largest mask value). An INF, NaN or near-INF score (any finite one above
+  the bound), or a whole row sunk, breaks it; a single score lowered (-INF) does not. A bound,
+  not a checksum: extreme errors only.
+- **context** (forward): O_i = sum_j p_ij v_j with p_ij >= 0 and sum_j p_ij = 1 for a row that
+  attends a key (rows that attend none, :data:`~attnchecker.kernels.DEAD`, are not checked), so
+  each O_if lies in [min_j v_jf, max_j v_jf]. Extreme errors only (a fault in P or in the P V
+  product that leaves O inside V's range is not seen).
 - **dv** (backward): sum_j dV_j = sum_i (sum_j p_ij) dO_i = sum_i dO_i over the rows that attend
-  to a key. A checksum: any error above rounding.
+  to a key. A checksum: any error above its (column sum's) rounding bound.
 - **dk** (backward): sum_j dK_j = scale sum_i (sum_j dS_ij) q_i = 0 (each row of
-  dS = P o (dP - D) sums to 0). A checksum: any error above rounding in dK, dS or dP.
+  dS = P o (dP - D) sums to 0). A checksum: any error in dK, dS or dP above its bound (built
+  from dS's bound: loose, extreme errors only in half precision; README, "On a GPU").
 - **dq** (backward): |dQ_if| <= scale sum_j |dS_ij| |k_jf| <= 2 scale ||dO_i||_1 max|V| max_j |k_jf|
   (sum_j |dS_ij| <= sum_j p_ij (|dP_ij| + |D_i|) <= 2 max_j |dP_ij|). A bound: extreme errors.
 
