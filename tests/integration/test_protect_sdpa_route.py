@@ -286,3 +286,21 @@ def test_the_cuda_default_adds_at_most_a_few_dozen_launches_per_layer(family, ta
     assert (got.launching - plain.launching) / LAYERS <= target
     assert got.syncs == plain.syncs
     assert handle.drain() == []
+
+
+def test_the_self_test_passes_here_and_names_what_breaks(monkeypatch):
+    """``backend="auto"`` takes the route on CUDA only where its self-test passes: here it does
+    (under no_grad too, as protect_ may be called), and a kernel that fails gives the reason."""
+    from attnchecker.attention import sdpa_core
+
+    monkeypatch.setattr(sdpa_core, "_SELF_TESTS", {})
+    with torch.no_grad():
+        assert sdpa_core.self_test("cpu") is None
+    assert torch.is_grad_enabled()
+    sdpa_core._SELF_TESTS.clear()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(sdpa_core, "attention_forward", broken)
+    assert sdpa_core.self_test("cpu") == "RuntimeError: no kernel image is available"

@@ -304,19 +304,8 @@ def self_test(device: torch.device | str) -> str | None:
                    for n in (4, 2, 2))  # fmt: skip
         keep = torch.ones(2, 1, 80, 80, dtype=torch.bool, device=device).tril()
         keep[1, :, :, :7] = False  # left padding
-        errors = []
-        for mask, causal in ((None, True), (keep, False)):
-            clock.tick(device)
-            out = checked_attention(state, q, k, v, mask, causal=causal, scale=0.125)
-            grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-            want = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, scale=0.125, enable_gqa=True
-            )
-            wants = torch.autograd.grad(want.float().sum(), (q, k, v))
-            live = slice(None) if mask is None else (0,)  # (SDPA's rows of no key: its own)
-            errors += [(out - want).detach()[live].abs().max()] + [
-                (a - b)[live].abs().max() for a, b in zip(grads, wants, strict=True)
-            ]
+        with torch.enable_grad():  # (protect_ may be called under no_grad)
+            errors = _self_test_errors(state, clock, device, q, k, v, keep)
         worst = max(float(e) for e in errors)
         if not worst <= (5e-2 if dtype == torch.bfloat16 else 1e-4):
             reason = f"results differ from SDPA by {worst:.2e}"
@@ -326,3 +315,22 @@ def self_test(device: torch.device | str) -> str | None:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     _SELF_TESTS[key] = reason
     return reason
+
+
+def _self_test_errors(state, clock, device, q, k, v, keep) -> list[Tensor]:
+    """The self-test's largest differences from SDPA, output and gradients, causal then
+    padded."""
+    errors = []
+    for mask, causal in ((None, True), (keep, False)):
+        clock.tick(device)
+        out = checked_attention(state, q, k, v, mask, causal=causal, scale=0.125)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=0.125, enable_gqa=True
+        )
+        wants = torch.autograd.grad(want.float().sum(), (q, k, v))
+        live = slice(None) if mask is None else (0,)  # (SDPA's rows of no key: its own)
+        errors += [(out - want).detach()[live].abs().max()] + [
+            (a - b)[live].abs().max() for a, b in zip(grads, wants, strict=True)
+        ]
+    return errors
