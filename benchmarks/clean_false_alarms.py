@@ -37,7 +37,7 @@ from _common import command, environment, parse, write
 from attnchecker import ABFTConfig, protect_
 from attnchecker.errors import UncorrectableFaultError
 from attnchecker.models.families import FAMILIES
-from attnchecker.models.tiny import build
+from attnchecker.models.tiny import build, no_dropout
 from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,19 +75,9 @@ def _is_norm(name: str) -> bool:
     return "norm" in owner.lower() or owner.startswith("ln")
 
 
-def _no_dropout(family: str) -> dict[str, float]:
-    """Config overrides that set every dropout probability of ``family``'s model to 0 (the SDPA
-    route runs the checked eager attention for attention dropout in training)."""
-    from attnchecker.models.tiny import family_config
-
-    cfg = family_config(family).to_dict()
-    return {k: 0.0 for k, v in cfg.items()
-            if isinstance(v, float) and ("dropout" in k or "pdrop" in k)}  # fmt: skip
-
-
 def clean(blocks, regime, family, dtype, config, *, steps, lr, outliers, seed, backend="eager",
           dropout=True) -> Run:  # fmt: skip
-    extra = {} if dropout else _no_dropout(family)
+    extra = {} if dropout else no_dropout(family)
     model = build(family, vocab_size=blocks.vocab_size, max_len=SEQ_LEN, seed=seed, **extra)
     model.train()
     with torch.no_grad():

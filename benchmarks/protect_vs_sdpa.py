@@ -35,7 +35,7 @@ from attnchecker import ABFTConfig, protect_
 from attnchecker.attention.config import OPS
 from attnchecker.models.families import TABLE
 from attnchecker.models.registry import discover
-from attnchecker.models.tiny import build, family_config
+from attnchecker.models.tiny import build, no_dropout
 from attnchecker.testing import count_ops, inductor_kernels, region_kernels
 
 ATTENTION = ("self_attn", "attn", "attention")  # how transformers' layers name their attention
@@ -62,10 +62,7 @@ def _autocast(device: str, dtype: str):
 
 
 def _models(family: str, L: int, device: str):
-    extra = {} if not ARGS.no_dropout else {
-        k: 0.0 for k, v in family_config(family, ARGS.size).to_dict().items()
-        if isinstance(v, float) and ("dropout" in k or "pdrop" in k)
-    }  # fmt: skip
+    extra = no_dropout(family, ARGS.size) if ARGS.no_dropout else {}
     base = build(family, ARGS.size, layers=ARGS.layers, max_len=max(L, 128), **extra)
     base.config.use_cache = False
     base.train()

@@ -85,11 +85,9 @@ def models(family: str, *, dropout: bool = True, **kw) -> tuple[nn.Module, nn.Mo
     """A tiny ``family`` model in training mode, twice; ``dropout=False``: every dropout
     probability of its config 0."""
     if not dropout:
-        from attnchecker.models.tiny import family_config
+        from attnchecker.models.tiny import no_dropout
 
-        cfg = family_config(family, **kw).to_dict()
-        kw |= {k: 0.0 for k, v in cfg.items()
-               if isinstance(v, float) and ("dropout" in k or "pdrop" in k)}  # fmt: skip
+        kw |= no_dropout(family, kw.get("size", "tiny"))
     m = build(family, **kw)
     m.train()
     return m, copy.deepcopy(m)

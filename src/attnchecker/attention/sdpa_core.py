@@ -38,8 +38,10 @@ from attnchecker.kernels.sdpa_check import (
     bwd_repair_op,
     bwd_sums_op,
     bwd_verify_op,
+    expand_kv,
     fwd_repair_op,
     fwd_verify_op,
+    group_sum,
     kv_stats_op,
     mask_facts,
 )
@@ -79,25 +81,11 @@ def _changed(before: Tensor, after: Tensor) -> Tensor:
     return (~(after == before)).flatten(2).any(-1)
 
 
-class _Sums:
-    """Group sums of (B, H, ...) gradients onto their (B, Hkv, ...) K/V heads."""
-
-    def __init__(self, H: int, Hkv: int) -> None:
-        self.rep, self.Hkv = H // Hkv, Hkv
-
-    def __call__(self, t: Tensor) -> Tensor:
-        return t.view(t.shape[0], self.Hkv, self.rep, *t.shape[2:]).sum(2)
-
-    def any(self, heads: Tensor) -> Tensor:
-        return heads.view(heads.shape[0], self.Hkv, self.rep).any(-1)
-
-
 def _emulate_forward(sites, q, k, v, mask, causal, scale, out, lse) -> None:
     """The forward's sites on eager S, P, O: what a hook changed replaces ``out`` / ``lse``."""
     H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
     if sites.hooks.get("scores") or sites.hooks.get("probs"):
-        rep = H // k.shape[1]
-        ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        ke, ve = expand_kv(k, H), expand_kv(v, H)
         s = q @ ke.mT  # (B, H, L, Lk)
         before = s.clone()
         sites.run("scores", s)
@@ -117,8 +105,8 @@ def _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv)
     """The backward's sites on eager dP, dV, dQ, dK (dS from the possibly corrupted dP):
     what a hook changed replaces the kernel's gradients of those heads (dK, dV: their group)."""
     H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
-    sums = _Sums(H, k.shape[1])
-    ke, ve = k.repeat_interleave(sums.rep, 1), v.repeat_interleave(sums.rep, 1)
+    Hkv = k.shape[1]
+    ke, ve = expand_kv(k, H), expand_kv(v, H)
     z = (q @ ke.mT).float() * scale + _additive(mask, causal, L, Lk, q.device)
     p = torch.softmax(z, -1).nan_to_num(0.0)  # (B, H, L, Lk) fp32
     found = {}
@@ -137,9 +125,10 @@ def _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv)
         found[site] = _changed(before, t)
     heads = found["dp"] | found["dq"]
     dq.copy_(torch.where(heads[..., None, None], dqf.to(dq.dtype), dq))
-    groups = sums.any(found["dp"] | found["dk"] | found["dv"])[..., None, None]
-    dk.copy_(torch.where(groups, sums(dkf.float()).to(dk.dtype), dk))
-    dv.copy_(torch.where(groups, sums(dvf.float()).to(dv.dtype), dv))
+    changed = (found["dp"] | found["dk"] | found["dv"]).float()
+    groups = (group_sum(changed, Hkv) > 0)[..., None, None]
+    dk.copy_(torch.where(groups, group_sum(dkf.float(), Hkv).to(dk.dtype), dk))
+    dv.copy_(torch.where(groups, group_sum(dvf.float(), Hkv).to(dv.dtype), dv))
 
 
 class _Checked(torch.autograd.Function):

@@ -55,8 +55,10 @@ __all__ = [
     "backend_mask",
     "bwd_repair",
     "bwd_verify",
+    "expand_kv",
     "fwd_repair",
     "fwd_verify",
+    "group_sum",
     "kv_stats",
     "mask_facts",
 ]
@@ -70,10 +72,15 @@ _aten = torch.ops.aten
 # ------------------------------------------------------------------------------ the backend
 
 
-def _expand(t: Tensor, heads: int) -> Tensor:
+def expand_kv(t: Tensor, heads: int) -> Tensor:
     """K or V (B, Hkv, Lk, d) -> (B, H, Lk, d) as repeat_kv (head h reads kv head h // rep)."""
     rep = heads // t.shape[1]
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def group_sum(t: Tensor, kv_heads: int) -> Tensor:
+    """(B, H, ...) -> (B, Hkv, ...): what each query head group contributes to its K/V head."""
+    return t.view(t.shape[0], kv_heads, t.shape[1] // kv_heads, *t.shape[2:]).sum(2)
 
 
 def backend_mask(mask: Tensor | None, q: Tensor) -> Tensor | None:
@@ -105,7 +112,7 @@ def attention_forward(
         )
         return out, lse, ()
     H, L = q.shape[1], q.shape[2]
-    k, v = _expand(k, H), _expand(v, H)
+    k, v = expand_kv(k, H), expand_kv(v, H)
     # flash takes no mask, half precision, head sizes to 256, and aligns causality bottom-right
     # (SDPA's is top-left: the same only where L == Lk); the memory-efficient kernel the rest
     square = not causal or k.shape[2] == L
@@ -132,7 +139,7 @@ def attention_backward(
             grad, q, k, v, out, lse, 0.0, causal, attn_mask=backend_mask(mask, q), scale=scale
         )
     H, Hkv = q.shape[1], k.shape[1]
-    ke, ve = _expand(k, H), _expand(v, H)
+    ke, ve = expand_kv(k, H), expand_kv(v, H)
     if aux[0] == "flash":
         _, cq, ck, mq, mk, seed, offset = aux
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
@@ -145,7 +152,7 @@ def attention_backward(
             [True, True, True, False], causal, scale=scale,
         )  # fmt: skip
     if Hkv != H:  # the group's gradients summed onto its kv head
-        dk, dv = (t.view(t.shape[0], Hkv, H // Hkv, *t.shape[2:]).sum(2) for t in (dk, dv))
+        dk, dv = group_sum(dk, Hkv), group_sum(dv, Hkv)
     return dq, dk, dv
 
 
@@ -195,10 +202,8 @@ def _record(
 
 def _fwd_flags(q, k, out, lse, stats, scale, rowmax, tol):
     """(lse_bad (B, H, L), o_bad (B, H, L, d), lse excess, o excess) of the forward checks."""
-    H, d = q.shape[1], q.shape[3]
-    Hkv, Lk = k.shape[1], k.shape[2]
-    rep = H // Hkv
-    st = stats.repeat_interleave(rep, 1)[:, :, None]  # (B, H, 1, 3d + 2)
+    H, d, Lk = q.shape[1], q.shape[3], k.shape[2]
+    st = expand_kv(stats, H)[:, :, None]  # (B, H, 1, 3d + 2)
     lo, hi, knorm = st[..., :d], st[..., d : 2 * d], st[..., 3 * d]
     rowmax = rowmax.to(q.device)
     live = rowmax > DEAD  # (B | 1, H | 1, L | 1)
@@ -282,17 +287,13 @@ def fwd_repair(
 def _bwd_flags(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, scale, tol):
     """(dq_bad (B, H, L, d), dk_bad (B, Hkv, d), dv_bad (B, Hkv, d), excesses) of the backward
     checks."""
-    B, H, L, d = q.shape
+    H, L, d = q.shape[1:]
     Hkv, Lk = k.shape[1], k.shape[2]
-    rep = H // Hkv
     eps = torch.finfo(q.dtype).eps
     g = grad.float()
     dead = _full(rowmax, q) <= DEAD
     live = (~dead).float()[..., None]  # (B, H, L, 1)
     lse_abs = torch.where(dead, 0.0, lse.abs()).nan_to_num(0.0, 0.0, 0.0)[..., None]
-
-    def group(t: Tensor) -> Tensor:  # (B, H, ...) -> (B, Hkv, ...) summed over the group
-        return t.view(B, Hkv, rep, *t.shape[2:]).sum(2)
 
     # The tolerances are bounds predicted from the operands, never from the delivered dK / dV
     # (a whole column scaled by a fault would scale such a tolerance with it).
@@ -303,24 +304,28 @@ def _bwd_flags(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, scale, tol):
     # row adds up to Lk |dO_i| (P of ones).
     acc = (L + Lk) * _EPS32
     w = live * (2 * eps + acc + _EPS32 * lse_abs) + (1 - live) * Lk  # (B, H, L, 1)
-    ref = group((live * g).sum(2))  # (B, Hkv, d)
+    ref = group_sum((live * g).sum(2), Hkv)  # (B, Hkv, d)
     # each dV_j rounded to the output dtype loses up to a subnormal spacing where it underflows
     # (fp16 gradients without a loss scale: ~1e-5), which no relative term covers
-    t_v = tol * 4 * (group((w * g.abs()).sum(2)) + underflow_floor(dv.dtype, length=Lk, inner=L))
+    t_v = (
+        tol
+        * 4
+        * (group_sum((w * g.abs()).sum(2), Hkv) + underflow_floor(dv.dtype, length=Lk, inner=L))
+    )
     v_excess = (dv.float().sum(2) - ref).abs() - t_v
     # dK: sum_j dK_j = 0, and sum_j |dK_jf| <= |scale| sum_i (sum_j |dS_ij|) |q_if| <= 2 |scale|
     # sum_i a_i |q_if| (a_i = ||dO_i||_1 max|V|; Lk a_i on a dead row). Relative to that: dS
     # rounded for the MMA, D_i from the delivered O, dK_j rounded to the output dtype (eps
     # each), the products in fp32 over L + Lk + d terms, P from the rounded LSE
     st = stats[:, :, None]  # (B, Hkv, 1, 3d + 2)
-    vabs = st[..., 3 * d + 1].repeat_interleave(rep, 1)  # (B, H, 1)
+    vabs = expand_kv(st[..., 3 * d + 1], H)  # (B, H, 1)
     a = g.abs().sum(-1) * vabs * (live[..., 0] + (1 - live[..., 0]) * Lk)  # (B, H, L)
-    qa = group((a[..., None] * q.float().abs()).sum(2))  # (B, Hkv, d)
+    qa = group_sum((a[..., None] * q.float().abs()).sum(2), Hkv)  # (B, Hkv, d)
     c = 4 * eps + (L + Lk + d) * _EPS32 + _EPS32 * lse_abs.amax((1, 2, 3))[:, None, None]
     t_k = tol * 4 * (c * abs(scale) * 2 * qa + underflow_floor(dk.dtype, length=Lk, inner=L))
     k_excess = dk.float().sum(2).abs() - t_k
     # dQ: |dQ_if| <= 2 |scale| a_i max_j |k_jf|, the same terms relative to it
-    kabs = st[..., 2 * d : 3 * d].repeat_interleave(rep, 1)  # (B, H, 1, d)
+    kabs = expand_kv(st[..., 2 * d : 3 * d], H)  # (B, H, 1, d)
     c_q = 1 + tol * 4 * (3 * eps + (Lk + d) * _EPS32)
     q_excess = dq.float().abs() - (
         c_q * 2 * abs(scale) * a[..., None] * kabs

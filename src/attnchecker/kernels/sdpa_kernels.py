@@ -32,6 +32,7 @@ from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
 from attnchecker.kernels import DEAD, SDPA_BLOCKS, interpreting
+from attnchecker.kernels.gemm_check import _readable, _tile
 
 __all__ = ["fwd_repair", "fwd_verify", "kv_stats", "stats_size"]
 
@@ -40,12 +41,6 @@ _EPS32 = torch.finfo(_F32).eps
 _CHUNK, _BM, _BN = SDPA_BLOCKS
 _DEAD = tl.constexpr(DEAD)
 _EPS32_K = tl.constexpr(1.1920928955078125e-07)  # fp32's eps, inside the kernels
-
-
-@triton.jit
-def _tile(P, r, c, s_r, s_c, rmask, cmask, other):
-    return tl.load(P + r[:, None] * s_r + c[None, :] * s_c, mask=rmask[:, None] & cmask[None, :],
-                   other=other)  # fmt: skip
 
 
 @triton.jit
@@ -63,8 +58,8 @@ def _kv_stats(K, V, STATS, Hkv, Lk, d, S, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv
     for n0 in range(0, CH, BN):
         rows = (s * CH + n0 + tl.arange(0, BN)).to(tl.int64)
         rm = rows < Lk
-        k = _tile(K + b * sk_b + h * sk_h, rows, ds, sk_l, sk_d, rm, dm, 0.0).to(tl.float32)
-        v = _tile(V + b * sv_b + h * sv_h, rows, ds, sv_l, sv_d, rm, dm, 0.0).to(tl.float32)
+        k = _tile(K + b * sk_b + h * sk_h, rows, ds, sk_l, sk_d, rm, dm).to(tl.float32)
+        v = _tile(V + b * sv_b + h * sv_h, rows, ds, sv_l, sv_d, rm, dm).to(tl.float32)
         both = rm[:, None] & dm[None, :]
         lo = tl.minimum(lo, tl.min(tl.where(both, v, float("inf")), 0))
         hi = tl.maximum(hi, tl.max(tl.where(both, v, -float("inf")), 0))
@@ -102,7 +97,7 @@ def _stats(STATS, bkv, S, d, ds, dm):
 def _fwd_flags(Q, Out, LSE, RMX, rows, rm, ds, dm, lo, hi, kn, sq_l, sq_d, so_l, so_d, sl_l, sr_l,
                scale_abs, logn, tol_rel, tol_abs, hull_rel, hull_abs):  # fmt: skip
     """(lse_bad (BM,), o_bad (BM, BD), the LSE, O) of a block of rows (pointers at its head)."""
-    q = _tile(Q, rows, ds, sq_l, sq_d, rm, dm, 0.0).to(tl.float32)
+    q = _tile(Q, rows, ds, sq_l, sq_d, rm, dm).to(tl.float32)
     lse = tl.load(LSE + rows * sl_l, mask=rm, other=0.0)
     rmx = tl.load(RMX + rows * sr_l, mask=rm, other=_DEAD)
     live = (rmx > _DEAD) & rm
@@ -111,7 +106,7 @@ def _fwd_flags(Q, Out, LSE, RMX, rows, rm, ds, dm, lo, hi, kn, sq_l, sq_d, so_l,
     slack = r * tol_rel + tol_abs
     exc = tl.maximum(lse - (m + r + logn + slack), (m - r - slack) - lse)
     lse_bad = ~(exc <= 0.0) & live
-    o = _tile(Out, rows, ds, so_l, so_d, rm, dm, 0.0).to(tl.float32)
+    o = _tile(Out, rows, ds, so_l, so_d, rm, dm).to(tl.float32)
     t = hull_rel * tl.maximum(tl.abs(lo), tl.abs(hi)) + hull_abs
     oexc = tl.maximum(o - (hi + t)[None, :], (lo - t)[None, :] - o)
     o_bad = ~(oexc <= 0.0) & live[:, None] & dm[None, :]
@@ -181,13 +176,13 @@ def _first(values, bad):
 def _scores(q, K, M, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k, scale,
             HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """scale q k^T + mask of a (rows, cols) block: (z (BM, BN) fp32, -inf where excluded, k)."""
-    k = _tile(K, cols, ds, sk_l, sk_d, cm, dm, 0.0)
+    k = _tile(K, cols, ds, sk_l, sk_d, cm, dm)
     if IEEE:
         z = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
     else:
         z = tl.dot(q, tl.trans(k)) * scale
     if HAS_MASK:
-        z += _tile(M, rows, cols, sm_l, sm_k, rm, cm, 0.0).to(tl.float32)
+        z += _tile(M, rows, cols, sm_l, sm_k, rm, cm).to(tl.float32)
     ok = rm[:, None] & cm[None, :]
     if CAUSAL:
         ok = ok & (cols[None, :] <= rows[:, None])
@@ -250,7 +245,7 @@ def _fwd_repair(Q, K, V, M, Out, LSE, STATS, RMX, FLAGS, LOG, STEP, row_s, row_c
             n_o += tl.sum(bad_rows, 0)
             cols_o = tl.maximum(cols_o, tl.max(o_bad.to(tl.int32), 0))
             # the head's rows recomputed: online softmax over the keys
-            q = _tile(Qh, rows, ds, sq_l, sq_d, rm, dm, 0.0)
+            q = _tile(Qh, rows, ds, sq_l, sq_d, rm, dm)
             m_i = tl.full([BM], -float("inf"), tl.float32)
             l_i = tl.zeros([BM], dtype=tl.float32)
             acc = tl.zeros([BM, BD], dtype=tl.float32)
@@ -266,7 +261,7 @@ def _fwd_repair(Q, K, V, M, Out, LSE, STATS, RMX, FLAGS, LOG, STEP, row_s, row_c
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
                 p = tl.exp(z - m_safe[:, None])
                 alpha = tl.exp(m_i - m_safe)
-                v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm, 0.0)
+                v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
                 m_i = m_new
@@ -293,13 +288,6 @@ def _fwd_repair(Q, K, V, M, Out, LSE, STATS, RMX, FLAGS, LOG, STEP, row_s, row_c
 
 
 # ------------------------------------------------------------------------------ the launchers
-
-
-def _readable(t: Tensor | None) -> Tensor | None:
-    """t as the kernels read it: an fp32 copy of a bf16 tensor in the interpreter."""
-    if t is not None and interpreting() and t.dtype == torch.bfloat16:
-        return t.to(_F32)
-    return t
 
 
 def _bd(d: int) -> int:

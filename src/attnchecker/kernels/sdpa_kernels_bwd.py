@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
+from attnchecker.kernels.gemm_check import _readable, _tile
 from attnchecker.kernels.sdpa_kernels import (
     _BM,
     _BN,
@@ -29,12 +30,10 @@ from attnchecker.kernels.sdpa_kernels import (
     _ieee,
     _lost,
     _mask4,
-    _readable,
     _record,
     _rows,
     _scores,
     _stats,
-    _tile,
 )
 
 __all__ = ["bwd_cols", "bwd_repair", "bwd_rows"]
@@ -52,9 +51,9 @@ def _bwd_q(Q, DO, LSE, DQ, STATS, RMX, PART, FLAGS, H, rep, L, Lk, d, S, nM,
     _, _, ka, _, va = _stats(STATS, b * (H // rep) + h // rep, S, d, ds, dm)
     rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
     rm = rows < L
-    g = _tile(DO + b * sg_b + h * sg_h, rows, ds, sg_l, sg_d, rm, dm, 0.0).to(tl.float32)
-    q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm, 0.0).to(tl.float32)
-    dq = _tile(DQ + b * sd_b + h * sd_h, rows, ds, sd_l, sd_d, rm, dm, 0.0).to(tl.float32)
+    g = _tile(DO + b * sg_b + h * sg_h, rows, ds, sg_l, sg_d, rm, dm).to(tl.float32)
+    q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm).to(tl.float32)
+    dq = _tile(DQ + b * sd_b + h * sd_h, rows, ds, sd_l, sd_d, rm, dm).to(tl.float32)
     lse = tl.load(LSE + b * sl_b + h * sl_h + rows * sl_l, mask=rm, other=0.0)
     rmx = tl.load(RMX + b * sr_b + h * sr_h + rows * sr_l, mask=rm, other=_DEAD)
     live = rmx > _DEAD
@@ -87,8 +86,8 @@ def _bwd_kv(DK, DV, PART, Hkv, Lk, d, nN, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv
     dm = ds < d
     rows = (pn * BN + tl.arange(0, BN)).to(tl.int64)
     rm = rows < Lk
-    dk = _tile(DK + b * sk_b + h * sk_h, rows, ds, sk_l, sk_d, rm, dm, 0.0).to(tl.float32)
-    dv = _tile(DV + b * sv_b + h * sv_h, rows, ds, sv_l, sv_d, rm, dm, 0.0).to(tl.float32)
+    dk = _tile(DK + b * sk_b + h * sk_h, rows, ds, sk_l, sk_d, rm, dm).to(tl.float32)
+    dv = _tile(DV + b * sv_b + h * sv_h, rows, ds, sv_l, sv_d, rm, dm).to(tl.float32)
     at = PART + (bkv.to(tl.int64) * nN + pn) * (2 * d)
     tl.store(at + ds, tl.sum(dk, 0), mask=dm)
     tl.store(at + d + ds, tl.sum(dv, 0), mask=dm)
@@ -177,13 +176,13 @@ def _bwd_repair(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS
             cm = cols < Lk
             dk = tl.zeros([BN, BD], dtype=tl.float32)
             dv = tl.zeros([BN, BD], dtype=tl.float32)
-            v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm, 0.0)
+            v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm)
             for r in range(0, rep):
                 h = g * rep + r
                 for mb in range(0, tl.cdiv(L, BM)):
                     rows = (mb * BM + tl.arange(0, BM)).to(tl.int64)
                     rm = rows < L
-                    q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm, 0.0)
+                    q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm)
                     k, p, do, dsc = _block(
                         q, Kh, M + b * sm_b + h * sm_h, Out + b * so_b + h * so_h,
                         LSE + b * sl_b + h * sl_h, DO + b * sg_b + h * sg_h, v, rows, rm, cols, cm,
@@ -205,12 +204,12 @@ def _bwd_repair(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS
             for mb in range(0, tl.cdiv(L, BM)):
                 rows = (mb * BM + tl.arange(0, BM)).to(tl.int64)
                 rm = rows < L
-                q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm, 0.0)
+                q = _tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm)
                 dq = tl.zeros([BM, BD], dtype=tl.float32)
                 for nb in range(0, tl.cdiv(Lk, BN)):
                     cols = (nb * BN + tl.arange(0, BN)).to(tl.int64)
                     cm = cols < Lk
-                    v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm, 0.0)
+                    v = _tile(Vh, cols, ds, sv_l, sv_d, cm, dm)
                     k, _p, _do, dsc = _block(
                         q, Kh, M + b * sm_b + h * sm_h, Out + b * so_b + h * so_h,
                         LSE + b * sl_b + h * sl_h, DO + b * sg_b + h * sg_h, v, rows, rm, cols, cm,
@@ -222,7 +221,7 @@ def _bwd_repair(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS
                 tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None] * sdq_l + ds[None, :] * sdq_d,
                          dq.to(DQ.dtype.element_ty), mask=both)  # fmt: skip
                 # dQ's bound again on the new rows
-                g_ = _tile(DO + b * sg_b + h * sg_h, rows, ds, sg_l, sg_d, rm, dm, 0.0)
+                g_ = _tile(DO + b * sg_b + h * sg_h, rows, ds, sg_l, sg_d, rm, dm)
                 rmx = tl.load(RMX + b * sr_b + h * sr_h + rows * sr_l, mask=rm, other=_DEAD)
                 a = tl.sum(tl.abs(g_.to(tl.float32)), 1) * va * tl.where(rmx > _DEAD, 1.0, Lk * 1.0)
                 bound = c_q * 2 * scale_abs * a[:, None] * ka[None, :] + floor_q
@@ -250,8 +249,8 @@ def _block(q, Kh, Mh, Oh, Lh, Gh, v, rows, rm, cols, cm, ds, dm, sk_l, sk_d, sm_
                    HAS_MASK, CAUSAL, IEEE)  # fmt: skip
     lse = tl.load(Lh + rows * sl_l, mask=rm, other=0.0)
     p = tl.where(z == -float("inf"), 0.0, tl.exp(z - lse[:, None]))
-    do = _tile(Gh, rows, ds, sg_l, sg_d, rm, dm, 0.0)
-    o = _tile(Oh, rows, ds, so_l, so_d, rm, dm, 0.0)
+    do = _tile(Gh, rows, ds, sg_l, sg_d, rm, dm)
+    o = _tile(Oh, rows, ds, so_l, so_d, rm, dm)
     dd = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     dp = _dot(do, tl.trans(v), IEEE)
     return k, p, do, p * (dp - dd[:, None])

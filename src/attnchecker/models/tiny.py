@@ -13,7 +13,7 @@ from torch import nn
 from attnchecker.errors import ConfigError
 from attnchecker.models.families import FAMILIES, TABLE
 
-__all__ = ["FAMILIES", "SIZES", "TABLE", "build", "family_config", "from_file"]
+__all__ = ["FAMILIES", "SIZES", "TABLE", "build", "family_config", "from_file", "no_dropout"]
 
 
 _SHAPES = {  # hidden, layers, heads
@@ -93,6 +93,15 @@ def from_file(path: str, *, task: str = "lm", seed: int = 0, **overrides: Any) -
         if head == "causal" and type(cfg) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
             head = "masked"
     return _instantiate(cfg, head=head, task=task, seed=seed)
+
+
+def no_dropout(family: str, size: str = "tiny") -> dict[str, float]:
+    """Overrides of :func:`build` that set every dropout probability of ``family``'s config to
+    0 (attention dropout in training runs the SDPA route's and the fused kernels' calls on the
+    eager engine)."""
+    cfg = family_config(family, size).to_dict()
+    return {k: 0.0 for k, v in cfg.items()
+            if isinstance(v, float) and ("dropout" in k or "pdrop" in k)}  # fmt: skip
 
 
 def build(
