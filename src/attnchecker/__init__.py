@@ -14,6 +14,7 @@ from attnchecker.errors import (
 )
 from attnchecker.models import Event, ProtectionHandle, protect_, unprotect_
 from attnchecker.recovery.guard import GuardedOptimizer, guard
+from attnchecker.recovery.replay import Replayer, replay
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = [
     "NoMatchingModuleError",
     "Pattern",
     "ProtectionHandle",
+    "Replayer",
     "Report",
     "UncorrectableFaultError",
     "UnsupportedModelError",
@@ -34,5 +36,6 @@ __all__ = [
     "guard",
     "protect_",
     "protected_matmul",
+    "replay",
     "unprotect_",
 ]

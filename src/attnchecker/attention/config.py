@@ -14,7 +14,7 @@ __all__ = [
 ]  # fmt: skip
 
 SCOPES = ("attention", "all_linear")
-POLICIES = ("raise", "skip_step", "warn")
+POLICIES = ("raise", "skip_step", "warn", "replay")
 MODES = ("naive", "passing")
 BACKENDS = ("eager", "sdpa", "triton", "auto")
 CHECK_IMPLS = ("auto", "compiled", "eager", "triton")  # attnchecker.abft.regions.IMPLS
@@ -38,7 +38,10 @@ class ABFTConfig:
       :mod:`~attnchecker.attention.handoff`). Passing saves one reduction over V but its bound
       is loose: measured 1000x less sensitive in fp32 (``benchmarks/check_sensitivity.py``),
       which is why ``"naive"`` is the default.
-    - ``policy``: what :meth:`ProtectionHandle.drain` does about an uncorrectable error.
+    - ``policy``: what :meth:`ProtectionHandle.drain` does about an uncorrectable error:
+      ``raise``, ``warn``, ``skip_step`` (the update is skipped: :func:`attnchecker.guard`) or
+      ``replay`` (the step is recomputed on the same batch with the same random state, and
+      skipped only when the replay meets the error again: :func:`attnchecker.replay`).
     - ``max_rows``: token rows of a projection output that may be recomputed per call (covers
       whole-row errors and 2D blocks spanning up to this many tokens).
     - ``max_heads``: (batch, head) matrices of scores / probabilities / context that may be

@@ -89,5 +89,9 @@ class Schedule:
     def advance(self) -> None:
         """One training step done (a drain): the next one, the (drains + 1)-th, is a checked
         step when drains is a multiple of the period."""
-        self.drains += 1
+        self.go_to(self.drains + 1)
+
+    def go_to(self, drains: int) -> None:
+        """Stand after ``drains`` drains (:meth:`advance`; a replayed step goes back one)."""
+        self.drains = drains
         self.on = self.drains % self.period == 0

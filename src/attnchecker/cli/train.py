@@ -54,7 +54,7 @@ def _train(args: argparse.Namespace) -> int:
         batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed, abft=abft,
         protect=abft is not None, recovery=args.recovery, fault_rank=args.fault_rank,
         checkpoint_every=args.checkpoint_every, bf16=args.bf16, warmup=args.warmup,
-        data=tuple(args.data) if args.data else None,
+        data=tuple(args.data) if args.data else None, policy=args.policy, compile=args.compile,
     )  # fmt: skip
     print(json.dumps(train(cfg, args.out, faults=faults), indent=2))
     return 0
@@ -82,7 +82,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--protect", action="store_true", help="protect_ the model")
     tr.add_argument("--plan", help="protect with attnchecker plan's choice (its plan.json)")
-    tr.add_argument("--policy", default="warn", choices=POLICIES)
+    tr.add_argument(
+        "--policy", default="warn", choices=POLICIES,
+        help="a step with an uncorrectable error (and under skip_step / replay one with a "
+        "non-finite loss or gradient, protected or not): warn, raise, skip its update, or "
+        "replay it on its batch and random state first (skipped if the replay goes wrong too)",
+    )  # fmt: skip
+    tr.add_argument("--compile", action="store_true", help="torch.compile the model")
     add_backend(
         tr,
         "protected attention: the SDPA route on CUDA and the checked eager math "

@@ -77,6 +77,7 @@ class Injector:
         self.records: list[FaultRecord] = []
         self.step = 0
         self._fired: set[int] = set()
+        self._fired_in: dict[int, int] = {}  # the forward pass a fault last fired in
         self._undo: list[Callable[[], None]] = []
 
     @property
@@ -210,6 +211,7 @@ class Injector:
             col = -1 if f.pattern == "1R" else col
             mode, value = kernel_edit(f.kind, value=f.value, generator=g)
             self._fired.add(i)
+            self._fired_in[i] = self.step
             self.records.append(
                 FaultRecord(i, f.site, state.layer, self.current_step,
                             _describe((b, h, slice(None) if row < 0 else row,
@@ -225,10 +227,13 @@ class Injector:
         return self.step if self._step_fn is None else self._step_fn()
 
     def _due(self, i: int, fault: Fault, replay: bool | None = None) -> bool:
-        """Not fired yet, this step, and not a checkpointing replay (``replay``: as the site
-        says; a backward site runs inside autograd but is never a replay)."""
+        """Not fired yet (a persistent fault: not in this forward pass and its backward, so that
+        a training step replayed on its batch meets it again), this step, and not a
+        checkpointing replay (``replay``: as the site says; a backward site runs inside autograd
+        but is never a replay)."""
         replay = in_replay() if replay is None else replay
-        return i not in self._fired and fault.step == self.current_step and not replay
+        fresh = self._fired_in.get(i) != self.step if fault.persistent else i not in self._fired
+        return fresh and fault.step == self.current_step and not replay
 
     def _fire(self, i: int, t: Tensor, layer: int | None) -> None:
         fault = self.plan.faults[i]
@@ -237,6 +242,7 @@ class Injector:
             fault.kind, t, index, bit=fault.bit, value=fault.value, generator=self.plan.generator(i)
         )
         self._fired.add(i)
+        self._fired_in[i] = self.step
         flat_old, flat_new = old.reshape(-1), new.reshape(-1)
         self.records.append(
             FaultRecord(
@@ -262,21 +268,15 @@ class Injector:
 
     def _on_grad(self, i: int, grad: Tensor) -> Tensor | None:
         # Backward runs inside an autograd node: check the step only (no replay test).
-        fault = self.plan.faults[i]
-        if i in self._fired or fault.step != self.current_step:
+        if not self._due(i, self.plan.faults[i], replay=False):
             return None
         grad = grad.clone()
         self._fire(i, grad, None)
         return grad
 
     def _on_optimizer(self, i: int, param: Tensor, key: str, *_: object) -> None:
-        fault = self.plan.faults[i]
         state = self.optimizer.state.get(param, {})
-        if (
-            i not in self._fired
-            and fault.step == self.current_step
-            and isinstance(state.get(key), Tensor)
-        ):
+        if self._due(i, self.plan.faults[i], replay=False) and isinstance(state.get(key), Tensor):
             self._fire(i, state[key].data, None)
 
 

@@ -18,6 +18,10 @@ the fault fires, so the same plan on the same model always hits the same element
   ``dq`` in the backward (:data:`attnchecker.kernels.flash.SITES`); patterns 0D, 1R, 1C;
   ``persistent`` faults hit every recomputation too (else the first only).
 
+A ``persistent`` fault (any site) fires in every forward pass of its step and that pass's
+backward, so that a step replayed on its batch (``policy="replay"``) meets it again: a stuck
+unit, not a transient upset (which fires once).
+
 Steps count the model's forward passes from 1 (one per training step).
 """
 
@@ -75,7 +79,7 @@ class Fault:
     size: tuple[int, int] = (2, 2)
     bit: int | None = None  # for bit_flip
     value: float | None = None  # for near_inf, scale, random
-    persistent: bool = False  # kernel sites: every recomputation is hit too
+    persistent: bool = False  # every pass of its step (a replay too); kernels: recomputations
 
     def __post_init__(self) -> None:
         for name, kinds in (("kind", FaultKind), ("pattern", FaultPattern)):
@@ -115,8 +119,6 @@ class Fault:
                     f"kernel sites cannot express fault kind {self.kind!s}; they take "
                     f"{sorted(str(k) for k in KERNEL_MODES)}"
                 )
-        elif self.persistent:
-            raise ConfigError("persistent faults are for kernel sites (the eager sites fire once)")
         if self.kind is FaultKind.BIT_FLIP and self.bit is None:
             raise ConfigError("a bit_flip fault needs bit= (0 is the least significant bit)")
 
@@ -273,6 +275,11 @@ class PlanBuilder:
 
     def kind(self, kind: str, *, bit: int | None = None, value: float | None = None) -> PlanBuilder:
         self._next.update(kind=kind, bit=bit, value=value)
+        return self
+
+    def persistent(self) -> PlanBuilder:
+        """The next fault is persistent: it fires in every pass of its step (a replay too)."""
+        self._next["persistent"] = True
         return self
 
     def pattern(self, pattern: str, *, size: tuple[int, int] | None = None) -> PlanBuilder:

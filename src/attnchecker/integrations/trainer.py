@@ -6,7 +6,9 @@ is guarded (:func:`attnchecker.guard`, on the torch optimizer inside accelerate'
 step with an uncorrectable error is skipped on the device, every rank alike, and the events are
 drained after the step; under fp16 (accelerate's GradScaler) an overflow skips it as well.
 Under ``"raise"`` and ``"warn"`` they are drained just before the step, so that ``raise`` stops
-training before a bad update.
+training before a bad update. ``"replay"`` is ``"skip_step"`` here, with a warning: a callback
+never holds the step's batches, so it cannot recompute them (:func:`attnchecker.replay` in a loop
+of one's own, or ``attnchecker train --policy replay``, can).
 
 Every optimizer step is diagnosed (:mod:`attnchecker.recovery.diagnosis`: a computation fault,
 your hardware; or numerics, not your hardware) into :attr:`findings`; each log carries the
@@ -71,7 +73,17 @@ class AttnCheckerCallback(TrainerCallback):
         self._model = model
         where = here(next(model.parameters()).device)
         self._where, self._counts = where, RankCounts(where.rank, where.host, where.device)
-        if self.handle.config.policy == "skip_step" and optimizer is not None:
+        if self.handle.config.policy == "replay":
+            import warnings
+
+            warnings.warn(
+                "attnchecker: policy='replay' skips the step under the Trainer (a callback does "
+                "not hold the batches to replay them); attnchecker.replay does in a loop of "
+                "one's own",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        if self.handle.config.policy in ("skip_step", "replay") and optimizer is not None:
             self._guard(optimizer)
 
     def _guard(self, optimizer: Any) -> None:

@@ -180,6 +180,7 @@ class ProtectionHandle:
         self._undo: list[Callable[[], None]] = [] if undo is None else undo  # what protect_ did
         self._totals = {op: {"detected": 0, "corrected": 0, "uncorrectable": 0} for op in ALL_OPS}
         self.skip_requested = False
+        self.read_also: list[float] = []  # drain(also=...)'s values
         self._causes = {"fault": 0, "numerics": 0}  # detections by cause since protection
         self._engines_logged: set[str] | None = None  # fallback reasons logged; None: none yet
         self.unprotected = unprotected  # why the model's attention is not checked, or None
@@ -244,21 +245,38 @@ class ProtectionHandle:
 
         return _Detach(detach)
 
-    def _read(self) -> list[list[dict[str, float]]]:
+    def _read(self, also: torch.Tensor | None = None) -> list[list[dict[str, float]]]:
         """Every module's records (:meth:`Records.rows`, a dict of :data:`RECORD_FIELDS` per
-        row) as Python values: one device transfer."""
+        row) as Python values: one device transfer, which also reads ``also`` (a small tensor
+        of the caller's) into :attr:`read_also`."""
         states = list(self._states.values())
-        if not states:
-            return []
         dev = self._clock.count.device
         rows = [st.records.rows(self._clock.count).to(dev) for st in states]
-        values, at, out = torch.cat([r.flatten() for r in rows]).tolist(), 0, []
+        extra = [] if also is None else [also.detach().reshape(-1).to(dev, torch.float64)]
+        if not rows and not extra:
+            return []
+        values = torch.cat([r.flatten().double() for r in rows] + extra).tolist()
+        if extra:
+            self.read_also = values[len(values) - extra[0].numel() :]
+        at, out = 0, []
         width = len(RECORD_FIELDS)
         for r in rows:
             out.append([dict(zip(RECORD_FIELDS, values[at + i * width : at + (i + 1) * width],
                                  strict=True)) for i in range(r.shape[0])])  # fmt: skip
             at += r.numel()
         return out
+
+    def mark(self) -> tuple[torch.Tensor, int]:
+        """Where the step about to run starts (the clock, on the device: no host read; the
+        schedule's drains), for :meth:`rewind`."""
+        return self._clock.count.clone(), self.schedule.drains
+
+    def rewind(self, mark: tuple[torch.Tensor, int]) -> None:
+        """Back to ``mark`` (:meth:`mark`, taken before a step whose drain is done): a replay
+        of that step runs the checks it ran, and its events report its step."""
+        count, drains = mark
+        self._clock.count.copy_(count)
+        self.schedule.go_to(drains)
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Totals per op since protection (checkpointing replays where they found something the
@@ -281,20 +299,24 @@ class ProtectionHandle:
             total = total + st.records.lost().to(total.device)
         return (total > 0).to(torch.float32)
 
-    def drain(self) -> list[Event]:
+    def drain(self, *, also: torch.Tensor | None = None) -> list[Event]:
         """Events recorded since the last drain (one host sync), with the policy applied:
         ``raise`` raises :class:`UncorrectableFaultError` on an uncorrectable event (carrying
         every event of this drain as ``.events``), ``warn``
-        warns, ``skip_step`` sets :attr:`skip_requested` for the training loop to honour.
+        warns, ``skip_step`` and ``replay`` set :attr:`skip_requested` for the training loop to
+        honour (a loop that replays, :class:`~attnchecker.recovery.replay.Replayer`, replays
+        first).
         The fused kernels' detections are one event per check that detected (pattern "tile":
         the kernels count tiles and programs, not rows; kind "unknown"), at the step of the
-        drain. Advances the schedule: the next step is the (drains + 1)-th."""
+        drain. Advances the schedule: the next step is the (drains + 1)-th. ``also``: a small
+        tensor read in the same transfer, into :attr:`read_also` (a flag a loop decides on,
+        without a second host sync)."""
         for st in self._states.values():
             settle(st)  # projections whose group never completed (eager only)
         tf32_enabled()  # the matmul precision, read in eager code for the compiled checks
         self.skip_requested = False
         self._log_engines()
-        records = self._read()
+        records = self._read(also)
         self.schedule.advance()
         events = []
         for (name, st), recs in zip(self._states.items(), records, strict=True):
@@ -348,7 +370,7 @@ class ProtectionHandle:
             raise UncorrectableFaultError(msg, events)
         if self.config.policy == "warn":
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        self.skip_requested = self.config.policy == "skip_step"
+        self.skip_requested = self.config.policy in ("skip_step", "replay")
 
     def summary(self) -> dict[str, object]:
         """Protected modules, checked ops, steps, counters, and where this process runs with

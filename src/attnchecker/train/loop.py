@@ -14,7 +14,12 @@ or gradient norm, or a loss spike) rolls back to the last checkpoint when the ba
 (faults are transient, so the replay does not meet them again), or marks the run non-trainable;
 a step with an uncorrectable error under ``policy="skip_step"`` is skipped by the guarded
 optimizer (:func:`attnchecker.guard`: fused AdamW with protection's ``found_inf``, reduced over
-the ranks, read with the loss).
+the ranks, read with the loss). Under ``policy="replay"`` a step with an uncorrectable error or a
+non-finite loss or gradient is first recomputed on its batch with the random state it started
+from (:mod:`attnchecker.recovery.replay`): a clean replay is applied, a reproduced one skipped
+with its diagnosis (transient / persistent fault / numerics), and two reproduced steps in a row
+are non-trainable (the weights themselves are bad). Without protection ``TrainConfig.policy``
+(``skip_step`` or ``replay``) does the same for non-finite steps: the finite-gradient guard.
 
 Every step is diagnosed (:mod:`attnchecker.recovery.diagnosis`): a step with a computation
 fault (your hardware) or numerics (NaN / INF or a spike with every check consistent: not your
@@ -45,7 +50,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from attnchecker.attention.config import ABFTConfig
+from attnchecker.attention.config import POLICIES, ABFTConfig
 from attnchecker.errors import ConfigError
 from attnchecker.recovery.diagnosis import RankCounts, classify, gather, here, outliers, tally
 
@@ -96,12 +101,16 @@ class TrainConfig:
     vocab_size: int = 2048
     stop_when_non_trainable: bool = True
     fault_rank: int = 0  # under torch.distributed, the rank whose computations meet the faults
+    policy: str = "warn"  # unprotected: skip_step / replay a non-finite step (protected: abft's)
+    compile: bool = False  # torch.compile the model (after protect_)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ConfigError(f"task must be 'lm' or 'cls', got {self.task!r}")
         if self.recovery not in RECOVERIES:
             raise ConfigError(f"recovery must be 'none' or 'checkpoint', got {self.recovery!r}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
         if self.steps < 1 or self.batch < 1 or self.seq_len < 2 or self.checkpoint_every < 1:
             raise ConfigError("steps, batch and checkpoint_every must be >= 1, seq_len >= 2")
 
@@ -173,10 +182,21 @@ def train_steps(
             _save_checkpoint(state)
         while state.step < cfg.steps:
             t0 = time.perf_counter()
+            before = _before(state)
             result = train_step(state)
             log.step(state, result)
-            if result.skip:  # the guarded optimizer skips the update (on the device)
-                _skip(state, log, result)
+            if before is not None and _wrong(result):
+                result = _replay(state, log, before)
+            if result.skip or (state.policy in ("skip_step", "replay") and _wrong(result)):
+                _skip(state, log)
+                if state.reproduced_in_a_row >= 2:  # the weights give it: not a step's fault
+                    state.reproduced_in_a_row = 0
+                    if state.ckpt is not None:
+                        _roll_back(state, log, "reproduced twice")
+                        continue
+                    state.non_trainable = True
+                    if cfg.stop_when_non_trainable:
+                        break
                 continue
             status = state.detector(result.loss, result.grad_norm)
             if status and state.ckpt is not None:
@@ -226,18 +246,26 @@ class TrainState:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler | None
     handle: ProtectionHandle | None
-    guarded: GuardedOptimizer | None  # under policy "skip_step"
+    guarded: GuardedOptimizer | None  # protected, under policy "skip_step" or "replay"
     faults: FaultPlan | None  # None on every rank but cfg.fault_rank
     detector: NonTrainableDetector
     ckpt: _SharedCheckpoints | None  # the checkpoint/restore baseline
     step: int = 0
+    reproduced_in_a_row: int = 0  # replays that met the error again, in consecutive steps
     non_trainable: bool = False
     last_loss: float = float("nan")
     # recovery's costs: checkpoint save / load seconds and counts, replays, skipped steps
     totals: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"save_s": 0.0, "load_s": 0.0, "saves": 0, "rollbacks": 0,
-                                 "replayed_steps": 0, "skipped": 0}
+                                 "replayed_steps": 0, "skipped": 0, "replays": 0,
+                                 "reproduced": 0}
     )  # fmt: skip
+
+    @property
+    def policy(self) -> str:
+        """What a step that goes wrong gets: protection's policy, or without protection
+        ``cfg.policy`` (the finite-gradient guard's: ``skip_step`` or ``replay``)."""
+        return self.handle.config.policy if self.handle is not None else self.cfg.policy
 
     @classmethod
     def build(cls, cfg: TrainConfig, out: str | Path, *, faults=None) -> TrainState:
@@ -273,8 +301,10 @@ class TrainState:
             own = isinstance(model, OwnModel)
             example = (blocks.batch(0, 1, cfg.seed)[0],) if own else None
             handle = protect_(model, cfg.abft or ABFTConfig(policy="warn"), example=example)
-        skips = handle is not None and handle.config.policy == "skip_step"
+        skips = handle is not None and handle.config.policy in ("skip_step", "replay")
         net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        if cfg.compile:
+            net = torch.compile(net)
         if rank != cfg.fault_rank:
             faults = None  # a fault is one node's: the others compute cleanly
         ckpt = (
@@ -330,9 +360,54 @@ def train_step(state: TrainState) -> StepResult:
     return StepResult(loss_v, grad_v, bool(skip_v), flag)
 
 
-def _skip(state: TrainState, log: _RunLog, result: StepResult) -> None:
-    """The guarded optimizer skips the update; the step counts as done."""
-    state.guarded.step(flag=result.flag)
+def _wrong(result: StepResult) -> bool:
+    """A step that went wrong: an uncorrectable error, or a non-finite loss or gradient."""
+    return result.skip or not (math.isfinite(result.loss) and math.isfinite(result.grad_norm))
+
+
+def _before(state: TrainState) -> tuple[Any, Any] | None:
+    """Under ``policy="replay"``: the random state and the handle's mark (clock and schedule)
+    the step starts from, to replay it from."""
+    if state.policy != "replay":
+        return None
+    from attnchecker.recovery.replay import RandomState
+
+    return RandomState.capture(), None if state.handle is None else state.handle.mark()
+
+
+def _replay(state: TrainState, log: _RunLog, before: tuple[Any, Any]) -> StepResult:
+    """The step again, on its batch, from the random state and checks it started with; the
+    replay's result (``skip`` when it went wrong again: reproduced)."""
+    from attnchecker.recovery.replay import verdict
+
+    rng, mark = before
+    first = log.last_events
+    state.opt.zero_grad(set_to_none=True)
+    rng.restore()
+    if mark is not None:
+        state.handle.rewind(mark)
+    state.totals["replays"] += 1
+    again = train_step(state)
+    log.step(state, again)
+    reproduced = _wrong(again)
+    finding, message = verdict(
+        first, log.last_events, reproduced=reproduced, checked=state.handle is not None,
+        step=state.step + 1, loss=again.loss,
+        config=None if state.handle is None else state.handle.config,
+    )  # fmt: skip
+    log.event({"type": "replay", "step": state.step + 1, "reproduced": reproduced,
+               "finding": finding, "message": message})  # fmt: skip
+    if not reproduced:
+        state.reproduced_in_a_row = 0
+        return again
+    state.totals["reproduced"] += 1
+    state.reproduced_in_a_row += 1
+    return again._replace(skip=True)
+
+
+def _skip(state: TrainState, log: _RunLog) -> None:
+    """The update is not applied (decided on the host, read with the loss); the step counts as
+    done."""
     state.opt.zero_grad(set_to_none=True)
     state.totals["skipped"] += 1
     log.event({"type": "skipped_step", "step": state.step + 1})
@@ -393,6 +468,7 @@ class _RunLog:
         self.where = here(next(state.model.parameters()).device)
         self.mine = RankCounts(self.where.rank, self.where.host, self.where.device)
         self._recent: list[float] = []  # the last finite losses: the diagnosis's history
+        self.last_events: list[Event] = []  # the last step's drain
 
     def event(self, row: dict[str, Any]) -> None:
         _write(self._events, row)
@@ -404,6 +480,7 @@ class _RunLog:
         self.fired_seen = len(self.inj.records) if self.inj else 0
         handle = state.handle
         events = handle.drain() if handle else []
+        self.last_events = events
         finding = classify(
             events, step=state.step + 1, loss=result.loss, history=self._recent, where=self.where,
             config=None if handle is None else handle.config,

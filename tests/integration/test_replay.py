@@ -1,0 +1,213 @@
+"""``policy="replay"``: a step that went wrong is recomputed on its batch and random state; a
+transient fault then leaves the parameters of the fault-free run, a persistent one is diagnosed
+and its update skipped. In the training loop (eager, compiled, two DDP ranks) and in a loop of
+one's own (:func:`attnchecker.replay`, with a GradScaler)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attnchecker import ABFTConfig, cli, protect_, replay
+from attnchecker.inject import FaultPlan, Injector
+from attnchecker.models.tiny import build
+from attnchecker.train.loop import TrainConfig, train
+
+TEXT = "\n".join(
+    f"{who}: Shall I compare thee to a summer's day? Thou art more lovely ({i})."
+    for i in range(400)
+    for who in ("ROMEO", "JULIET")
+)
+# beyond repair (a 2D block over 4 tokens of Q, one row may be recomputed): uncorrectable
+LOST = ABFTConfig(policy="replay", max_rows=1)
+GRAD = "grad:transformer.h.0.mlp.c_fc.weight"
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("ATTNCHECKER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def data(tmp_path):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "sonnets.txt").write_text(TEXT)
+    return (str(tmp_path / "texts"),)
+
+
+def _cfg(data, **kw):
+    base = dict(family="gpt2", size="tiny", steps=6, batch=4, seq_len=32, vocab_size=300)
+    return TrainConfig(**(base | kw), data=data)
+
+
+def _q_block(step: int, *, persistent: bool = False, rows: int = 4) -> FaultPlan:
+    b = FaultPlan.builder().at(step).site("q", layer=0).kind("nan").pattern("2D", size=(rows, 4))
+    return (b.persistent() if persistent else b).add().build()
+
+
+def _nan_grad(*steps: int, persistent: bool = False) -> FaultPlan:
+    b = FaultPlan.builder().site(GRAD).kind("nan")
+    b = b.persistent() if persistent else b
+    for s in steps:
+        b = b.at(s).add()
+    return b.build()
+
+
+def _equal(a, b) -> None:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    for k, v in wa.items():
+        assert torch.equal(v, wb[k]), k
+
+
+def _close(a, b) -> None:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    for k, v in wa.items():
+        torch.testing.assert_close(wb[k], v, rtol=0, atol=1e-6)
+
+
+def _events(run, kind: str) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["type"] == kind]
+
+
+def test_a_transient_uncorrectable_fault_is_replayed_to_the_fault_free_parameters(tmp_path, data):
+    """Dropout is on (tiny GPT-2's 0.1): equality needs the replay's random state too."""
+    clean = train(_cfg(data, protect=True, abft=LOST), tmp_path / "clean", progress=False)
+    run = tmp_path / "faulty"
+    s = train(_cfg(data, protect=True, abft=LOST), run, faults=_q_block(2), progress=False)
+    assert s["uncorrectable"] >= 1
+    assert (s["replays"], s["reproduced"], s["skipped"]) == (1, 0, 0)
+    assert s["final_loss"] == clean["final_loss"] and s["steps_done"] == 6
+    _equal(tmp_path / "clean", run)
+    [r] = _events(run, "replay")
+    assert (r["step"], r["reproduced"], r["finding"]) == (2, False, "transient")
+    # the replay ran the checks of its step and reports that step
+    assert {e["step"] for e in _events(run, "protection")} == {2}
+
+
+def test_a_persistent_fault_is_diagnosed_and_its_update_skipped(tmp_path, data):
+    run = tmp_path / "stuck"
+    plan = _q_block(3, persistent=True)
+    s = train(_cfg(data, protect=True, abft=LOST), run, faults=plan, progress=False)
+    assert (s["replays"], s["reproduced"], s["skipped"]) == (1, 1, 1)
+    assert s["faults_injected"] == 2 and not s["non_trainable"] and s["steps_done"] == 6
+    [r] = _events(run, "replay")
+    assert (r["step"], r["reproduced"], r["finding"]) == (3, True, "persistent fault")
+    assert r["message"].startswith("your hardware: a persistent fault")
+    assert "layer 0 q" in r["message"]
+
+
+def test_the_guard_alone_replays_a_non_finite_gradient(tmp_path, data):
+    """No protection, policy replay: the finite-gradient guard with replay. A transient NaN
+    gradient costs nothing; a persistent one is skipped, its cause untold (nothing checked);
+    reproduced in two consecutive steps, the weights are to blame: non-trainable."""
+    train(_cfg(data), tmp_path / "clean", progress=False)
+    s = train(_cfg(data, policy="replay"), tmp_path / "t", faults=_nan_grad(3), progress=False)
+    assert (s["replays"], s["reproduced"], s["skipped"]) == (1, 0, 0)
+    _equal(tmp_path / "clean", tmp_path / "t")
+    plan = _nan_grad(3, persistent=True)
+    s = train(_cfg(data, policy="replay"), tmp_path / "p", faults=plan, progress=False)
+    assert (s["reproduced"], s["skipped"], s["non_trainable"]) == (1, 1, False)
+    [r] = _events(tmp_path / "p", "replay")
+    assert r["finding"] == "numerics" and "nothing is checked" in r["message"]
+    plan = _nan_grad(3, 4, persistent=True)
+    s = train(_cfg(data, policy="replay"), tmp_path / "pp", faults=plan, progress=False)
+    assert (s["reproduced"], s["non_trainable"], s["steps_done"]) == (2, True, 4)
+    # skip_step without protection: the guard skips the NaN step, training goes on
+    s = train(_cfg(data, policy="skip_step"), tmp_path / "s", faults=_nan_grad(3), progress=False)
+    assert (s["replays"], s["skipped"], s["non_trainable"]) == (0, 1, False)
+
+
+def test_replay_under_torch_compile(tmp_path, data):
+    """A transient NaN gradient in a compiled protected model: the replay ends where the
+    fault-free compiled run does. The fault is at a gradient (a hook outside the compiled
+    graph): the injector's hooks at attention sites are traced into the graph and recompile it
+    every step. Within float32 rounding, not bitwise: the replayed backward runs a graph
+    compiled again (measured: 1.4e-7 at most)."""
+    cfg = _cfg(data, protect=True, abft=LOST, compile=True, steps=4)
+    clean = train(cfg, tmp_path / "clean", faults=_nan_grad(99), progress=False)
+    s = train(cfg, tmp_path / "faulty", faults=_nan_grad(2), progress=False)
+    assert (s["replays"], s["reproduced"], s["skipped"]) == (1, 0, 0)
+    assert s["final_loss"] == pytest.approx(clean["final_loss"], rel=1e-6)
+    _close(tmp_path / "clean", tmp_path / "faulty")
+
+
+@pytest.mark.distributed
+def test_two_ranks_replay_together(tmp_path):
+    """A transient uncorrectable fault on rank 1: both ranks replay the step (the flag is
+    max-reduced) and end identical to each other and to the fault-free two-rank run."""
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "t.txt").write_text(TEXT)
+    # 8 token rows: beyond the default config's repair (max_rows=4)
+    (tmp_path / "plan.json").write_text(_q_block(2, rows=8).to_json())
+    common = ["train", "--nproc", "2", "--steps", "3", "--batch", "2", "--seq-len", "32",
+              "--data", str(tmp_path / "texts"), "--protect", "--policy", "replay"]  # fmt: skip
+    assert cli.main([*common, "--out", str(tmp_path / "clean")]) == 0
+    faulty = ["--out", str(tmp_path / "faulty"), "--faults", str(tmp_path / "plan.json")]
+    assert cli.main([*common, *faulty, "--fault-rank", "1"]) == 0
+    _equal(tmp_path / "clean", tmp_path / "faulty")
+    _equal(tmp_path / "faulty", tmp_path / "faulty" / "rank1")
+    for rank_dir in (tmp_path / "faulty", tmp_path / "faulty" / "rank1"):
+        [r] = _events(rank_dir, "replay")
+        assert (r["step"], r["finding"]) == (2, "transient")
+
+
+def _own_loop(model, batches, *, plan=None, scaler=None, fault_handle=True):
+    """Four steps of a loop of one's own under :func:`attnchecker.replay`."""
+    torch.manual_seed(0)
+    handle = protect_(model, LOST) if fault_handle else None
+    opt = replay(torch.optim.AdamW(model.parameters(), lr=1e-3), handle, scaler=scaler)
+    outs, at = [], [0]
+    # the loop's own step (a replay is another forward pass, the same step)
+    with Injector(model, plan or FaultPlan(()), step_fn=lambda: at[0]):
+        for x in batches:
+            at[0] += 1
+
+            def closure(x=x):
+                loss = model(input_ids=x, labels=x).loss
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                return loss
+
+            outs.append(opt.step(closure))
+            opt.zero_grad()
+    return opt, outs
+
+
+def test_replay_in_a_loop_of_ones_own():
+    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i))
+               for i in range(4)]  # fmt: skip
+    clean = build("gpt2", seed=1)
+    faulty = build("gpt2", seed=1)
+    _own_loop(clean, batches)
+    opt, outs = _own_loop(faulty, batches, plan=_q_block(2))
+    for a, b in zip(clean.parameters(), faulty.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert [(o.replayed, o.skipped, o.finding) for o in outs] == [
+        (False, False, None), (True, False, "transient"), (False, False, None),
+        (False, False, None),
+    ]  # fmt: skip
+    assert any(e.action == "uncorrectable" for e in outs[1].events)
+    assert (opt.replays, opt.transient, opt.skipped) == (1, 1, 0)
+    stuck = build("gpt2", seed=1)
+    opt, outs = _own_loop(stuck, batches, plan=_q_block(2, persistent=True))
+    assert (outs[1].skipped, outs[1].finding, opt.skipped) == (True, "persistent fault", 1)
+
+
+def test_replay_spares_a_grad_scaler_its_back_off():
+    """A transient NaN gradient under a GradScaler: without replay the scaler skips the step
+    and halves its scale; with replay the step is applied and the scale kept."""
+    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]  # fmt: skip
+    plan = _nan_grad(2)
+    scales = {}
+    for name, plan_ in (("clean", None), ("faulty", plan)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        model = build("gpt2", seed=1)
+        _, outs = _own_loop(model, batches, plan=plan_, scaler=scaler, fault_handle=False)
+        scales[name] = scaler.get_scale()
+        if plan_ is not None:
+            assert outs[1].replayed and not outs[1].skipped
+    assert scales["faulty"] == scales["clean"] == 2.0**10
