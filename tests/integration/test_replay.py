@@ -98,6 +98,8 @@ def test_a_persistent_fault_is_diagnosed_and_its_update_skipped(tmp_path, data):
     assert (r["step"], r["reproduced"], r["finding"]) == (3, True, "persistent fault")
     assert r["message"].startswith("your hardware: a persistent fault")
     assert "layer 0 q" in r["message"]
+    # the replay ran its step's checks (the clock and schedule went back): step 3 both times
+    assert {e["step"] for e in _events(run, "protection")} == {3}
 
 
 def test_the_guard_alone_replays_a_non_finite_gradient(tmp_path, data):
