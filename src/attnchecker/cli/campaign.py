@@ -42,6 +42,7 @@ def _campaign(args: argparse.Namespace) -> int:
         layers=tuple(args.layers) if args.layers else None,
         size=args.size, seed=args.seed, workers=args.workers, backend=args.backend,
         check_arms=args.check_arms,
+        recovery_arms=args.recovery_arms,
         rank=int(os.environ.get("RANK", 0)) if args.rank is None else args.rank,
         world=int(os.environ.get("WORLD_SIZE", 1)) if args.world is None else args.world,
     )  # fmt: skip
@@ -87,6 +88,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--check-arms", action="store_true",
         help="also run every non-trainable trial with each check alone (skip_step): what each "
         "check covers, for attnchecker plan (several times the trials' time)",
+    )  # fmt: skip
+    camp.add_argument(
+        "--recovery-arms", action="store_true",
+        help="also run every trial with the finite-gradient guard alone and with protection, "
+        "each skipping or replaying a step that went wrong: the outcomes attnchecker plan "
+        "prices (about three times the trials' time)",
     )  # fmt: skip
     camp.add_argument("--size", default="tiny", choices=SIZES)
     camp.add_argument("--seed", type=int, default=0)

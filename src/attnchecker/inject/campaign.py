@@ -26,6 +26,7 @@ from typing import Any
 from attnchecker.attention.config import ALL_OPS, OPS, ABFTConfig
 from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import DEFAULT_KINDS
+from attnchecker.inject.trial import USER_OUTCOMES
 
 __all__ = [
     "CampaignConfig", "Progress", "arm_checks", "arm_name", "load_trials", "run_campaign",
@@ -34,6 +35,13 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 OUTCOMES = ("masked", "silent_deviation", "loss_spike", "non_trainable")
+RECOVERY_ARMS = {  # name: (protected, what a step that went wrong gets)
+    "guard_skip": (False, "skip"), "guard_replay": (False, "replay"),
+    "protected_skip": (True, "skip"), "protected_replay": (True, "replay"),
+}  # fmt: skip
+"""The recovery arms (``recovery_arms``): the finite-gradient guard alone (no ABFT) and the
+protected model, each skipping or replaying a step with an uncorrectable error or a non-finite
+loss or gradient (:func:`attnchecker.inject.trial.run_arm`'s ``recover``)."""
 RESULTS = ("corrected", "recomputed", "uncorrectable", "missed", "not_needed")
 
 
@@ -61,6 +69,7 @@ class CampaignConfig:
     backend: str = "eager"  # ABFTConfig.backend of every arm; "triton" adds the kernel:<site> sites
     # ("sdpa": the core's sites are emulated on the SDPA route; attention dropout runs eager)
     check_arms: bool = False  # an arm per check and layer per lost trial (:func:`arm_checks`)
+    recovery_arms: bool = False  # the guard alone and protection, skipping or replaying
 
     def __post_init__(self) -> None:
         from attnchecker.attention.config import BACKENDS
@@ -234,6 +243,12 @@ def _run_one(args: tuple[CampaignConfig, dict[str, Any]]) -> dict[str, Any]:
         arm: run_arm(setup, fault, spec["seed"], protected=arm == "protected", **judge)
         for arm in ("unprotected", "protected")
     }
+    if cfg.recovery_arms:
+        kept = ("outcome", "result", "skipped", "replayed", "user", "loss_delta",
+                "param_distance")  # fmt: skip
+        for arm, (protected, recover) in RECOVERY_ARMS.items():
+            row = run_arm(setup, fault, spec["seed"], protected=protected, recover=recover, **judge)
+            arms[arm] = {k: v for k, v in row.items() if k in kept}
     dead = arms["unprotected"]["outcome"] == "non_trainable"  # else trainable with any check
     if cfg.check_arms and dead:
         kept = ("outcome", "result", "detected_at_site", "skipped")
@@ -346,7 +361,9 @@ class Progress:
 
 
 def summarize(out: str | Path) -> dict[str, Any]:
-    """Rates per family x site x kind x arm from the trial files alone."""
+    """Rates per family x site x kind x arm from the trial files alone (with the recovery arms,
+    their outcomes as the user meets them, ``user_rates``, :data:`~attnchecker.inject.trial.
+    USER_OUTCOMES`)."""
     rows = load_trials(Path(out))
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -366,6 +383,12 @@ def summarize(out: str | Path) -> dict[str, Any]:
                         Counter(r[arm]["propagation"][where] for r in rs)
                     )
             cells.append(cell)
+        for arm in RECOVERY_ARMS:
+            if all(arm in r for r in rs):
+                users = Counter(r[arm]["user"] for r in rs)
+                rates = {u: users[u] / len(rs) for u in USER_OUTCOMES}
+                cells.append({"family": fam, "site": site, "kind": kind, "arm": arm,
+                              "trials": len(rs), "user_rates": rates})  # fmt: skip
     failing = [
         {k: r[k] for k in ("id", "family", "site", "kind", "pattern", "seed")}
         | {"result": r["protected"]["result"], "outcome": r["protected"]["outcome"]}

@@ -15,6 +15,14 @@ into a short training run twice, once without and once with ``protect_``, and cl
 - for the protected run, what protection did: ``corrected``, ``recomputed``, ``uncorrectable``,
   ``missed`` (not detected but the outcome is not masked) or ``not_needed`` (masked, not detected).
 
+A *recovery arm* (``recover="skip"`` or ``"replay"``) runs the fault under what a user does with a
+step that went wrong (an uncorrectable error, a non-finite loss or gradient): skip its update, or
+replay it on its batch and random state (:mod:`attnchecker.recovery.replay`), with protection or
+without (the finite-gradient guard alone). Every arm's result is also classed as the user meets
+it (:func:`user_outcome`, :data:`USER_OUTCOMES`): masked, corrected in place, replayed, skipped,
+silent deviation or non-trainable, with the SDC study's measures of a deviation (the final
+loss's relative difference, the parameters' relative L2 distance).
+
 A *check arm* (``check=("scores", 2)``) runs the same fault with one check alone: that op in
 that layer, every step, under the policy a plan ships (``skip_step`` with the guarded
 optimizer, so a detection it cannot correct skips the update). A campaign's check arms measure
@@ -38,9 +46,18 @@ from attnchecker.inject.injector import Injector
 from attnchecker.inject.plan import Fault, FaultPlan, check_op
 from attnchecker.models.registry import role_of
 
-__all__ = ["TrialSetup", "check_arm_config", "observe_pattern", "reference", "run_arm"]
+__all__ = [
+    "RECOVERIES", "USER_OUTCOMES", "TrialSetup", "check_arm_config", "observe_pattern",
+    "reference", "run_arm", "user_outcome",
+]  # fmt: skip
 
 OBSERVED = ("scores", "context", "out", "next_input")
+RECOVERIES = ("skip", "replay")  # what a recovery arm does with a step that went wrong
+USER_OUTCOMES = ("masked", "corrected", "replayed", "skipped", "silent_deviation", "non_trainable")
+"""A fault as a user meets it: no effect (masked), repaired in place by protection (corrected), a
+step recomputed (replayed), an update skipped (skipped), finite parameters that differ from the
+fault-free run's with nothing detected (silent_deviation; a loss spike counts here too), or a
+non-finite loss or parameters (non_trainable)."""
 
 
 @dataclass
@@ -59,15 +76,19 @@ class TrialSetup:
 
 
 def _train(model: nn.Module, batches: list[dict[str, Tensor]], lr: float, seed: int,
-           guarded: Any = None) -> tuple[list[float], list[Any], list[bool]]:  # fmt: skip
+           guarded: Any = None, recover: str | None = None,
+           handle: Any = None) -> tuple[list[float], list[Any], list[bool], int]:  # fmt: skip
     """Train on ``batches``; with ``guarded`` (a protection handle) the optimizer is guarded
-    by it and drained every step (what ``skip_step`` needs). (losses, events drained, whether
-    the guard skipped each step's update)."""
+    by it and drained every step (what ``skip_step`` needs); with ``recover`` a step that went
+    wrong is skipped or replayed (``handle``: protection's, or None). (losses, events drained,
+    whether each step's update was skipped, steps replayed)."""
     from attnchecker.recovery.guard import guard
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    step = opt if guarded is None else guard(opt, guarded)
     torch.manual_seed(seed)  # the same dropout masks in every arm
+    if recover is not None:
+        return _recovering(model, batches, opt, recover, handle)
+    step = opt if guarded is None else guard(opt, guarded)
     losses, events, skipped = [], [], []
     for inputs in batches:
         loss = model(**inputs).loss
@@ -79,7 +100,40 @@ def _train(model: nn.Module, batches: list[dict[str, Tensor]], lr: float, seed: 
         skipped.append(total > sum(skipped))
         if guarded is not None:
             events += guarded.drain()
-    return losses, events, skipped
+    return losses, events, skipped, 0
+
+
+def _recovering(model: nn.Module, batches: list[dict[str, Tensor]], opt: Any, recover: str,
+                handle: Any) -> tuple[list[float], list[Any], list[bool], int]:  # fmt: skip
+    """:func:`_train` under a recovery (``skip`` or ``replay``, :data:`RECOVERIES`)."""
+    from attnchecker.recovery.replay import Replayer, nonfinite
+
+    losses, events, skipped, replays = [], [], [], 0
+    stepper = Replayer(opt, handle)
+    for inputs in batches:
+
+        def closure(inputs=inputs) -> Tensor:
+            loss = model(**inputs).loss
+            loss.backward()
+            return loss
+
+        if recover == "replay":
+            out = stepper.step(closure)
+            loss, skip, replays = out.loss, out.skipped, replays + out.replayed
+            events += out.events
+        else:  # skip: the same test, read at once (a campaign may sync), no replay
+            loss = closure()
+            flag = nonfinite(stepper.params, loss)
+            if handle is not None:
+                flag = torch.maximum(flag, handle.found_inf())
+            skip = bool(flag)
+            events += handle.drain() if handle is not None else []
+            if not skip:
+                opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        skipped.append(bool(skip))
+    return losses, events, skipped, replays
 
 
 def _observe(model: nn.Module, handle: Any, layer: int, seen: dict[str, Tensor]) -> list[Any]:
@@ -163,9 +217,11 @@ def run_arm(
     param_tol: float,
     spike: float,
     check: tuple[str, int] | None = None,
+    recover: str | None = None,
 ) -> dict[str, Any]:
-    """One faulty training run; returns its outcome, propagation and protection result.
-    ``check``: a check arm (module docstring), the op checked alone and its layer."""
+    """One faulty training run; returns its outcome, propagation and protection result, and as
+    the user meets it (``user``). ``check``: a check arm (module docstring), the op checked
+    alone and its layer; ``recover``: a recovery arm (``skip`` / ``replay``)."""
     from attnchecker.models.protect import protect_
 
     model = copy.deepcopy(setup.model)
@@ -174,14 +230,19 @@ def run_arm(
         config = config.replace(scope="all_linear")
     if check is not None:
         config = check_arm_config(*check)
+    if recover is not None:
+        config = config.replace(policy="replay" if recover == "replay" else "skip_step")
     handle = protect_(model, config.replace(backend=setup.backend), example=setup.example)
     plan = FaultPlan((fault,), seed)
     seen: dict[str, Tensor] = {}
     with Injector(model, plan) as inj, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        detach = _observe(model, handle, fault.layer, seen) if not protected else []
+        detach = _observe(model, handle, fault.layer, seen) if not (protected or recover) else []
         guarded = handle if check is not None else None
-        losses, events, skipped = _train(model, setup.batches, setup.lr, seed=0, guarded=guarded)
+        losses, events, skipped, replays = _train(
+            model, setup.batches, setup.lr, seed=0, guarded=guarded, recover=recover,
+            handle=handle if protected else None,
+        )  # fmt: skip
         for d in detach:
             d.remove()
         events += handle.drain()
@@ -192,9 +253,12 @@ def run_arm(
         "fired": bool(inj.records),
         "final_loss": losses[-1],
         "param_drift": drift,
+        **_deviation(losses[-1], params, setup),
     }
-    if guarded is not None:
+    if guarded is not None or recover is not None:
         out["skipped"] = sum(skipped)  # updates the guard skipped
+    if recover is not None:
+        out["replayed"] = replays
     if inj.records:
         r = inj.records[0]
         out["fault"] = {
@@ -226,11 +290,40 @@ def run_arm(
         out.update(
             result=result, detected_at_site=bool(mine), events=[e.to_dict() for e in events][:8]
         )
-    else:
+    elif recover is None:
         out["propagation"] = {
             k: observe_pattern(setup.ref_seen.get(k), seen.get(k)) for k in OBSERVED
         }
+    out["user"] = user_outcome(out)
     return out
+
+
+def user_outcome(arm: dict[str, Any]) -> str:
+    """An arm's result as the user meets it (:data:`USER_OUTCOMES`): non-trainable first, then
+    a skipped update (its parameters differ from the fault-free run's by the skipped update,
+    which is not a silent deviation), a replay, a silent deviation, a correction."""
+    if arm["outcome"] == "non_trainable":
+        return "non_trainable"
+    if arm.get("skipped", 0):
+        return "skipped"
+    if arm.get("replayed", 0):
+        return "replayed" if arm["outcome"] == "masked" else "silent_deviation"
+    if arm["outcome"] in ("silent_deviation", "loss_spike"):
+        return "silent_deviation"
+    if arm.get("result") in ("corrected", "recomputed"):
+        return "corrected"
+    return "masked"
+
+
+def _deviation(final_loss: float, params: dict[str, Tensor], setup: TrialSetup) -> dict[str, float]:
+    """The SDC study's measures against the fault-free run: the final loss's relative difference
+    and the parameters' relative L2 distance."""
+    ref = setup.ref_losses[-1]
+    diff = sum(float((params[k].double() - v.double()).square().sum())
+               for k, v in setup.ref_params.items())  # fmt: skip
+    norm = sum(float(v.double().square().sum()) for v in setup.ref_params.values())
+    return {"loss_delta": (final_loss - ref) / max(abs(ref), 1e-12),
+            "param_distance": math.sqrt(diff / max(norm, 1e-300))}  # fmt: skip
 
 
 def check_arm_config(check: str, layer: int) -> ABFTConfig:
@@ -257,7 +350,7 @@ def reference(
     handle = protect_(probe, ABFTConfig(ops=(), backend=backend), example=example)
     seen: dict[str, Tensor] = {}
     detach = _observe(probe, handle, layer, seen)
-    losses, _, _ = _train(probe, batches, lr, seed=0)
+    losses, _, _, _ = _train(probe, batches, lr, seed=0)
     for d in detach:
         d.remove()
     unprotect_(probe)
