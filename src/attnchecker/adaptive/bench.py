@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from attnchecker.adaptive.profile import ENGINE, CostProfile, Estimate, OpCost
+from attnchecker.adaptive.profile import ENGINE, RECOVERY_ARMS, CostProfile, Estimate, OpCost
 from attnchecker.attention.config import ALL_OPS, LINEAR_OPS, OPS, ABFTConfig
 from attnchecker.attention.ops import CORE_OPS, linear_parts
 from attnchecker.errors import ConfigError
@@ -77,6 +77,28 @@ def stepper(model, run, inputs, dtype: str, device: str, wrap: Callable | None =
         opt.zero_grad(set_to_none=True)
         if handle is not None:
             handle.drain()  # a protected step reads its records once, as training loops do
+
+    return step
+
+
+def replay_stepper(model, inputs, dtype: str, device: str, handle=None):
+    """One training step of ``model`` under :func:`attnchecker.replay` (``handle``: its
+    protection, or None for the finite-gradient guard alone), as a closure: what a clean step
+    costs with the test, the drain and the one host read a replay needs."""
+    from attnchecker.recovery.replay import Replayer
+
+    opt = Replayer(torch.optim.AdamW(model.parameters(), lr=1e-5), handle)
+    cast = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else None
+
+    def closure():
+        with cast or contextlib.nullcontext():
+            loss = model(**inputs).loss
+        loss.backward()
+        return loss
+
+    def step() -> None:
+        opt.step(closure)
+        opt.zero_grad(set_to_none=True)
 
     return step
 
@@ -248,6 +270,12 @@ def measure_costs(
             _on_engine(h)
     runs = {k: torch.compile(m) if compile else m for k, m in arms.items()}
     steps = {k: stepper(arms[k], runs[k], inputs, dtype, device) for k in arms}
+    if not compile:  # the recovery arms (CostProfile.recovery), as users run them
+        guarded = copy.deepcopy(plain)
+        default = copy.deepcopy(base)
+        h = protect_(default, ABFTConfig(policy="replay", backend=ENGINE), example=example)
+        steps["guard"] = replay_stepper(guarded, inputs, dtype, device)
+        steps["abft"] = replay_stepper(default, inputs, dtype, device, h)
     eager_steps = (  # launches and sizes are counted in eager
         {k: stepper(arms[k], arms[k], inputs, dtype, device) for k in arms} if compile else steps
     )
@@ -270,6 +298,8 @@ def measure_costs(
         b = times[base(op)]
         return [(a - e) / p for a, e, p in zip(times[op], b, plain_t, strict=True)]
 
+    recovery = {k: median_interval([(a - p) / p for a, p in zip(times[k], plain_t, strict=True)])
+                for k in RECOVERY_ARMS if k in times}  # fmt: skip
     op_costs = tuple(
         OpCost(op, median_interval(share(op)), launches[op] - launches[base(op)]) for op in checked
     )
@@ -287,4 +317,5 @@ def measure_costs(
         step_macs=step_macs,
         host={"machine": platform.machine(), "python": platform.python_version(),
               "torch": torch.__version__, "threads": torch.get_num_threads()},
+        recovery=recovery,
     )  # fmt: skip

@@ -111,7 +111,7 @@ __all__ = [
     "sites",
 ]
 
-RATE_UNITS = ("step", "element-op", "device-hour")
+RATE_UNITS = ("step", "element-op", "device-hour", "device-day")
 ESTIMATES = ("high", "point")  # which end of the risk intervals decides: the upper, or the point
 PER_MILLION = 1e6
 
@@ -142,7 +142,8 @@ class FaultRate:
         """Faults per step at a site of ``macs`` multiply-adds."""
         if self.per == "element-op":
             return self.value * macs
-        steps = self.value if self.per == "step" else self.value * cost.step_seconds / 3600
+        hours = {"device-hour": 1.0, "device-day": 24.0}.get(self.per)
+        steps = self.value if hours is None else self.value * cost.step_seconds / (3600 * hours)
         return steps * macs / cost.step_macs
 
 

@@ -252,6 +252,14 @@ class OpCost:
     launches: int
 
 
+RECOVERY_ARMS = {
+    "guard": "the finite-gradient guard with replay (no ABFT)",
+    "abft": "the default protection with replay",
+}
+"""What ``bench`` times besides the checks: whole configurations as users run them, each
+against the plain model (:attr:`CostProfile.recovery`)."""
+
+
 @dataclass(frozen=True)
 class CostProfile:
     family: str
@@ -265,6 +273,10 @@ class CostProfile:
     step_macs: int  # every GEMM of the step (attention, MLP, head), forward and backward
     version: int = PROFILE_VERSION
     host: dict[str, Any] = field(default_factory=dict)
+    # the recovery arms: "guard" (the plain model under the finite-gradient guard with replay)
+    # and "abft" (the default protection with replay), fractions of the plain step as ``ops``;
+    # absent in profiles measured before them
+    recovery: dict[str, Estimate] = field(default_factory=dict)
 
     def layers(self, op: str | None = None) -> tuple[int, ...]:
         """The layers with a GEMM of ``op`` (None: of any op); a linear layer outside the
@@ -282,11 +294,18 @@ class CostProfile:
         engine, layers = self.engine.point, self.setup["layers"]
         head = (f"plain step {1e3 * self.step_seconds:.1f} ms; leaving SDPA for the checked "
                 f"engine {engine:+.1%}; per op, all {layers} layers:")  # fmt: skip
-        return [head] + [
-            f"  {o.op:<7} {o.cost.point:+7.1%} [{o.cost.low:+.1%}, {o.cost.high:+.1%}] "
-            f"{o.launches:5d} ops launched"
-            for o in self.ops
-        ]
+        return (
+            [head]
+            + [
+                f"  {o.op:<7} {o.cost.point:+7.1%} [{o.cost.low:+.1%}, {o.cost.high:+.1%}] "
+                f"{o.launches:5d} ops launched"
+                for o in self.ops
+            ]
+            + [
+                f"  {RECOVERY_ARMS[k]}: {e.point:+.1%} [{e.low:+.1%}, {e.high:+.1%}]"
+                for k, e in self.recovery.items()
+            ]
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -297,7 +316,8 @@ class CostProfile:
         ops = tuple(OpCost(o["op"], Estimate(*o["cost"]), o["launches"]) for o in d["ops"])
         return cls(d["family"], d["setup"], d["step_seconds"], Estimate(*d["engine"]),
                    d["engine_launches"], ops, tuple(tuple(m) for m in d["macs"]),
-                   d["step_macs"], d["version"], d.get("host", {}))  # fmt: skip
+                   d["step_macs"], d["version"], d.get("host", {}),
+                   {k: Estimate(*v) for k, v in d.get("recovery", {}).items()})  # fmt: skip
 
     def save(self, path: str | Path) -> Path:
         return _save(self.to_dict(), path)

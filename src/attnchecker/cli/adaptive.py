@@ -63,11 +63,19 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _profiles(args: argparse.Namespace):
     """The vulnerability and cost profiles, and the fault rate, that ``plan`` and ``validate``
-    decide from."""
+    decide from (``--preset``: a quoted rate per device, with its devices)."""
     from attnchecker.adaptive.controller import FaultRate, parse_kinds
+    from attnchecker.adaptive.price import PRESETS
     from attnchecker.adaptive.profile import load_profiles
 
     vuln, cost = load_profiles(args.campaign, args.family, cost=args.cost, pooled=args.pool_layers)
+    preset = getattr(args, "preset", None)
+    if preset is not None:
+        quoted, devices, _ = PRESETS[preset]
+        args.devices = args.devices or devices
+        return vuln, cost, FaultRate(quoted.value, quoted.per, parse_kinds(args.kinds))
+    if args.fault_rate is None:
+        raise ConfigError("give --fault-rate (with --per) or --preset")
     return vuln, cost, FaultRate(args.fault_rate, args.per, parse_kinds(args.kinds))
 
 
@@ -80,16 +88,22 @@ def _fraction(text: str) -> float:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """From the campaign's vulnerability profile and the cost profile: the cheapest schedule
-    (ops x layers, every step / every k steps / never) meeting a target of non-trainable events
-    per million steps, or the safest within an overhead budget; prints it with the expected risk
-    with and without it and the expected overhead. With --verify, the budget's choice is
-    trained on this machine and timed against the plain model, and a cheaper one is chosen
-    until the measured overhead fits (the cost model's per-op costs do not add exactly).
+    """What to run at a fault rate, priced in training time: with a campaign run with
+    --recovery-arms, every option (no protection; the finite-gradient guard skipping or
+    replaying a step that went wrong; ABFT correcting in place, skipping or replaying what it
+    cannot correct) with its overhead, the outcomes of a fault and the steps it is expected to
+    lose per day, the cheapest in a sentence with the fault rates at which the next option
+    becomes cheaper. With --target or --budget, also the controller's schedule (ops x layers,
+    every step / every k steps / never) meeting a target of non-trainable events per million
+    steps, or the safest within an overhead budget, with the expected risk with and without it
+    and the expected overhead. With --verify, the budget's choice is trained on this machine and
+    timed against the plain model, and a cheaper one is chosen until the measured overhead fits
+    (the cost model's per-op costs do not add exactly).
 
-    outputs: <campaign>/plan.json (the ABFTConfig and the expectations)
+    outputs: <campaign>/pricing.json (the options), <campaign>/plan.json (a schedule: the
+    ABFTConfig and the expectations)
 
-    example: attnchecker plan --campaign runs/camp --fault-rate 1e-3 --budget 5% --verify
+    example: attnchecker plan --campaign runs/camp --preset llama3 --step-seconds 4
     """
     import json
 
@@ -97,6 +111,14 @@ def _plan(args: argparse.Namespace) -> int:
     from attnchecker.adaptive.simulate import overhead
 
     vuln, cost, rate = _profiles(args)
+    priced = _pricing(args, cost, rate)
+    if args.target is None and args.budget is None:
+        if priced is None:
+            raise ConfigError(
+                "give --target or --budget for a schedule; pricing the options needs a campaign "
+                "run with --recovery-arms"
+            )
+        return 0
     kw = {"confidence": args.confidence, "estimate": args.estimate}
     if args.verify:
         if args.budget is None:
@@ -114,6 +136,34 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"wrote {out} (attnchecker train --plan {out}; in Python: "
               f"ABFTConfig.from_dict(json.load(f)['config']))")  # fmt: skip
     return 0
+
+
+def _pricing(args: argparse.Namespace, cost, rate):
+    """Every option priced at ``rate`` (printed, written to pricing.json), or None when the
+    campaign has no recovery arms."""
+    import json
+
+    from attnchecker.adaptive.price import PRESETS, Job, price, trials_of
+
+    try:
+        trials_of(args.campaign, cost.family)
+    except ConfigError:
+        return None
+    job = Job(args.step_seconds or cost.step_seconds, args.devices or 1, args.checkpoint_every,
+              60 * args.restart_minutes, args.sdc_steps)  # fmt: skip
+    priced = price(args.campaign, cost, rate, job)
+    lines = priced.lines()
+    if args.preset:
+        lines.append(f"note: --preset {args.preset}: {PRESETS[args.preset][2]}")
+    if not args.step_seconds:
+        lines.append(f"note: a step of {job.step_seconds:.3g} s is this machine's plain step of "
+                     f"the campaign's model: give --step-seconds for your job's")  # fmt: skip
+    path = (Path(args.out).parent if args.out else Path(args.campaign)) / "pricing.json"
+    path.write_text(json.dumps(priced.to_dict(), indent=1))
+    if not args.json:
+        print("\n".join(lines))
+        print(f"wrote {path}")
+    return priced
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -153,11 +203,17 @@ def _validate(args: argparse.Namespace) -> int:
     return val.status
 
 
-def _rate_args(p: argparse.ArgumentParser) -> None:
+def _rate_args(p: argparse.ArgumentParser, *, preset: bool = False) -> None:
     p.add_argument("--campaign", required=True, help="a campaign directory")
     p.add_argument("--family", help="the campaign's family (needed when it has several)")
     p.add_argument("--cost", help="cost profile (default: <campaign>/cost-<family>.json)")
-    p.add_argument("--fault-rate", type=float, required=True, help="faults per --per")
+    p.add_argument("--fault-rate", type=float, required=not preset, help="faults per --per")
+    if preset:
+        from attnchecker.adaptive.price import PRESETS
+
+        p.add_argument("--preset", choices=sorted(PRESETS),
+                       help="a quoted fault rate per device, with its devices: "
+                       + "; ".join(f"{k}: {v[2]}" for k, v in PRESETS.items()))  # fmt: skip
     p.add_argument("--per", default="device-hour", choices=RATE_UNITS,
                    help="element-op: per multiply-add; step or device-hour: spread over the "
                    "step's GEMMs by their work")  # fmt: skip
@@ -185,10 +241,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--ops", nargs="+", help="only these ops (e.g. with --compile: an arm each)")
     b.add_argument("--out", help="cost profile file")
 
-    summary = "choose what to check for a fault rate and a target or budget"
+    summary = "what to run at a fault rate, priced in training time; what to check for a target"
     p = add_command(sub, "plan", _plan, summary)
-    _rate_args(p)
-    goal = p.add_mutually_exclusive_group(required=True)
+    _rate_args(p, preset=True)
+    p.add_argument(
+        "--step-seconds",
+        type=float,
+        help="your job's training step (default: this machine's plain step)",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        help="devices whose faults hit each step (a rate per device-hour / -day)",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=1000, help="steps between checkpoints")
+    p.add_argument(
+        "--restart-minutes",
+        type=float,
+        default=15.0,
+        help="from a crash or NaN back to training: relaunch and load",
+    )
+    p.add_argument("--sdc-steps", type=float,
+                   help="a silent deviation's cost in steps (default: a restart's)")  # fmt: skip
+    goal = p.add_mutually_exclusive_group()
     goal.add_argument("--target", type=float, help="non-trainable events per million steps")
     goal.add_argument("--budget", type=_fraction, help="overhead, e.g. 5%% or 0.05")
     p.add_argument("--confidence", type=float, default=0.95, choices=CONFIDENCES)
