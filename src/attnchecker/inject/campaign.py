@@ -362,13 +362,13 @@ class Progress:
 
 def summarize(out: str | Path) -> dict[str, Any]:
     """Rates per family x site x kind x arm from the trial files alone (with the recovery arms,
-    their outcomes as the user meets them, ``user_rates``, :data:`~attnchecker.inject.trial.
+    ``recovery``: each arm's outcomes as the user meets them, :data:`~attnchecker.inject.trial.
     USER_OUTCOMES`)."""
     rows = load_trials(Path(out))
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         groups[(r["family"], r["site"], r["kind"])].append(r)
-    cells = []
+    cells, recovery = [], []
     for (fam, site, kind), rs in sorted(groups.items()):
         for arm in ("unprotected", "protected"):
             outcomes = Counter(r[arm]["outcome"] for r in rs)
@@ -387,8 +387,8 @@ def summarize(out: str | Path) -> dict[str, Any]:
             if all(arm in r for r in rs):
                 users = Counter(r[arm]["user"] for r in rs)
                 rates = {u: users[u] / len(rs) for u in USER_OUTCOMES}
-                cells.append({"family": fam, "site": site, "kind": kind, "arm": arm,
-                              "trials": len(rs), "user_rates": rates})  # fmt: skip
+                recovery.append({"family": fam, "site": site, "kind": kind, "arm": arm,
+                                 "trials": len(rs), "user_rates": rates})  # fmt: skip
     failing = [
         {k: r[k] for k in ("id", "family", "site", "kind", "pattern", "seed")}
         | {"result": r["protected"]["result"], "outcome": r["protected"]["outcome"]}
@@ -401,4 +401,5 @@ def summarize(out: str | Path) -> dict[str, Any]:
         "trials": len(rows),
         "cells": cells,
         "protected_failures": failing,
+        **({"recovery": recovery} if recovery else {}),
     }

@@ -8,8 +8,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from attnchecker.inject.campaign import load_trials, summarize
+from attnchecker.inject.campaign import RECOVERY_ARMS, load_trials, summarize
 from attnchecker.inject.kinds import DEFAULT_KINDS
+from attnchecker.inject.trial import USER_OUTCOMES
 
 __all__ = ["campaign_report"]
 
@@ -41,6 +42,33 @@ def _propagation(rows: list[dict[str, Any]]) -> list[str]:
             top = ", ".join(f"{p} {_pct(n / total)}" for p, n in c.most_common(2))
             cells.append(top)
         lines.append(f"| {site} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _recovery(cells: list[dict]) -> list[str]:
+    """The recovery arms: each fault as the user meets it, per arm (pooled over sites)."""
+    if not cells:
+        return []
+    lines = [
+        "",
+        "## As the user meets a fault: the guard alone and protection, skipping or replaying",
+        "",
+        "Share of trials per outcome, over the sites and kinds above (each site and kind with "
+        "its trials; `attnchecker plan` weighs them by the GEMMs' work and prices them).",
+        "",
+        "| arm | kind | trials | " + " | ".join(o.replace("_", " ") for o in USER_OUTCOMES) + " |",
+        "|---|---|---|" + "---|" * len(USER_OUTCOMES),
+    ]
+    for arm in RECOVERY_ARMS:
+        for kind in sorted({c["kind"] for c in cells}):
+            mine = [c for c in cells if c["arm"] == arm and c["kind"] == kind]
+            n = sum(c["trials"] for c in mine)
+            if not n:
+                continue
+            shares = [
+                sum(c["user_rates"][o] * c["trials"] for c in mine) / n for o in USER_OUTCOMES
+            ]
+            lines.append(f"| {arm} | {kind} | {n} | " + " | ".join(_pct(x) for x in shares) + " |")
     return lines
 
 
@@ -87,6 +115,7 @@ def campaign_report(out: str | Path) -> Path:
             f"{_pct(c['corrected_rate'])} | {_pct(c['recomputed_rate'])} | {_pct(c['uncorrectable_rate'])} | "
             f"{_pct(c['missed_rate'])} | {_pct(c['not_needed_rate'])} | {_pct(c['masked_rate'])} |"
         )
+    lines += _recovery(summary.get("recovery", []))
     lines += [
         "",
         "## Propagation of one faulty element (unprotected; INF, NaN, near-INF, exponent flip)",

@@ -1,0 +1,132 @@
+"""What protection buys, priced in training time: a campaign with recovery arms on a tiny GPT-2,
+``bench``'s recovery arms, and ``plan``'s options, sentence and crossovers, through the CLI as a
+user runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from attnchecker.adaptive.controller import FaultRate
+from attnchecker.adaptive.price import OPTIONS, PRESETS, Job, price
+from attnchecker.adaptive.profile import CostProfile, Estimate
+from attnchecker.cli import main
+from attnchecker.errors import ConfigError
+from attnchecker.inject.campaign import load_trials
+from attnchecker.inject.trial import USER_OUTCOMES
+
+SITES = ["scores", "dv"]
+
+
+@pytest.fixture(scope="module")
+def camp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("camp")
+    args = ["--sites", *SITES, "--kinds", "nan", "near_inf", "--trials", "2", "--recovery-arms"]
+    assert main(["campaign", "--out", str(out), "--families", "gpt2", *args]) == 0
+    assert main(["bench", "--campaign", str(out), "--reps", "3", "--ops", *SITES]) == 0
+    return out
+
+
+def test_the_recovery_arms_class_each_fault_as_the_user_meets_it(camp):
+    rows = load_trials(camp)
+    assert len(rows) == 8
+    for r in rows:
+        if r["kind"] == "nan":  # a NaN: fatal unchecked; the guard sees it; ABFT repairs it
+            assert r["unprotected"]["user"] == "non_trainable"
+            assert r["guard_skip"]["user"] == "skipped" and r["guard_skip"]["skipped"] == 1
+            # a transient fault replayed: exactly the fault-free run
+            assert r["guard_replay"]["user"] == "replayed" and r["guard_replay"]["replayed"] == 1
+            assert r["guard_replay"]["param_distance"] == 0.0
+            assert r["protected_replay"]["user"] == "corrected"
+        else:  # near-INF: finite, so no finite test sees it
+            assert r["guard_replay"]["user"] in ("masked", "silent_deviation")
+            assert r["guard_replay"]["replayed"] == 0
+            assert r["protected_replay"]["user"] == "corrected"
+        for arm in ("unprotected", "guard_skip", "guard_replay", "protected_replay"):
+            assert r[arm]["user"] in USER_OUTCOMES
+    assert any(r["guard_replay"]["user"] == "silent_deviation" for r in rows)
+
+
+def test_bench_times_the_guard_and_the_default_protection(camp):
+    cost = CostProfile.load(camp / "cost-gpt2.json")
+    assert set(cost.recovery) == {"guard", "abft"}
+    for e in cost.recovery.values():
+        assert e.low <= e.point <= e.high
+
+
+def _cost(camp, guard: float, abft: float) -> CostProfile:
+    cost = CostProfile.load(camp / "cost-gpt2.json")
+    return dataclasses.replace(
+        cost, recovery={"guard": Estimate(guard, guard, guard), "abft": Estimate(abft, abft, abft)}
+    )
+
+
+def test_each_option_is_priced_from_its_outcomes_and_the_lines_cross_where_stated(camp):
+    cost = _cost(camp, 0.001, 0.05)  # fixed overheads: the arithmetic, not this CPU's noise
+    job = Job(step_seconds=2.0, devices=8, checkpoint_every=500, restart_seconds=600)
+    pricing = price(camp, cost, FaultRate(1e-3, "device-hour"), job)
+    prices = job.prices()
+    assert prices["non_trainable"] == prices["silent_deviation"] == 250 + 300
+    f = 1e-3 * 8 * 2.0 / 3600
+    assert pricing.faults_per_step == pytest.approx(f)
+    for p in pricing.options:
+        assert sum(p.outcomes.values()) == pytest.approx(1.0)
+        expected = sum(p.outcomes[o] * prices[o] for o in USER_OUTCOMES)
+        assert p.per_fault.point == pytest.approx(expected)
+        assert p.per_fault.low <= p.per_fault.point <= p.per_fault.high
+        assert p.lost.point == pytest.approx(p.overhead.point + f * p.per_fault.point)
+    names = {p.option.name: p for p in pricing.options}
+    # the guard sees every NaN, ABFT repairs the near-INF the guard lets through
+    assert names["guard_replay"].per_fault.point < names["none"].per_fault.point
+    assert names["abft_replay"].per_fault.point < names["guard_replay"].per_fault.point
+    assert pricing.best == "guard_replay"  # a rare fault: the cheap guard
+    # at the stated crossover the two lines meet
+    g, a = names["guard_replay"], names["abft_replay"]
+    r = pricing.crossings["guard_replay"]["abft_replay"].point
+    per_unit = 8 * 2.0 / 3600  # faults per step per fault per device-hour
+    assert g.overhead.point + r * per_unit * g.per_fault.point == pytest.approx(
+        a.overhead.point + r * per_unit * a.per_fault.point
+    )
+    assert pricing.above[0] == "abft_replay" and pricing.above[1].point == pytest.approx(r)
+    low, high = pricing.above[1].low, pricing.above[1].high
+    assert low <= r <= high and math.isfinite(high)
+    # above it ABFT is the choice
+    busy = price(camp, cost, FaultRate(2 * r, "device-hour"), job)
+    assert busy.best == "abft_replay" and busy.below[0] == "guard_replay"
+    assert busy.below[1].point == pytest.approx(r)
+
+
+def test_a_dearer_silent_deviation_makes_abft_pay_sooner(camp):
+    cost = _cost(camp, 0.001, 0.05)
+    rate = FaultRate(1e-4, "step")
+
+    def crossing(sdc: float) -> float:
+        job = Job(step_seconds=1.0, sdc_steps=sdc)
+        return price(camp, cost, rate, job).crossings["guard_replay"]["abft_replay"].point
+
+    assert crossing(10_000) < crossing(100) < crossing(0)
+
+
+def test_plan_answers_in_a_sentence_with_a_preset(camp, capsys):
+    assert main(["plan", "--campaign", str(camp), "--preset", "llama3", "--step-seconds", "4"]) == 0
+    out = capsys.readouterr().out
+    quoted, devices, source = PRESETS["llama3"]
+    assert quoted.value == pytest.approx(6 / (54 * 24 * 16384)) and devices == 16384
+    assert "At 2.83e-07 faults per device-hour on 16,384 devices" in out and source in out
+    assert "steps per day of training" in out and ": run " in out
+    saved = json.loads((camp / "pricing.json").read_text())
+    assert [o["name"] for o in saved["options"]] == [o.name for o in OPTIONS]
+    assert saved["sentence"] in out
+
+
+def test_plan_needs_recovery_arms_to_price(tmp_path):
+    out = tmp_path / "camp"
+    args = ["--sites", "scores", "--kinds", "nan", "--trials", "1"]
+    assert main(["campaign", "--out", str(out), "--families", "gpt2", *args]) == 0
+    assert main(["bench", "--campaign", str(out), "--reps", "3", "--ops", "scores"]) == 0
+    with pytest.raises(ConfigError, match="--recovery-arms"):
+        price(out, CostProfile.load(out / "cost-gpt2.json"), FaultRate(1.0), Job(1.0))
+    assert main(["plan", "--campaign", str(out), "--fault-rate", "1"]) == 2
