@@ -63,7 +63,9 @@ from attnchecker.attention.ops import linear_parts
 from attnchecker.errors import ConfigError
 from attnchecker.inject.trial import USER_OUTCOMES
 
-__all__ = ["OPTIONS", "PRESETS", "Job", "Option", "Pricing", "price", "trials_of"]
+__all__ = [
+    "OPTIONS", "PRESETS", "Job", "Option", "Pricing", "price", "quantiles", "shares", "trials_of",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -284,14 +286,17 @@ def _overheads(cost: CostProfile) -> tuple[dict[str | None, Estimate], dict[str,
     return out, notes
 
 
-def price(campaign: str | Path, cost: CostProfile, rate: FaultRate, job: Job, *,
-          draws: int = 2000, level: float = 0.9, seed: int = 0) -> Pricing:  # fmt: skip
-    """Every option of :data:`OPTIONS` at ``rate`` for ``job`` (module docstring)."""
+def shares(campaign: str | Path, cost: CostProfile, kinds: dict[str, float] | None = None, *,
+           draws: int = 2000, seed: int = 0) -> tuple[dict[str, Tensor], int, int]:  # fmt: skip
+    """Per arm, the probability of each outcome (:data:`USER_OUTCOMES`, columns) of a fault at
+    the campaign's sites, weighted by their multiply-adds and ``kinds`` (None: uniform): row 0
+    the trials as they are, then ``draws`` paired bootstrap draws (every cell's trials
+    resampled, the same resample for every arm); (that, the trials, the profiled sites)."""
     rows = trials_of(campaign, cost.family)
-    kinds = sorted({r["kind"] for r in rows})
-    pi = rate.kinds or {k: 1 / len(kinds) for k in kinds}
-    if unknown := sorted(set(pi) - set(kinds)):
-        raise ConfigError(f"kinds {unknown} were not in the campaign; it has {kinds}")
+    measured = sorted({r["kind"] for r in rows})
+    pi = kinds or {k: 1 / len(measured) for k in measured}
+    if unknown := sorted(set(pi) - set(measured)):
+        raise ConfigError(f"kinds {unknown} were not in the campaign; it has {measured}")
     cells: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
     for r in rows:
         cells[(r["site"], r.get("layer", 0), r["kind"])].append(r)
@@ -299,42 +304,52 @@ def price(campaign: str | Path, cost: CostProfile, rate: FaultRate, job: Job, *,
     sites = {(op, layer) for op, layer, _ in cells if (op, layer) in macs}
     if not sites:
         raise ConfigError("the campaign's sites and the cost profile's GEMMs have none in common")
-    coverage = sum(m for (op, _), m in macs.items() if not linear_parts(op)) / cost.step_macs
-    prices = job.prices()
+    total = sum(macs[s] for s in sites)
     arms = sorted({o.arm for o in OPTIONS} | {o.other for o in OPTIONS})
+    out = {a: torch.zeros(draws + 1, len(USER_OUTCOMES), dtype=torch.float64) for a in arms}
     g = torch.Generator().manual_seed(seed)
-    # per draw and arm: the expected price of a fault at the profiled sites (weights sum to 1)
-    total = torch.zeros(draws + 1, len(arms), dtype=torch.float64)
-    shares = {a: defaultdict(float) for a in arms}
-    for (op, layer, kind), rs in cells.items():
+    for (op, layer, kind), rs in sorted(cells.items()):
         if (op, layer) not in sites or kind not in pi:
             continue
-        w = macs[op, layer] / sum(macs[s] for s in sites) * pi[kind]
-        users = [[_user(r[a]) for a in arms] for r in rs]
-        p = torch.tensor([[prices[u] for u in row] for row in users], dtype=torch.float64)
-        idx = torch.randint(0, len(rs), (draws, len(rs)), generator=g)  # trials x arms above
-        total[0] += w * p.mean(0)  # the point: the trials as they are
-        total[1:] += w * p[idx].mean(1)
-        for row in users:
-            for a, u in zip(arms, row, strict=True):
-                shares[a][u] += w / len(rs)
-    col = {a: j for j, a in enumerate(arms)}
+        w = macs[op, layer] / total * pi[kind]
+        idx = torch.randint(0, len(rs), (draws, len(rs)), generator=g)  # the same for every arm
+        for a in arms:
+            onehot = torch.zeros(len(rs), len(USER_OUTCOMES), dtype=torch.float64)
+            for i, r in enumerate(rs):
+                onehot[i, USER_OUTCOMES.index(_user(r[a]))] = 1.0
+            out[a][0] += w * onehot.mean(0)
+            out[a][1:] += w * onehot[idx].mean(1)
+    return out, len(rows), len(sites)
+
+
+def quantiles(x: Tensor, level: float) -> Estimate:
+    """Row 0 of ``x`` and the ``level`` interval of the rest (the draws)."""
+    lo = torch.quantile(x[1:], (1 - level) / 2, interpolation="lower")
+    hi = torch.quantile(x[1:], (1 + level) / 2, interpolation="higher")
+    return Estimate(float(x[0]), float(lo), float(hi))
+
+
+def price(campaign: str | Path, cost: CostProfile, rate: FaultRate, job: Job, *,
+          draws: int = 2000, level: float = 0.9, seed: int = 0) -> Pricing:  # fmt: skip
+    """Every option of :data:`OPTIONS` at ``rate`` for ``job`` (module docstring)."""
+    share, trials, n_sites = shares(campaign, cost, rate.kinds, draws=draws, seed=seed)
+    macs = {(op, layer): m for layer, op, m in cost.macs}
+    coverage = sum(m for (op, _), m in macs.items() if not linear_parts(op)) / cost.step_macs
+    prices = job.prices()
+    vector = torch.tensor([prices[o] for o in USER_OUTCOMES], dtype=torch.float64)
     overheads, cost_notes = _overheads(cost)
     f = job.faults_per_step(rate, cost)
-    per_fault = {o.name: coverage * total[:, col[o.arm]] + (1 - coverage) * total[:, col[o.other]]
-                 for o in OPTIONS}  # fmt: skip
+    per_fault, priced = {}, []
 
     def interval(x: Tensor) -> Estimate:
-        lo = torch.quantile(x[1:], (1 - level) / 2, interpolation="lower")
-        hi = torch.quantile(x[1:], (1 + level) / 2, interpolation="higher")
-        return Estimate(float(x[0]), float(lo), float(hi))
+        return quantiles(x, level)
 
-    priced = []
     for o in OPTIONS:
+        mixed = coverage * share[o.arm] + (1 - coverage) * share[o.other]  # (draws + 1, outcomes)
+        per_fault[o.name] = mixed @ vector
         c = Estimate(*(max(0.0, x) for x in overheads[o.cost]))
         e = interval(per_fault[o.name])
-        outcomes = {u: coverage * shares[o.arm][u] + (1 - coverage) * shares[o.other][u]
-                    for u in USER_OUTCOMES}  # fmt: skip
+        outcomes = {u: float(mixed[0, j]) for j, u in enumerate(USER_OUTCOMES)}
         lost = Estimate(c.point + f * e.point, c.point + f * e.low, c.point + f * e.high)
         priced.append(Priced(o, c, outcomes, e, lost, cost_notes.get(o.cost or "", "")))
     best = min(priced, key=lambda p: p.lost.point).option.name
@@ -343,12 +358,12 @@ def price(campaign: str | Path, cost: CostProfile, rate: FaultRate, job: Job, *,
     above, below = _neighbours(priced, best, crossings, f / per_unit)
     notes = (
         f"faults in attention ({coverage:.0%} of the step's multiply-adds) as the campaign "
-        f"measured them at {len(sites)} of its GEMMs; the rest (MLP, head) priced as those "
+        f"measured them at {n_sites} of its GEMMs; the rest (MLP, head) priced as those "
         f"faults without ABFT",
-        f"intervals: {level:.0%}, a paired bootstrap of the campaign's {len(rows)} trials "
+        f"intervals: {level:.0%}, a paired bootstrap of the campaign's {trials} trials "
         f"(overheads at their medians)",
     )
-    return Pricing(rate, job, f, coverage, tuple(priced), best, above, below, len(rows), notes,
+    return Pricing(rate, job, f, coverage, tuple(priced), best, above, below, trials, notes,
                    crossings)  # fmt: skip
 
 

@@ -187,6 +187,10 @@ def _validate(args: argparse.Namespace) -> int:
     from attnchecker.report.adaptive import frontier_report, frontier_rows
 
     vuln, cost, rate = _profiles(args)
+    if args.pricing:
+        return _check_pricing(args, vuln, cost, rate)
+    if not args.budgets:
+        raise ConfigError("give --budgets (the controller's schedules) or --pricing (the options)")
     meta = {"family": vuln.family, "rate": f"{rate.value:g} faults per {rate.per}",
             "pooled_layers": args.pool_layers,
             "campaign": str(args.campaign), "cost": cost.setup}  # fmt: skip
@@ -201,6 +205,26 @@ def _validate(args: argparse.Namespace) -> int:
     print("\n".join(frontier_rows(val)))
     print(f"wrote {path}")
     return val.status
+
+
+def _check_pricing(args: argparse.Namespace, vuln, cost, rate) -> int:
+    """``validate --pricing``: every option simulated against the pricing's predictions."""
+    import json
+
+    from attnchecker.adaptive.price_check import HELD_OUT, check_pricing
+
+    out = Path(args.out or Path(args.campaign) / "pricing_check")
+    out.mkdir(parents=True, exist_ok=True)
+    check = check_pricing(vuln, cost, args.campaign, rate, steps=args.steps, seeds=args.seeds,
+                          level=args.level, held_out=() if args.no_held_out else HELD_OUT,
+                          timing_reps=args.timing_reps, seed=args.seed,
+                          progress=lambda line: print(line, flush=True))  # fmt: skip
+    (out / "pricing_check.json").write_text(json.dumps(check.to_dict(), indent=1))
+    text = "\n".join(check.lines())
+    (out / "pricing_check.md").write_text(text + "\n")
+    print(text)
+    print(f"wrote {out / 'pricing_check.md'}")
+    return check.status
 
 
 def _rate_args(p: argparse.ArgumentParser, *, preset: bool = False) -> None:
@@ -281,7 +305,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     summary = "simulate training under faults: predicted vs measured frontier"
     v = add_command(sub, "validate", _validate, summary)
     _rate_args(v)
-    v.add_argument("--budgets", nargs="+", type=_fraction, required=True)
+    v.add_argument(
+        "--budgets",
+        nargs="+",
+        type=_fraction,
+        help="the controller's schedules to validate (or --pricing)",
+    )
+    v.add_argument("--pricing", action="store_true",
+                   help="validate plan's pricing instead: every option (no protection, the "
+                   "finite-gradient guard, ABFT; skipping or replaying) simulated under faults, "
+                   "its replays, skips, non-trainable events, corrections and silent deviations "
+                   "against their predicted intervals, its overhead against bench's; needs a "
+                   "campaign run with --recovery-arms and --per step")  # fmt: skip
     v.add_argument("--steps", type=int, default=200, help="training steps per run")
     v.add_argument("--seeds", type=int, default=5, help="runs per row, each its own fault plan")
     v.add_argument("--level", type=float, default=0.9, help="of the predictive intervals")
