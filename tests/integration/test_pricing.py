@@ -155,6 +155,8 @@ def test_validate_pricing_counts_fall_in_their_predictive_intervals(camp):
     assert sum(r.counts["corrected"] for r in abft.runs) > 0
     assert not any(r.deviated for r in abft.runs)  # ABFT corrected them in place
     assert all(r.counts["non_trainable"] == 0 for row in check.rows for r in row.runs)
+    # where ABFT pays, with the overheads measured in this check
+    assert any("ABFT with replay" in n and "guard with replay" in n for n in check.notes)
 
 
 def test_validate_pricing_fails_on_a_hidden_cost_and_on_a_hidden_deviation(camp, tmp_path):
@@ -191,3 +193,27 @@ def test_validate_pricing_through_the_cli(camp, tmp_path, capsys):
     assert "| guard_replay | in-sample |" in (out / "pricing_check.md").read_text()
     bad = ["validate", "--campaign", str(camp), "--pricing", "--fault-rate", "1e-3"]
     assert main(bad) == 2 and "--per step" in capsys.readouterr().err
+
+
+def test_a_plan_is_priced_as_abft_where_it_checks_and_the_guard_elsewhere(camp, capsys):
+    from attnchecker.adaptive.price import Mixture
+
+    cost = _cost(camp, 0.001, 0.05)
+    rows = load_trials(camp)
+    every = tuple(sorted({(r["layer"], r["site"], 1) for r in rows}))
+    half = tuple((layer, op, 2) for layer, op, _ in every)  # every other step
+    mixtures = (Mixture("all", "all", every, Estimate(0.05, 0.05, 0.05)),
+                Mixture("half", "half", half, Estimate(0.03, 0.03, 0.03)),
+                Mixture("none", "none", (), Estimate(0.0, 0.0, 0.0)))  # fmt: skip
+    p = price(camp, cost, FaultRate(1e-3, "step"), Job(1.0), mixtures=mixtures)
+    e = {o.option.name: o.per_fault.point for o in p.options}
+    assert e["all"] == pytest.approx(e["abft_replay"])
+    assert e["none"] == pytest.approx(e["guard_replay"])
+    assert e["half"] == pytest.approx((e["abft_replay"] + e["guard_replay"]) / 2)
+    assert p.get("half").overhead.point == 0.03
+    # plan --budget prices its schedule beside the options
+    args = ["plan", "--campaign", str(camp), "--fault-rate", "0.01", "--per", "step",
+            "--budget", "5000%"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "checks) with replay" in out.split("wrote")[-2]  # the table's last row

@@ -61,10 +61,12 @@ from attnchecker.adaptive.profile import CostProfile, Estimate
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.ops import linear_parts
 from attnchecker.errors import ConfigError
+from attnchecker.inject.plan import check_op
 from attnchecker.inject.trial import USER_OUTCOMES
 
 __all__ = [
-    "OPTIONS", "PRESETS", "Job", "Option", "Pricing", "price", "quantiles", "shares", "trials_of",
+    "OPTIONS", "PRESETS", "Job", "Mixture", "Option", "Pricing", "price", "quantiles", "shares",
+    "trials_of",
 ]  # fmt: skip
 
 
@@ -93,6 +95,24 @@ OPTIONS = (
 )  # fmt: skip
 """In order of preference where two cost the same (a replay keeps the fault-free trajectory,
 a skip drops a batch)."""
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """ABFT on some sites, the guard with replay on the rest: a schedule (``(layer, op,
+    every)``, the controller's choice) with its overhead. At a scheduled site a fault ends as
+    the protected arm's did, every ``every``-th step, else as the guard's (a check credited with
+    its own site only: the protected arm ran every check)."""
+
+    name: str
+    label: str
+    checks: tuple[tuple[int, str, int], ...]
+    overhead: Estimate
+
+    @property
+    def option(self) -> Option:
+        return Option(self.name, self.label, self.name, "guard_replay", None)
+
 
 PRESETS = {
     "llama3": (
@@ -287,11 +307,13 @@ def _overheads(cost: CostProfile) -> tuple[dict[str | None, Estimate], dict[str,
 
 
 def shares(campaign: str | Path, cost: CostProfile, kinds: dict[str, float] | None = None, *,
-           draws: int = 2000, seed: int = 0) -> tuple[dict[str, Tensor], int, int]:  # fmt: skip
-    """Per arm, the probability of each outcome (:data:`USER_OUTCOMES`, columns) of a fault at
-    the campaign's sites, weighted by their multiply-adds and ``kinds`` (None: uniform): row 0
-    the trials as they are, then ``draws`` paired bootstrap draws (every cell's trials
-    resampled, the same resample for every arm); (that, the trials, the profiled sites)."""
+           mixtures: tuple[Mixture, ...] = (), draws: int = 2000,
+           seed: int = 0) -> tuple[dict[str, Tensor], int, int]:  # fmt: skip
+    """Per arm (and per mixture, by its name), the probability of each outcome
+    (:data:`USER_OUTCOMES`, columns) of a fault at the campaign's sites, weighted by their
+    multiply-adds and ``kinds`` (None: uniform): row 0 the trials as they are, then ``draws``
+    paired bootstrap draws (every cell's trials resampled, the same resample for every arm);
+    (that, the trials, the profiled sites)."""
     rows = trials_of(campaign, cost.family)
     measured = sorted({r["kind"] for r in rows})
     pi = kinds or {k: 1 / len(measured) for k in measured}
@@ -299,24 +321,33 @@ def shares(campaign: str | Path, cost: CostProfile, kinds: dict[str, float] | No
         raise ConfigError(f"kinds {unknown} were not in the campaign; it has {measured}")
     cells: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
     for r in rows:
-        cells[(r["site"], r.get("layer", 0), r["kind"])].append(r)
+        cells[(check_op(r["site"]), r.get("layer", 0), r["kind"])].append(r)
     macs = {(op, layer): m for layer, op, m in cost.macs}
     sites = {(op, layer) for op, layer, _ in cells if (op, layer) in macs}
     if not sites:
         raise ConfigError("the campaign's sites and the cost profile's GEMMs have none in common")
     total = sum(macs[s] for s in sites)
     arms = sorted({o.arm for o in OPTIONS} | {o.other for o in OPTIONS})
-    out = {a: torch.zeros(draws + 1, len(USER_OUTCOMES), dtype=torch.float64) for a in arms}
+    zeros = lambda: torch.zeros(draws + 1, len(USER_OUTCOMES), dtype=torch.float64)
+    out = {a: zeros() for a in [*arms, *(m.name for m in mixtures)]}
+    checked = {m.name: {(op, layer): 1 / every for layer, op, every in m.checks}
+               for m in mixtures}  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     for (op, layer, kind), rs in sorted(cells.items()):
         if (op, layer) not in sites or kind not in pi:
             continue
         w = macs[op, layer] / total * pi[kind]
         idx = torch.randint(0, len(rs), (draws, len(rs)), generator=g)  # the same for every arm
+        onehots = {}
         for a in arms:
             onehot = torch.zeros(len(rs), len(USER_OUTCOMES), dtype=torch.float64)
             for i, r in enumerate(rs):
                 onehot[i, USER_OUTCOMES.index(_user(r[a]))] = 1.0
+            onehots[a] = onehot
+        for m in mixtures:
+            f = checked[m.name].get((op, layer), 0.0)
+            onehots[m.name] = f * onehots["protected_replay"] + (1 - f) * onehots["guard_replay"]
+        for a, onehot in onehots.items():
             out[a][0] += w * onehot.mean(0)
             out[a][1:] += w * onehot[idx].mean(1)
     return out, len(rows), len(sites)
@@ -330,9 +361,12 @@ def quantiles(x: Tensor, level: float) -> Estimate:
 
 
 def price(campaign: str | Path, cost: CostProfile, rate: FaultRate, job: Job, *,
-          draws: int = 2000, level: float = 0.9, seed: int = 0) -> Pricing:  # fmt: skip
-    """Every option of :data:`OPTIONS` at ``rate`` for ``job`` (module docstring)."""
-    share, trials, n_sites = shares(campaign, cost, rate.kinds, draws=draws, seed=seed)
+          mixtures: tuple[Mixture, ...] = (), draws: int = 2000, level: float = 0.9,
+          seed: int = 0) -> Pricing:  # fmt: skip
+    """Every option of :data:`OPTIONS` and every ``mixture`` at ``rate`` for ``job`` (module
+    docstring)."""
+    share, trials, n_sites = shares(campaign, cost, rate.kinds, mixtures=mixtures, draws=draws,
+                                    seed=seed)  # fmt: skip
     macs = {(op, layer): m for layer, op, m in cost.macs}
     coverage = sum(m for (op, _), m in macs.items() if not linear_parts(op)) / cost.step_macs
     prices = job.prices()
@@ -344,10 +378,11 @@ def price(campaign: str | Path, cost: CostProfile, rate: FaultRate, job: Job, *,
     def interval(x: Tensor) -> Estimate:
         return quantiles(x, level)
 
-    for o in OPTIONS:
+    given = {m.name: m.overhead for m in mixtures}
+    for o in (*OPTIONS, *(m.option for m in mixtures)):
         mixed = coverage * share[o.arm] + (1 - coverage) * share[o.other]  # (draws + 1, outcomes)
         per_fault[o.name] = mixed @ vector
-        c = Estimate(*(max(0.0, x) for x in overheads[o.cost]))
+        c = Estimate(*(max(0.0, x) for x in given.get(o.name, overheads[o.cost])))
         e = interval(per_fault[o.name])
         outcomes = {u: float(mixed[0, j]) for j, u in enumerate(USER_OUTCOMES)}
         lost = Estimate(c.point + f * e.point, c.point + f * e.low, c.point + f * e.high)

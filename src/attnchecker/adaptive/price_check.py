@@ -103,7 +103,8 @@ def run_option(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, o
     from attnchecker.inject.plan import FaultPlan
     from attnchecker.models import source
     from attnchecker.models.protect import protect_
-    from attnchecker.recovery.replay import Replayer, nonfinite
+    from attnchecker.recovery.guard import nonfinite
+    from attnchecker.recovery.replay import Replayer
 
     setup = vuln.setup
     B, L, lr = setup.get("batch", 4), setup.get("seq_len", 32), setup.get("lr", 1e-3)
@@ -282,7 +283,8 @@ class PricingCheck:
             out.append(f"| {r.option} | {r.condition.name} | {per_run:.1f} | "
                        f"{' | '.join(cells)} | {dev} | {ours} |")  # fmt: skip
         misses = self.misses()
-        out += ["", f"**Misses: {len(misses)}** (exit status {self.status})"]
+        out += ["", *(f"Note: {n}." for n in self.notes), "",
+                f"**Misses: {len(misses)}** (exit status {self.status})"]  # fmt: skip
         return out + [f"- {m}" for m in misses]
 
 
@@ -386,6 +388,28 @@ def check_pricing(vuln: VulnerabilityProfile, cost: CostProfile, campaign: str |
                                    level))  # fmt: skip
             if progress is not None:
                 progress(f"{rows[-1].name}: {time.perf_counter() - t0:.0f} s")
-    notes = (f"faults at the campaign's {len(share)} arms' sites, {mean_faults:.3g} per step "
-             f"(x the condition's rate scale)",)  # fmt: skip
+    notes = (f"{mean_faults:.3g} faults per step at the campaign's sites (x the condition's "
+             f"rate scale)", *_crossing(campaign, cost, overheads, level))  # fmt: skip
     return PricingCheck(tuple(rows), level, notes)
+
+
+def _crossing(campaign, cost: CostProfile, overheads: dict[str, Estimate],
+              level: float) -> tuple[str, ...]:  # fmt: skip
+    """Where ABFT with replay becomes cheaper than the guard with replay, by ``plan``'s pricing
+    with the overheads measured here (default job prices)."""
+    import dataclasses
+
+    from attnchecker.adaptive.price import Job, price
+
+    if not {"guard_replay", "abft_replay"} <= set(overheads):
+        return ()
+    measured = {"guard": overheads["guard_replay"], "abft": overheads["abft_replay"]}
+    pricing = price(campaign, dataclasses.replace(cost, recovery=measured), FaultRate(1.0),
+                    Job(cost.step_seconds), level=level)  # fmt: skip
+    r = pricing.crossings.get("guard_replay", {}).get("abft_replay")
+    if r is None:
+        return ("ABFT with replay measured no dearer than the guard with replay here",)
+    return (f"with the overheads measured here (guard {overheads['guard_replay'].point:+.1%}, "
+            f"ABFT {overheads['abft_replay'].point:+.1%}) and plan's default prices, ABFT with "
+            f"replay costs less than the guard with replay above {r.point:.3g} [{r.low:.3g}, "
+            f"{r.high:.3g}] faults per step",)  # fmt: skip

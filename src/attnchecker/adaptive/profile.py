@@ -221,7 +221,7 @@ class VulnerabilityProfile:
                  *_joint(rs, config))
             for (op, layer, kind), rs in sorted(groups.items())
         )  # fmt: skip
-        keys = ("size", "batch", "seq_len", "steps", "lr", "seed", "patterns", "backend")
+        keys = ("size", "batch", "seq_len", "steps", "lr", "seed", "patterns", "backend", "dropout")
         return cls(family, {k: config[k] for k in keys if k in config}, cells)
 
     def to_dict(self) -> dict[str, Any]:

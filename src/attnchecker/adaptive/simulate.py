@@ -141,7 +141,7 @@ def _fresh(vuln: VulnerabilityProfile, seed: int):
 
     setup = vuln.setup
     return make(vuln.family, size=setup.get("size", "tiny"), seed=seed,
-                seq_len=setup.get("seq_len", 32))  # fmt: skip
+                seq_len=setup.get("seq_len", 32), dropout=setup.get("dropout", True))  # fmt: skip
 
 
 @functools.cache

@@ -8,6 +8,7 @@ The three-command flow: ``attnchecker campaign --out DIR ...`` (vulnerability),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from attnchecker.adaptive.bench import DTYPES
@@ -111,9 +112,8 @@ def _plan(args: argparse.Namespace) -> int:
     from attnchecker.adaptive.simulate import overhead
 
     vuln, cost, rate = _profiles(args)
-    priced = _pricing(args, cost, rate)
     if args.target is None and args.budget is None:
-        if priced is None:
+        if _pricing(args, cost, rate) is None:
             raise ConfigError(
                 "give --target or --budget for a schedule; pricing the options needs a campaign "
                 "run with --recovery-arms"
@@ -135,12 +135,18 @@ def _plan(args: argparse.Namespace) -> int:
         print("\n".join(choice.lines(cost.step_seconds)))
         print(f"wrote {out} (attnchecker train --plan {out}; in Python: "
               f"ABFTConfig.from_dict(json.load(f)['config']))")  # fmt: skip
+    if choice.checks:  # priced beside the options: ABFT there, the guard with replay elsewhere
+        from attnchecker.adaptive.price import Mixture
+
+        label = f"this plan ({len(choice.checks)} checks) with replay"
+        mixture = Mixture("plan", label, choice.checks, choice.measured or choice.overhead)
+        _pricing(args, cost, rate, (mixture,))
     return 0
 
 
-def _pricing(args: argparse.Namespace, cost, rate):
-    """Every option priced at ``rate`` (printed, written to pricing.json), or None when the
-    campaign has no recovery arms."""
+def _pricing(args: argparse.Namespace, cost, rate, mixtures: tuple = ()):
+    """Every option (and ``mixtures``) priced at ``rate`` (printed, written to pricing.json), or
+    None when the campaign has no recovery arms."""
     import json
 
     from attnchecker.adaptive.price import PRESETS, Job, price, trials_of
@@ -151,14 +157,21 @@ def _pricing(args: argparse.Namespace, cost, rate):
         return None
     job = Job(args.step_seconds or cost.step_seconds, args.devices or 1, args.checkpoint_every,
               60 * args.restart_minutes, args.sdc_steps)  # fmt: skip
-    priced = price(args.campaign, cost, rate, job)
+    given = _overheads(args.overheads)
+    if given:  # measured or modelled elsewhere (a GPU's), in place of this cost profile's
+        cost = dataclasses.replace(cost, recovery={**cost.recovery, **given})
+    priced = price(args.campaign, cost, rate, job, mixtures=mixtures)
     lines = priced.lines()
+    if given:
+        lines.append("note: overheads given (--overheads), not measured by this cost profile: "
+                     + ", ".join(f"{k} {v.point:+.1%}" for k, v in given.items()))  # fmt: skip
     if args.preset:
         lines.append(f"note: --preset {args.preset}: {PRESETS[args.preset][2]}")
     if not args.step_seconds:
         lines.append(f"note: a step of {job.step_seconds:.3g} s is this machine's plain step of "
                      f"the campaign's model: give --step-seconds for your job's")  # fmt: skip
     path = (Path(args.out).parent if args.out else Path(args.campaign)) / "pricing.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(priced.to_dict(), indent=1))
     if not args.json:
         print("\n".join(lines))
@@ -205,6 +218,23 @@ def _validate(args: argparse.Namespace) -> int:
     print("\n".join(frontier_rows(val)))
     print(f"wrote {path}")
     return val.status
+
+
+def _overheads(text: str | None) -> dict:
+    """``--overheads guard=0,abft=1.7%``: the options' overheads as fractions."""
+    from attnchecker.adaptive.profile import RECOVERY_ARMS, Estimate
+
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key not in RECOVERY_ARMS or not value:
+            raise ConfigError(f"--overheads is {'=..,'.join(RECOVERY_ARMS)}=.. (e.g. "
+                              f"guard=0,abft=1.7%), got {text!r}")  # fmt: skip
+        x = _fraction(value)
+        out[key] = Estimate(x, x, x)
+    return out
 
 
 def _check_pricing(args: argparse.Namespace, vuln, cost, rate) -> int:
@@ -285,6 +315,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=15.0,
         help="from a crash or NaN back to training: relaunch and load",
     )
+    p.add_argument("--overheads",
+                   help="the options' overheads measured or modelled elsewhere (your GPU's), "
+                   "in place of the cost profile's: guard=0.1%%,abft=1.7%%")  # fmt: skip
     p.add_argument("--sdc-steps", type=float,
                    help="a silent deviation's cost in steps (default: a restart's)")  # fmt: skip
     goal = p.add_mutually_exclusive_group()

@@ -43,6 +43,7 @@ def _campaign(args: argparse.Namespace) -> int:
         size=args.size, seed=args.seed, workers=args.workers, backend=args.backend,
         check_arms=args.check_arms,
         recovery_arms=args.recovery_arms,
+        dropout=not args.no_dropout,
         rank=int(os.environ.get("RANK", 0)) if args.rank is None else args.rank,
         world=int(os.environ.get("WORLD_SIZE", 1)) if args.world is None else args.world,
     )  # fmt: skip
@@ -94,6 +95,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also run every trial with the finite-gradient guard alone and with protection, "
         "each skipping or replaying a step that went wrong: the outcomes attnchecker plan "
         "prices (about three times the trials' time)",
+    )  # fmt: skip
+    camp.add_argument(
+        "--no-dropout", action="store_true",
+        help="every dropout probability 0 (with --backend sdpa: the route runs attention "
+        "dropout in training on the eager engine)",
     )  # fmt: skip
     camp.add_argument("--size", default="tiny", choices=SIZES)
     camp.add_argument("--seed", type=int, default=0)

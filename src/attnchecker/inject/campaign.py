@@ -70,6 +70,8 @@ class CampaignConfig:
     # ("sdpa": the core's sites are emulated on the SDPA route; attention dropout runs eager)
     check_arms: bool = False  # an arm per check and layer per lost trial (:func:`arm_checks`)
     recovery_arms: bool = False  # the guard alone and protection, skipping or replaying
+    dropout: bool = True  # False: every dropout probability 0 (a family's preset; the SDPA
+    # route runs attention dropout in training on the eager engine)
 
     def __post_init__(self) -> None:
         from attnchecker.attention.config import BACKENDS
@@ -194,7 +196,7 @@ def load_trials(out: Path) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- workers
 
 _SETUPS: dict[tuple, Any] = {}
-_SETUP_FIELDS = ("size", "seed", "seq_len", "batch", "steps", "lr", "backend")
+_SETUP_FIELDS = ("size", "seed", "seq_len", "batch", "steps", "lr", "backend", "dropout")
 """What defines a worker's model, batches and reference run besides the family: its cache key
 (a second campaign in one process must never reuse the first one's setup)."""
 
@@ -207,7 +209,8 @@ def _setup(cfg: CampaignConfig, family: str, layer: int):
         from attnchecker.inject.trial import reference
         from attnchecker.models.source import make
 
-        model = make(family, size=cfg.size, seed=cfg.seed, seq_len=cfg.seq_len)
+        model = make(family, size=cfg.size, seed=cfg.seed, seq_len=cfg.seq_len,
+                     dropout=cfg.dropout)  # fmt: skip
         g = torch.Generator().manual_seed(cfg.seed)
         batches = []
         for _ in range(cfg.steps):
@@ -251,7 +254,7 @@ def _run_one(args: tuple[CampaignConfig, dict[str, Any]]) -> dict[str, Any]:
             arms[arm] = {k: v for k, v in row.items() if k in kept}
     dead = arms["unprotected"]["outcome"] == "non_trainable"  # else trainable with any check
     if cfg.check_arms and dead:
-        kept = ("outcome", "result", "detected_at_site", "skipped")
+        kept = ("outcome", "result", "detected_at_site", "skipped", "user")
         arms["checks"] = {
             arm_name(c, at): {k: v for k, v in run_arm(setup, fault, spec["seed"],
                                                        protected=True, check=(c, at),

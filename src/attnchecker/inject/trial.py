@@ -106,7 +106,8 @@ def _train(model: nn.Module, batches: list[dict[str, Tensor]], lr: float, seed: 
 def _recovering(model: nn.Module, batches: list[dict[str, Tensor]], opt: Any, recover: str,
                 handle: Any) -> tuple[list[float], list[Any], list[bool], int]:  # fmt: skip
     """:func:`_train` under a recovery (``skip`` or ``replay``, :data:`RECOVERIES`)."""
-    from attnchecker.recovery.replay import Replayer, nonfinite
+    from attnchecker.recovery.guard import nonfinite
+    from attnchecker.recovery.replay import Replayer
 
     losses, events, skipped, replays = [], [], [], 0
     stepper = Replayer(opt, handle)

@@ -52,15 +52,19 @@ def make(
     seq_len: int = 64,
     max_len: int | None = None,
     layers: int | None = None,
+    dropout: bool = True,
 ) -> nn.Module:
     """The model ``name`` names, randomly initialised from ``seed``, in training mode, no KV
     cache. ``vocab_size``: the tokenizer's (None: a family's own tiny vocabulary, 128 for the
-    others); ``max_len``: a family's positions (None: ``max(64, seq_len)``); ``size`` and
-    ``layers`` shape a family only (the user's own models are theirs)."""
+    others); ``max_len``: a family's positions (None: ``max(64, seq_len)``); ``size``,
+    ``layers`` and ``dropout=False`` (every dropout probability 0) shape a family only (the
+    user's own models are theirs)."""
     from attnchecker.models.factory import load_factory
-    from attnchecker.models.tiny import build, from_file
+    from attnchecker.models.tiny import build, from_file, no_dropout
 
     kind = kind_of(name)
+    if not dropout and kind != "family":
+        raise ConfigError(f"dropout off is for a family's preset; {name!r} is the user's own")
     if kind == "factory":
         if task != "lm":
             raise ConfigError("a model from a factory trains task 'lm' (next-token prediction)")
@@ -72,6 +76,7 @@ def make(
     else:
         extra = {} if vocab_size is None else {"vocab_size": vocab_size}
         extra |= {} if layers is None else {"layers": layers}
+        extra |= {} if dropout else no_dropout(name, size)
         positions = max(64, seq_len) if max_len is None else max_len
         model = build(name, size, task=task, seed=seed, max_len=positions, **extra)
     model.config.use_cache = False

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FiniteGradients", "GuardedOptimizer", "guard"]
+__all__ = ["FiniteGradients", "GuardedOptimizer", "guard", "nonfinite"]
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -163,11 +163,24 @@ class FiniteGradients:
         self.params = [p for p in params if p.requires_grad]
 
     def found_inf(self) -> Tensor:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        total = torch.stack(torch._foreach_norm(grads)).sum()
-        return (~torch.isfinite(total)).to(torch.float32)
+        return nonfinite(self.params)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): this rank's shard
+
+
+def nonfinite(params: Any, loss: Any = None) -> Tensor:
+    """1.0 on the device when the loss or a gradient of ``params`` is not finite, else 0.0 (no
+    host read): the finite-gradient guard's test (a norm that overflows counts: GradScaler tests
+    elements, ``clip_grad_norm_`` the norm)."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    parts = [torch.stack(torch._foreach_norm(grads)).sum()] if grads else []
+    if isinstance(loss, Tensor):
+        parts.append(loss.detach().float().sum().to(parts[0].device if parts else loss.device))
+    if not parts:
+        return torch.zeros(())
+    return (~torch.isfinite(torch.stack(parts).sum())).to(torch.float32)
 
 
 def guard(optimizer: torch.optim.Optimizer, handle: Any, *, group: Any = None) -> GuardedOptimizer:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnchecker.recovery.diagnosis import FAULT, UNKNOWN, VERDICT, classify, here
+from attnchecker.recovery.guard import nonfinite
 
 __all__ = ["RandomState", "Replayed", "Replayer", "replay", "verdict"]
 
@@ -120,22 +121,6 @@ def verdict(
         f"{'numerics, or a persistent fault in a GEMM no check sees' if unknown else 'numerics'}"
         f"; the update is skipped. {why}"
     )
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): this rank's shard
-
-
-def nonfinite(params: Sequence[Tensor], loss: Any = None) -> Tensor:
-    """1.0 on the device when the loss or a gradient of ``params`` is not finite (no host
-    read): the finite-gradient guard's test."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    parts = [torch.stack(torch._foreach_norm(grads)).sum()] if grads else []
-    if isinstance(loss, Tensor):
-        parts.append(loss.detach().float().sum().to(parts[0].device if parts else loss.device))
-    if not parts:
-        return torch.zeros(())
-    return (~torch.isfinite(torch.stack(parts).sum())).to(torch.float32)
 
 
 class Replayer:
