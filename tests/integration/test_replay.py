@@ -213,3 +213,73 @@ def test_replay_spares_a_grad_scaler_its_back_off():
         if plan_ is not None:
             assert outs[1].replayed and not outs[1].skipped
     assert scales["faulty"] == scales["clean"] == 2.0**10
+
+
+def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
+    import copy
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from .helpers import batch, models
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        base, _ = models("llama")
+        runs = {}
+        for arm in ("clean", "faulty"):
+            model = copy.deepcopy(base)
+            handle = protect_(model, ABFTConfig(policy="replay", max_heads=1))
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            opt = replay(torch.optim.AdamW(model.parameters(), lr=1e-3), handle)
+            fired: list[int] = []
+
+            # +3 in 3 heads with max_heads=1: uncorrectable but finite, so only rank 1's
+            # protection knows (the gradients stay finite): the flag must reach rank 0
+            def beyond(c, arm=arm, fired=fired):
+                if arm == "faulty" and rank == 1 and c.site == "scores" and c.layer == 0:
+                    if len(fired) == 1 and not fired[0]:
+                        c.tensor[:, :3, 2, 2] += 3.0
+                        fired[0] = 1
+
+            handle.attach(beyond)
+            outs = []
+            for step in range(3):
+                fired[:] = [0] if step == 1 else [1]
+
+                def closure(m=model):
+                    loss = m(**batch("llama", seed=rank)).loss
+                    loss.backward()
+                    return loss
+
+                outs.append(opt.step(closure).replayed)
+                opt.zero_grad()
+            params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+            runs[arm] = {"replayed": outs, "params": params}
+        torch.save(runs, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_fsdp2_ranks_replay_together(tmp_path):
+    """FSDP2 (``fully_shard``, two gloo ranks): a transient uncorrectable fault on rank 1 makes
+    both ranks replay the step, and both end with the fault-free sharded run's parameters."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["faulty"]["replayed"] == r1["faulty"]["replayed"] == [False, True, False]
+    assert r0["clean"]["replayed"] == [False, False, False]
+    for n, p in r0["faulty"]["params"].items():
+        assert torch.equal(p, r1["faulty"]["params"][n]), n
+        assert torch.equal(p, r0["clean"]["params"][n]), n
