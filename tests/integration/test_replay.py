@@ -196,6 +196,60 @@ def test_replay_in_a_loop_of_ones_own():
     stuck = build("gpt2", seed=1)
     opt, outs = _own_loop(stuck, batches, plan=_q_block(2, persistent=True))
     assert (outs[1].skipped, outs[1].finding, opt.skipped) == (True, "persistent fault", 1)
+    # the replay ran step 2's checks and reports step 2 (the clock went back)
+    assert {e.step for e in outs[1].events} == {2}
+
+
+def _steps(model, batches, plan, *, handle=None, scaler=None):
+    """A loop of one's own under replay; the parameters after each step."""
+    opt = replay(torch.optim.AdamW(model.parameters(), lr=1e-3), handle, scaler=scaler)
+    at, outs, params = [0], [], []
+    with Injector(model, plan, step_fn=lambda: at[0]):
+        for x in batches:
+            at[0] += 1
+
+            def closure(x=x):
+                loss = model(input_ids=x, labels=x).loss
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                return loss
+
+            outs.append(opt.step(closure))
+            opt.zero_grad()
+            params.append([p.detach().clone() for p in model.parameters()])
+    return outs, params
+
+
+def _unchanged(before, after) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_reproduced_step_is_never_applied():
+    """The guard alone: a persistent NaN gradient is skipped, not applied (the replay's own
+    gradients are not finite either). Protected, under a GradScaler: a persistent finite
+    uncorrectable error is skipped too (the scaler would apply it: its gradients are finite),
+    and a non-finite one without the scaler backing its scale off."""
+    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]  # fmt: skip
+    outs, params = _steps(build("gpt2", seed=1), batches, _nan_grad(2, persistent=True))
+    assert (outs[1].replayed, outs[1].skipped, outs[1].finding) == (True, True, "numerics")
+    assert _unchanged(params[0], params[1])
+    assert all(torch.isfinite(p).all() for p in params[2])
+    model = build("gpt2", seed=1)
+    handle = protect_(model, LOST)
+    plan = (FaultPlan.builder().at(2).site("q", layer=0).kind("random", value=8.0).persistent()
+            .pattern("2D", size=(4, 4)).add().build())  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    outs, params = _steps(model, batches, plan, handle=handle, scaler=scaler)
+    assert any(e.action == "uncorrectable" for e in outs[1].events)
+    assert (outs[1].skipped, outs[1].finding) == (True, "persistent fault")
+    assert _unchanged(params[0], params[1]) and scaler.get_scale() == 2.0**10
+    # a non-finite one too: a fault, not an overflow, so the scaler's scale is left alone
+    model = build("gpt2", seed=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    stuck = _q_block(2, persistent=True)
+    outs, params = _steps(model, batches, stuck, handle=protect_(model, LOST), scaler=scaler)
+    assert (outs[1].skipped, outs[1].finding) == (True, "persistent fault")
+    assert _unchanged(params[0], params[1]) and scaler.get_scale() == 2.0**10
 
 
 def test_replay_spares_a_grad_scaler_its_back_off():
@@ -241,10 +295,10 @@ def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
             # +3 in 3 heads with max_heads=1: uncorrectable but finite, so only rank 1's
             # protection knows (the gradients stay finite): the flag must reach rank 0
             def beyond(c, arm=arm, fired=fired):
-                if arm == "faulty" and rank == 1 and c.site == "scores" and c.layer == 0:
-                    if len(fired) == 1 and not fired[0]:
-                        c.tensor[:, :3, 2, 2] += 3.0
-                        fired[0] = 1
+                here = arm == "faulty" and rank == 1 and c.site == "scores" and c.layer == 0
+                if here and len(fired) == 1 and not fired[0]:
+                    c.tensor[:, :3, 2, 2] += 3.0
+                    fired[0] = 1
 
             handle.attach(beyond)
             outs = []
