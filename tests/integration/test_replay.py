@@ -118,9 +118,16 @@ def test_the_guard_alone_replays_a_non_finite_gradient(tmp_path, data):
     plan = _nan_grad(3, 4, persistent=True)
     s = train(_cfg(data, policy="replay"), tmp_path / "pp", faults=plan, progress=False)
     assert (s["reproduced"], s["non_trainable"], s["steps_done"]) == (2, True, 4)
-    # skip_step without protection: the guard skips the NaN step, training goes on
+    plan = _nan_grad(3, 5, persistent=True)  # not in a row: step 4 was applied between them
+    s = train(_cfg(data, policy="replay"), tmp_path / "p35", faults=plan, progress=False)
+    assert (s["reproduced"], s["non_trainable"], s["steps_done"]) == (2, False, 6)
+    # skip_step without protection: the guard skips the NaN step, training goes on; two in a
+    # row are non-trainable
     s = train(_cfg(data, policy="skip_step"), tmp_path / "s", faults=_nan_grad(3), progress=False)
     assert (s["replays"], s["skipped"], s["non_trainable"]) == (0, 1, False)
+    plan = _nan_grad(3, 4)
+    s = train(_cfg(data, policy="skip_step"), tmp_path / "s34", faults=plan, progress=False)
+    assert (s["skipped"], s["non_trainable"], s["steps_done"]) == (2, True, 4)
 
 
 def test_replay_under_torch_compile(tmp_path, data):

@@ -17,9 +17,10 @@ optimizer (:func:`attnchecker.guard`: fused AdamW with protection's ``found_inf`
 the ranks, read with the loss). Under ``policy="replay"`` a step with an uncorrectable error or a
 non-finite loss or gradient is first recomputed on its batch with the random state it started
 from (:mod:`attnchecker.recovery.replay`): a clean replay is applied, a reproduced one skipped
-with its diagnosis (transient / persistent fault / numerics), and two reproduced steps in a row
-are non-trainable (the weights themselves are bad). Without protection ``TrainConfig.policy``
-(``skip_step`` or ``replay``) does the same for non-finite steps: the finite-gradient guard.
+with its diagnosis (transient / persistent fault / numerics). Without protection
+``TrainConfig.policy`` (``skip_step`` or ``replay``) skips or replays a non-finite step: the
+finite-gradient guard. Two steps in a row skipped as non-finite or reproduced are non-trainable
+(the weights themselves give it: rolled back under the checkpoint baseline).
 
 Every step is diagnosed (:mod:`attnchecker.recovery.diagnosis`): a step with a computation
 fault (your hardware) or numerics (NaN / INF or a spike with every check consistent: not your
@@ -185,12 +186,17 @@ def train_steps(
             before = _before(state)
             result = train_step(state)
             log.step(state, result)
+            doubtful = False  # skipped as non-finite or reproduced: the weights may be bad
             if before is not None and _wrong(result):
                 result = _replay(state, log, before)
-            if result.skip or (state.policy in ("skip_step", "replay") and _wrong(result)):
+                doubtful = result.skip
+            elif state.handle is None and state.policy == "skip_step" and _wrong(result):
+                result, doubtful = result._replace(skip=True), True  # the guard alone
+            if result.skip:
                 _skip(state, log)
-                if state.reproduced_in_a_row >= 2:  # the weights give it: not a step's fault
-                    state.reproduced_in_a_row = 0
+                state.doubtful = state.doubtful + 1 if doubtful else 0
+                if state.doubtful >= 2:  # two in a row: the weights give it, not a step's fault
+                    state.doubtful = 0
                     if state.ckpt is not None:
                         _roll_back(state, log, "reproduced twice")
                         continue
@@ -251,7 +257,7 @@ class TrainState:
     detector: NonTrainableDetector
     ckpt: _SharedCheckpoints | None  # the checkpoint/restore baseline
     step: int = 0
-    reproduced_in_a_row: int = 0  # replays that met the error again, in consecutive steps
+    doubtful: int = 0  # consecutive steps skipped as non-finite or reproduced
     non_trainable: bool = False
     last_loss: float = float("nan")
     # recovery's costs: checkpoint save / load seconds and counts, replays, skipped steps
@@ -398,10 +404,8 @@ def _replay(state: TrainState, log: _RunLog, before: tuple[Any, Any]) -> StepRes
     log.event({"type": "replay", "step": state.step + 1, "reproduced": reproduced,
                "finding": finding, "message": message})  # fmt: skip
     if not reproduced:
-        state.reproduced_in_a_row = 0
         return again
     state.totals["reproduced"] += 1
-    state.reproduced_in_a_row += 1
     return again._replace(skip=True)
 
 
@@ -437,6 +441,7 @@ def _update(state: TrainState, result: StepResult) -> None:
     if state.sched is not None:
         state.sched.step()
     state.step += 1
+    state.doubtful = 0
     state.last_loss = result.loss
 
 
