@@ -344,3 +344,34 @@ def test_fsdp2_ranks_replay_together(tmp_path):
     for n, p in r0["faulty"]["params"].items():
         assert torch.equal(p, r1["faulty"]["params"][n]), n
         assert torch.equal(p, r0["clean"]["params"][n]), n
+
+
+def test_a_clean_step_under_replay_reads_the_host_once_the_drains_read():
+    """The flag the replay decides on comes back in the drain's one transfer: a clean step
+    under :func:`attnchecker.replay` synchronises exactly as a protected step and its drain."""
+    from attnchecker.testing import count_ops
+
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for arm in ("drain", "replay"):
+        model = build("gpt2", seed=1)
+        handle = protect_(model, LOST)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        stepper = replay(opt, handle)
+
+        def closure(model=model):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            return loss
+
+        def step(arm=arm, opt=opt, handle=handle, stepper=stepper, closure=closure):
+            if arm == "drain":
+                closure()
+                opt.step()
+                handle.drain()
+            else:
+                stepper.step(closure)
+
+        step()  # the optimizer's state exists
+        counts[arm] = count_ops(step).syncs
+    assert counts["replay"] == counts["drain"]
