@@ -164,13 +164,13 @@ def test_two_ranks_replay_together(tmp_path):
         assert (r["step"], r["finding"]) == (2, "transient")
 
 
-def _own_loop(model, batches, *, plan=None, scaler=None, fault_handle=True):
-    """Four steps of a loop of one's own under :func:`attnchecker.replay`."""
+def _steps(model, batches, plan=None, *, handle=None, scaler=None):
+    """A loop of one's own under :func:`attnchecker.replay`, the injector counting the loop's
+    steps (a replay is another forward pass of the same step); (the optimizer, each step's
+    :class:`Replayed`, the parameters after each step)."""
     torch.manual_seed(0)
-    handle = protect_(model, LOST) if fault_handle else None
     opt = replay(torch.optim.AdamW(model.parameters(), lr=1e-3), handle, scaler=scaler)
-    outs, at = [], [0]
-    # the loop's own step (a replay is another forward pass, the same step)
+    at, outs, params = [0], [], []
     with Injector(model, plan or FaultPlan(()), step_fn=lambda: at[0]):
         for x in batches:
             at[0] += 1
@@ -182,7 +182,8 @@ def _own_loop(model, batches, *, plan=None, scaler=None, fault_handle=True):
 
             outs.append(opt.step(closure))
             opt.zero_grad()
-    return opt, outs
+            params.append([p.detach().clone() for p in model.parameters()])
+    return opt, outs, params
 
 
 def test_replay_in_a_loop_of_ones_own():
@@ -190,8 +191,8 @@ def test_replay_in_a_loop_of_ones_own():
                for i in range(4)]  # fmt: skip
     clean = build("gpt2", seed=1)
     faulty = build("gpt2", seed=1)
-    _own_loop(clean, batches)
-    opt, outs = _own_loop(faulty, batches, plan=_q_block(2))
+    _steps(clean, batches, handle=protect_(clean, LOST))
+    opt, outs, _ = _steps(faulty, batches, _q_block(2), handle=protect_(faulty, LOST))
     for a, b in zip(clean.parameters(), faulty.parameters(), strict=True):
         assert torch.equal(a, b)
     assert [(o.replayed, o.skipped, o.finding) for o in outs] == [
@@ -201,29 +202,12 @@ def test_replay_in_a_loop_of_ones_own():
     assert any(e.action == "uncorrectable" for e in outs[1].events)
     assert (opt.replays, opt.transient, opt.skipped) == (1, 1, 0)
     stuck = build("gpt2", seed=1)
-    opt, outs = _own_loop(stuck, batches, plan=_q_block(2, persistent=True))
+    opt, outs, _ = _steps(
+        stuck, batches, _q_block(2, persistent=True), handle=protect_(stuck, LOST)
+    )
     assert (outs[1].skipped, outs[1].finding, opt.skipped) == (True, "persistent fault", 1)
     # the replay ran step 2's checks and reports step 2 (the clock went back)
     assert {e.step for e in outs[1].events} == {2}
-
-
-def _steps(model, batches, plan, *, handle=None, scaler=None):
-    """A loop of one's own under replay; the parameters after each step."""
-    opt = replay(torch.optim.AdamW(model.parameters(), lr=1e-3), handle, scaler=scaler)
-    at, outs, params = [0], [], []
-    with Injector(model, plan, step_fn=lambda: at[0]):
-        for x in batches:
-            at[0] += 1
-
-            def closure(x=x):
-                loss = model(input_ids=x, labels=x).loss
-                (loss if scaler is None else scaler.scale(loss)).backward()
-                return loss
-
-            outs.append(opt.step(closure))
-            opt.zero_grad()
-            params.append([p.detach().clone() for p in model.parameters()])
-    return outs, params
 
 
 def _unchanged(before, after) -> bool:
@@ -237,7 +221,7 @@ def test_a_reproduced_step_is_never_applied():
     and a non-finite one without the scaler backing its scale off."""
     batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i))
                for i in range(3)]  # fmt: skip
-    outs, params = _steps(build("gpt2", seed=1), batches, _nan_grad(2, persistent=True))
+    _, outs, params = _steps(build("gpt2", seed=1), batches, _nan_grad(2, persistent=True))
     assert (outs[1].replayed, outs[1].skipped, outs[1].finding) == (True, True, "numerics")
     assert _unchanged(params[0], params[1])
     assert all(torch.isfinite(p).all() for p in params[2])
@@ -246,7 +230,7 @@ def test_a_reproduced_step_is_never_applied():
     plan = (FaultPlan.builder().at(2).site("q", layer=0).kind("random", value=8.0).persistent()
             .pattern("2D", size=(4, 4)).add().build())  # fmt: skip
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    outs, params = _steps(model, batches, plan, handle=handle, scaler=scaler)
+    _, outs, params = _steps(model, batches, plan, handle=handle, scaler=scaler)
     assert any(e.action == "uncorrectable" for e in outs[1].events)
     assert (outs[1].skipped, outs[1].finding) == (True, "persistent fault")
     assert _unchanged(params[0], params[1]) and scaler.get_scale() == 2.0**10
@@ -254,7 +238,7 @@ def test_a_reproduced_step_is_never_applied():
     model = build("gpt2", seed=1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     stuck = _q_block(2, persistent=True)
-    outs, params = _steps(model, batches, stuck, handle=protect_(model, LOST), scaler=scaler)
+    _, outs, params = _steps(model, batches, stuck, handle=protect_(model, LOST), scaler=scaler)
     assert (outs[1].skipped, outs[1].finding) == (True, "persistent fault")
     assert _unchanged(params[0], params[1]) and scaler.get_scale() == 2.0**10
 
@@ -269,7 +253,7 @@ def test_replay_spares_a_grad_scaler_its_back_off():
     for name, plan_ in (("clean", None), ("faulty", plan)):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         model = build("gpt2", seed=1)
-        _, outs = _own_loop(model, batches, plan=plan_, scaler=scaler, fault_handle=False)
+        _, outs, _ = _steps(model, batches, plan_, scaler=scaler)
         scales[name] = scaler.get_scale()
         if plan_ is not None:
             assert outs[1].replayed and not outs[1].skipped
