@@ -120,6 +120,15 @@ def test_plan_answers_in_a_sentence_with_a_preset(camp, capsys):
     saved = json.loads((camp / "pricing.json").read_text())
     assert [o["name"] for o in saved["options"]] == [o.name for o in OPTIONS]
     assert saved["sentence"] in out
+    # a GPU's overheads in place of this machine's
+    given = ["--overheads", "guard=0,abft=1.7%"]
+    assert main(["plan", "--campaign", str(camp), "--preset", "llama3", *given]) == 0
+    out = capsys.readouterr().out
+    assert "overheads given (--overheads)" in out and "guard +0.0%, abft +1.7%" in out
+    abft = next(o for o in json.loads((camp / "pricing.json").read_text())["options"]
+                if o["name"] == "abft_replay")  # fmt: skip
+    assert abft["overhead"] == [0.017, 0.017, 0.017]
+    assert main(["plan", "--campaign", str(camp), "--preset", "llama3", "--overheads", "x=1"]) == 2
 
 
 def test_plan_needs_recovery_arms_to_price(tmp_path):
