@@ -15,7 +15,11 @@ calls a silent deviation: a step's loss more than :data:`LOSS_TOL` away (relativ
 parameter more than the learning rate away at the end (absolute; the parameters' relative L2
 distance is reported beside). Only the replaying options keep the fault-free trajectory
 otherwise: the others go away from the twin by their skipped updates or the steps a
-non-trainable event undid, so their deviation is reported, not judged.
+non-trainable event undid, so their deviation is reported, not judged. Rounding alone can meet
+that criterion over a long run on real text: each twin has a *control*, the same fault-free run
+with another thread count (another reduction order: only the rounding differs), and a seed whose
+control meets the criterion cannot tell a silent deviation from rounding: its runs are left out
+of the deviation count (reported as such), and the prediction is for the seeds that remain.
 
 The prediction of each count is a predictive interval at ``level``: each bootstrap draw of the
 campaign's outcome shares (:func:`~attnchecker.adaptive.price.shares`, the draws ``plan``'s
@@ -64,6 +68,13 @@ __all__ = ["COUNTED", "HELD_OUT", "LOSS_TOL", "PricingCheck", "PricingRow", "che
            "run_option"]  # fmt: skip
 
 IN_SAMPLE = Condition()
+
+
+def _control_threads() -> int:
+    """The control's thread count: another than the twin's, so another reduction order."""
+    return 1 if torch.get_num_threads() > 1 else 2
+
+
 COUNTED = ("replayed", "skipped", "non_trainable", "corrected")  # counted per run
 LOSS_TOL = 1e-5  # a step's loss this far from the twin's (relative): a silent deviation
 HELD_OUT = (
@@ -84,6 +95,7 @@ class OptionRun:
     counts: dict[str, int]
     distance: float  # the parameters' relative L2 distance to the twin at the end
     deviated: bool = False
+    judged: bool = True  # False: rounding alone (the control) meets the criterion here
 
 
 def _protected(option: Option) -> bool:
@@ -96,9 +108,19 @@ def _replays(option: Option) -> bool:
 
 def run_option(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, option: Option,
                *, steps: int, seed: int, condition: Condition = IN_SAMPLE,
-               faults: bool = True) -> tuple[OptionRun, list, list[float]]:  # fmt: skip
+               faults: bool = True, threads: int | None = None,
+               ) -> tuple[OptionRun, list, list[float]]:  # fmt: skip
     """Train ``steps`` steps of ``option`` under :func:`plan`'s faults (``faults=False``: none,
-    the twin); (its run, its final parameters, its losses: NaN where the update was skipped)."""
+    the twin; ``threads``: with that many, the control); (its run, its final parameters, its
+    losses: NaN where the update was skipped)."""
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return run_option(vuln, cost, rate, option, steps=steps, seed=seed,
+                              condition=condition, faults=faults)  # fmt: skip
+        finally:
+            torch.set_num_threads(before)
     from attnchecker.inject.injector import Injector
     from attnchecker.inject.plan import FaultPlan
     from attnchecker.models import source
@@ -170,9 +192,9 @@ def run_option(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, o
     return run, final, losses
 
 
-def _against(run: OptionRun, final, losses, twin, lr: float) -> OptionRun:
+def _against(run: OptionRun, final, losses, twin, lr: float, judged: bool = True) -> OptionRun:
     """``run`` with its distance to its twin ((final parameters, losses)) and whether it
-    deviated silently (module docstring)."""
+    deviated silently (module docstring); ``judged``: whether its seed can tell."""
     theirs, their_losses = twin
     diff = sum(float((x.double() - y.double()).square().sum())
                for x, y in zip(final, theirs, strict=True))  # fmt: skip
@@ -181,7 +203,7 @@ def _against(run: OptionRun, final, losses, twin, lr: float) -> OptionRun:
     steps = [(a, b) for a, b in zip(losses, their_losses, strict=True) if not math.isnan(a)]
     off = any(not abs(a - b) <= LOSS_TOL * max(abs(b), 1e-12) for a, b in steps)
     return OptionRun(run.seed, run.faults, run.counts, math.sqrt(diff / max(norm, 1e-300)),
-                     off or not drift <= lr)  # fmt: skip
+                     off or not drift <= lr, judged)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -220,11 +242,12 @@ class PricingRow:
                 out.append(f"{self.name}: {o} {side} the {self.level:.0%} interval [{p.low}, "
                            f"{p.high}] ({[r.counts[o] for r in self.runs]})")  # fmt: skip
         if self.deviated is not None:
-            k = sum(r.deviated for r in self.runs)
+            k = sum(r.deviated for r in self.runs if r.judged)
             if not self.deviated.low <= k <= self.deviated.high:
                 side = "ABOVE" if k > self.deviated.high else "BELOW"
-                out.append(f"{self.name}: {k} runs deviated silently, {side} the interval "
-                           f"[{self.deviated.low}, {self.deviated.high}]")  # fmt: skip
+                n = sum(r.judged for r in self.runs)
+                out.append(f"{self.name}: {k} of {n} runs deviated silently, {side} the "
+                           f"interval [{self.deviated.low}, {self.deviated.high}]")  # fmt: skip
         o, q = self.overhead.point, self.predicted_overhead
         if self.option != "none" and not q.low <= o <= q.high:
             side = "ABOVE" if o > q.high else "BELOW"
@@ -275,9 +298,13 @@ class PricingCheck:
         for r in self.rows:
             cells = [f"{', '.join(str(x.counts[o]) for x in r.runs)} "
                      f"[{r.predicted[o].low}, {r.predicted[o].high}]" for o in COUNTED]  # fmt: skip
-            k = sum(x.deviated for x in r.runs)
-            dev = (f"{k} of {len(r.runs)} [{r.deviated.low}, {r.deviated.high}]"
-                   if r.deviated is not None else f"{k} of {len(r.runs)} (not judged)")  # fmt: skip
+            judged = [x for x in r.runs if x.judged]
+            k = sum(x.deviated for x in judged)
+            left = len(r.runs) - len(judged)
+            every = f"{sum(x.deviated for x in r.runs)} of {len(r.runs)} (not judged)"
+            dev = (f"{k} of {len(judged)} [{r.deviated.low}, {r.deviated.high}]"
+                   + (f" ({left} left out: rounding alone meets it)" if left else "")
+                   if r.deviated is not None else every)  # fmt: skip
             q, per_run = r.predicted_overhead, sum(x.faults for x in r.runs) / len(r.runs)
             ours = f"{r.overhead.point:+.1%} [{q.low:+.1%}, {q.high:+.1%}]"
             out.append(f"| {r.option} | {r.condition.name} | {per_run:.1f} | "
@@ -370,18 +397,28 @@ def check_pricing(vuln: VulnerabilityProfile, cost: CostProfile, campaign: str |
     for condition in (IN_SAMPLE, *held_out):
         lr = vuln.setup.get("lr", 1e-3)  # a campaign's parameter tolerance (its default)
         twins: dict[tuple[bool, int], tuple] = {}
+        judged: dict[tuple[bool, int], bool] = {}  # whether the seed's control stays clean
         for o in chosen:
             t0, runs = time.perf_counter(), []
             for s in range(seed, seed + seeds):
                 run, final, losses = run_option(vuln, cost, rate, o, steps=steps, seed=s,
                                                 condition=condition)  # fmt: skip
                 key = (_protected(o), s)
-                if key not in twins:
+                if key not in twins and _replays(o):
+                    twin = run_option(vuln, cost, rate, o, steps=steps, seed=s,
+                                      condition=condition, faults=False)  # fmt: skip
+                    control = run_option(vuln, cost, rate, o, steps=steps, seed=s,
+                                         condition=condition, faults=False,
+                                         threads=_control_threads())  # fmt: skip
+                    twins[key] = twin[1:]
+                    judged[key] = not _against(control[0], *control[1:], twins[key], lr).deviated
+                elif key not in twins:
                     twins[key] = run_option(vuln, cost, rate, o, steps=steps, seed=s,
                                             condition=condition, faults=False)[1:]  # fmt: skip
-                runs.append(_against(run, final, losses, twins[key], lr))
+                runs.append(_against(run, final, losses, twins[key], lr, judged.get(key, True)))
             f = mean_faults * condition.rate_scale
-            predicted, dev = _predict(share[o.arm], f, steps, seeds, level, _replays(o),
+            n = sum(r.judged for r in runs)
+            predicted, dev = _predict(share[o.arm], f, steps, n, level, _replays(o),
                                       seed)  # fmt: skip
             rows.append(PricingRow(o.name, condition, steps, tuple(runs), predicted, dev,
                                    overheads[o.name], claimed.get(o.cost, claimed[None]),
