@@ -404,17 +404,14 @@ def check_pricing(vuln: VulnerabilityProfile, cost: CostProfile, campaign: str |
                 run, final, losses = run_option(vuln, cost, rate, o, steps=steps, seed=s,
                                                 condition=condition)  # fmt: skip
                 key = (_protected(o), s)
-                if key not in twins and _replays(o):
-                    twin = run_option(vuln, cost, rate, o, steps=steps, seed=s,
-                                      condition=condition, faults=False)  # fmt: skip
+                if key not in twins:
+                    twins[key] = run_option(vuln, cost, rate, o, steps=steps, seed=s,
+                                            condition=condition, faults=False)[1:]  # fmt: skip
+                if key not in judged and _replays(o):
                     control = run_option(vuln, cost, rate, o, steps=steps, seed=s,
                                          condition=condition, faults=False,
                                          threads=_control_threads())  # fmt: skip
-                    twins[key] = twin[1:]
                     judged[key] = not _against(control[0], *control[1:], twins[key], lr).deviated
-                elif key not in twins:
-                    twins[key] = run_option(vuln, cost, rate, o, steps=steps, seed=s,
-                                            condition=condition, faults=False)[1:]  # fmt: skip
                 runs.append(_against(run, final, losses, twins[key], lr, judged.get(key, True)))
             f = mean_faults * condition.rate_scale
             n = sum(r.judged for r in runs)
