@@ -141,14 +141,13 @@ def test_plan_needs_recovery_arms_to_price(tmp_path):
     assert main(["plan", "--campaign", str(out), "--fault-rate", "1"]) == 2
 
 
-def _check(camp, cost, **kw):
+def _check(camp, cost, options=("guard_replay", "abft_replay"), **kw):
     from attnchecker.adaptive.price_check import check_pricing
     from attnchecker.adaptive.profile import VulnerabilityProfile
 
     vuln = VulnerabilityProfile.load(camp / "vulnerability-gpt2.json")
     return check_pricing(vuln, cost, camp, FaultRate(5.0, "step"), steps=24, seeds=3,
-                         held_out=(), timing_reps=3, options=("guard_replay", "abft_replay"),
-                         **kw)  # fmt: skip
+                         held_out=(), timing_reps=3, options=options, **kw)  # fmt: skip
 
 
 def test_validate_pricing_counts_fall_in_their_predictive_intervals(camp):
@@ -226,3 +225,34 @@ def test_a_plan_is_priced_as_abft_where_it_checks_and_the_guard_elsewhere(camp, 
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "checks) with replay" in out.split("wrote")[-2]  # the table's last row
+
+
+def test_a_seed_whose_rounding_alone_deviates_is_not_counted(camp, monkeypatch):
+    """Every replaying option's seed gets a control (its fault-free twin with another thread
+    count), whichever option trained the twin first; a seed whose control meets the
+    criterion does not count its runs' deviations, and the prediction is for the rest."""
+    from attnchecker.adaptive import price_check
+    from attnchecker.adaptive.price_check import Interval, OptionRun, PricingRow
+    from attnchecker.adaptive.simulate import Condition
+
+    controls = []
+    run = price_check.run_option
+
+    def spy(*args, threads=None, **kw):
+        if threads is not None:
+            controls.append(kw["seed"])
+        return run(*args, threads=threads, **kw)
+
+    monkeypatch.setattr(price_check, "run_option", spy)
+    # the skipping option trains the shared twin first: the replaying one still gets controls
+    check = _check(camp, CostProfile.load(camp / "cost-gpt2.json"), ("guard_skip", "guard_replay"))
+    assert sorted(controls) == [0, 1, 2]  # one per seed
+    runs = tuple(OptionRun(s, 3, dict.fromkeys(price_check.COUNTED, 0), 0.1, True, s != 0)
+                 for s in range(3))  # fmt: skip
+    zero = {o: Interval(0.0, 0, 0) for o in price_check.COUNTED}
+    row = PricingRow("guard_replay", Condition(), 24, runs, zero, Interval(0.0, 0, 1),
+                     Estimate(0.0, 0.0, 0.0), Estimate(0.0, 0.0, 0.0), 0.9)  # fmt: skip
+    assert row.misses() == ["guard_replay (in-sample): 2 of 2 runs deviated silently, ABOVE "
+                            "the interval [0, 1]"]  # fmt: skip
+    lines = "\n".join(dataclasses.replace(check, rows=(row,)).lines())
+    assert "2 of 2 [0, 1] (1 left out: rounding alone meets it)" in lines
