@@ -125,7 +125,6 @@ def run_option(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, o
     from attnchecker.inject.plan import FaultPlan
     from attnchecker.models import source
     from attnchecker.models.protect import protect_
-    from attnchecker.recovery.guard import nonfinite
     from attnchecker.recovery.replay import Replayer
 
     setup = vuln.setup
@@ -139,7 +138,7 @@ def run_option(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, o
         config = ABFTConfig(policy=policy, backend=ENGINE)
         handle = protect_(model, config, example=source.example(model, first))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    stepper = Replayer(opt, handle)
+    stepper = Replayer(opt, handle, replay=_replays(option))
     sampled = plan(vuln, cost, rate, steps, seed, condition) if faults else FaultPlan(())
     counts: Counter[str] = Counter()
     losses: list[float] = []
@@ -163,18 +162,9 @@ def run_option(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, o
                 loss, skipped, replayed = closure(), False, False
                 opt.step()
                 events = []
-            elif _replays(option):
+            else:  # the guard, with protection's flag: replaying or skipping
                 out = stepper.step(closure)
                 loss, skipped, replayed, events = out.loss, out.skipped, out.replayed, out.events
-            else:  # skip: the guard's test (with protection's flag), read at once
-                loss = closure()
-                flag = nonfinite(stepper.params, loss)
-                if handle is not None:
-                    flag = torch.maximum(flag, handle.found_inf())
-                skipped, replayed = bool(flag), False
-                events = handle.drain() if handle is not None else []
-                if not skipped:
-                    opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(math.nan if skipped else float(loss.detach()))
             counts["skipped"] += skipped
@@ -394,8 +384,8 @@ def check_pricing(vuln: VulnerabilityProfile, cost: CostProfile, campaign: str |
     overheads = {o.name: option_overhead(vuln, o, reps=timing_reps, seed=seed) for o in chosen}
     claimed = {None: Estimate(0.0, 0.0, 0.0), **cost.recovery}
     rows = []
+    lr = vuln.setup.get("lr", 1e-3)  # a campaign's parameter tolerance (its default)
     for condition in (IN_SAMPLE, *held_out):
-        lr = vuln.setup.get("lr", 1e-3)  # a campaign's parameter tolerance (its default)
         twins: dict[tuple[bool, int], tuple] = {}
         judged: dict[tuple[bool, int], bool] = {}  # whether the seed's control stays clean
         for o in chosen:

@@ -106,11 +106,10 @@ def _train(model: nn.Module, batches: list[dict[str, Tensor]], lr: float, seed: 
 def _recovering(model: nn.Module, batches: list[dict[str, Tensor]], opt: Any, recover: str,
                 handle: Any) -> tuple[list[float], list[Any], list[bool], int]:  # fmt: skip
     """:func:`_train` under a recovery (``skip`` or ``replay``, :data:`RECOVERIES`)."""
-    from attnchecker.recovery.guard import nonfinite
     from attnchecker.recovery.replay import Replayer
 
     losses, events, skipped, replays = [], [], [], 0
-    stepper = Replayer(opt, handle)
+    stepper = Replayer(opt, handle, replay=recover == "replay")
     for inputs in batches:
 
         def closure(inputs=inputs) -> Tensor:
@@ -118,22 +117,12 @@ def _recovering(model: nn.Module, batches: list[dict[str, Tensor]], opt: Any, re
             loss.backward()
             return loss
 
-        if recover == "replay":
-            out = stepper.step(closure)
-            loss, skip, replays = out.loss, out.skipped, replays + out.replayed
-            events += out.events
-        else:  # skip: the same test, read at once (a campaign may sync), no replay
-            loss = closure()
-            flag = nonfinite(stepper.params, loss)
-            if handle is not None:
-                flag = torch.maximum(flag, handle.found_inf())
-            skip = bool(flag)
-            events += handle.drain() if handle is not None else []
-            if not skip:
-                opt.step()
+        out = stepper.step(closure)
+        replays += out.replayed
+        events += out.events
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        skipped.append(bool(skip))
+        losses.append(float(out.loss.detach()))
+        skipped.append(out.skipped)
     return losses, events, skipped, replays
 
 

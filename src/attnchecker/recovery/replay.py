@@ -33,6 +33,8 @@ max-reduced over the process group before it is read, so every rank replays, app
 together. With a ``torch.amp.GradScaler`` the scaler steps the optimizer: a replay that comes out
 finite spares it a back-off, a reproduced overflow is the scaler's to skip (its scale backs off,
 as without protection); a reproduced uncorrectable error is skipped without calling the scaler.
+``Replayer(..., replay=False)`` skips a step that went wrong at once, with the same test and the
+same one read (``skip_step`` for a loop that decides on the host: campaigns, simulations).
 ``attnchecker train --policy replay`` runs the same decision in its own loop
 (:mod:`attnchecker.train.loop`).
 """
@@ -128,8 +130,9 @@ class Replayer:
     wrapped optimizer's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, handle: Any = None, *,
-                 scaler: Any = None, group: Any = None) -> None:  # fmt: skip
+                 scaler: Any = None, group: Any = None, replay: bool = True) -> None:  # fmt: skip
         self.optimizer, self.handle, self.scaler, self.group = optimizer, handle, scaler, group
+        self.replay = replay  # False: a step that went wrong is skipped at once (skip_step)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.replays = self.transient = self.skipped = 0  # host counts (read with the step)
 
@@ -168,6 +171,9 @@ class Replayer:
             self._apply()
             return Replayed(loss, events=events)
         self.optimizer.zero_grad(set_to_none=True)
+        if not self.replay:
+            self.skipped += 1
+            return Replayed(loss, False, True, events)
         rng.restore()
         if mark is not None:
             self.handle.rewind(mark)
