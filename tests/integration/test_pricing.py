@@ -159,9 +159,11 @@ def test_validate_pricing_counts_fall_in_their_predictive_intervals(camp):
     assert [m for m in check.misses() if "overhead" not in m] == []
     guard, abft = rows["guard_replay"], rows["abft_replay"]
     assert sum(r.counts["replayed"] for r in guard.runs) > 0  # the NaN / INF faults
-    assert sum(r.deviated for r in guard.runs) > 0  # the near-INF the guard cannot see
+    deviated = sum(r.counts["silent_deviation"] for r in guard.runs)
+    assert deviated > 0  # the near-INF the guard cannot see
+    assert sum(len(r.distances) for r in guard.runs) == deviated  # each with its distance
     assert sum(r.counts["corrected"] for r in abft.runs) > 0
-    assert not any(r.deviated for r in abft.runs)  # ABFT corrected them in place
+    assert sum(r.counts["silent_deviation"] for r in abft.runs) == 0  # corrected in place
     assert all(r.counts["non_trainable"] == 0 for row in check.rows for r in row.runs)
     # where ABFT pays, with the overheads measured in this check
     assert any("ABFT with replay" in n and "guard with replay" in n for n in check.notes)
@@ -186,8 +188,7 @@ def test_validate_pricing_fails_on_a_hidden_cost_and_on_a_hidden_deviation(camp,
     misses = check.misses()
     assert check.status == 1
     assert any(m.startswith("abft_replay (in-sample): overhead") and "ABOVE" in m for m in misses)
-    assert any(m.startswith("guard_replay (in-sample):") and "deviated silently, ABOVE" in m
-               for m in misses)  # fmt: skip
+    assert any(m.startswith("guard_replay (in-sample): silent_deviation ABOVE") for m in misses)
 
 
 def test_validate_pricing_through_the_cli(camp, tmp_path, capsys):
@@ -227,32 +228,72 @@ def test_a_plan_is_priced_as_abft_where_it_checks_and_the_guard_elsewhere(camp, 
     assert "checks) with replay" in out.split("wrote")[-2]  # the table's last row
 
 
-def test_a_seed_whose_rounding_alone_deviates_is_not_counted(camp, monkeypatch):
-    """Every replaying option's seed gets a control (its fault-free twin with another thread
-    count), whichever option trained the twin first; a seed whose control meets the
-    criterion does not count its runs' deviations, and the prediction is for the rest."""
+def test_a_deviation_is_judged_per_fault_from_the_same_state(camp, monkeypatch):
+    """Each faulty step is forked (with its faults, without) from the state before it, for
+    the campaign's horizon: a replaying option whose every fault is a NaN (replayed clean)
+    deviates nowhere, however long the run; a near-INF the guard cannot see deviates at its
+    step; the option without protection or guard is judged too."""
     from attnchecker.adaptive import price_check
-    from attnchecker.adaptive.price_check import Interval, OptionRun, PricingRow
-    from attnchecker.adaptive.simulate import Condition
+    from attnchecker.adaptive.profile import VulnerabilityProfile
+    from attnchecker.inject.plan import FaultPlan
 
-    controls = []
-    run = price_check.run_option
+    vuln = VulnerabilityProfile.load(camp / "vulnerability-gpt2.json")
+    cost = CostProfile.load(camp / "cost-gpt2.json")
+    option = {o.name: o for o in OPTIONS}
+    drawn = price_check.plan
 
-    def spy(*args, threads=None, **kw):
-        if threads is not None:
-            controls.append(kw["seed"])
-        return run(*args, threads=threads, **kw)
+    def only(kind):
+        def plan(*args):
+            p = drawn(*args)
+            return FaultPlan(tuple(dataclasses.replace(f, kind=kind) for f in p.faults))
 
-    monkeypatch.setattr(price_check, "run_option", spy)
-    # the skipping option trains the shared twin first: the replaying one still gets controls
-    check = _check(camp, CostProfile.load(camp / "cost-gpt2.json"), ("guard_skip", "guard_replay"))
-    assert sorted(controls) == [0, 1, 2]  # one per seed
-    runs = tuple(OptionRun(s, 3, dict.fromkeys(price_check.COUNTED, 0), 0.1, True, s != 0)
-                 for s in range(3))  # fmt: skip
-    zero = {o: Interval(0.0, 0, 0) for o in price_check.COUNTED}
-    row = PricingRow("guard_replay", Condition(), 24, runs, zero, Interval(0.0, 0, 1),
-                     Estimate(0.0, 0.0, 0.0), Estimate(0.0, 0.0, 0.0), 0.9)  # fmt: skip
-    assert row.misses() == ["guard_replay (in-sample): 2 of 2 runs deviated silently, ABOVE "
-                            "the interval [0, 1]"]  # fmt: skip
-    lines = "\n".join(dataclasses.replace(check, rows=(row,)).lines())
-    assert "2 of 2 [0, 1] (1 left out: rounding alone meets it)" in lines
+        return plan
+
+    def run(name, kind):
+        monkeypatch.setattr(price_check, "plan", only(kind))
+        return price_check.run_option(vuln, cost, FaultRate(30.0, "step"), option[name],
+                                      steps=12, seed=0)  # fmt: skip
+
+    nan = run("guard_replay", "nan")
+    assert nan.faults > 3 and nan.counts["replayed"] > 3 and nan.counts["silent_deviation"] == 0
+    near = run("guard_replay", "near_inf")
+    assert near.counts["silent_deviation"] > 0
+    assert all(d > 0 for d in near.distances)
+    fixed = run("abft_replay", "near_inf")
+    assert fixed.counts["corrected"] > 0 and fixed.counts["silent_deviation"] == 0
+    bare = run("none", "nan")  # non-finite: non-trainable, rolled back; never a deviation
+    assert bare.counts["non_trainable"] > 0 and bare.counts["silent_deviation"] == 0
+
+
+def test_the_deviation_criterion_is_the_campaigns():
+    """A loss 1e-5 away (relative) or a parameter the learning rate away (absolute)."""
+    import torch
+
+    from attnchecker.adaptive.price_check import deviates
+
+    p = [torch.zeros(3), torch.ones(2)]
+    moved = lambda d: [torch.tensor([0.0, d, 0.0]), torch.ones(2)]
+    assert not deviates([2.0, 2.0], [2.0, 2.0], moved(0.5e-3), p, 1e-3)
+    assert deviates([2.0, 2.0], [2.0, 2.0], moved(2e-3), p, 1e-3)  # the parameters only
+    assert not deviates([2.0, 2.0 + 1e-5], [2.0, 2.0], p, p, 1e-3)
+    assert deviates([2.0, 2.0 + 4e-5], [2.0, 2.0], p, p, 1e-3)  # the loss only
+
+
+def test_the_plans_schedule_against_naive_ones_at_its_measured_cost(camp, tmp_path):
+    """``validate --pricing --budgets B``: the plan's schedule at B and each naive kind whose
+    measured overhead fits under the schedule's, run as mixtures with their predictions; the
+    schedule's gain over each is the paired difference of steps lost."""
+    check = _check(camp, CostProfile.load(camp / "cost-gpt2.json"), ("guard_replay",),
+                   budget=50.0)  # fmt: skip
+    names = [r.option for r in check.rows]
+    assert names[0] == "guard_replay" and names[1] == "plan at 5000%"
+    mixtures = check.rows[1:]
+    assert all(r.checks for r in mixtures)
+    assert len(check.gains) == len(mixtures) - 1 >= 1
+    job = Job(CostProfile.load(camp / "cost-gpt2.json").step_seconds)
+    for g, r in zip(check.gains, mixtures[1:], strict=True):
+        assert g.baseline == r.option
+        assert list(g.differences) == [b - a for a, b in zip(mixtures[0].lost(job), r.lost(job),
+                                                              strict=True)]  # fmt: skip
+    assert [m for m in check.misses() if "overhead" not in m] == []
+    assert "the plan's schedule against" in "\n".join(check.lines())

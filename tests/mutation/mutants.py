@@ -36,6 +36,8 @@ TESTS = {
     "adaptive/validate.py": ("tests/unit/adaptive", "tests/integration/test_adaptive.py"),
     "recovery/replay.py": ("tests/integration/test_replay.py", "-k", "not compile"),
     "adaptive/price.py": ("tests/integration/test_pricing.py", "-k", "not validate"),
+    "adaptive/price_check.py": ("tests/integration/test_pricing.py", "-k",
+                                "judged_per_fault or naive or hidden or criterion"),
 }  # fmt: skip
 
 # fmt: off
@@ -147,6 +149,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("adaptive/price.py", "    best = min(priced, key=lambda p: p.lost.point).option.name",
            "    best = min(priced, key=lambda p: p.per_fault.point).option.name",
            "the overhead left out of the choice"),
+    # ------------------------------------------------------------------ adaptive/price_check.py
+    Mutant("adaptive/price_check.py", "        mine = FaultPlan(tuple(f for f in sampled.faults if f.step == at) if with_faults else ())",
+           "        mine = FaultPlan(())", "the faulty fork runs without its faults: nothing deviates"),
+    Mutant("adaptive/price_check.py", "        if lost:  # skipped or non-trainable: counted above, not a silent deviation",
+           "        if False:", "a non-finite or skipped fork counted as a silent deviation"),
+    Mutant("adaptive/price_check.py", "        rng.restore()\n", "        pass\n",
+           "the forks draw other dropout masks: every fault deviates"),
+    Mutant("adaptive/price_check.py", "    return off or not drift <= lr", "    return off",
+           "a deviation seen in the parameters only is missed"),
+    Mutant("adaptive/price_check.py", "        gains = tuple(Gain(r.option, tuple(b - a for a, b in",
+           "        gains = tuple(Gain(r.option, tuple(a - b for a, b in",
+           "the schedule's gain stated with its sign turned"),
     # ------------------------------------------------------------------ models/sdpa.py
     Mutant("models/sdpa.py", "PROBE_ULPS = 64", "PROBE_ULPS = 100_000",
            "the probe lets a misread scale through"),

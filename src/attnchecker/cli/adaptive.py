@@ -243,10 +243,14 @@ def _check_pricing(args: argparse.Namespace, vuln, cost, rate) -> int:
 
     from attnchecker.adaptive.price_check import HELD_OUT, check_pricing
 
+    if args.budgets and len(args.budgets) > 1:
+        raise ConfigError("validate --pricing takes one budget (the plan's schedule against "
+                          "naive ones at its measured cost)")  # fmt: skip
     out = Path(args.out or Path(args.campaign) / "pricing_check")
     out.mkdir(parents=True, exist_ok=True)
     check = check_pricing(vuln, cost, args.campaign, rate, steps=args.steps, seeds=args.seeds,
                           level=args.level, held_out=() if args.no_held_out else HELD_OUT,
+                          budget=args.budgets[0] if args.budgets else None,
                           timing_reps=args.timing_reps, seed=args.seed,
                           progress=lambda line: print(line, flush=True))  # fmt: skip
     (out / "pricing_check.json").write_text(json.dumps(check.to_dict(), indent=1))
@@ -342,7 +346,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--budgets",
         nargs="+",
         type=_fraction,
-        help="the controller's schedules to validate (or --pricing)",
+        help="the controller's schedules to validate (with --pricing: one budget, whose "
+        "schedule is run against naive ones at its measured cost)",
     )
     v.add_argument("--pricing", action="store_true",
                    help="validate plan's pricing instead: every option (no protection, the "
