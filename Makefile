@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-all lint bench screenshots setup clean
+.PHONY: demo test test-all lint bench docs screenshots setup clean
 
 setup: $(STAMP)
 
@@ -24,7 +24,7 @@ demo: $(STAMP)
 # two workers (pytest-xdist; each test owns its processes, ports and temp dirs), stealing work
 # so the long compile tests do not queue behind each other
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks conftest.py
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
@@ -37,8 +37,8 @@ test-all: $(STAMP)
 
 # the package's layers and no import cycles: the contracts in pyproject.toml's [tool.importlinter]
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks conftest.py
+	$(BIN)/ruff format --check src tests benchmarks conftest.py
 	$(BIN)/lint-imports --no-cache
 
 # every benchmark at its full size (an estimated 25-35 minutes on 2 idle CPU cores; results in
@@ -61,9 +61,14 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/recovery_cost.py $(if $(QUICK),--quick)
 	$(BIN)/python benchmarks/sdc_detectors.py $(if $(QUICK),--quick)
 
+# the reference pages (docs/, mkdocs.yml) into site/, strictly: a broken link or a docstring the
+# API reference cannot render fails it (make test builds them too: tests/docs/test_docs.py)
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 # the HTML reports in headless Chromium (apt-get install chromium), into docs/screenshots/
 screenshots: $(STAMP)
 	scripts/screenshots.sh docs/screenshots
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site

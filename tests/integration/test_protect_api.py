@@ -134,12 +134,15 @@ def test_summary_is_plain_data():
     assert s["counters"]["scores"] == {"detected": 0, "corrected": 0, "uncorrectable": 0}
 
 
-def test_readme_lists_the_families_of_the_table():
-    """The README's list of supported families is the table's, so it cannot drift."""
+def test_the_docs_list_the_families_of_the_table():
+    """The reference's list of supported families is the table's, and the README counts them,
+    so neither can drift."""
     from pathlib import Path
 
     from attnchecker.models.families import TABLE
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    listed = readme.split("<!-- families -->")[1].split("<!-- /families -->")[0]
+    root = Path(__file__).parents[2]
+    page = (root / "docs" / "protect.md").read_text()
+    listed = page.split("<!-- families -->")[1].split("<!-- /families -->")[0]
     assert [f.strip() for f in listed.split(",")] == list(TABLE)
+    assert f"{len(TABLE)} families" in (root / "README.md").read_text()

@@ -1,7 +1,8 @@
 """The curated mutation run (issue 41 §4): one-line changes to the modules that carry the
-README's promises, each with the tests that must catch it. ``scripts/mutation.py`` applies each
-to a copy of ``src/`` and runs its tests there (``make test-all``); a change the tests miss is a
-survivor, and the run fails on it unless the entry says why it is equivalent (``equivalent``).
+promises of the README and docs/, each with the tests that must catch it.
+``scripts/mutation.py`` applies each to a copy of ``src/`` and runs its tests there (``make
+test-all``); a change the tests miss is a survivor, and the run fails on it unless the entry says
+why it is equivalent (``equivalent``).
 ``tests/mutation/test_mutants.py`` (the default run) keeps this list applicable: each ``old``
 occurs exactly once in its file, so a rewrite of a module fails it until the list follows.
 

@@ -83,7 +83,7 @@ def choose_engine(
         return "eager", f"{why}: the model's attention is not SDPA the route can take over"
     from attnchecker.attention.sdpa_core import self_test
 
-    reason = self_test(device)  # the route: modelled far below the fused kernels (README)
+    reason = self_test(device)  # the route: modelled far below the fused kernels (docs/gpu.md)
     if reason is not None:
         warnings.warn(
             f"backend='auto': the SDPA route failed its self-test on {device} ({reason}); the "

@@ -19,7 +19,7 @@ backend (no dropout), per (batch, head), q_i / k_j / v_j rows, P the softmax, n 
   to a key. A checksum: any error above its (column sum's) rounding bound.
 - **dk** (backward): sum_j dK_j = scale sum_i (sum_j dS_ij) q_i = 0 (each row of
   dS = P o (dP - D) sums to 0). A checksum: any error in dK, dS or dP above its bound (built
-  from dS's bound: loose, extreme errors only in half precision; README, "On a GPU").
+  from dS's bound: loose, extreme errors only in half precision; docs/gpu.md).
 - **dq** (backward): |dQ_if| <= scale sum_j |dS_ij| |k_jf| <= 2 scale ||dO_i||_1 max|V| max_j |k_jf|
   (sum_j |dS_ij| <= sum_j p_ij (|dP_ij| + |D_i|) <= 2 max_j |dP_ij|). A bound: extreme errors.
 
