@@ -69,14 +69,15 @@ from attnchecker.adaptive.simulate import Condition, _batches, _finite, model_fo
 from attnchecker.adaptive.validate import Gain, binomial_miss
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.errors import ConfigError
-from attnchecker.inject.trial import USER_OUTCOMES
+from attnchecker.inject.campaign import CampaignConfig
+from attnchecker.inject.trial import USER_OUTCOMES, departed, param_distance
 
 __all__ = ["COUNTED", "HELD_OUT", "LOSS_TOL", "PricingCheck", "PricingRow", "check_pricing",
            "deviates", "run_option"]  # fmt: skip
 
 IN_SAMPLE = Condition()
 COUNTED = ("replayed", "skipped", "non_trainable", "corrected", "silent_deviation")  # per run
-LOSS_TOL = 1e-5  # a step's loss this far from the fault-free fork's (relative): a deviation
+LOSS_TOL = CampaignConfig.tolerance  # a loss this far from the clean fork's (relative): deviated
 HELD_OUT = (
     Condition("init seed 7", model_seed=7),
     Condition("Shakespeare text", data="shakespeare"),
@@ -106,7 +107,7 @@ def _replays(option: Option) -> bool:
     return option.name.endswith("replay")
 
 
-def _config(option: Option, checks: Checks | None) -> ABFTConfig | None:
+def _config(option: Option | None, checks: Checks | None) -> ABFTConfig | None:
     """The protection an option runs: a mixture's schedule (``checks``) with replay, the
     default checks, or none (the guard alone, or nothing)."""
     if checks is not None:
@@ -217,26 +218,17 @@ def run_option(vuln: VulnerabilityProfile, cost: CostProfile, rate: FaultRate, o
             continue
         if deviates(ours, theirs, mine, clean, lr):
             counts["silent_deviation"] += 1
-            distances.append(_distance(mine, clean))
+            distances.append(param_distance(mine, clean))
     return OptionRun(seed, len(sampled.faults), {k: counts[k] for k in COUNTED}, tuple(distances))
 
 
 def deviates(losses: list[float], clean_losses: list[float], params: list, clean: list,
              lr: float) -> bool:  # fmt: skip
-    """A campaign trial's criterion: a step's loss more than :data:`LOSS_TOL` from the clean
-    fork's (relative), or a parameter more than ``lr`` from its value there (absolute)."""
-    off = any(not abs(a - b) <= LOSS_TOL * max(abs(b), 1e-12)
-              for a, b in zip(losses, clean_losses, strict=True))  # fmt: skip
+    """A campaign trial's criterion (:func:`~attnchecker.inject.trial.departed`): a step's loss
+    more than :data:`LOSS_TOL` from the clean fork's (relative), or a parameter more than ``lr``
+    from its value there (absolute)."""
     drift = max(float((x - y).abs().max()) for x, y in zip(params, clean, strict=True))
-    return off or not drift <= lr
-
-
-def _distance(params: list, reference: list) -> float:
-    """The parameters' relative L2 distance (the SDC study's measure)."""
-    diff = sum(float((x.double() - y.double()).square().sum())
-               for x, y in zip(params, reference, strict=True))  # fmt: skip
-    norm = sum(float(y.double().square().sum()) for y in reference)
-    return math.sqrt(diff / max(norm, 1e-300))
+    return departed(list(zip(losses, clean_losses, strict=True)), drift, LOSS_TOL, lr)
 
 
 @dataclass(frozen=True)
@@ -367,16 +359,17 @@ def _predict(share: torch.Tensor, mean_faults: float, steps: int, level: float,
     return out
 
 
-def option_overhead(vuln: VulnerabilityProfile, option: Option, *, reps: int, seed: int,
+def option_overhead(vuln: VulnerabilityProfile, option: Option | None, *, reps: int, seed: int,
                     checks: Checks | None = None) -> Estimate:  # fmt: skip
-    """An option's clean step (``checks``: a mixture's schedule, whole periods per round)
-    against the plain model's (alternated, medians; the bench's recovery arms' measurement)."""
+    """An option's clean step (``option`` None: a mixture's, ``checks``, whole periods per
+    round) against the plain model's (alternated, medians; the bench's recovery arms'
+    measurement)."""
     from attnchecker.adaptive.bench import PER_ROUND, alternate, median_interval, replay_stepper
     from attnchecker.adaptive.bench import stepper as plain_stepper
     from attnchecker.models import source
     from attnchecker.models.protect import protect_
 
-    if option.cost is None and checks is None:
+    if checks is None and option.cost is None:
         return Estimate(0.0, 0.0, 0.0)
     setup = vuln.setup
     B, L = setup.get("batch", 4), setup.get("seq_len", 32)
@@ -471,7 +464,7 @@ def check_pricing(vuln: VulnerabilityProfile, cost: CostProfile, campaign: str |
 
 def _mixture(vuln, name: str, choice, reps: int, seed: int) -> Mixture:
     """A schedule as a mixture, with its overhead measured as the options' are."""
-    over = option_overhead(vuln, OPTIONS[0], reps=reps, seed=seed, checks=choice.checks)
+    over = option_overhead(vuln, None, reps=reps, seed=seed, checks=choice.checks)
     return Mixture(name, f"{name} ({len(choice.checks)} checks) with replay", choice.checks, over)
 
 
@@ -482,7 +475,7 @@ def _naive(vuln, cost, rate, target: float, reps: int, seed: int,
     from attnchecker.adaptive.validate import baselines
 
     def measure(checks: Checks) -> float:
-        return option_overhead(vuln, OPTIONS[0], reps=reps, seed=seed, checks=checks).point
+        return option_overhead(vuln, None, reps=reps, seed=seed, checks=checks).point
 
     found, missing = baselines(vuln, cost, rate, target, measure, seed=seed)
     notes += missing

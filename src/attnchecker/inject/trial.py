@@ -47,8 +47,8 @@ from attnchecker.inject.plan import Fault, FaultPlan, check_op
 from attnchecker.models.registry import role_of
 
 __all__ = [
-    "RECOVERIES", "USER_OUTCOMES", "TrialSetup", "check_arm_config", "observe_pattern",
-    "reference", "run_arm", "user_outcome",
+    "RECOVERIES", "USER_OUTCOMES", "TrialSetup", "check_arm_config", "departed",
+    "observe_pattern", "param_distance", "reference", "run_arm", "user_outcome",
 ]  # fmt: skip
 
 OBSERVED = ("scores", "context", "out", "next_input")
@@ -193,8 +193,15 @@ def _outcome(
         return "non_trainable", drift
     if pairs and max(a for a, _ in pairs) > spike * max(setup.ref_losses):
         return "loss_spike", drift
+    return ("silent_deviation" if departed(pairs, drift, tol, param_tol) else "masked"), drift
+
+
+def departed(pairs: list[tuple[float, float]], drift: float, tol: float, param_tol: float) -> bool:
+    """Whether a run went away from the fault-free one (its losses and theirs, step by step;
+    the largest parameter drift): a loss more than ``tol`` away (relative) or a parameter more
+    than ``param_tol`` (absolute)."""
     loss_dev = max((abs(a - b) / max(abs(b), 1e-12) for a, b in pairs), default=0.0)
-    return ("masked" if loss_dev <= tol and drift <= param_tol else "silent_deviation"), drift
+    return not (loss_dev <= tol and drift <= param_tol)
 
 
 def run_arm(
@@ -309,11 +316,18 @@ def _deviation(final_loss: float, params: dict[str, Tensor], setup: TrialSetup) 
     """The SDC study's measures against the fault-free run: the final loss's relative difference
     and the parameters' relative L2 distance."""
     ref = setup.ref_losses[-1]
-    diff = sum(float((params[k].double() - v.double()).square().sum())
-               for k, v in setup.ref_params.items())  # fmt: skip
-    norm = sum(float(v.double().square().sum()) for v in setup.ref_params.values())
+    keys = list(setup.ref_params)
     return {"loss_delta": (final_loss - ref) / max(abs(ref), 1e-12),
-            "param_distance": math.sqrt(diff / max(norm, 1e-300))}  # fmt: skip
+            "param_distance": param_distance([params[k] for k in keys],
+                                             [setup.ref_params[k] for k in keys])}  # fmt: skip
+
+
+def param_distance(params: list[Tensor], reference: list[Tensor]) -> float:
+    """The parameters' relative L2 distance to ``reference`` (the SDC study's measure)."""
+    diff = sum(float((x.double() - y.double()).square().sum())
+               for x, y in zip(params, reference, strict=True))  # fmt: skip
+    norm = sum(float(y.double().square().sum()) for y in reference)
+    return math.sqrt(diff / max(norm, 1e-300))
 
 
 def check_arm_config(check: str, layer: int) -> ABFTConfig:
