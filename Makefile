@@ -22,17 +22,21 @@ demo: $(STAMP)
 	$(BIN)/attnchecker demo
 
 # two workers (pytest-xdist; each test owns its processes, ports and temp dirs), stealing work
-# so the long compile tests do not queue behind each other
+# so the long compile tests do not queue behind each other; then the examples of the README and
+# docs/ in one process (a page's examples share a namespace and its skip directives apply to the
+# next example: split across workers, a skip was lost and a GPU-only example ran)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks conftest.py
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal tests
+	$(BIN)/python -m pytest -q -n 0 README.md docs
 
 # every test, then the curated mutation run (scripts/mutation.py, tests/mutation/mutants.py:
 # one-line changes to the modules that carry the README's promises, each must fail a test;
 # about 4 minutes on 2 cores: benchmarks/results/mutation_cpu2_2026-12-05.md)
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -m "" -n 2 --dist worksteal
+	$(BIN)/python -m pytest -q -m "" -n 2 --dist worksteal tests
+	$(BIN)/python -m pytest -q -m "" -n 0 README.md docs
 	$(BIN)/python scripts/mutation.py --jobs 2
 
 # the package's layers and no import cycles: the contracts in pyproject.toml's [tool.importlinter]

@@ -22,7 +22,7 @@ import torch
 
 from _common import alternate, command, environment, median_ms, parse, write
 from attnchecker import ABFTConfig, protect_
-from attnchecker.abft import regions
+from attnchecker.attention import regions
 from attnchecker.models.tiny import build
 
 ARMS = {"sdpa": None, "eager checks": "eager", "compiled checks": "compiled"}

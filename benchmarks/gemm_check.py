@@ -1,5 +1,5 @@
 """The cost of one checked GEMM: the backward's check of a linear layer's dX = dY W and
-dW = dY^T X (``attention.grads.product_check_``, rows and columns, repair included) against the
+dW = dY^T X (``attention.kernel_checks.gemm_check``, rows and columns, repair included) against the
 GEMM it checks, eager and as the ``torch.compile``d region that ``check_impl="compiled"`` runs
 (inductor: C++ on a CPU), with its aten op count (eager) and the kernels its region calls, and
 on CUDA as the registered Triton ops that ``check_impl="triton"`` (``"auto"`` on CUDA) runs
@@ -21,9 +21,10 @@ import time
 import torch
 
 from _common import alternate, environment, median_ms, parse, write
-from attnchecker.attention.grads import product_check_
+from attnchecker.attention.checks import record
+from attnchecker.attention.impl import resolve
+from attnchecker.attention.kernel_checks import gemm_check
 from attnchecker.kernels import available as kernels_available
-from attnchecker.kernels import gemm_check_kernels
 from attnchecker.testing import count_ops, inductor_kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -61,9 +62,9 @@ def main() -> None:
 
             def check(out=out, x=x, y=y, impl="eager"):
                 # "triton": the GEMM check's registered ops (refs, verify, repair), as the
-                # linear layers' backward passes them (kernels=); without, its region
-                kernels = gemm_check_kernels(impl, out)
-                product_check_(out, x, y, max_rows=8, scale=1.0, impl=impl, kernels=kernels)
+                # linear layers' backward runs them; else its region, eager or compiled
+                how = resolve(impl, out.device)
+                record(*gemm_check(how, out, x, y, max_rows=8, scale=1.0))
 
             arms = {"gemm": lambda x=x, y=y: x @ y, "eager": check}
             row = {"case": case, "dtype": dname, "ops": count_ops(check).launching}

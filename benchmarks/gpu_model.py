@@ -1,5 +1,5 @@
 """The protected training step on a GPU, modelled from its op trace on this machine
-(``../shared/spec/gpu-path.md`` §7; :class:`attnchecker.testing.OpTrace`): every figure here is
+(``../shared/spec/gpu-path.md`` §7; :class:`attnchecker.gpu_cost.OpTrace`): every figure here is
 **modelled**, not measured.
 
 Each launching op of one training step (forward, backward, AdamW with ``foreach`` as on CUDA) is
@@ -42,8 +42,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from _common import RESULTS, environment, parse, write
 from attnchecker import ABFTConfig, protect_
 from attnchecker.attention.ops import CORE_OPS, OP_TABLE
+from attnchecker.gpu_cost import H200, OpTrace
 from attnchecker.models.tiny import build
-from attnchecker.testing import H200, OpTrace
 
 MEASURED = RESULTS / "protect_vs_sdpa_eager_checks_cuda_2026-12-04.json"
 PROJECTIONS = tuple(o.name for o in OP_TABLE if o.part == "projection")
@@ -175,7 +175,7 @@ def markdown(
     out = [
         "# The protected step on an H200, **modelled** from op traces (not measured)",
         "",
-        f"`{cmd}`; torch {env['torch']}, {env['date']}. Model (`attnchecker.testing.OpTrace`, "
+        f"`{cmd}`; torch {env['torch']}, {env['date']}. Model (`attnchecker.gpu_cost.OpTrace`, "
         f"`H200`): per launching op max(bytes / {H200.bandwidth / 1e12:.1f} TB/s, FLOPs / "
         f"{H200.flops / 1e12:.0f} TFLOP/s, {H200.kernel * 1e6:.0f} us) on the device, "
         f"{H200.launch * 1e6:.0f} us on the host in eager, none in a CUDA graph; eager step = "

@@ -6,7 +6,8 @@ counting the aten ops a piece of work dispatches, the kernels a compiled program
 On a GPU every dispatched op that computes something is a kernel launch of a few microseconds,
 so for small per-layer work the count, not the FLOPs, sets the cost. Views and other metadata
 ops (:data:`VIEW_OPS`) launch nothing; :class:`OpCounter` reports both the total a dispatch
-mode sees and the launching part.
+mode sees and the launching part. The time of those launches on a GPU is modelled by
+:mod:`attnchecker.gpu_cost`, which builds on :class:`OpCounter`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "H200", "SYNCING_OPS", "VIEW_OPS", "CleanRun", "Device", "KernelCalls", "Modelled", "OpCounter",
-    "OpTrace", "clean_run", "count_ops", "inductor_kernels",
+    "SYNCING_OPS", "VIEW_OPS", "CleanRun", "KernelCalls", "OpCounter", "clean_run", "count_ops",
+    "inductor_kernels",
 ]  # fmt: skip
 
 VIEW_OPS = frozenset(
@@ -57,7 +58,7 @@ SYNCING_OPS = frozenset(
 
 class OpCounter(TorchDispatchMode):
     """Counts every op dispatched while active, by ``aten.<name>`` (overloads merged), and apart
-    the ops of check regions (:mod:`attnchecker.abft.regions`; under a dispatch mode a region
+    the ops of check regions (:mod:`attnchecker.attention.regions`; under a dispatch mode a region
     runs its eager ops, each call tagged by :meth:`region`): what a compiled region replaces
     by its few kernels."""
 
@@ -113,106 +114,6 @@ def count_ops(fn: Callable[[], object]) -> OpCounter:
     with OpCounter() as counter:
         fn()
     return counter
-
-
-@dataclass(frozen=True)
-class Device:
-    """A GPU as :class:`OpTrace` models it (``../shared/spec/gpu-path.md`` §7): a kernel takes
-    max(bytes / ``bandwidth``, FLOPs / ``flops``, ``kernel``) on the device, and each launching
-    op ``launch`` seconds of host time in eager (none in a CUDA graph)."""
-
-    name: str
-    bandwidth: float  # bytes / s that a memory-bound kernel reaches
-    flops: float  # FLOP / s that a large bf16 GEMM reaches
-    kernel: float  # s: the least a kernel takes on the device
-    launch: float  # s of host time per launching op, eager
-
-
-H200 = Device("H200", bandwidth=4.0e12, flops=7.0e14, kernel=3e-6, launch=20e-6)
-"""The H200 of the committed runs (``benchmarks/results/gpu_2026-12-04``): 4.8 TB/s and ~990
-TFLOP/s dense bf16 peak, taken at the rates kernels reach; ~20 us of host time per eager op was
-measured there (llama: 46 ms for 2,329 extra ops). ``benchmarks/gpu_model.py`` sets it against
-those measured steps and states its error."""
-
-
-@dataclass(frozen=True)
-class Modelled:
-    """A modelled step: its launching ops, host time and device time (seconds)."""
-
-    launches: int
-    host: float
-    device: float
-
-    def step(self, graph: bool = False) -> float:
-        """Eager: host and device overlap, the slower sets the pace; in a CUDA graph the host
-        launches nothing."""
-        return self.device if graph else max(self.host, self.device)
-
-
-_ALLOCATING = frozenset({"aten.empty", "aten.empty_like", "aten.empty_strided",
-                         "aten.new_empty", "aten.new_empty_strided"})  # fmt: skip
-"""Ops that allocate and launch no kernel (counted as launching by :class:`OpCounter`, which
-predates the model; left out of :attr:`OpTrace.work`)."""
-
-
-_ON_A_FLAG = frozenset({"attnchecker.gemm_repair", "attnchecker.proj_repair",
-                        "attnchecker.sdpa_fwd_repair", "attnchecker.sdpa_bwd_repair"})  # fmt: skip
-"""Registered ops whose work waits for a device flag (the GEMM checks' and the SDPA route's
-repairs, as their Triton kernels run on CUDA): on a clean step each program reads a few flags
-and returns, so :class:`OpTrace` counts no bytes for them (the kernel floor), not the tensors
-they would rewrite on a flag."""
-
-
-_FLOPS_AS = {  # CPU kernels the FLOP counter does not know, counted as their CUDA twins
-    "aten._scaled_dot_product_flash_attention_for_cpu":
-        torch.ops.aten._scaled_dot_product_flash_attention,
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward":
-        torch.ops.aten._scaled_dot_product_flash_attention_backward,
-}  # fmt: skip
-
-
-class OpTrace(OpCounter):
-    """An :class:`OpCounter` that also keeps each launching op's FLOPs (the formulas of
-    ``torch.utils.flop_counter``: GEMMs, convolutions, attention kernels; 0 for the rest) and
-    the bytes it moves (its tensor inputs and outputs, each once; none for an op that waits
-    for a device flag, :data:`_ON_A_FLAG`, on a clean step): enough to model its time
-    on a GPU (:meth:`modelled`). Works on real tensors, on the meta device and under
-    ``FakeTensorMode`` (shapes only: a training step at widths this machine cannot hold).
-    Allocations (``aten.empty`` and kin) launch nothing and are left out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.work: list[tuple[str, float, float]] = []  # (op, FLOPs, bytes) per launching op
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        op = str(func.overloadpacket)
-        if op not in VIEW_OPS and op not in _ALLOCATING:
-            from torch.utils._pytree import tree_leaves
-            from torch.utils.flop_counter import flop_registry
-
-            count = flop_registry.get(_FLOPS_AS.get(op, func.overloadpacket))
-            flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
-            seen = {id(t): t for t in tree_leaves((args, kwargs, out))
-                    if isinstance(t, torch.Tensor)}  # fmt: skip
-            moved = (
-                0 if op in _ON_A_FLAG else sum(t.numel() * t.element_size() for t in seen.values())
-            )
-            self.work.append((op, flops, float(moved)))
-        return out
-
-    def modelled(self, device: Device = H200) -> Modelled:
-        """The traced work as a step on ``device``."""
-        return Modelled(len(self.work), len(self.work) * device.launch,
-                        sum(self.device_time(device).values()))  # fmt: skip
-
-    def device_time(self, device: Device = H200) -> Counter[str]:
-        """Modelled device seconds per op name (where a step's device time goes)."""
-        out: Counter[str] = Counter()
-        for op, f, b in self.work:
-            out[op] += max(b / device.bandwidth, f / device.flops, device.kernel)
-        return out
 
 
 class KernelCalls(Counter):
@@ -287,12 +188,12 @@ def _variant(obj: object) -> object:
 
 @contextlib.contextmanager
 def region_kernels() -> Iterator[KernelCalls]:
-    """Count the kernels the compiled check regions (:mod:`attnchecker.abft.regions`) launch
+    """Count the kernels the compiled check regions (:mod:`attnchecker.attention.regions`) launch
     while active, call by call: each call counts the kernels of its variant's output code,
     read when that variant compiles (dynamo is reset on entry, so each compiles here; run
     the work with ``check_impl="compiled"``). A region traced inside a user's compiled model
     is part of that model's graph (:func:`inductor_kernels`)."""
-    from attnchecker.abft import regions
+    from attnchecker.attention import regions
 
     torch._dynamo.reset()
     regions._compiled.cache_clear()

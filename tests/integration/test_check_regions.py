@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from attnchecker import ABFTConfig, kernels, protect_
-from attnchecker.abft import regions
 from attnchecker.abft.gemm import gemm_check_
+from attnchecker.attention import impl, regions
 from attnchecker.attention.config import GRAD_OPS
+from attnchecker.attention.impl import CheckImpl
 from attnchecker.testing import inductor_kernels
 
 from .helpers import PATTERNS, batch, models, train_step
@@ -99,28 +100,43 @@ def _needs_a_host_value(x: torch.Tensor) -> torch.Tensor:
 def test_a_region_that_does_not_compile_runs_its_eager_ops_with_one_warning():
     x = torch.ones(4)
     with pytest.warns(RuntimeWarning, match="did not compile"):
-        got = regions.run(_needs_a_host_value, "compiled", x, on=x)
+        got = regions.run(_needs_a_host_value, CheckImpl.COMPILED, x)
     assert torch.equal(got, x * 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: later calls run eager silently
-        assert torch.equal(regions.run(_needs_a_host_value, "compiled", x, on=x), x * 2)
+        assert torch.equal(regions.run(_needs_a_host_value, CheckImpl.COMPILED, x), x * 2)
     assert regions.describe()["_needs_a_host_value"].startswith("eager (compile failed:")
 
 
 def test_auto_follows_the_environment(monkeypatch):
-    cpu = torch.device("cpu")
+    cpu, eager, compiled = torch.device("cpu"), CheckImpl.EAGER, CheckImpl.COMPILED
     monkeypatch.setenv("ATTNCHECKER_CHECK_IMPL", "eager")
-    assert regions.resolve("auto", cpu) == "eager"
-    assert regions.resolve("compiled", cpu) == "compiled"  # an explicit config wins
+    assert impl.resolve("auto", cpu) == impl.Impl("eager", half=eager, fp32=eager)
+    # an explicit config wins
+    assert impl.resolve("compiled", cpu) == impl.Impl("compiled", half=compiled, fp32=compiled)
     monkeypatch.setenv("ATTNCHECKER_CHECK_IMPL", "bogus")
     with pytest.raises(ValueError, match="ATTNCHECKER_CHECK_IMPL"):
-        regions.resolve("auto", cpu)
+        impl.resolve("auto", cpu)
+    with pytest.raises(ValueError, match="ATTNCHECKER_CHECK_IMPL"):  # at protect_, by name
+        protect_(models("gpt2")[0])
     monkeypatch.delenv("ATTNCHECKER_CHECK_IMPL")
-    # by measurement (regions.AUTO; this machine has a C++ compiler): bf16 / fp16 checks
+    # by measurement (impl.AUTO; this machine has a C++ compiler): bf16 / fp16 checks
     # compiled on a CPU, fp32 ones eager
-    assert regions.resolve("auto", cpu, torch.bfloat16) == "compiled"
-    assert regions.resolve("auto", cpu, torch.float16) == "compiled"
-    assert regions.resolve("auto", cpu, torch.float32) == "eager"
+    auto = impl.resolve("auto", cpu)
+    assert not auto.kernels
+    assert auto.region(torch.bfloat16) is compiled and auto.region(torch.float16) is compiled
+    assert auto.region(torch.float32) is eager
+
+
+def test_the_implementation_is_resolved_once_at_protect_(monkeypatch):
+    """The environment is read when a module is protected, not on every call: a value held
+    on the module's state that the checks read."""
+    monkeypatch.setenv("ATTNCHECKER_CHECK_IMPL", "compiled")
+    model = models("gpt2")[0]
+    handle = protect_(model)
+    monkeypatch.setenv("ATTNCHECKER_CHECK_IMPL", "bogus")  # read no more
+    train_step(model, batch("gpt2"))
+    assert {handle.state(m).impl.name for m in handle.modules} == {"compiled"}
 
 
 # Kernels one checked GEMM's compiled region calls (inductor's output code: fused C++ kernels,
@@ -139,7 +155,8 @@ def test_one_checked_gemm_is_a_few_kernels(transposed):
     out[5, 7] = float("nan")
     torch._dynamo.reset()
     with inductor_kernels() as kernels:
-        rows, _, _, lost, _ = gemm_check_(out, x, y, max_rows=4, scale=1.0, impl="compiled")
+        rows, _, _, lost, _ = regions.run(gemm_check_, CheckImpl.COMPILED, out, x, y,
+                                          max_rows=4, scale=1.0)  # fmt: skip
     assert 0 < kernels.total <= GEMM_REGION_KERNELS, dict(kernels)
     assert float(rows) == 1 and not bool(lost)
     assert torch.allclose(out, x @ y, rtol=1e-5, atol=1e-5)

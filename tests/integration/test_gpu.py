@@ -54,7 +54,7 @@ TRAIN_STEPS = 20
 
 CHECK_IMPL = "auto"
 """What this module's checks run: the default, as a CUDA user gets it (compiled check regions,
-:data:`attnchecker.abft.regions.AUTO`), whatever the environment says: tests/conftest.py sets
+:data:`attnchecker.attention.impl.AUTO`), whatever the environment says: tests/conftest.py sets
 ``ATTNCHECKER_CHECK_IMPL=eager`` for the CPU suite, and the same test names must not run
 different code on the device (``scripts/gpu_check.sh`` runs this module with the conftest)."""
 
@@ -71,10 +71,11 @@ def test_the_checks_run_the_cuda_default():
     """A bf16 and an fp32 check on CUDA resolve to the Triton kernels (the GEMM checks' registered
     ops; the other regions compiled): what ran is what a user's default runs (the conftest's
     eager setting does not reach this module)."""
-    from attnchecker.abft.regions import resolve
+    from attnchecker.attention.impl import CheckImpl, resolve
 
-    cuda = torch.device("cuda")
-    assert [resolve("auto", cuda, d) for d in (torch.bfloat16, torch.float32)] == ["triton"] * 2
+    how = resolve("auto", torch.device("cuda"))
+    assert how.name == "triton" and how.kernels
+    assert {how.region(d) for d in (torch.bfloat16, torch.float32)} == {CheckImpl.COMPILED}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -131,7 +132,7 @@ def test_every_check_region_compiles_on_cuda(bf16):
     region that ran from eager code ran compiled, none fell back to its eager ops with a "did
     not compile" warning. In fp32 they all did until the TF32 question was read outside traced
     code (the runs of 2026-12-04: "torch.* op returned non-Tensor"; issue 41)."""
-    from attnchecker.abft import regions
+    from attnchecker.attention import regions
 
     protected, _ = cuda_models("llama")
     handle = protect_(protected, EAGER.replace(check_impl="compiled", scope="all_linear"))
@@ -327,8 +328,8 @@ def test_triton_gemm_check_kernels_match_the_eager_check_on_cuda(dtype):
     """``check_impl="triton"``'s kernels (``attnchecker.kernels.gemm_check``) compiled for the
     GPU: no alarm on clean products in both operand layouts, and a NaN / INF / 1e30 element
     flagged and repaired as the eager ops do."""
-    from attnchecker.abft.gemm import gemm_check_
-    from attnchecker.kernels import gemm_check_kernels
+    from attnchecker.attention.impl import resolve
+    from attnchecker.attention.kernel_checks import gemm_check
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for tx, ty in [(False, False), (True, False), (False, True)]:
@@ -343,9 +344,9 @@ def test_triton_gemm_check_kernels_match_the_eager_check_on_cuda(dtype):
                 out = clean.clone()
                 if bad is not None:
                     out[17, 300] = bad
-                kernels = gemm_check_kernels(impl, out) if impl == "triton" else None
-                assert (kernels is None) == (impl == "eager")
-                res = gemm_check_(out, x, y, max_rows=4, scale=1.0, impl=impl, kernels=kernels)
+                how = resolve(impl, out.device)
+                assert how.kernels == (impl == "triton")
+                res = gemm_check(how, out, x, y, max_rows=4, scale=1.0)
                 got[impl] = out, [float(r) for r in res]
             (want_out, want), (out, res) = got["eager"], got["triton"]
             assert res[0:2] == want[0:2] and res[3:] == want[3:], (tx, ty, bad, res, want)

@@ -115,9 +115,9 @@ def test_generate_with_kv_cache_gives_the_eager_tokens():
 def test_attention_dropout_falls_back_to_the_eager_engine_once_warned():
     """BERT's attention dropout (0.1 in training): the fused kernels have no in-kernel dropout,
     so those calls run the checked eager attention, bitwise as the eager backend."""
-    import attnchecker.attention.fused as fused
+    import attnchecker.attention.engines as engines
 
-    fused._WARNED.clear()
+    engines._WARNED.clear()
     base, _ = models("bert")
     inputs = batch("bert")
     model = copy.deepcopy(base)

@@ -522,7 +522,7 @@ def test_the_fused_kernels_run_the_sdpa_calls_and_correct_their_faults(layout, s
     clean = _step(model)
     _close(clean, want)
     state = handle.state(handle.modules[0])
-    assert state.coverage.engine == "triton" and not state.coverage.fallbacks
+    assert state.coverage.engine_name == "triton" and not state.coverage.fallbacks
     assert handle.drain() == []
     for site in sites:
         state.kernel_fault = KernelFault(site, 0, 1, 5, 3, math.nan)

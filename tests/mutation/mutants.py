@@ -73,7 +73,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("abft/gemm.py", "underflow_floor(out.dtype, length=N, inner=K), -math.sqrt(N) * f_r,",
            "underflow_floor(out.dtype, length=N, inner=K), -f_r,",
            "a row's Cauchy-Schwarz bound without sqrt(N): false alarms"),
-    Mutant("abft/gemm.py", "*layout, min(max_rows, M), *limits)", "*layout, 1, *limits)",
+    Mutant("abft/gemm.py", "*layout, min(max_rows, M), *lim)", "*layout, 1, *lim)",
            "the repair budget cut to one row"),
     Mutant("abft/gemm.py", "take = ~(top <= 0)[:, None]", "take = (top > 0)[:, None]",
            "a NaN row is not taken for repair (NaN > 0 is False)"),

@@ -1,4 +1,4 @@
-"""The GPU step model of ``attnchecker.testing`` (``OpTrace``, ``H200``; spec gpu-path §7):
+"""The GPU step model of ``attnchecker.gpu_cost`` (``OpTrace``, ``H200``; spec gpu-path §7):
 what each op is charged (a GEMM by its FLOPs, an elementwise op by its bytes, a tiny op the
 kernel floor), the host's launches in eager and none in a CUDA graph, and the same trace on real
 tensors and under FakeTensorMode (shapes only, the way Llama-8B widths are traced here). The
@@ -11,8 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from attnchecker import protect_
+from attnchecker.gpu_cost import H200, Device, Modelled, OpTrace
 from attnchecker.models.tiny import build
-from attnchecker.testing import H200, Device, Modelled, OpTrace
 
 
 def test_each_op_is_charged_by_its_flops_its_bytes_or_the_floor():

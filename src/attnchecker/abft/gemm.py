@@ -18,12 +18,10 @@ check two GEMMs of one operand (a linear layer's dX = dY W and dW = dY^T X) pass
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from attnchecker.abft import regions
 from attnchecker.abft.tolerance import (
     gemm_factor,
     norm_bound,
@@ -32,7 +30,7 @@ from attnchecker.abft.tolerance import (
     unit_roundoff,
 )
 
-__all__ = ["col_norms", "gemm_check_", "row_norms", "rows_excess"]
+__all__ = ["col_norms", "gemm_check_", "limits", "row_norms", "rows_excess"]
 
 _F32 = torch.float32
 
@@ -94,47 +92,31 @@ def gemm_check_(
     scale: float,
     x_rows: Tensor | None = None,
     y_cols: Tensor | None = None,
-    impl: str = "eager",
-    kernels: Callable[..., None] | None = None,
-    rec: Tensor | None = None,
-    step: Tensor | None = None,
-    refs: Tensor | None = None,
-    refs_rounding: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Check and repair in place out (M, N) = x (M, K) @ y (K, N) (see the module docstring).
 
     ``x_rows`` (M,), ``y_cols`` (N,): :func:`row_norms` of x and :func:`col_norms` of y when the
-    caller has them. ``impl``: ``"eager"``, ``"compiled"`` or ``"auto"``
-    (:func:`~attnchecker.abft.regions.resolve`; the same results either way). Returns 0-dim
-    float32 / bool tensors: flagged rows, flagged columns, the residual of the worst row, lost
-    (a row fails after the repair), and reproduced (a recomputed row fails again: the operands
-    imply it).
-
-    ``kernels``: the Triton kernels' check (``attnchecker.kernels.gemm_check.check_``, where
-    ``kernels.gemm_check_kernels`` says they run) instead of the region: rows only, every
-    flagged row repaired (no ``max_rows`` budget), columns located on a flag. With ``rec`` (a
-    zeroed (7,) float64 record row) and ``step`` (the clock) it writes the record there and
-    returns None; without, the same five results. ``refs``: y's references for the kernels
-    (``gemm_refs`` of y), when the caller has them (a weight's, once per step);
-    ``refs_rounding``: they come from a wider copy of y than the one multiplied (an fp32
-    parameter autocast rounds to bf16: its unit roundoff, added to the rows' factor)."""
+    caller has them. Returns 0-dim float32 / bool tensors: flagged rows, flagged columns, the
+    residual of the worst row, lost (a row fails after the repair), and reproduced (a
+    recomputed row fails again: the operands imply it). The registered Triton ops of
+    ``attnchecker.kernels.gemm_check`` check the same rows against the same :func:`limits`
+    (rows only, every flagged row repaired, columns located on a flag)."""
     M = x.shape[0]
-    limits = _limits(out, x, y, scale, refs_rounding)
+    lim = limits(out, x, y, scale)
     # the layouts too, read here: under torch.compile a layout query on a gradient inside
     # autocast(enabled=False) in a backward leaves autocast off for the rest of the traced
     # forward (torch 2.13), which made a compiled bf16 model multiply mixed dtypes
     layout = (x.stride(-1) == 1, y.stride(0) == 1)
-    args = (out, x, y, x_rows, y_cols, *layout, min(max_rows, M), *limits)
-    if kernels is not None:
-        return _kernels(kernels, out, x, y, x_rows, refs, limits[:2], rec, step)
-    with torch.autocast(out.device.type, enabled=False):
-        return regions.run(_gemm_region, impl, *args, on=out)
+    with torch.autocast(out.device.type, enabled=False), torch.no_grad():
+        return _gemm_region(out, x, y, x_rows, y_cols, *layout, min(max_rows, M), *lim)
 
 
-def _limits(out: Tensor, x: Tensor, y: Tensor, scale: float, refs_rounding: float = 0.0):
+def limits(out: Tensor, x: Tensor, y: Tensor, scale: float, refs_rounding: float = 0.0):
     """(floor_r, c_r, floor_c, c_c): a row fails where |residual| - floor_r exceeds
     -c_r ||x_m|| ||y||_F, a column likewise (the constants that depend on sizes are arguments:
-    a compiled region stays size-generic)."""
+    a compiled region stays size-generic). ``refs_rounding``: the rows' references come from a
+    wider copy of y than the one multiplied (an fp32 parameter autocast rounds to bf16: its unit
+    roundoff, added to the rows' factor)."""
     M, K = x.shape
     N = y.shape[1]
     dt = _reference_dtype(x, y)
@@ -150,28 +132,11 @@ def _limits(out: Tensor, x: Tensor, y: Tensor, scale: float, refs_rounding: floa
 def rows_excess(out: Tensor, x: Tensor, y: Tensor, *, scale: float) -> Tensor:
     """(M,) each row's excess over its tolerance in :func:`gemm_check_` (> 0 or NaN: flagged),
     before any repair (for measurements: ``benchmarks/backward_sensitivity.py``)."""
-    floor_r, c_r, _, _ = _limits(out, x, y, scale)
+    floor_r, c_r, _, _ = limits(out, x, y, scale)
     dt = _reference_dtype(x, y)
     xn, y_fro = row_norms(x), torch.linalg.vector_norm(row_norms(y.t()))
     res = out.sum(1, dtype=_F32) - _matvec(x, y.sum(1, dtype=_F32).to(dt)).to(_F32)
     return _rows_excess(res, floor_r, c_r, xn, y_fro)
-
-
-def _kernels(
-    check: Callable[..., None], out: Tensor, x: Tensor, y: Tensor, x_rows: Tensor | None,
-    refs: Tensor | None, limits: tuple[float, float], rec: Tensor | None, step: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
-    """:func:`gemm_check_` by the Triton kernels' ``check``, into ``rec`` or as five results."""
-    own = rec is None
-    if own:
-        rec = torch.zeros(7, dtype=torch.float64, device=out.device)
-        step = torch.zeros(1, dtype=torch.float64, device=out.device)
-    with torch.no_grad():
-        check(out, x, y, rec, step, floor=limits[0], c=limits[1], x_rows=x_rows, refs=refs)
-    regions.ran(_gemm_region.__qualname__, "triton", None)
-    if not own:
-        return None
-    return rec[0].float(), rec[1].float(), rec[2].float(), rec[3] > 0, rec[4] > 0
 
 
 def _reference_dtype(x: Tensor, y: Tensor) -> torch.dtype:

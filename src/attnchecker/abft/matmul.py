@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnchecker.abft.cast import autocast_operands
 from attnchecker.abft.checksum import BOTH, encode
 from attnchecker.abft.eec import Report, correct_
 
@@ -29,10 +30,8 @@ Corruptor = Callable[[Tensor], Tensor | None]
 
 def _compute_operands(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """The operands the GEMM really multiplies: under autocast, their low-precision casts."""
-    dev = a.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        return a.to(dt), b.to(dt)
+    if torch.is_autocast_enabled(a.device.type):
+        return autocast_operands(a, b)
     dt = torch.promote_types(a.dtype, b.dtype)
     return a.to(dt), b.to(dt)
 

@@ -47,7 +47,6 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from attnchecker.abft import regions
 from attnchecker.abft.tolerance import (
     gemm_factor,
     norm_bound,
@@ -55,6 +54,8 @@ from attnchecker.abft.tolerance import (
     underflow_floor,
     unit_roundoff,
 )
+from attnchecker.attention import regions
+from attnchecker.attention.impl import CheckImpl
 
 __all__ = [
     "Projection",
@@ -350,7 +351,7 @@ def projection_check_(
     factor: float,
     floor: float,
     bounds: bool = False,
-    impl: str = "eager",
+    how: CheckImpl = CheckImpl.EAGER,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Check and repair in place the outputs y (B, L, N_i) = x (B, L, K) W_i^T + b_i of the
     projections of one input (head groups of one width); see the module docstring.
@@ -359,13 +360,13 @@ def projection_check_(
     added to the weight norms. Returns the records (one per site, in order), the row references
     (T, sum G) and, with ``bounds``, the magnitude bounds (T, sum G) = (||x_t|| + 1)
     ||[W_g | b_g]||_F: what the attention core may take from here (``mode="passing"``).
-    ``impl``: ``"eager"``, ``"compiled"`` or ``"auto"`` (:func:`~attnchecker.abft.regions.resolve`).
+    ``how``: as its aten ops or compiled (:func:`~attnchecker.attention.regions.run`).
     """
     kw = {"max_rows": max_rows, "factor": factor, "floor": floor, "bounds": bounds}
     # the outputs as .data: written in place behind autograd's back (a compiled region would
     # otherwise write its input, an output of a custom Function, through autograd)
     items = [(p, y.data) for p, y in items]
-    return regions.run(_projection_region, impl, x, items, on=items[0][1], **kw)
+    return regions.run(_projection_region, how, x, items, **kw)
 
 
 def _projection_region(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from attnchecker.attention.impl import IMPLS as CHECK_IMPLS
 from attnchecker.attention.ops import ALL_OPS, GRAD_OPS, LINEAR_OPS, OPS, linear_parts, op_key
 from attnchecker.attention.schedule import Schedule
 from attnchecker.errors import ConfigError
@@ -17,7 +18,6 @@ SCOPES = ("attention", "all_linear")
 POLICIES = ("raise", "skip_step", "warn", "replay")
 MODES = ("naive", "passing")
 BACKENDS = ("eager", "sdpa", "triton", "auto")
-CHECK_IMPLS = ("auto", "compiled", "eager", "triton")  # attnchecker.abft.regions.IMPLS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,8 +81,9 @@ class ABFTConfig:
       waiting for a device flag; rows detect, columns locate, every flagged row repaired) on
       CUDA or in Triton's interpreter, the other checks compiled; ``"auto"``, ``"triton"`` on
       CUDA and elsewhere compiled where that measured faster and inductor can build, unless
-      the environment variable ``ATTNCHECKER_CHECK_IMPL`` says otherwise
-      (:mod:`attnchecker.abft.regions`). Same tolerances; inside a model the user compiles
+      the environment variable :data:`attnchecker.attention.impl.ENV` says otherwise
+      (:mod:`attnchecker.attention.impl`, resolved once per module at ``protect_``). Same
+      tolerances; inside a model the user compiles
       the checks are traced inline as regions.
     - ``strict``: a model of one's own with attention protect_ cannot route (written by hand,
       ``flex_attention``, ...; :mod:`attnchecker.models.sdpa`) is refused (True), or protected

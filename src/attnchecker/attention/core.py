@@ -30,16 +30,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from attnchecker.abft import regions
-from attnchecker.attention.grads import autocast_operands, checked_matmul
-from attnchecker.attention.handoff import Handoff
+from attnchecker.abft.cast import autocast_operands
+from attnchecker.attention import regions
+from attnchecker.attention.grads import checked_matmul
 from attnchecker.attention.heads import (
     context_residual,
     heads_repair_,
     probs_residual,
     scores_residual,
 )
-from attnchecker.attention.projection import flush
 from attnchecker.attention.records import ranged
 from attnchecker.attention.state import AttentionState
 
@@ -83,20 +82,18 @@ def attend(
     causal: Tensor | None = None,
     upcast_reordered: bool = False,
     softcap: float | None = None,
+    v_sums: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Eager attention of q (B, H, L, d), k and v (B, Hkv, Lk, d): returns (output, probs).
 
     ``causal`` is GPT-Neo's boolean (1, 1, L, Lk) mask applied with ``finfo.min`` before the
     attention mask; ``upcast_reordered`` is GPT-2's ``reorder_and_upcast_attn``: fp32 scores with
     the scaling folded into the GEMM; ``softcap`` is Gemma 2's logit soft-capping,
-    softcap * tanh(z / softcap) of the scaled scores before the mask.
+    softcap * tanh(z / softcap) of the scaled scores before the mask; ``v_sums``: V's row sums
+    and their bound from its projection's check (``mode="passing"``), for the context check.
+    With a ``state``, :func:`~attnchecker.attention.engines.run_core` runs it (its set-up before
+    it, its commit after it).
     """
-    v_sums = None
-    if state is not None:
-        flush(state)  # projections still waiting for their group (e.g. Q alone)
-        handoff, state.handoff = state.handoff, None
-        if isinstance(handoff, Handoff) and state.config.mode == "passing":
-            v_sums = handoff.for_core(value)
     B, H, L, d = query.shape
     n_rep = H // key.shape[1]
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
@@ -147,7 +144,7 @@ def attend(
             query, key.transpose(-1, -2), state.grads, state.clock.count,
             ops=("dq", "dk"), check=(state.checks("dq"), state.checks("dk")), b_transposed=True,
             max_heads=state.config.max_heads, scale=state.config.tolerance_scale,
-            hook=state.grad_hook(), impl=state.config.check_impl,
+            hook=state.grad_hook(), impl=state.impl,
         )  # fmt: skip
     else:
         scores = scores_of()  # (B, H, L, Lk)
@@ -178,7 +175,7 @@ def attend(
             cast, value, state.grads, state.clock.count,
             ops=("dp", "dv"), check=(on("dp"), on("dv")), nonneg_a=True,
             max_heads=state.config.max_heads, scale=state.config.tolerance_scale,
-            hook=state.grad_hook(), impl=state.config.check_impl,
+            hook=state.grad_hook(), impl=state.impl,
         )  # fmt: skip
     else:
         context = torch.matmul(mixed, value)  # (B, H, L, d)
@@ -204,15 +201,13 @@ def attend(
     if ops:
         with ranged("core"):
             rec = regions.run(
-                _core_region, config.check_impl,
+                _core_region, state.impl.region(context.dtype),
                 *(t.data for t in (scores, query, key, probs, mixed, value, context)), v_sums,
-                [t.data for t in targets], chain, on=context,
+                [t.data for t in targets], chain,
                 alpha=alpha, scale=config.tolerance_scale, max_heads=config.max_heads,
                 check_scores=on("scores"), probs_how=probs_how, check_context=on("context"),
             )  # fmt: skip
         state.note(ops, rec)
-    if not on("out"):
-        state.commit()  # otherwise the output projection's check writes the layer's records
     return output_layout(spec, context), mixed
 
 

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from attnchecker.abft import regions
+from attnchecker.abft.cast import autocast_operands
 from attnchecker.abft.gemm import col_norms, gemm_check_, row_norms
 from attnchecker.abft.tolerance import (
     gemm_factor,
@@ -45,14 +46,17 @@ from attnchecker.abft.tolerance import (
     underflow_floor,
     unit_roundoff,
 )
+from attnchecker.attention import regions
 from attnchecker.attention.checks import detected, index_constant, log_rows, record
+from attnchecker.attention.impl import EAGER, Impl
 from attnchecker.attention.ops import CORE_GRAD_OPS, GRAD_OPS
-from attnchecker.attention.records import new_records_sink
+from attnchecker.attention.records import grad_of, new_records_sink
 
 __all__ = [
     "CORE_GRAD_OPS",
     "GradSite",
-    "autocast_operands",
+    "LinearPlan",
+    "MatmulPlan",
     "checked_linear",
     "checked_matmul",
     "new_records_sink",
@@ -131,27 +135,11 @@ def heads_grad_check_(
     nonneg: bool = False,
     norms: tuple[Tensor, Tensor] | None = None,
     back: bool = False,
-    impl: str = "eager",
 ) -> Tensor:
     """Check the rows of out = x @ y (B, H, M, K) x (B, H, K, N) per (batch, head), where out is
     ``grad`` (``back``: grad is out^T, its own layout), and repair in place the ``max_heads``
     matrices with the most flagged rows by recomputing them from x and y (as
-    :func:`~attnchecker.attention.heads.heads_repair_`); returns its (1, 5) record. ``impl``:
-    how it runs (:func:`~attnchecker.abft.regions.resolve`)."""
-    args = (grad, x, y, norms, scale, max_heads, nonneg, back)
-    return regions.run(_heads_grad_region, impl, *args, on=grad)
-
-
-def _heads_grad_region(
-    grad: Tensor,
-    x: Tensor,
-    y: Tensor,
-    norms: tuple[Tensor, Tensor] | None,
-    scale: float,
-    max_heads: int,
-    nonneg: bool,
-    back: bool,
-) -> Tensor:
+    :func:`~attnchecker.attention.heads.heads_repair_`); returns its (1, 5) record."""
     from attnchecker.attention.heads import heads_repair_
 
     out = grad.mT if back else grad
@@ -177,25 +165,23 @@ def _sink_grad(
 def _linear_grad_kernels(
     dx: Tensor | None, dw: Tensor | None, dy: Tensor, w: Tensor, a: Tensor, b: Tensor,
     index: tuple[int, ...], sink: Tensor, clock: Tensor, refs: tuple[Tensor, torch.dtype],
-    max_rows: int, scale: float,
+    plan: LinearPlan,
 ) -> None:  # fmt: skip
     """A linear layer's dX and dW checks (those given) by the registered Triton ops, their
     records added into ``sink.grad`` (made once, zeroed in place by a drain) at the clock's
     step: three ops a check, two for dX (W's references at hand)."""
-    from attnchecker.kernels.gemm_check import check_
+    from attnchecker.attention.kernel_checks import gemm_check
 
-    if sink.grad is None:
-        sink.grad = torch.zeros_like(sink)
-    kw = {"max_rows": max_rows, "scale": scale, "kernels": check_, "step": clock}
-    with torch.no_grad():
-        rows = iter(index)
-        if dx is not None:
-            refs, wider = refs  # W's sums from the parameter, maybe wider than w (autocast)
-            rounding = unit_roundoff(w.dtype) if wider != w.dtype else 0.0
-            gemm_check_(dx, dy, w, rec=sink.grad[next(rows)], refs=refs, refs_rounding=rounding,
-                        **kw)  # fmt: skip
-        if dw is not None:
-            gemm_check_(dw, a, b, rec=sink.grad[next(rows)], **kw)
+    recs = grad_of(sink)  # (n ops, 7), added into in place
+    kw = {"max_rows": plan.max_rows, "scale": plan.scale, "step": clock}
+    rows = iter(index)
+    if dx is not None:
+        refs, wider = refs  # W's sums from the parameter, maybe wider than w (autocast)
+        rounding = unit_roundoff(w.dtype) if wider != w.dtype else 0.0
+        gemm_check(plan.impl, dx, dy, w, rec=recs[next(rows)], refs=refs,
+                   refs_rounding=rounding, **kw)  # fmt: skip
+    if dw is not None:
+        gemm_check(plan.impl, dw, a, b, rec=recs[next(rows)], **kw)
 
 
 def _linear_grad_region(
@@ -272,39 +258,53 @@ def _folded(t: Tensor) -> Tensor:
     return t.reshape(-1, *t.shape[-2:])
 
 
+@dataclass(frozen=True)
+class MatmulPlan:
+    """What :func:`checked_matmul`'s backward does: ``ops``, the rows in the sink (of
+    :data:`GRAD_OPS`) of a's and b's gradients; ``check``, which of them are checked;
+    ``nonneg_a``: a >= 0 (probabilities); ``b_transposed``: b is key^T (the scores), so b's
+    gradient is checked by key rows; the repair budget, the tolerance scale, the sites' hook and
+    how the checks run."""
+
+    ops: tuple[int, int]
+    check: tuple[bool, bool]
+    max_heads: int
+    scale: float
+    nonneg_a: bool = False
+    b_transposed: bool = False
+    hook: GradSite | None = None
+    impl: Impl = EAGER
+
+
 class _Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, a, b, sink, step, ops, check, nonneg_a, b_transposed, max_heads, scale, hook, impl
-    ):
-        ctx.save_for_backward(a, b, step.clone() if any(check) else None)
-        ctx.sink = sink.shape
-        ctx.args = (ops, check, nonneg_a, b_transposed, max_heads, scale, hook, impl)
+    def forward(ctx, a, b, sink, step, plan: MatmulPlan):
+        ctx.save_for_backward(a, b, step.clone() if any(plan.check) else None)
+        ctx.sink, ctx.plan = sink.shape, plan
         return torch.matmul(a, b)
 
     @staticmethod
     def backward(ctx, dc):
         a, b, step = ctx.saved_tensors
-        args = ctx.args
-        (op_a, op_b), (check_a, check_b), nonneg_a, b_transposed, max_heads, scale, hook, impl = (
-            args
-        )
+        plan: MatmulPlan = ctx.plan
+        op_a, op_b = plan.ops
         da = db = None
         dc3 = _folded(dc)
         if ctx.needs_input_grad[0]:
             da = dc3.bmm(_folded(b).transpose(1, 2)).view(a.shape)  # (B, H, M, K)
-            _site(hook, GRAD_OPS[op_a], da)
+            _site(plan.hook, GRAD_OPS[op_a], da)
         if ctx.needs_input_grad[1]:
             db = _folded(a).transpose(1, 2).bmm(dc3).view(b.shape)  # (B, H, K, N)
-            _site(hook, GRAD_OPS[op_b], db)
-        check_a, check_b = check_a and da is not None, check_b and db is not None
+            _site(plan.hook, GRAD_OPS[op_b], db)
+        check_a, check_b = plan.check[0] and da is not None, plan.check[1] and db is not None
         grad_sink = None
         if check_a or check_b:
             index = tuple(op for op, on in ((op_a, check_a), (op_b, check_b)) if on)
             args = (da if check_a else None, db if check_b else None, dc, a, b, step)
-            args += (nonneg_a, b_transposed, index, ctx.sink, max_heads, scale)
-            grad_sink = regions.run(_matmul_grad_region, impl, *args, on=dc)
-        return da, db, grad_sink, None, None, None, None, None, None, None, None, None
+            args += (plan.nonneg_a, plan.b_transposed, index, ctx.sink, plan.max_heads,
+                     plan.scale)  # fmt: skip
+            grad_sink = regions.run(_matmul_grad_region, plan.impl.region(dc.dtype), *args)
+        return da, db, grad_sink, None, None
 
 
 def checked_matmul(
@@ -320,32 +320,45 @@ def checked_matmul(
     nonneg_a: bool = False,
     b_transposed: bool = False,
     hook: GradSite | None = None,
-    impl: str = "eager",
+    impl: Impl = EAGER,
 ) -> Tensor:
     """``torch.matmul(a, b)`` of (B, H, M, K) x (B, H, K, N) whose backward checks and repairs
     the gradients (named by ``ops``: a's, b's) that ``check`` selects, records into
     ``sink.grad`` at the clock ``step``; ``hook`` runs at both sites, checked or not; ``impl``:
-    how the checks run (``ABFTConfig.check_impl``)."""
+    how the checks run (the module's :class:`~attnchecker.attention.impl.Impl`)."""
     if not any(check) and hook is None:
         return torch.matmul(a, b)
     idx = (GRAD_OPS.index(ops[0]), GRAD_OPS.index(ops[1]))
     a, b = autocast_operands(a, b)
-    args = (check, nonneg_a, b_transposed, max_heads, scale, hook, impl)
-    return _Matmul.apply(a, b, sink, step, idx, *args)
+    plan = MatmulPlan(idx, check, max_heads, scale, nonneg_a, b_transposed, hook, impl)
+    return _Matmul.apply(a, b, sink, step, plan)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """What :func:`checked_linear`'s backward does: ``ops``, (row of the sink, site name) of dX
+    and of dW; ``check``, which of them are checked; ``conv1d``: transformers' Conv1D (y = x W +
+    b); the repair budget, the tolerance scale, the sites' hook and how the checks run."""
+
+    ops: tuple[tuple[int, str], tuple[int, str]]
+    check: tuple[bool, bool]
+    conv1d: bool
+    max_rows: int
+    scale: float
+    hook: GradSite | None = None
+    impl: Impl = EAGER
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, x, weight, bias, sink, step, ops, check, conv1d, max_rows, scale, hook, impl, refs
-    ):
+    def forward(ctx, x, weight, bias, sink, step, plan: LinearPlan, refs):
         # the Triton kernels (refs: W's sums for them, or None) read the clock itself in the
         # backward and add into sink.grad; the eager ops return records at the forward's step
         kernels = refs is not None
-        ctx.save_for_backward(x, weight, step.clone() if any(check) and not kernels else None)
+        ctx.save_for_backward(x, weight, step.clone() if any(plan.check) and not kernels else None)
         ctx.sink, ctx.kernels = (sink, step, refs) if kernels else sink.shape, kernels
-        ctx.args = (ops, check, conv1d, max_rows, scale, hook, bias is not None, impl)
-        if conv1d:  # transformers' Conv1D
+        ctx.plan, ctx.has_bias = plan, bias is not None
+        if plan.conv1d:  # transformers' Conv1D
             out = x.view(-1, x.shape[-1])
             out = out @ weight if bias is None else torch.addmm(bias, out, weight)
             return out.view(*x.shape[:-1], weight.shape[-1])
@@ -354,7 +367,8 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, step = ctx.saved_tensors
-        (op_x, op_w), (check_x, check_w), conv1d, max_rows, scale, hook, has_bias, impl = ctx.args
+        plan: LinearPlan = ctx.plan
+        (op_x, op_w), conv1d = plan.ops, plan.conv1d
         dy2 = dy.reshape(-1, dy.shape[-1])  # (T, N)
         x2 = x.reshape(-1, x.shape[-1])  # (T, K)
         dx = dx2 = dw = db = None
@@ -363,27 +377,28 @@ class _Linear(torch.autograd.Function):
         a, b = (x2.t(), dy2) if conv1d else (dy2.t(), x2)
         if ctx.needs_input_grad[0]:
             dx2 = dy2.mm(w)  # (T, K)
-            _site(hook, op_x[1], dx2)
+            _site(plan.hook, op_x[1], dx2)
             dx = dx2.view(x.shape)
         if ctx.needs_input_grad[1]:
             dw = a.mm(b)
-            _site(hook, op_w[1], dw)
-        if has_bias and ctx.needs_input_grad[2]:
+            _site(plan.hook, op_w[1], dw)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        check_x, check_w = check_x and dx2 is not None, check_w and dw is not None
+        check_x, check_w = plan.check[0] and dx2 is not None, plan.check[1] and dw is not None
         grad_sink = None
         if check_x or check_w:
             index = tuple(op[0] for op, on in ((op_x, check_x), (op_w, check_w)) if on)
             checked = (dx2 if check_x else None, dw if check_w else None)
             if ctx.kernels:  # the registered ops, records added into sink.grad
                 sink, clock, refs = ctx.sink
-                _linear_grad_kernels(*checked, dy2, w, a, b, index, sink, clock, refs,
-                                     max_rows, scale)  # fmt: skip
+                _linear_grad_kernels(*checked, dy2, w, a, b, index, sink, clock, refs, plan)
                 regions.ran(_linear_grad_region.__qualname__, "triton", None)
             else:
-                args = (*checked, dy2, w, a, b, step, conv1d, index, ctx.sink, max_rows, scale)
-                grad_sink = regions.run(_linear_grad_region, impl, *args, on=dy2)
-        return dx, dw, db, grad_sink, None, None, None, None, None, None, None, None, None
+                args = (*checked, dy2, w, a, b, step, conv1d, index, ctx.sink, plan.max_rows,
+                        plan.scale)  # fmt: skip
+                how = plan.impl.region(dy2.dtype)
+                grad_sink = regions.run(_linear_grad_region, how, *args)
+        return dx, dw, db, grad_sink, None, None, None
 
 
 def checked_linear(
@@ -399,27 +414,17 @@ def checked_linear(
     max_rows: int,
     scale: float,
     hook: GradSite | None = None,
-    impl: str = "eager",
+    impl: Impl = EAGER,
     refs: Tensor | None = None,
 ) -> Tensor:
     """The module's y = x W^T + b (``conv1d``: x W + b) whose backward checks and repairs dX and
     dW as ``check`` selects; ``ops`` = ((row of ``sink``, site name) of dX, of dW). Under autocast
     the operands are cast as autocast casts them for the module's own op. ``impl``: how the
-    checks run (``ABFTConfig.check_impl``, :func:`~attnchecker.abft.regions.resolve`);
-    ``refs``: the Triton kernels run them (``kernels.gemm_check``), these being W's references
-    (``gemm_refs`` of W as (N, K), from the step's weight sums)."""
+    checks run (the module's :class:`~attnchecker.attention.impl.Impl`); ``refs``: the Triton
+    kernels run them (``kernels.gemm_check``), these being W's references (``gemm_refs`` of W
+    as (N, K), from the step's weight sums)."""
     wider = weight.dtype  # the dtype W's sums (refs) were computed in
     x, weight, bias = autocast_operands(x, weight, bias)
     kernel_refs = None if refs is None else (refs, wider)
-    args = (ops, check, conv1d, max_rows, scale, hook, impl, kernel_refs)
-    return _Linear.apply(x, weight, bias, sink, step, *args)
-
-
-def autocast_operands(*ts: Tensor | None) -> tuple[Tensor | None, ...]:
-    """The operands as autocast casts them for a GEMM (fp32 to the autocast dtype; the same
-    tensors without autocast), so the autograd functions save what the GEMM multiplied."""
-    dev = next(t for t in ts if t is not None).device.type
-    if not torch.is_autocast_enabled(dev):
-        return ts
-    dt = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dt) if t is not None and t.dtype == torch.float32 else t for t in ts)
+    plan = LinearPlan(ops, check, conv1d, max_rows, scale, hook, impl)
+    return _Linear.apply(x, weight, bias, sink, step, plan, kernel_refs)

@@ -1,16 +1,14 @@
-"""The projections' checks by the registered Triton ops (``check_impl="triton"`` on CUDA, or in
+"""The GEMM checks by the registered Triton ops (where the module's
+:class:`~attnchecker.attention.impl.Impl` says ``kernels``: ``check_impl="triton"`` on CUDA, or in
 Triton's interpreter): what :mod:`~attnchecker.attention.projection` runs instead of
-:func:`~attnchecker.attention.checks.projection_check_` where :func:`available` says so.
+:func:`~attnchecker.attention.checks.projection_check_` where :func:`runs_kernels` says so, and
+:func:`gemm_check`, one GEMM's check as an :class:`~attnchecker.attention.impl.Impl` runs it.
 
 Per projection and step: one ``proj_weights`` (cached on the step clock: :func:`weight_sums`,
 shared with the backward's dX check), then per call one ``proj_verify`` and one ``proj_repair``
 that returns at once on a clean call (:mod:`attnchecker.kernels.projection_check`). The records
-go straight into the module's log rows; nothing is noted, nothing committed. A checkpointing
-replay's forward is checked and repaired the same way but records nothing: what the first pass
-found was counted then, and a fault that hits the recomputation alone is corrected there
-uncounted (the eager region instead compares a replay's records with the first pass's,
-:meth:`~attnchecker.attention.records.Records.commit`; the kernels' records are summed in the
-log as they are made, with no first pass's to compare with).
+go straight into the module's log rows (:meth:`~attnchecker.attention.records.Records.direct_row`,
+which also says what a checkpointing replay records); nothing is noted, nothing committed.
 """
 
 from __future__ import annotations
@@ -19,18 +17,49 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
+from attnchecker.abft.gemm import gemm_check_, limits
+from attnchecker.attention import regions
 from attnchecker.attention.checks import Projection
-from attnchecker.attention.sites import in_replay
+from attnchecker.attention.impl import Impl
 from attnchecker.attention.state import AttentionState, Clock
-from attnchecker.kernels import gemm_check_kernels
 
-__all__ = ["available", "check_group", "sites_of", "weight_refs", "weight_sums"]
+__all__ = ["check_group", "gemm_check", "runs_kernels", "sites_of", "weight_refs", "weight_sums"]
 
 
-def available(state: AttentionState, on: Tensor) -> bool:
-    """Whether the forward checks of ``state`` run the registered ops for output ``on``: its
-    ``check_impl`` resolves to ``"triton"`` there, the kernels can run and the call is eager."""
-    return gemm_check_kernels(state.config.check_impl, on) is not None
+def runs_kernels(impl: Impl) -> bool:
+    """Whether the GEMM checks run the registered ops now: ``impl`` says so and the call is
+    eager (a model being compiled traces the checks' torch reference inline)."""
+    return impl.kernels and not torch.compiler.is_compiling()
+
+
+def gemm_check(
+    impl: Impl, out: Tensor, x: Tensor, y: Tensor, *, max_rows: int, scale: float,
+    x_rows: Tensor | None = None, y_cols: Tensor | None = None, refs: Tensor | None = None,
+    refs_rounding: float = 0.0, rec: Tensor | None = None, step: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """:func:`~attnchecker.abft.gemm.gemm_check_` of out = x @ y as ``impl`` runs it: its
+    region (eager or compiled), or the registered ops of ``attnchecker.kernels.gemm_check``
+    (rows only, every flagged row repaired, no ``max_rows`` budget; columns located on a flag),
+    which with ``rec`` (a zeroed (7,) float64 record row) and ``step`` (the clock) write the
+    record there and return None, else the same five results. ``refs``: y's references for the
+    kernels (``gemm_refs`` of y), when the caller has them (a weight's, once per step);
+    ``refs_rounding``: see :func:`~attnchecker.abft.gemm.limits`."""
+    if not runs_kernels(impl):
+        return regions.run(gemm_check_, impl.region(out.dtype), out, x, y, max_rows=max_rows,
+                           scale=scale, x_rows=x_rows, y_cols=y_cols)  # fmt: skip
+    from attnchecker.kernels.gemm_check import check_
+
+    own = rec is None
+    if own:
+        rec = torch.zeros(7, dtype=torch.float64, device=out.device)
+        step = torch.zeros(1, dtype=torch.float64, device=out.device)
+    floor, c, _, _ = limits(out, x, y, scale, refs_rounding)
+    with torch.no_grad():
+        check_(out, x, y, rec, step, floor=floor, c=c, x_rows=x_rows, refs=refs)
+    regions.ran("_gemm_region", "triton", None)
+    if not own:
+        return None
+    return rec[0].float(), rec[1].float(), rec[2].float(), rec[3] > 0, rec[4] > 0
 
 
 def weight_sums(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,
@@ -88,17 +117,14 @@ def check_group(
     K = x.shape[-1]
     x2 = x.detach().reshape(-1, K)
     T = x2.shape[0]
-    if state.records.log.device != x.device:  # moved without a root forward (a layer alone)
-        state.records.to(x.device)
-    log, rows_of = state.records.log, state.records.row
-    if in_replay():  # checked and repaired, not recorded (see the module docstring)
-        checked = ()
+    state.follow(x.device)  # moved without a root forward (a layer alone)
+    log, row = state.records.log, state.records.direct_row
     refs, bound = [], []
     with torch.no_grad():
         for p, y in pairs:
             y2 = y.data.view(T, y.shape[-1])
             ws = weight_sums(state.clock, p.weight, p.bias, p.groups, p.conv1d)
-            rows = [rows_of(s) if s in checked else -1 for s in p.sites]
+            rows = [row(s, on=checked.__contains__) for s in p.sites]
             scr = check_(y2, x2, p.weight.detach(), None if p.bias is None else p.bias.detach(),
                          p.conv1d, ws, sites_of(p), log, state.clock.count, rows, factor=factor,
                          floor=floor)  # fmt: skip

@@ -204,7 +204,7 @@ def _check_group(
     sites = tuple(s for p, _ in pairs for s in p.sites)
     passing = config.mode == "passing"
     checked = tuple(s for s in sites if state.checks(s))
-    if kernel_checks.available(state, pairs[0][1]):  # registered ops, records into the log
+    if kernel_checks.runs_kernels(state.impl):  # registered ops, records into the log
         with ranged("+".join(sites)):
             ref, bound = kernel_checks.check_group(state, x, pairs, checked, factor=factor,
                                                    floor=row_floor(pairs) / factor,
@@ -213,7 +213,8 @@ def _check_group(
         with ranged("+".join(sites)):
             rec, ref, bound = projection_check_(
                 x, pairs, max_rows=config.max_rows, factor=factor,
-                floor=row_floor(pairs) / factor, bounds=passing, impl=config.check_impl,
+                floor=row_floor(pairs) / factor, bounds=passing,
+                how=state.impl.region(pairs[0][1].dtype),
             )  # fmt: skip
         if checked != sites:
             rec = rec[[sites.index(s) for s in checked]]
@@ -261,7 +262,7 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
         item = [(Projection(module.weight, module.bias, conv1d, ("y",), 1), y3)]
         config = state.config
         factor = row_factor(x3, item, config.tolerance_scale)
-        if kernel_checks.available(state, y):  # registered ops, the record into the log
+        if kernel_checks.runs_kernels(state.impl):  # registered ops, the record into the log
             with ranged(f"linear.{state.name}"):
                 kernel_checks.check_group(
                     state,
@@ -276,7 +277,7 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
         with ranged(f"linear.{state.name}"):
             rec = projection_check_(
                 x3, item, max_rows=config.max_rows, factor=factor,
-                floor=row_floor(item) / factor, impl=config.check_impl,
+                floor=row_floor(item) / factor, how=state.impl.region(y.dtype),
             )[0]  # fmt: skip
         state.note(("y",), rec)
         state.commit()
@@ -323,12 +324,12 @@ def _linear(
     config = state.config
     ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
     refs = None  # the registered ops check them (a checkpointing replay too: the same saved
-    if any(check) and kernel_checks.available(state, x):  # tensors in both passes)
+    if any(check) and kernel_checks.runs_kernels(state.impl):  # tensors in both passes)
         refs = kernel_checks.weight_refs(state.clock, weight, bias, groups, conv1d)
     return checked_linear(
         x, weight, bias, sink, state.clock.count, ops=ops, check=check, conv1d=conv1d,
         max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,
-        impl=config.check_impl, refs=refs,
+        impl=state.impl, refs=refs,
     )  # fmt: skip
 
 
@@ -345,18 +346,18 @@ def protect_attention(
     *,
     passing: bool,
     device: torch.device,
-    engine: str,
+    engine: object,
     note: str = "",
     unfound: str = "",
 ) -> tuple[AttentionState, list[Undo], list[nn.Module]]:
     """One attention module's state with its ``projections`` wired, forward and backward:
     (the state, the undos, the projections whose backward GEMMs are asked for but could not be
     wired). ``passing``: the family lets V's sums pass to the core (else ``mode="naive"``);
-    ``engine``: ``"triton"`` when the fused kernels run the core (their counters, and they
-    check the core's backward GEMMs themselves), ``"eager"`` otherwise, ``note`` saying why;
+    ``engine``: what runs the core (the fused kernels: their counters, and they check the
+    core's backward GEMMs themselves), ``note`` saying why;
     ``unfound``: why no projections were found, when none were. Every op the config asks for
     that is not wired is in ``state.coverage.missing`` with its reason."""
-    fused = engine == "triton"
+    fused = engine.counters
     if not passing:
         config = config.replace(mode="naive")
     st = AttentionState(

@@ -4,15 +4,29 @@ layout that every engine writes and the handle reads once.
 Nothing a check writes during a step is a Python value: each check adds its record to a small
 float64 tensor with in-place tensor ops, so a compiled model sees no Python int or list that
 changes from step to step (dynamo would guard on it and recompile), and the clean path never
-synchronises with the device. Three writers, one layout (:data:`RECORD_FIELDS` per row):
+synchronises with the device. One layout (:data:`RECORD_FIELDS` per row), and every writer, by
+the API it writes through:
 
-- the forward's eager checks: :meth:`Records.note` then :meth:`Records.commit` into ``log``
-  (a row per forward op);
-- the backward's checks (:mod:`~attnchecker.attention.grads`): their records leave the backward
-  as the gradient of the leaf ``sink`` (a row per backward op), so autograd accumulates them over
-  layers and steps, compiled backward graphs included;
-- the fused kernels: int32 counters (check x detected, corrected, uncorrected) in ``kernel``
-  (forward) and ``kernel_sink.grad`` (backward), turned into rows by :meth:`Records.rows`.
+1. the forward's check regions (the projections' and linear layers' eager or compiled checks,
+   the eager core's): :meth:`Records.note` then :meth:`Records.commit` into ``log``, a row per
+   forward op (a checkpointing replay's records compared with the first pass's there);
+2. the forward's registered ops that write ``log`` rows themselves, on a flag (the GEMM checks'
+   ``proj_repair``, :mod:`~attnchecker.attention.kernel_checks`; the SDPA route's forward
+   verify / repair, :mod:`~attnchecker.attention.sdpa_core`): at :meth:`Records.direct_row`;
+3. the backward's check regions (:mod:`~attnchecker.attention.grads`: the core's and the linear
+   layers'): their records leave the backward as the gradient of the leaf ``sink`` (a row per
+   backward op), so autograd accumulates them over layers and steps, compiled backward graphs
+   included;
+4. the SDPA route's backward: its registered ops fill a records tensor returned as ``sink``'s
+   gradient, the same way, at :meth:`Records.direct_row` (``grad=True``);
+5. the linear layers' backward by the registered ops: they add into :func:`grad_of` ``sink``
+   in place (the one writer that mutates the sink's gradient: autograd then accumulates the
+   other writers' gradients into that tensor);
+6. the fused kernels: int32 counters (check x detected, corrected, uncorrected) in ``kernel``
+   (forward, mutated by the kernels) and ``kernel_sink.grad`` (backward, as a gradient), turned
+   into rows by :meth:`Records.rows`.
+
+:meth:`Records.reset` (a drain) and :meth:`Records.to` (a move) are the only other writes.
 
 A record's ``detected`` and ``lost`` count checks; the other fields are summed over detecting
 checks only (so for one detection between two drains they are that detection's values, and
@@ -22,16 +36,18 @@ checks only (so for one detection between two drains they are that detection's v
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from attnchecker.abft import regions
+from attnchecker.attention import regions
 from attnchecker.attention.checks import detected, index_constant, log_rows
+from attnchecker.attention.impl import CheckImpl
 from attnchecker.attention.ops import OPS
 from attnchecker.attention.sites import in_replay
 
-__all__ = ["RECORD_FIELDS", "Records", "new_log", "new_records_sink", "ranged"]
+__all__ = ["RECORD_FIELDS", "Records", "grad_of", "new_log", "new_records_sink", "ranged"]
 
 RECORD_FIELDS = ("n_rows", "n_cols", "value", "lost", "reproduced", "detected", "step_sum")
 """One check's record: flagged rows / columns of its unit (tokens and features for a projection;
@@ -54,6 +70,15 @@ def new_records_sink(n_ops: int, device: torch.device) -> Tensor:
     """The leaf whose ``.grad`` collects a module's backward records (n_ops, 7) float64."""
     return torch.zeros(n_ops, len(RECORD_FIELDS), dtype=torch.float64, device=device,
                        requires_grad=True)  # fmt: skip
+
+
+def grad_of(sink: Tensor) -> Tensor:
+    """``sink.grad``, made (zeros) where there is none yet: where the linear layers' backward
+    by the registered ops adds its records in place (writer 5 of the module docstring); a
+    drain zeroes it in place."""
+    if sink.grad is None:
+        sink.grad = torch.zeros_like(sink)
+    return sink.grad
 
 
 def ranged(label: str):
@@ -89,6 +114,7 @@ class Records:
             self.kernel = new_counts(log.device)
             self.kernel_sink = new_kernel_sink(log.device)
         self._row = {o: i for i, o in enumerate(ops)}
+        self._grad_row = {o: i for i, o in enumerate(grad_ops)}
         self._noted: list[tuple[tuple[str, ...], Tensor]] = []  # this layer's, until commit()
         # the records of the last first pass (not a replay) per committed op tuple: what a
         # checkpointing replay's records are compared with (eager only)
@@ -104,32 +130,47 @@ class Records:
         check until :meth:`commit` writes the layer's records to the log in one go."""
         self._noted.append((ops, rec))
 
-    def commit(self, step: Tensor, impl: str) -> None:
+    def noted_device(self) -> torch.device | None:
+        """The device of the noted records (None: nothing noted)."""
+        return self._noted[0][1].device if self._noted else None
+
+    def commit(self, step: Tensor, how: CheckImpl) -> None:
         """Add the noted records to the log at the clock ``step``. A checkpointing replay
         repeats a forward already counted: its records are counted where they differ from the
         first pass's (a fault that hit the replay alone, or a different one), and dropped where
         they are the same (what the operands imply, such as an overflow upstream, comes back in
-        every replay). ``impl``: how the records region runs (``ABFTConfig.check_impl``)."""
+        every replay). ``how``: how the records region runs. The caller has moved the records to
+        the noted ones' device (:meth:`~attnchecker.attention.state.AttentionState.follow`)."""
         if not self._noted:
             return
         ops = tuple(o for names, _ in self._noted for o in names)
         noted = [r for _, r in self._noted]
         self._noted = []
-        if self.log.device != noted[0].device:  # moved without a root forward (a layer alone)
-            self.to(noted[0].device)
         first, replay = None, in_replay()  # eager only (compiled code does not replay Python)
         if replay:
             first = self._first.get(ops)
             if first is not None and first.shape[0] != sum(r.shape[0] for r in noted):
                 first = None
-        recs, rows = regions.run(_records_region, impl, noted, step, first, on=step)
+        recs, rows = regions.run(_records_region, how, noted, step, first)
         if not replay and not torch.compiler.is_compiling():
             self._first[ops] = recs  # (a traced dict write would be a side effect)
         self.log.index_add_(0, self._index(ops, recs.device), rows)
 
     def row(self, op: str) -> int:
-        """The log row of forward op ``op`` (where the Triton kernels add its records)."""
+        """The log row of forward op ``op``."""
         return self._row[op]
+
+    def direct_row(self, *ops: str, on: Callable[[str], bool], grad: bool = False) -> int:
+        """Where a registered op that writes its records itself writes the first of ``ops``
+        that ``on`` (the schedule) checks now: its row in ``log`` (``grad``: in the backward's
+        records); -1 for none. A forward in a checkpointing replay gets -1: such an op keeps no
+        record of its own to compare with the first pass's, so the replay is checked and
+        repaired but not recorded (the first pass counted what the operands imply; a fault that
+        hits the replay alone is corrected there uncounted)."""
+        if not grad and in_replay():
+            return -1
+        rows = self._grad_row if grad else self._row
+        return next((rows[o] for o in ops if on(o)), -1)
 
     def _index(self, ops: tuple[str, ...], device: torch.device) -> Tensor:
         """The log rows of ``ops`` (a cached constant: not a host-to-device copy a step)."""

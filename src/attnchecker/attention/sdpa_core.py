@@ -1,7 +1,7 @@
 """The SDPA route of the attention core (``backend="sdpa"``): the model's own fast attention
 kernel, checked by what it returns.
 
-:func:`attend_sdpa` runs the aten op that ``F.scaled_dot_product_attention`` runs (flash or
+:func:`checked_attention` runs the aten op that ``F.scaled_dot_product_attention`` runs (flash or
 memory-efficient on CUDA, the flash kernel on a CPU) inside one autograd function, so that each
 row's log-sum-exp is at hand, and checks, forward and backward, with the invariants of
 :mod:`attnchecker.kernels.sdpa_check` (a few reductions per layer; nothing of size L x L): the
@@ -23,57 +23,31 @@ detects; nothing of the kind runs without a hook.
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from attnchecker.attention.sites import in_replay
+from attnchecker.abft.cast import autocast_operands
+from attnchecker.attention.grads import GradSite
+from attnchecker.attention.masks import bias_from_sdpa
+from attnchecker.attention.sites import Sites
 from attnchecker.attention.state import AttentionState
 from attnchecker.kernels.sdpa_check import (
+    REFERENCE,
+    SdpaOps,
     attention_backward,
     attention_forward,
     backend_mask,
-    bwd_repair_op,
-    bwd_sums_op,
-    bwd_verify_op,
     expand_kv,
-    fwd_repair_op,
-    fwd_verify_op,
     group_sum,
-    kv_stats_op,
     mask_facts,
 )
 
-__all__ = ["attend_sdpa", "checked_attention", "operands", "self_test"]
+__all__ = ["SdpaPlan", "checked_attention", "self_test"]
 
 _FWD_SITES, _BWD_SITES = ("scores", "probs", "context"), ("dp", "dv", "dq", "dk")
-
-
-def operands(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v as SDPA takes them: under autocast cast to its dtype (SDPA is one of autocast's
-    lower-precision ops; a model's RoPE can leave q and k in fp32 while v is bf16)."""
-    device = q.device.type
-    if torch.is_autocast_enabled(device):
-        low = torch.get_autocast_dtype(device)
-        q, k, v = (t.to(low) if t.is_floating_point() and t.dtype != low else t
-                   for t in (q, k, v))  # fmt: skip
-    return q, k, v
-
-
-def _additive(mask: Tensor | None, causal: bool, L: int, Lk: int, device) -> Tensor | float:
-    """The fp32 additive form of an SDPA mask (0 where attended, -inf elsewhere); causal is
-    top-left aligned, as SDPA's."""
-    bias: Tensor | float = 0.0
-    if causal:
-        bias = torch.ones(L, Lk, dtype=torch.bool, device=device).tril().logical_not()
-        bias = torch.zeros(L, Lk, device=device).masked_fill(bias, -math.inf)
-    if mask is not None:
-        m = mask.float() if mask.dtype != torch.bool else torch.zeros(
-            (), device=device).masked_fill(~mask, -math.inf)  # fmt: skip
-        bias = bias + m
-    return bias
 
 
 def _changed(before: Tensor, after: Tensor) -> Tensor:
@@ -90,7 +64,7 @@ def _emulate_forward(sites, q, k, v, mask, causal, scale, out, lse) -> None:
         before = s.clone()
         sites.run("scores", s)
         hit = _changed(before, s)
-        z = s.float() * scale + _additive(mask, causal, L, Lk, q.device)
+        z = s.float() * scale + bias_from_sdpa(mask, causal, L, Lk, q.device)
         p = torch.softmax(z, -1).nan_to_num(0.0).to(q.dtype)  # a row with no key: 0
         before = p.clone()
         sites.run("probs", p)
@@ -107,7 +81,7 @@ def _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv)
     H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
     Hkv = k.shape[1]
     ke, ve = expand_kv(k, H), expand_kv(v, H)
-    z = (q @ ke.mT).float() * scale + _additive(mask, causal, L, Lk, q.device)
+    z = (q @ ke.mT).float() * scale + bias_from_sdpa(mask, causal, L, Lk, q.device)
     p = torch.softmax(z, -1).nan_to_num(0.0)  # (B, H, L, Lk) fp32
     found = {}
     dp = grad @ ve.mT  # (B, H, L, Lk)
@@ -131,26 +105,49 @@ def _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv)
     dv.copy_(torch.where(groups, group_sum(dvf.float(), Hkv).to(dv.dtype), dv))
 
 
+def _ops(kernels: bool) -> SdpaOps:
+    """The check ops as the module's implementation runs them: the Triton kernels' family
+    (``kernels``: CUDA, or the interpreter) or the torch reference's."""
+    if not kernels:
+        return REFERENCE
+    from attnchecker.kernels.sdpa_kernels_bwd import TRITON_OPS
+
+    return TRITON_OPS
+
+
+@dataclass(frozen=True)
+class SdpaPlan:
+    """What one call of the SDPA route does around the backend's kernel."""
+
+    causal: bool  # top-left aligned, as SDPA's
+    scale: float
+    tol: float  # the config's tolerance_scale
+    fwd_rows: tuple[int, int]  # log rows of the scores and context checks (-1: not recorded)
+    fwd_on: bool  # any forward check runs
+    bwd_rows: tuple[int, int, int]  # sink rows of the dq, dk, dv checks (-1: not recorded)
+    bwd_on: bool  # any backward check runs
+    n_grad: int  # rows of the backward's records
+    sites: Sites | None  # the forward's sites, where a hook waits at one (emulated faults)
+    hook: GradSite | None  # the backward's site runner, or None
+    ops: SdpaOps  # the check ops: the Triton kernels' or the torch reference's
+
+
 class _Checked(torch.autograd.Function):
     """The backend's attention and its checks: forward (q, k, v, mask, sink, step, log,
-    rowmax, plan) -> (out, lse); the backward's records are the gradient of ``sink``.
-    ``plan``: (causal, scale, tol, forward rows, forward checked, backward rows, backward
-    checked, number of backward rows, the forward's sites or None, the backward's hook or None,
-    whether the check ops run their Triton kernels)."""
+    rowmax, plan) -> (out, lse); the backward's records are the gradient of ``sink``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, sink, step, log, rowmax, plan):
-        causal, scale, tol, fwd_rows, fwd_on, _, _, _, sites, _, kernels = plan
-        out, lse, aux = attention_forward(q, k, v, mask, causal, scale)
-        if sites is not None:
-            _emulate_forward(sites, q, k, v, mask, causal, scale, out, lse)
-        stats = None
-        if fwd_on:
-            stats = kv_stats_op(k, v, kernels)
-            flags = fwd_verify_op(q, k, out, lse, stats, log, step, list(fwd_rows), scale,
-                                  rowmax, tol, kernels)  # fmt: skip
-            fwd_repair_op(q, k, v, mask, out, lse, stats, flags, log, step, list(fwd_rows),
-                          causal, scale, rowmax, tol, kernels)  # fmt: skip
+    def forward(ctx, q, k, v, mask, sink, step, log, rowmax, plan: SdpaPlan):
+        out, lse, aux = attention_forward(q, k, v, mask, plan.causal, plan.scale)
+        if plan.sites is not None:
+            _emulate_forward(plan.sites, q, k, v, mask, plan.causal, plan.scale, out, lse)
+        stats, ops, rows = None, plan.ops, list(plan.fwd_rows)
+        if plan.fwd_on:
+            stats = ops.kv_stats(k, v)
+            flags = ops.fwd_verify(q, k, out, lse, stats, log, step, rows, plan.scale, rowmax,
+                                   plan.tol)  # fmt: skip
+            ops.fwd_repair(q, k, v, mask, out, lse, stats, flags, log, step, rows, plan.causal,
+                           plan.scale, rowmax, plan.tol)  # fmt: skip
         ctx.save_for_backward(q, k, v, mask, out, lse, stats, step, rowmax)
         ctx.plan, ctx.aux, ctx.sink = plan, aux, sink.numel() > 0
         ctx.mark_non_differentiable(lse)
@@ -159,41 +156,23 @@ class _Checked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _grad_lse):
         q, k, v, mask, out, lse, stats, step, rowmax = ctx.saved_tensors
-        causal, scale, tol, _, _, bwd_rows, bwd_on, n_grad, _, hook, kernels = ctx.plan
+        plan: SdpaPlan = ctx.plan
+        causal, scale, tol, ops = plan.causal, plan.scale, plan.tol, plan.ops
         grad = grad.contiguous()
         dq, dk, dv = attention_backward(grad, q, k, v, out, lse, mask, causal, scale, ctx.aux)
-        if hook is not None:
-            _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv)
+        if plan.hook is not None:
+            _emulate_backward(plan.hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv)
         rec = None
-        if bwd_on and ctx.sink:
-            stats = kv_stats_op(k, v, kernels) if stats is None else stats
-            rec = torch.zeros(n_grad, 7, dtype=torch.float64, device=q.device)
-            part, flags = bwd_verify_op(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step,
-                                        list(bwd_rows), scale, tol, kernels)  # fmt: skip
-            sums = bwd_sums_op(dk, dv, kernels)
-            bwd_repair_op(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags,
-                          sums, rec, step, list(bwd_rows), causal, scale, tol, kernels)  # fmt: skip
+        if plan.bwd_on and ctx.sink:
+            stats = ops.kv_stats(k, v) if stats is None else stats
+            rec = torch.zeros(plan.n_grad, 7, dtype=torch.float64, device=q.device)
+            rows = list(plan.bwd_rows)
+            part, flags = ops.bwd_verify(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec,
+                                         step, rows, scale, tol)  # fmt: skip
+            sums = ops.bwd_sums(dk, dv)
+            ops.bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags,
+                           sums, rec, step, rows, causal, scale, tol)  # fmt: skip
         return dq, dk, dv, None, rec, None, None, None, None
-
-
-def _kernels(impl: str, q: Tensor) -> bool:
-    """Whether the check ops run their Triton kernels: ``check_impl`` resolves to ``"triton"``
-    for q (``"auto"`` on CUDA), triton imports, and q is on CUDA or in the interpreter."""
-    from attnchecker import kernels
-    from attnchecker.abft import regions
-
-    if regions.resolve(impl, q.device, q.dtype) != "triton" or not kernels.available():
-        return False
-    return q.is_cuda or kernels.interpreting()
-
-
-def _row(state: AttentionState, rows_of, *ops: str, replay: bool = False) -> int:
-    """The record row of the first of ``ops`` checked now; -1 for none, or in a checkpointing
-    replay's forward (``replay``), which records nothing: the first pass counted it."""
-    for op in ops:
-        if state.checks(op):
-            return -1 if replay else rows_of(op)
-    return -1
 
 
 _NO_MASK: dict[torch.device, Tensor] = {}
@@ -227,23 +206,20 @@ def checked_attention(
     """SDPA of q (B, H, L, d), k and v (B, Hkv, Lk, d) (``mask``: 4-D bool or additive,
     broadcast to (B, H, L, Lk); ``causal`` top-left) by the backend's kernel, with the checks
     the state asks for now: (B, H, L, d) in q's dtype."""
-    q, k, v = operands(q, k, v)
-    if state.records.log.device != q.device:  # moved without a root forward (a layer alone)
-        state.records.to(q.device)
-    grad_rows = {o: i for i, o in enumerate(state.records.grad_ops)}.get
+    q, k, v = autocast_operands(q, k, v)  # (RoPE can leave q and k fp32 while v is bf16)
+    state.follow(q.device)  # moved without a root forward (a layer alone)
     mask, rowmax = _facts(state, mask, q)
-    replay = in_replay()
-    fwd_rows = (_row(state, state.records.row, "scores", replay=replay),
-                _row(state, state.records.row, "context", "probs", replay=replay))  # fmt: skip
-    bwd_rows = (_row(state, grad_rows, "dq", "dp"), _row(state, grad_rows, "dk", "dp"),
-                _row(state, grad_rows, "dv"))  # fmt: skip
+    row, on = state.records.direct_row, state.checks
+    fwd_rows = (row("scores", on=on), row("context", "probs", on=on))
+    bwd_rows = (row("dq", "dp", on=on, grad=True), row("dk", "dp", on=on, grad=True),
+                row("dv", on=on, grad=True))  # fmt: skip
     hooked = not torch.compiler.is_compiling() and any(state.hooks.get(s) for s in _FWD_SITES)
-    plan = (
+    plan = SdpaPlan(
         causal, scale, float(state.config.tolerance_scale),
         fwd_rows, any(state.checks(o) for o in _FWD_SITES),
         bwd_rows, any(state.checks(o) for o in _BWD_SITES), len(state.records.grad_ops),
         state.sites if hooked else None, state.sites.grad_hook(_BWD_SITES),
-        _kernels(state.config.check_impl, q),
+        _ops(state.impl.kernels),
     )  # fmt: skip
     sink = state.grads
     if sink is None or not torch.is_grad_enabled():
@@ -251,18 +227,6 @@ def checked_attention(
     out, _ = _Checked.apply(q, k, v, mask, sink, state.clock.count, state.records.log, rowmax,
                             plan)  # fmt: skip
     return out
-
-
-def attend_sdpa(
-    state: AttentionState, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
-    scaling: float, causal: bool,
-) -> Tensor:  # fmt: skip
-    """The SDPA route's core for the attention interface (transformers' SDPA mask: 4-D bool or
-    None, then ``causal`` from the module): (B, H, L, d)."""
-    L, Lk = query.shape[2], key.shape[2]
-    if causal and mask is None and Lk > L:  # prefill of an empty static cache, as transformers
-        key, value = key[:, :, :L], value[:, :, :L]
-    return checked_attention(state, query, key, value, mask, causal=causal, scale=scaling)
 
 
 _SELF_TESTS: dict[str, str | None] = {}

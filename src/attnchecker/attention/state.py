@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from attnchecker.attention.config import ABFTConfig
+from attnchecker.attention.impl import Impl, resolve
 from attnchecker.attention.ops import CORE_OPS, GRAD_OPS, OPS
 from attnchecker.attention.records import RECORD_FIELDS, Records, new_log
 from attnchecker.attention.schedule import Schedule
@@ -65,15 +66,26 @@ class Clock:
 @dataclass
 class Coverage:
     """What really runs in one protected module, for ``summary()``: which engine runs the core
-    ("eager" or "triton") and why when it is not the one asked for, the reasons for which fused
-    calls ran the eager engine instead (recorded in eager), and ``missing``: each op the config
-    asks for that this module does not check, with the reason (projections not found, a layout
-    not understood, a backward not reachable, a forward that took another path)."""
+    (an :class:`~attnchecker.attention.engines.Engine`; None for a module without one: a linear
+    layer) and why when it is not the one asked for, the reasons for which calls ran the eager
+    engine instead (recorded in eager), and ``missing``: each op the config asks for that this
+    module does not check, with the reason (projections not found, a layout not understood, a
+    backward not reachable, a forward that took another path)."""
 
-    engine: str = "eager"
+    engine: object | None = None  # (engines builds on this module: not imported here)
     note: str = ""
     fallbacks: set[str] = field(default_factory=set)
     missing: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def engine_name(self) -> str:
+        """The engine's name (``"eager"`` for a module without a core)."""
+        return "eager" if self.engine is None else self.engine.name
+
+    @property
+    def kernels(self) -> bool:
+        """Whether the fused kernels run the core (their counters; they check it always)."""
+        return self.engine is not None and self.engine.counters
 
     def miss(self, ops: Iterable[str], why: str) -> None:
         """Note ``ops`` as not checked, for ``why`` (the first reason given stays)."""
@@ -106,6 +118,8 @@ class AttentionState:
         kernel_checks: tuple[str, ...] = (),
     ) -> None:
         self.name, self.layer, self.config, self.clock = name, layer, config, clock
+        # how its checks run on its device, resolved once (and again in follow())
+        self.impl: Impl = resolve(config.check_impl, log.device)
         self.schedule = Schedule.of(config) if schedule is None else schedule
         self.schedule.bind(name, layer, fixed_ops, role)
         # a core op on any step of the schedule (bound once: only its phase changes later)
@@ -135,7 +149,7 @@ class AttentionState:
         check (:data:`~.ops.CORE_OPS`) on any step, a hook is attached at a core site (a fault
         placed there), the fused kernels run it, or :attr:`keep_core` is set. Otherwise the
         model's own attention runs, untouched, and only its projections are checked."""
-        if self._core_asked or self.keep_core or self.coverage.engine == "triton":
+        if self._core_asked or self.keep_core or self.coverage.kernels:
             return True
         return any(self.hooks.get(op) for op in CORE_OPS)
 
@@ -158,7 +172,18 @@ class AttentionState:
 
     def commit(self) -> None:
         """Write the noted records to the log (:meth:`Records.commit`)."""
-        self.records.commit(self.clock.count, self.config.check_impl)
+        noted = self.records.noted_device()
+        if noted is not None:
+            self.follow(noted)
+        self.records.commit(self.clock.count, self.impl.region(torch.float64))
+
+    def follow(self, device: torch.device) -> None:
+        """Follow the module to ``device`` (moved after protect_, or a layer run alone): its
+        records move there and its checks' implementation is resolved for it. Nothing when it
+        is there already (a device comparison: no sync)."""
+        if self.records.log.device != device:
+            self.records.to(device)
+            self.impl = resolve(self.config.check_impl, device)
 
     # -- read by users, tests and the injector
 

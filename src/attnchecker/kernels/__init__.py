@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["CHECKS", "DEAD", "KERNEL_CHECKS", "KERNEL_SITES", "SDPA_BLOCKS", "available",
-           "checks_of", "gemm_check_kernels", "interpreting", "self_test"]  # fmt: skip
+           "checks_of", "interpreting", "self_test"]  # fmt: skip
 
 KERNEL_CHECKS: dict[str, tuple[str, ...]] = {
     "s": ("scores",),  # forward: the S tile (column checksums)
@@ -57,25 +57,6 @@ nothing imports triton, so fault plans validate without it)."""
 def interpreting() -> bool:
     """Whether Triton kernels run in its CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def gemm_check_kernels(impl: str, on):
-    """The Triton kernels of a GEMM's check (``kernels.gemm_check.check_``, for
-    ``abft.gemm.gemm_check_``'s ``kernels``) where ``check_impl=impl`` runs them for a check of
-    ``on``, else None: ``impl`` resolves to ``"triton"``, the call comes from eager code (a
-    model being compiled traces the check's torch ops inline) and the kernels can run (CUDA,
-    or the interpreter)."""
-    import torch
-
-    from attnchecker.abft import regions
-
-    if torch.compiler.is_compiling() or regions.resolve(impl, on.device, on.dtype) != "triton":
-        return None
-    if not available() or not (on.device.type == "cuda" or interpreting()):
-        return None
-    from attnchecker.kernels.gemm_check import check_
-
-    return check_
 
 
 def available() -> bool:

@@ -160,7 +160,7 @@ def _capture(case: Case) -> dict[str, tuple]:
     from attnchecker.kernels import flash_bwd as bwd
     from attnchecker.kernels import flash_fwd as fwd
 
-    fns = {"fwd": fwd._fwd, "dkdv": bwd._bwd_dkdv, "dq": bwd._bwd_dq}
+    fns = {"fwd": fwd.fwd_kernel, "dkdv": bwd.dkdv_kernel, "dq": bwd.dq_kernel}
     seen: dict[str, tuple] = {}
     q, k, v, mask = _tensors(case)
     fault = torch.zeros(8) if case.inject else None  # encoded: any site sets INJECT
@@ -264,9 +264,10 @@ def compile_gemm_case(case: Case) -> list[Report]:
     from attnchecker.kernels import sdpa_kernels as sk
     from attnchecker.kernels import sdpa_kernels_bwd as sb
 
-    kernels = (gc._refs, gc._verify, gc._repair, pc._weights, pc._verify, pc._repair,
-               sk._kv_stats, sk._fwd_verify, sk._fwd_repair, sb._bwd_q, sb._bwd_kv,
-               sb._bwd_repair)  # fmt: skip
+    kernels = (gc.refs_kernel, gc.verify_kernel, gc.repair_kernel, pc.weights_kernel,
+               pc.verify_kernel, pc.repair_kernel, sk.kv_stats_kernel, sk.fwd_verify_kernel,
+               sk.fwd_repair_kernel, sb.bwd_q_kernel, sb.bwd_kv_kernel,
+               sb.bwd_repair_kernel)  # fmt: skip
     fns = dict(zip(GEMM_KERNELS, kernels, strict=True))
     seen: dict[str, tuple] = {}
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]

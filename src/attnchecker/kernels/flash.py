@@ -31,7 +31,7 @@ from attnchecker.errors import ConfigError
 from attnchecker.kernels import CHECKS, KERNEL_SITES, interpreting
 from attnchecker.kernels import flash_bwd as bwd
 from attnchecker.kernels.common import FAULT_FIELDS, MODES, SITE_CODES
-from attnchecker.kernels.flash_fwd import _fwd
+from attnchecker.kernels.flash_fwd import fwd_kernel
 
 __all__ = [
     "CHECKS", "FP32_MAX_HEAD", "LAUNCH", "SITES", "KernelFault", "Launch", "flash_backward",
@@ -145,7 +145,7 @@ fp32."""
 FP32_MAX_HEAD = 64
 """fp32 operands without TF32 multiply on the FMA units, whose operands sit in registers: at
 d = 128 every tile setting spills kilobytes (sm_80 falls back to 32 registers and a 5 KB stack
-frame), so the fused backend runs such calls on the eager engine (``attention.fused``)."""
+frame), so the fused backend runs such calls on the eager engine (``attention.engines``)."""
 
 
 def operand_kind(q: Tensor) -> str:
@@ -193,12 +193,13 @@ def _names(check: bool | Collection[str]) -> frozenset[str]:
     return frozenset(check)
 
 
-def _mask(check: bool | Collection[str]) -> int:
+def checks_to_mask(check: bool | Collection[str]) -> int:
     """The checks as the custom ops' bit mask (bit i: ``CHECKS[i]``)."""
     return sum(1 << i for i, c in enumerate(CHECKS) if c in _names(check))
 
 
-def _unmask(mask: int) -> frozenset[str]:
+def mask_to_checks(mask: int) -> frozenset[str]:
+    """The checks of a bit mask (:func:`checks_to_mask`'s inverse)."""
     return frozenset(c for i, c in enumerate(CHECKS) if mask >> i & 1)
 
 
@@ -231,7 +232,7 @@ def flash_forward(
     go = _settings("fwd", q, L, Lk, check)
     tau = _tau(q, inner=d, length=go["BLOCK_M"], scale=tolerance_scale)
     tau_acc = _tau(q, inner=Lk + Lk // go["BLOCK_N"] + 1, length=d, scale=tolerance_scale)
-    _fwd[(triton.cdiv(L, go["BLOCK_M"]), B * H)](
+    fwd_kernel[(triton.cdiv(L, go["BLOCK_M"]), B * H)](
         q, k, v, out, lse, mask, counts, code,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), mask.stride(0),
         H, L, Lk, d, H // k.shape[1], scale * LOG2E, window, tau, tau_acc, **flags, **go,
@@ -335,7 +336,7 @@ def flash_backward(
     go = _settings("dkdv", q, L, Lk, check)
     tau = _tau(q, inner=d, length=go["BLOCK_N"], scale=tol)
     tau_acc = _tau(q, inner=group * L, length=d, scale=tol)
-    bwd._bwd_dkdv[(triton.cdiv(Lk, go["BLOCK_N"]), B * Hkv)](
+    bwd.dkdv_kernel[(triton.cdiv(Lk, go["BLOCK_N"]), B * Hkv)](
         q, k, v, grad, lse, delta, dk, dv, mask, counts, code, *strides,
         H, Hkv, L, Lk, d, group, qk_scale, scale, window, tau, tau_acc, **flags, **go,
     )  # fmt: skip
@@ -345,7 +346,7 @@ def flash_backward(
     tau_logit = tol * 2 * math.log(2) * qk_scale * _tau(q, inner=d, length=0, scale=1.0)
     tau_out = tol * 2 * torch.finfo(out.dtype).eps
     q_norm, k_norm = (t.float().norm(dim=-1).contiguous() for t in (q, k))  # (B, H|Hkv, L)
-    bwd._bwd_dq[(triton.cdiv(L, go["BLOCK_M"]), B * H)](
+    bwd.dq_kernel[(triton.cdiv(L, go["BLOCK_M"]), B * H)](
         q, k, v, grad, lse, delta, delta_abs, q_norm, k_norm, dq, mask, counts, code, *strides,
         H, L, Lk, d, group, qk_scale, scale, window, tau_acc, tau_p, tau_logit, tau_out,
         **flags, **go,

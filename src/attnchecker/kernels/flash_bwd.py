@@ -65,7 +65,7 @@ SITE_SQ, SITE_DP, SITE_DQ = site("sq"), site("dp"), site("dq")
 
 
 @triton.jit
-def _bwd_dkdv(
+def dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, KMASK, COUNTS, FAULT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdb, sdh, sdm, sdd, smb,
@@ -165,7 +165,7 @@ def _bwd_dkdv(
 
 
 @triton.jit
-def _bwd_dq(
+def dq_kernel(
     Q, K, V, DO, LSE, DELTA, DELTA_ABS, Q_NORM, K_NORM, DQ, KMASK, COUNTS, FAULT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdb, sdh, sdm, sdd, smb,

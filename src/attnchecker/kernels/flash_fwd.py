@@ -63,7 +63,7 @@ SITE_S, SITE_PV = site("s"), site("pv")
 
 
 @triton.jit
-def _fwd(
+def fwd_kernel(
     Q, K, V, Out, LSE, KMASK, COUNTS, FAULT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, smb,
     H, L, LK, D, GROUP, qk_scale, window, tau, tau_acc,

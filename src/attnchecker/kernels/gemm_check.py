@@ -5,17 +5,17 @@
 ``torch.library.custom_op``, so one call is one dispatched op (a CPU run counts launches as a GPU
 launches them) and ``torch.compile`` keeps it as one kernel:
 
-1. ``attnchecker::gemm_refs`` (:func:`_refs`), the references' pass over y, where the caller has
-   no cached one: y's row sums y 1 (K,) and its Frobenius norm (partial sums of squares, one per
-   program, summed by the verify kernel: no atomics);
-2. ``attnchecker::gemm_verify`` (:func:`_verify`), one pass over the rows of out and of x: each
-   row's sum against its reference x_m . (y 1), and its excess over the tolerance
+1. ``attnchecker::gemm_refs`` (:func:`refs_kernel`), the references' pass over y, where the
+   caller has no cached one: y's row sums y 1 (K,) and its Frobenius norm (partial sums of
+   squares, one per program, summed by the verify kernel: no atomics);
+2. ``attnchecker::gemm_verify`` (:func:`verify_kernel`), one pass over the rows of out and of x:
+   each row's sum against its reference x_m . (y 1), and its excess over the tolerance
    |residual| - floor + c ||x_m|| ||y||_F (c < 0; the constants are
    :func:`~attnchecker.abft.gemm.gemm_check_`'s, from :mod:`attnchecker.abft.tolerance`). A
    program with a flagged row adds its count to the record row and marks it detected at the
    clock's step (the clean path writes nothing but the per-row scratch);
-3. ``attnchecker::gemm_repair`` (:func:`_repair`), predicated on the device flag (the record's
-   flagged-row count): every program returns at once when it is 0. Else each flagged row is
+3. ``attnchecker::gemm_repair`` (:func:`repair_kernel`), predicated on the device flag (the
+   record's flagged-row count): every program returns at once when it is 0. Else each flagged row is
    recomputed from the operands (every row of a whole-column fault: the whole product), its
    delivered and recomputed elements compared to locate the bad columns (an element further apart
    than twice its rounding bound; the count of distinct columns goes to the record), and checked
@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnchecker.abft.tolerance import squares_lost
-from attnchecker.kernels import interpreting
+from attnchecker.kernels.triton_utils import block_product, readable, span, tile, worst_residual
 
 __all__ = ["check_", "gemm_refs", "gemm_repair", "gemm_verify", "reference"]
 
@@ -53,35 +53,15 @@ _DETECTED, _STEP = 5, 6  # fields of the record row (attention.records.RECORD_FI
 
 
 @triton.jit
-def _tile(P, r, c, s_r, s_c, rmask, cmask):
-    """The (len(r), len(c)) tile of P at rows r and columns c (strides s_r, s_c), 0 outside."""
-    return tl.load(P + r[:, None] * s_r + c[None, :] * s_c, mask=rmask[:, None] & cmask[None, :],
-                   other=0.0)  # fmt: skip
-
-
-@triton.jit
-def _i64(v):
-    """v as a 64-bit scalar (an int argument may be a constexpr)."""
-    return v + tl.zeros([], dtype=tl.int64)
-
-
-@triton.jit
-def _span(start, n, BLOCK: tl.constexpr):
-    """(start + 0 .. BLOCK - 1 as 64-bit offsets, which of them are below n)."""
-    offs = start + tl.arange(0, BLOCK).to(tl.int64)
-    return offs, offs < n
-
-
-@triton.jit
-def _refs(Y, REFS, K, N, sy_k, sy_n, BK: tl.constexpr, BN: tl.constexpr):
+def refs_kernel(Y, REFS, K, N, sy_k, sy_n, BK: tl.constexpr, BN: tl.constexpr):
     """REFS[:K] = y 1 over the program's rows of y; REFS[K + program] = their sum of squares."""
     pid = tl.program_id(0)
-    rows, rmask = _span(pid.to(tl.int64) * BK, K, BK)
+    rows, rmask = span(pid.to(tl.int64) * BK, K, BK)
     s = tl.zeros([BK], dtype=tl.float32)
     sq = tl.zeros([BK], dtype=tl.float32)
     for n0 in range(0, N, BN):
-        cols, cmask = _span(n0, N, BN)
-        t = _tile(Y, rows, cols, sy_k, sy_n, rmask, cmask).to(tl.float32)
+        cols, cmask = span(n0, N, BN)
+        t = tile(Y, rows, cols, sy_k, sy_n, rmask, cmask).to(tl.float32)
         s += tl.sum(t, 1)
         sq += tl.sum(t * t, 1)
     tl.store(REFS + rows, s, mask=rmask)
@@ -94,66 +74,27 @@ def _fro(REFS, K, P, lost, BP: tl.constexpr):
     squares can lose to underflow, ``lost``)."""
     acc = tl.zeros([BP], dtype=tl.float32)
     for p0 in range(0, P, BP):
-        ps, pmask = _span(p0, P, BP)
+        ps, pmask = span(p0, P, BP)
         acc += tl.load(REFS + (ps + K), mask=pmask, other=0.0)
     return tl.sqrt(tl.sum(acc, 0)) + lost
 
 
 @triton.jit
-def _product(X, Y, rows, rmask, cols, cmask, K, sx_m, sx_k, sy_k, sy_n, IEEE: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """x[rows] @ y[:, cols], (BM, BN) fp32 accumulators (rows outside rmask: 0), fp32 operands
-    in IEEE precision (no TF32: a recomputation must not round more than the GEMM did)."""
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        ks, kmask = _span(k0, K, BK)
-        a = _tile(X, rows, ks, sx_m, sx_k, rmask, kmask)
-        b = _tile(Y, ks, cols, sy_k, sy_n, kmask, cmask)
-        if IEEE:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
-    return acc
-
-
-@triton.jit
-def _worst(SCR, exc, res, n, BLOCK: tl.constexpr):
-    """The residual (at offset ``res`` of SCR) of the largest of the n excesses (at ``exc``), a
-    NaN one first (as ``topk`` ranks them): the delivered error a record reports. One program,
-    on a flag only."""
-    best = tl.full([], -float("inf"), tl.float32)
-    value = tl.zeros([], dtype=tl.float32)
-    nan = tl.zeros([], dtype=tl.int32)  # a NaN excess seen: its row is the worst
-    for m0 in range(0, n, BLOCK):
-        ms, mmask = _span(m0, n, BLOCK)
-        e = tl.load(SCR + (ms + exc), mask=mmask, other=-float("inf"))
-        isnan = (e != e).to(tl.int32)
-        if nan == 0:
-            if tl.max(isnan, 0) > 0:
-                nan = 1
-                value = tl.load(SCR + (tl.argmax(isnan, 0).to(tl.int64) + m0 + res))
-            elif tl.max(e, 0) > best:
-                best = tl.max(e, 0)
-                value = tl.load(SCR + (tl.argmax(e, 0).to(tl.int64) + m0 + res))
-    return value
-
-
-@triton.jit
-def _verify(OUT, X, REFS, XN, SCR, BITS, REC, STEP, M, N, K, P, so_m, so_n, sx_m, sx_k,
-            lost_x, lost_y, floor, c, chunk,
-            HAS_XN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            BP: tl.constexpr):  # fmt: skip
+def verify_kernel(OUT, X, REFS, XN, SCR, BITS, REC, STEP, M, N, K, P, so_m, so_n, sx_m, sx_k,
+                  lost_x, lost_y, floor, c, chunk,
+                  HAS_XN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  BP: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
-    rows, rmask = _span(pid.to(tl.int64) * BM, M, BM)
+    rows, rmask = span(pid.to(tl.int64) * BM, M, BM)
     rs = tl.zeros([BM], dtype=tl.float32)
     for n0 in range(0, N, BN):
-        cols, cmask = _span(n0, N, BN)
-        rs += tl.sum(_tile(OUT, rows, cols, so_m, so_n, rmask, cmask).to(tl.float32), 1)
+        cols, cmask = span(n0, N, BN)
+        rs += tl.sum(tile(OUT, rows, cols, so_m, so_n, rmask, cmask).to(tl.float32), 1)
     ref = tl.zeros([BM], dtype=tl.float32)
     sq = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        ks, kmask = _span(k0, K, BK)
-        t = _tile(X, rows, ks, sx_m, sx_k, rmask, kmask).to(tl.float32)
+        ks, kmask = span(k0, K, BK)
+        t = tile(X, rows, ks, sx_m, sx_k, rmask, kmask).to(tl.float32)
         ref += tl.sum(t * tl.load(REFS + ks, mask=kmask, other=0.0)[None, :], 1)
         if not HAS_XN:
             sq += tl.sum(t * t, 1)
@@ -169,7 +110,7 @@ def _verify(OUT, X, REFS, XN, SCR, BITS, REC, STEP, M, N, K, P, so_m, so_n, sx_m
     tl.store(SCR + (rows + 3 * M), xn, mask=rmask)
     # the column bitmap the repair marks, zeroed here: this program's chunk of it
     for j0 in range(0, chunk, BN):
-        js, jmask = _span(pid.to(tl.int64) * chunk + j0, N, BN)
+        js, jmask = span(pid.to(tl.int64) * chunk + j0, N, BN)
         tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (pid + 1) * chunk))
     flagged = tl.sum((~(exc <= 0.0) & rmask).to(tl.int32), 0)  # NaN compares False: flagged
     if flagged > 0:
@@ -179,15 +120,15 @@ def _verify(OUT, X, REFS, XN, SCR, BITS, REC, STEP, M, N, K, P, so_m, so_n, sx_m
 
 
 @triton.jit
-def _repair(OUT, X, Y, REFS, SCR, BITS, REC, M, N, K, P, so_m, so_n, sx_m, sx_k, sy_k, sy_n,
-            lost_y, floor, c, f,
-            IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            BP: tl.constexpr):  # fmt: skip
+def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, M, N, K, P, so_m, so_n, sx_m, sx_k, sy_k, sy_n,
+                  lost_y, floor, c, f,
+                  IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  BP: tl.constexpr):  # fmt: skip
     if tl.load(REC) > 0:  # the device flag: nothing below runs on a clean product
         pid = tl.program_id(0)
         if pid == 0:  # the worst row's residual (NaN ranks first) as the record's value
-            tl.store(REC + 2, _worst(SCR, 2 * M, M, M, BM))
-        rows, rmask = _span(pid.to(tl.int64) * BM, M, BM)
+            tl.store(REC + 2, worst_residual(SCR, 2 * M, M, M, BM))
+        rows, rmask = span(pid.to(tl.int64) * BM, M, BM)
         exc = tl.load(SCR + (rows + 2 * M), mask=rmask, other=0.0)
         bad = ~(exc <= 0.0) & rmask
         if tl.sum(bad.to(tl.int32), 0) > 0:
@@ -196,9 +137,9 @@ def _repair(OUT, X, Y, REFS, SCR, BITS, REC, M, N, K, P, so_m, so_n, sx_m, sx_k,
             near = 2 * f * xn * y_fro + floor  # (BM,): two roundings of an element apart
             sums = tl.zeros([BM], dtype=tl.float32)
             for n0 in range(0, N, BN):
-                cols, cmask = _span(n0, N, BN)
-                acc = _product(X, Y, rows, bad, cols, cmask, K, sx_m, sx_k, sy_k, sy_n, IEEE,
-                               BM, BN, BK)  # fmt: skip
+                cols, cmask = span(n0, N, BN)
+                acc = block_product(X, Y, rows, bad, cols, cmask, K, sx_m, sx_k, sy_k, sy_n, IEEE,
+                                    BM, BN, BK)  # fmt: skip
                 new = acc.to(OUT.dtype.element_ty)
                 at = OUT + rows[:, None] * so_m + cols[None, :] * so_n
                 both = bad[:, None] & cmask[None, :]
@@ -218,13 +159,6 @@ def _repair(OUT, X, Y, REFS, SCR, BITS, REC, M, N, K, P, so_m, so_n, sx_m, sx_k,
                 tl.store(REC + 4, 1.0)  # reproduced: recomputing from the operands repeats it
 
 
-def _readable(t: Tensor | None) -> Tensor | None:
-    """t as the kernels read it: an fp32 copy of a bf16 tensor in the interpreter."""
-    if t is not None and interpreting() and t.dtype == torch.bfloat16:
-        return t.to(_F32)
-    return t
-
-
 def _programs(n: int, block: int) -> int:
     return max(1, triton.cdiv(n, block))
 
@@ -235,8 +169,8 @@ def gemm_refs(y: Tensor) -> Tensor:
     K, N = y.shape
     P = _programs(K, _BK)
     refs = torch.empty(K + P, device=y.device, dtype=_F32)
-    yr = _readable(y)
-    _refs[(P,)](yr, refs, K, N, yr.stride(0), yr.stride(1), BK=_BK, BN=_BN)
+    yr = readable(y)
+    refs_kernel[(P,)](yr, refs, K, N, yr.stride(0), yr.stride(1), BK=_BK, BN=_BN)
     return refs
 
 
@@ -259,12 +193,12 @@ def gemm_verify(
     scr = torch.empty(4, M, device=out.device, dtype=_F32)
     bits = torch.empty(N, device=out.device, dtype=torch.int32)
     P, grid = refs.shape[0] - K, _programs(M, _BM)
-    o, xr = _readable(out), _readable(x)
+    o, xr = readable(out), readable(x)
     xn = x_rows.to(_F32).contiguous() if x_rows is not None else scr
-    _verify[(grid,)](o, xr, refs, xn, scr, bits, rec, step, M, N, K, P, o.stride(0), o.stride(1),
-                     xr.stride(0), xr.stride(1), squares_lost(K), squares_lost(n_y), floor, c,
-                     triton.cdiv(N, grid), HAS_XN=x_rows is not None, BM=_BM, BN=_BN, BK=_BK,
-                     BP=64)  # fmt: skip
+    verify_kernel[(grid,)](o, xr, refs, xn, scr, bits, rec, step, M, N, K, P, o.stride(0),
+                           o.stride(1), xr.stride(0), xr.stride(1), squares_lost(K),
+                           squares_lost(n_y), floor, c, triton.cdiv(N, grid),
+                           HAS_XN=x_rows is not None, BM=_BM, BN=_BN, BK=_BK, BP=64)  # fmt: skip
     return scr, bits
 
 
@@ -285,12 +219,12 @@ def gemm_repair(
     M, N = out.shape
     K = x.shape[1]
     P = refs.shape[0] - K
-    o, xr, yr = _readable(out), _readable(x), _readable(y)
+    o, xr, yr = readable(out), readable(x), readable(y)
     f = -c / math.sqrt(N)  # an element's rounding bound per ||x_m|| ||y||_F (c = -sqrt(N) f)
     ieee = torch.float32 in (xr.dtype, yr.dtype)
     if xr.dtype != yr.dtype:  # tl.dot multiplies one dtype
         xr, yr = xr.to(_F32), yr.to(_F32)
-    _repair[(_programs(M, _BM),)](
+    repair_kernel[(_programs(M, _BM),)](
         o,
         xr,
         yr,

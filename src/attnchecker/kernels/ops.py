@@ -21,14 +21,15 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
+from attnchecker.abft.cast import autocast_operands
 from attnchecker.kernels import CHECKS
 from attnchecker.kernels.flash import (
     FORWARD_SITES,
     KernelFault,
-    _mask,
-    _unmask,
+    checks_to_mask,
     flash_backward,
     flash_forward,
+    mask_to_checks,
     new_counts,
 )
 
@@ -58,7 +59,7 @@ def flash_fwd_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     out, lse, counts = flash_forward(
         q, k, v, causal=causal, key_mask=key_mask, window=window, scale=scale, fault=fault_fwd,
-        check=_unmask(checks), tolerance_scale=tolerance_scale,
+        check=mask_to_checks(checks), tolerance_scale=tolerance_scale,
     )  # fmt: skip
     return out, lse, counts
 
@@ -89,7 +90,7 @@ def flash_bwd_op(
     counts = new_counts(q.device)
     dq, dk, dv = flash_backward(
         q, k, v, out, lse, grad, causal=causal, key_mask=key_mask, window=window, scale=scale,
-        counts=counts, fault=fault, check=_unmask(checks), tolerance_scale=tolerance_scale,
+        counts=counts, fault=fault, check=mask_to_checks(checks), tolerance_scale=tolerance_scale,
     )  # fmt: skip
     return dq, dk, dv, counts.to(torch.float32)
 
@@ -120,10 +121,7 @@ flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _operands(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    device = q.device.type
-    if torch.is_autocast_enabled(device):
-        low = torch.get_autocast_dtype(device)
-        q, k, v = (t.to(low) if t.dtype == torch.float32 else t for t in (q, k, v))
+    q, k, v = autocast_operands(q, k, v)
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(
             f"q, k and v must share one dtype (or run under autocast): got {q.dtype}, "
@@ -163,7 +161,7 @@ def flash_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     sink = new_sink(q.device) if sink is None else sink
     out, _, found = flash_fwd_op(
-        q, k, v, key_mask, sink, code_f, code_b, causal, window, scale, _mask(check),
+        q, k, v, key_mask, sink, code_f, code_b, causal, window, scale, checks_to_mask(check),
         float(tolerance_scale),
     )  # fmt: skip
     if counts is not None:

@@ -6,21 +6,21 @@ x_t . (sum_{o in g} W_o) + sum_{o in g} b_o with the tolerance of the eager chec
 ``factor`` and ``floor``, :func:`~attnchecker.attention.checks.row_factor`):
 factor (||x_t|| + 1) ||[W_g | b_g]||_F.
 
-1. ``attnchecker::proj_weights`` (:func:`_weights`), one pass over W once per step (the caller
-   caches it on the step clock: weights do not change between a forward and its backward, and
-   fused optimizers do not bump version counters): per group, the sums of W over the group's
+1. ``attnchecker::proj_weights`` (:func:`weights_kernel`), one pass over W once per step (the
+   caller caches it on the step clock: weights do not change between a forward and its backward,
+   and fused optimizers do not bump version counters): per group, the sums of W over the group's
    outputs S (G, K), of b, of b's squares and of W's squares, and W's row sums W 1 (N,). The
    tail [W 1 | squares] is :func:`attnchecker.kernels.gemm_check.gemm_refs` of W, so the
    backward's dX check (dX = dY W) reuses it;
-2. ``attnchecker::proj_verify`` (:func:`_verify`), one pass over the rows of y and of x: each
-   (token, group)'s sum, reference and excess, and per program the tokens it flags for each
+2. ``attnchecker::proj_verify`` (:func:`verify_kernel`), one pass over the rows of y and of x:
+   each (token, group)'s sum, reference and excess, and per program the tokens it flags for each
    site (no atomics, nothing written to the log on a clean call);
-3. ``attnchecker::proj_repair`` (:func:`_repair`), predicated on the flag (the programs' counts):
-   it returns at once when they are 0. Else program 0 writes the detection into the log rows of
-   the sites (flagged tokens, detected, step, the worst residual, NaN first), and every flagged
-   token's row is recomputed from x, W and b, its elements compared with the delivered ones to
-   locate bad columns (further apart than twice an element's rounding bound), and checked again:
-   what still fails is lost and reproduced.
+3. ``attnchecker::proj_repair`` (:func:`repair_kernel`), predicated on the flag (the programs'
+   counts): it returns at once when they are 0. Else program 0 writes the detection into the log
+   rows of the sites (flagged tokens, detected, step, the worst residual, NaN first), and every
+   flagged token's row is recomputed from x, W and b, its elements compared with the delivered
+   ones to locate bad columns (further apart than twice an element's rounding bound), and checked
+   again: what still fails is lost and reproduced.
 
 The records go straight into the module's log (atomic adds of float64 rows of
 :data:`~attnchecker.attention.records.RECORD_FIELDS`, the log rows of the sites given; -1: a
@@ -40,7 +40,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
-from attnchecker.kernels.gemm_check import _i64, _product, _readable, _span, _tile, _worst
+from attnchecker.kernels.triton_utils import (
+    as_i64,
+    block_product,
+    readable,
+    span,
+    tile,
+    worst_residual,
+)
 
 __all__ = ["check_", "norms", "proj_repair", "proj_verify", "proj_weights", "reference", "refs_of"]
 
@@ -49,20 +56,20 @@ _F32 = torch.float32
 
 
 @triton.jit
-def _weights(W, B, OUT, N, K, G, n, sw_o, sw_k, HAS_B: tl.constexpr, BO: tl.constexpr,
-             BK: tl.constexpr):  # fmt: skip
+def weights_kernel(W, B, OUT, N, K, G, n, sw_o, sw_k, HAS_B: tl.constexpr, BO: tl.constexpr,
+                   BK: tl.constexpr):  # fmt: skip
     """Program g, one pass over the group's rows of W: S[g] (K,) summed over the group's
     outputs, each output's row sum, the squares, the bias's sum and squares (OUT: [S (G K) |
     b sums (G) | b squares (G) | W 1 (N) | W squares (G)])."""
     g = tl.program_id(0).to(tl.int64)
-    base = _i64(G) * K
+    base = as_i64(G) * K
     sq = tl.zeros([BK], dtype=tl.float32)
     for o0 in range(0, n, BO):
-        os, omask = _span(o0, n, BO)
+        os, omask = span(o0, n, BO)
         w1 = tl.zeros([BO], dtype=tl.float32)
         for k0 in range(0, K, BK):
-            ks, kmask = _span(k0, K, BK)
-            t = _tile(W, g * n + os, ks, sw_o, sw_k, omask, kmask).to(tl.float32)
+            ks, kmask = span(k0, K, BK)
+            t = tile(W, g * n + os, ks, sw_o, sw_k, omask, kmask).to(tl.float32)
             w1 += tl.sum(t, 1)
             sq += tl.sum(t * t, 0)
             at = OUT + g * K + ks  # this program's own S row: read, add, write back
@@ -76,7 +83,7 @@ def _weights(W, B, OUT, N, K, G, n, sw_o, sw_k, HAS_B: tl.constexpr, BO: tl.cons
     bq = tl.zeros([BO], dtype=tl.float32)
     if HAS_B:
         for o0 in range(0, n, BO):
-            os, omask = _span(o0, n, BO)
+            os, omask = span(o0, n, BO)
             b = tl.load(B + g * n + os, mask=omask, other=0.0).to(tl.float32)
             bs += b
             bq += b * b
@@ -89,7 +96,7 @@ def _weights(W, B, OUT, N, K, G, n, sw_o, sw_k, HAS_B: tl.constexpr, BO: tl.cons
 def _norms(WS, gs, gmask, G, K, N, lost_w, floor):
     """||[W_g | b_g]||_F of groups gs, an upper bound (plus what squares lose to underflow),
     plus the absolute ``floor``."""
-    base = _i64(G) * K
+    base = as_i64(G) * K
     wq = tl.load(WS + (gs + (base + 2 * G + N)), mask=gmask, other=0.0)
     bq = tl.load(WS + (gs + (base + G)), mask=gmask, other=0.0)
     return tl.sqrt(wq + bq) + lost_w + floor
@@ -106,19 +113,19 @@ def _site_row(s: tl.constexpr, row0, row1, row2):
 
 
 @triton.jit
-def _verify(Y, X, WS, SITE, SCR, BITS, T, N, K, G, n, P, sy_t, sy_n, sx_t, sx_k, lost_x, lost_w,
-            factor, floor, chunk,
-            S: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr, GP: tl.constexpr):  # fmt: skip
+def verify_kernel(Y, X, WS, SITE, SCR, BITS, T, N, K, G, n, P, sy_t, sy_n, sx_t, sx_k, lost_x,
+                  lost_w, factor, floor, chunk,
+                  S: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, GP: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
-    rows, rmask = _span(pid.to(tl.int64) * BM, T, BM)
-    gs, gmask = _span(0, G, GP)
+    rows, rmask = span(pid.to(tl.int64) * BM, T, BM)
+    gs, gmask = span(0, G, GP)
     ref = tl.zeros([BM, GP], dtype=tl.float32)
     sq = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):  # x_t . S_g for every group: one thin product
-        ks, kmask = _span(k0, K, BK)
-        t = _tile(X, rows, ks, sx_t, sx_k, rmask, kmask)
-        s = _tile(WS, ks, gs, 1, K, kmask, gmask)  # S stored (G, K): read as (BK, GP)
+        ks, kmask = span(k0, K, BK)
+        t = tile(X, rows, ks, sx_t, sx_k, rmask, kmask)
+        s = tile(WS, ks, gs, 1, K, kmask, gmask)  # S stored (G, K): read as (BK, GP)
         if BF16:  # the eager reference's dtype (S rounded to bf16, products exact in fp32)
             ref += tl.dot(t, s.to(tl.bfloat16))
         else:
@@ -130,8 +137,8 @@ def _verify(Y, X, WS, SITE, SCR, BITS, T, N, K, G, n, P, sy_t, sy_n, sx_t, sx_k,
     for g in range(0, G):  # each group's sum of its n outputs
         acc = tl.zeros([BM], dtype=tl.float32)
         for c0 in range(0, n, BN):
-            cs, cmask = _span(c0, n, BN)
-            acc += tl.sum(_tile(Y, rows, g * n + cs, sy_t, sy_n, rmask, cmask).to(tl.float32), 1)
+            cs, cmask = span(c0, n, BN)
+            acc += tl.sum(tile(Y, rows, g * n + cs, sy_t, sy_n, rmask, cmask).to(tl.float32), 1)
         rs += tl.where(gs[None, :] == g, acc[:, None], 0.0)
     xn1 = tl.sqrt(sq) + lost_x + 1.0
     res = rs - ref
@@ -151,28 +158,29 @@ def _verify(Y, X, WS, SITE, SCR, BITS, T, N, K, G, n, P, sy_t, sy_n, sx_t, sx_k,
         tl.store(SCR + (pid.to(tl.int64) * S + s + base), tl.sum(hit, 0).to(tl.float32))
     if pid == 0:
         for s in tl.static_range(S):  # each site's lost flag, for the repair
-            tl.store(SCR + (_i64(P) * S + s + base), 0.0)
+            tl.store(SCR + (as_i64(P) * S + s + base), 0.0)
     for j0 in range(0, chunk, BN):  # this program's chunk of the column bitmap
-        js, jmask = _span(pid.to(tl.int64) * chunk + j0, N, BN)
+        js, jmask = span(pid.to(tl.int64) * chunk + j0, N, BN)
         tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (pid + 1) * chunk))
 
 
 @triton.jit
-def _repair(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, sy_n, sx_t, sx_k,
-            sw_o, sw_k, lost_w, factor, floor, near_f, row0, row1, row2,
-            S: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
-            BN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, GP: tl.constexpr):  # fmt: skip
+def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, sy_n, sx_t,
+                  sx_k, sw_o, sw_k, lost_w, factor, floor, near_f, row0, row1, row2,
+                  S: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                  GP: tl.constexpr):  # fmt: skip
     base = 3 * T * G + T
     total = tl.zeros([], dtype=tl.float32)
     for p0 in range(0, P * S, BP):  # the flag: every program's counts
-        ps, pmask = _span(p0, P * S, BP)
+        ps, pmask = span(p0, P * S, BP)
         total += tl.sum(tl.load(SCR + (ps + base), mask=pmask, other=0.0), 0)
     if total > 0:
         pid = tl.program_id(0)
         if pid == 0:
             _record(SCR, LOG, STEP, T, G, P, base, row0, row1, row2, S, BP)
-        rows, rmask = _span(pid.to(tl.int64) * BM, T, BM)
-        gs, gmask = _span(0, G, GP)
+        rows, rmask = span(pid.to(tl.int64) * BM, T, BM)
+        gs, gmask = span(0, G, GP)
         both = rmask[:, None] & gmask[None, :]
         exc = tl.load(SCR + (rows[:, None] * G + gs[None, :] + 2 * T * G), mask=both, other=0.0)
         bad = tl.max((~(exc <= 0.0) & both).to(tl.int32), 1) > 0  # (BM,) tokens to recompute
@@ -181,10 +189,10 @@ def _repair(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, 
             norms = _norms(WS, gs, gmask, G, K, N, lost_w, 0.0)  # (GP,)
             sums = tl.zeros([BM, GP], dtype=tl.float32)
             for n0 in range(0, N, BN):
-                cols, cmask = _span(n0, N, BN)
+                cols, cmask = span(n0, N, BN)
                 # W^T's columns: W (N, K) read as (K, N) through its strides
-                acc = _product(X, W, rows, bad, cols, cmask, K, sx_t, sx_k, sw_k, sw_o, IEEE,
-                               BM, BN, BK)  # fmt: skip
+                acc = block_product(X, W, rows, bad, cols, cmask, K, sx_t, sx_k, sw_k, sw_o, IEEE,
+                                    BM, BN, BK)  # fmt: skip
                 if HAS_B:
                     acc += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
                 new = acc.to(Y.dtype.element_ty)
@@ -218,7 +226,7 @@ def _repair(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, 
                 lost = tl.sum((still & (site[None, :] == s)).to(tl.int32), 1)
                 if (tl.sum(lost, 0) > 0) & (row >= 0):
                     one = tl.full([], 1.0, tl.float32)
-                    first = tl.atomic_add(SCR + (_i64(P) * S + s + base), one)
+                    first = tl.atomic_add(SCR + (as_i64(P) * S + s + base), one)
                     if first == 0:  # once per site: lost, and reproduced (the operands imply it)
                         tl.atomic_add(LOG + row * 7 + 3, 1.0)
                         tl.atomic_add(LOG + row * 7 + 4, 1.0)
@@ -228,13 +236,13 @@ def _repair(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, 
 def _record(SCR, LOG, STEP, T, G, P, base, row0, row1, row2, S: tl.constexpr, BP: tl.constexpr):
     """The detection into the sites' log rows (program 0 of a flagged repair): flagged tokens,
     the worst residual (NaN first), detected once, the step."""
-    value = _worst(SCR, 2 * T * G, T * G, T * G, BP)
+    value = worst_residual(SCR, 2 * T * G, T * G, T * G, BP)
     step = tl.load(STEP)
     for s in tl.static_range(S):
         row = _site_row(s, row0, row1, row2)
         count = tl.zeros([], dtype=tl.float32)
         for p0 in range(0, P, BP):
-            ps, pmask = _span(p0, P, BP)
+            ps, pmask = span(p0, P, BP)
             count += tl.sum(tl.load(SCR + (ps * S + s + base), mask=pmask, other=0.0), 0)
         if (count > 0) & (row >= 0):
             at = LOG + row * 7
@@ -252,14 +260,14 @@ def _as_rows(weight: Tensor, conv1d: bool) -> Tensor:
 @torch.library.custom_op("attnchecker::proj_weights", mutates_args=())
 def proj_weights(weight: Tensor, bias: Tensor | None, groups: int, conv1d: bool) -> Tensor:
     """The packed weight-side sums of a projection of ``groups`` head groups (see
-    :func:`_weights`), fp32."""
-    w = _readable(_as_rows(weight, conv1d))
+    :func:`weights_kernel`), fp32."""
+    w = readable(_as_rows(weight, conv1d))
     N, K = w.shape
     out = torch.empty(groups * (K + 3) + N, device=w.device, dtype=_F32)
-    b = _readable(bias)
-    _weights[(groups,)](w, b if b is not None else out, out, N, K, groups, N // groups,
-                        w.stride(0), w.stride(1), HAS_B=bias is not None, BO=_BO,
-                        BK=_BK)  # fmt: skip
+    b = readable(bias)
+    weights_kernel[(groups,)](w, b if b is not None else out, out, N, K, groups, N // groups,
+                              w.stride(0), w.stride(1), HAS_B=bias is not None, BO=_BO,
+                              BK=_BK)  # fmt: skip
     return out
 
 
@@ -315,11 +323,12 @@ def proj_verify(
     P = triton.cdiv(T, _BM) if T else 1
     scr = torch.empty(3 * T * G + T + (P + 1) * n_sites, device=y.device, dtype=_F32)
     bits = torch.empty(N, device=y.device, dtype=torch.int32)
-    yr, xr = _readable(y), _readable(x)
-    _verify[(P,)](yr, xr, ws, site, scr, bits, T, N, K, G, N // G, P, yr.stride(0), yr.stride(1),
-                  xr.stride(0), xr.stride(1), squares_lost(K), _lost_w(N, K, G), factor, floor,
-                  triton.cdiv(N, P), S=n_sites, BF16=xr.dtype == torch.bfloat16, BM=_BM, BN=_BN,
-                  BK=_BK, GP=_gp(G))  # fmt: skip
+    yr, xr = readable(y), readable(x)
+    verify_kernel[(P,)](yr, xr, ws, site, scr, bits, T, N, K, G, N // G, P, yr.stride(0),
+                        yr.stride(1), xr.stride(0), xr.stride(1), squares_lost(K),
+                        _lost_w(N, K, G), factor, floor, triton.cdiv(N, P), S=n_sites,
+                        BF16=xr.dtype == torch.bfloat16, BM=_BM, BN=_BN, BK=_BK,
+                        GP=_gp(G))  # fmt: skip
     return scr, bits
 
 
@@ -350,17 +359,17 @@ def proj_repair(
     K = x.shape[1]
     G, S = site.shape[0], len(rows)
     P = triton.cdiv(T, _BM) if T else 1
-    yr, xr, b = _readable(y), _readable(x), _readable(bias)
-    w = _readable(_as_rows(weight, conv1d))
+    yr, xr, b = readable(y), readable(x), readable(bias)
+    w = readable(_as_rows(weight, conv1d))
     ieee = torch.float32 in (xr.dtype, w.dtype)
     if xr.dtype != w.dtype:
         xr, w = xr.to(_F32), w.to(_F32)
     r = [*rows, -1, -1][:3]
-    _repair[(P,)](yr, xr, w, b if b is not None else ws, ws, site, scr, bits, log, step, T, N, K,
-                  G, N // G, P, yr.stride(0), yr.stride(1), xr.stride(0), xr.stride(1),
-                  w.stride(0), w.stride(1), _lost_w(N, K, G), factor, floor,
-                  factor / math.sqrt(N // G), *r, S=S, HAS_B=bias is not None, IEEE=ieee, BM=_BM,
-                  BN=_BN, BK=_BK, BP=_BP, GP=_gp(G))  # fmt: skip
+    repair_kernel[(P,)](yr, xr, w, b if b is not None else ws, ws, site, scr, bits, log, step,
+                        T, N, K, G, N // G, P, yr.stride(0), yr.stride(1), xr.stride(0),
+                        xr.stride(1), w.stride(0), w.stride(1), _lost_w(N, K, G), factor, floor,
+                        factor / math.sqrt(N // G), *r, S=S, HAS_B=bias is not None, IEEE=ieee,
+                        BM=_BM, BN=_BN, BK=_BK, BP=_BP, GP=_gp(G))  # fmt: skip
     if yr is not y:  # the interpreter's fp32 copy
         y.copy_(yr)
 

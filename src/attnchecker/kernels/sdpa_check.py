@@ -42,6 +42,8 @@ device: no host synchronisation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -50,6 +52,9 @@ from attnchecker.abft.tolerance import underflow_floor
 from attnchecker.kernels import DEAD, SDPA_BLOCKS
 
 __all__ = [
+    "REFERENCE",
+    "SCHEMAS",
+    "SdpaOps",
     "attention_backward",
     "attention_forward",
     "backend_mask",
@@ -392,14 +397,70 @@ def bwd_repair(
 
 
 # ------------------------------------------------------------------------ the registered ops
-# One call, one dispatched op (what a CPU counts as a launch); opaque to torch.compile. With
-# ``kernels`` each runs one Triton kernel (:mod:`attnchecker.kernels.sdpa_kernels`: CUDA, or the
-# interpreter), else the torch reference above; the scratch tensors between them differ.
+# One call, one dispatched op (what a CPU counts as a launch); opaque to torch.compile. Two
+# families of one schema each (:data:`SCHEMAS`): the torch reference's, ``attnchecker::sdpa_*``
+# (below), and the Triton kernels', ``attnchecker::sdpa_*_triton`` (registered beside the
+# kernels, in sdpa_kernels and sdpa_kernels_bwd); the scratch tensors between the ops of a
+# family differ, so each op has its own fake.
+# Each family is an :class:`SdpaOps` value.
 
 CHUNK, BM, BN = SDPA_BLOCKS  # the kernels' keys per stats program, query / key rows per block
 
+_Q = "Tensor q, Tensor k"
+SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # name: (schema, mutated arguments)
+    "sdpa_kv_stats": ("(Tensor k, Tensor v) -> Tensor", ()),
+    "sdpa_fwd_verify": (
+        f"({_Q}, Tensor out, Tensor lse, Tensor stats, Tensor(a!) log, Tensor step, int[] rows, "
+        "float scale, Tensor rowmax, float tol) -> Tensor", ("log",)),
+    "sdpa_fwd_repair": (
+        f"({_Q}, Tensor v, Tensor? mask, Tensor(a!) out, Tensor(b!) lse, Tensor stats, "
+        "Tensor(c!) flags, Tensor(d!) log, Tensor step, int[] rows, bool causal, float scale, "
+        "Tensor rowmax, float tol) -> ()", ("out", "lse", "flags", "log")),
+    "sdpa_bwd_verify": (
+        f"({_Q}, Tensor v, Tensor lse, Tensor grad, Tensor dq, Tensor dk, Tensor dv, "
+        "Tensor stats, Tensor rowmax, Tensor(a!) rec, Tensor step, int[] rows, float scale, "
+        "float tol) -> (Tensor, Tensor)", ("rec",)),
+    "sdpa_bwd_sums": ("(Tensor dk, Tensor dv) -> Tensor", ()),
+    "sdpa_bwd_repair": (
+        f"({_Q}, Tensor v, Tensor? mask, Tensor out, Tensor lse, Tensor grad, Tensor(a!) dq, "
+        "Tensor(b!) dk, Tensor(c!) dv, Tensor stats, Tensor rowmax, Tensor part, "
+        "Tensor(d!) flags, Tensor sums, Tensor(e!) rec, Tensor step, int[] rows, bool causal, "
+        "float scale, float tol) -> ()", ("dq", "dk", "dv", "flags", "rec")),
+}  # fmt: skip
+"""The SDPA route's check ops, one schema for both families: forward, kv_stats (K's and V's
+ranges, partial per chunk of keys), fwd_verify (flags, records on the reference's path),
+fwd_repair (on a flag); backward, bwd_verify ((partials, flags)), bwd_sums (dK's and dV's column
+sums per block of key rows: the kernels'; the reference's is empty), bwd_repair (on a flag). The
+kernels' repairs claim the records in the flags' last entries (mutated; found by opcheck:
+undeclared before 2026-12-06)."""
 
-def _cdiv(a: int, b: int) -> int:
+
+def define(name: str, fn, fake, suffix: str = ""):
+    """Register ``fn`` as op ``attnchecker::<name><suffix>`` of :data:`SCHEMAS`' ``name``, with
+    its fake."""
+    schema, mutated = SCHEMAS[name]
+    op = torch.library.custom_op(f"attnchecker::{name}{suffix}", fn, mutates_args=mutated,
+                                 schema=schema)  # fmt: skip
+    op.register_fake(fake)
+    return op
+
+
+@dataclass(frozen=True)
+class SdpaOps:
+    """One family of the SDPA route's check ops (:data:`SCHEMAS`), in the order a call runs
+    them."""
+
+    kv_stats: Callable[..., Tensor]
+    fwd_verify: Callable[..., Tensor]
+    fwd_repair: Callable[..., None]
+    bwd_verify: Callable[..., tuple[Tensor, Tensor]]
+    bwd_sums: Callable[..., Tensor]
+    bwd_repair: Callable[..., None]
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b)."""
     return -(-a // b)
 
 
@@ -411,125 +472,49 @@ def reduce_stats(stats: Tensor) -> Tensor:
     return torch.cat([stats[..., :d].amin(2), stats[..., d:].amax(2)], -1)
 
 
-@torch.library.custom_op("attnchecker::sdpa_kv_stats", mutates_args=())
-def kv_stats_op(k: Tensor, v: Tensor, kernels: bool) -> Tensor:
-    if kernels:
-        from attnchecker.kernels import sdpa_kernels
-
-        return sdpa_kernels.kv_stats(k, v)
+def _kv_stats_ref(k, v):
     return kv_stats(k, v)[:, :, None]
 
 
-@kv_stats_op.register_fake
-def _(k, v, kernels):
-    S = _cdiv(k.shape[2], CHUNK) if kernels else 1
-    return k.new_empty(k.shape[0], k.shape[1], S, 3 * k.shape[-1] + 2, dtype=_F32)
-
-
-@torch.library.custom_op("attnchecker::sdpa_fwd_verify", mutates_args=("log",))
-def fwd_verify_op(
-    q: Tensor, k: Tensor, out: Tensor, lse: Tensor, stats: Tensor, log: Tensor, step: Tensor,
-    rows: list[int], scale: float, rowmax: Tensor, tol: float, kernels: bool,
-) -> Tensor:  # fmt: skip
-    if kernels:  # (the kernels record in the repair, on a flag)
-        from attnchecker.kernels import sdpa_kernels
-
-        return sdpa_kernels.fwd_verify(q, k, out, lse, stats, rowmax, scale, tol)
+def _fwd_verify_ref(q, k, out, lse, stats, log, step, rows, scale, rowmax, tol):
     return fwd_verify(q, k, out, lse, reduce_stats(stats), log, step, tuple(rows), scale,
                       rowmax, tol)  # fmt: skip
 
 
-@fwd_verify_op.register_fake
-def _(q, k, out, lse, stats, log, step, rows, scale, rowmax, tol, kernels):
-    B, H, L = q.shape[:3]
-    if kernels:
-        return q.new_empty(3 * B * H * _cdiv(L, BM) + 4, dtype=torch.int32)
-    return q.new_empty(B, H, dtype=torch.int32)
-
-
-@torch.library.custom_op("attnchecker::sdpa_fwd_repair", mutates_args=("out", "lse", "log"))
-def fwd_repair_op(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
-    stats: Tensor, flags: Tensor, log: Tensor, step: Tensor, rows: list[int], causal: bool,
-    scale: float, rowmax: Tensor, tol: float, kernels: bool,
-) -> None:  # fmt: skip
-    if kernels:
-        from attnchecker.kernels import sdpa_kernels
-
-        sdpa_kernels.fwd_repair(q, k, v, mask, out, lse, stats, rowmax, flags, log, step, rows,
-                                causal, scale, tol)  # fmt: skip
-        return
+def _fwd_repair_ref(q, k, v, mask, out, lse, stats, flags, log, step, rows, causal, scale,
+                    rowmax, tol):  # fmt: skip
     fwd_repair(q, k, v, mask, out, lse, reduce_stats(stats), flags, log, tuple(rows), causal,
                scale, rowmax, tol)  # fmt: skip
 
 
-@fwd_repair_op.register_fake
-def _(q, k, v, mask, out, lse, stats, flags, log, step, rows, causal, scale, rowmax, tol,
-      kernels):  # fmt: skip
-    return None
-
-
-@torch.library.custom_op("attnchecker::sdpa_bwd_verify", mutates_args=("rec",))
-def bwd_verify_op(
-    q: Tensor, k: Tensor, v: Tensor, lse: Tensor, grad: Tensor, dq: Tensor, dk: Tensor,
-    dv: Tensor, stats: Tensor, rowmax: Tensor, rec: Tensor, step: Tensor, rows: list[int],
-    scale: float, tol: float, kernels: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(partials, flags): the kernels' query-side pass (dK / dV's column sums are
-    :func:`bwd_sums_op`'s); the reference's whole check, its flags (B, Hkv) and no partials."""
-    if kernels:
-        from attnchecker.kernels import sdpa_kernels_bwd
-
-        return sdpa_kernels_bwd.bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale, tol)
+def _bwd_verify_ref(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol):
+    """(no partials, the whole check's flags (B, Hkv))."""
     flags = bwd_verify(q, k, v, lse, grad, dq, dk, dv, reduce_stats(stats), rowmax, rec, step,
                        tuple(rows), scale, tol)  # fmt: skip
     return q.new_empty(0, dtype=_F32), flags
 
 
-@bwd_verify_op.register_fake
-def _(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol, kernels):
-    B, H, L, d = q.shape
-    if kernels:
-        nM = _cdiv(L, BM)
-        return (q.new_empty(B * H * nM * (3 * d + 1), dtype=_F32),
-                q.new_empty(2 * B * H * nM + 8, dtype=torch.int32))  # fmt: skip
-    return q.new_empty(0, dtype=_F32), q.new_empty(k.shape[0], k.shape[1], dtype=torch.int32)
-
-
-@torch.library.custom_op("attnchecker::sdpa_bwd_sums", mutates_args=())
-def bwd_sums_op(dk: Tensor, dv: Tensor, kernels: bool) -> Tensor:
-    """dK's and dV's column sums per block of key rows (the kernels; the reference has none)."""
-    if kernels:
-        from attnchecker.kernels import sdpa_kernels_bwd
-
-        return sdpa_kernels_bwd.bwd_cols(dk, dv)
-    return dk.new_empty(0, dtype=_F32)
-
-
-@bwd_sums_op.register_fake
-def _(dk, dv, kernels):
-    B, Hkv, Lk, d = dk.shape
-    return dk.new_empty(B * Hkv * _cdiv(Lk, BN) * 2 * d if kernels else 0, dtype=_F32)
-
-
-@torch.library.custom_op("attnchecker::sdpa_bwd_repair", mutates_args=("dq", "dk", "dv", "rec"))
-def bwd_repair_op(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
-    grad: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, stats: Tensor, rowmax: Tensor,
-    part: Tensor, flags: Tensor, sums: Tensor, rec: Tensor, step: Tensor, rows: list[int],
-    causal: bool, scale: float, tol: float, kernels: bool,
-) -> None:  # fmt: skip
-    if kernels:
-        from attnchecker.kernels.sdpa_kernels_bwd import bwd_repair as kernels_repair
-
-        kernels_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags,
-                       sums, rec, step, rows, causal, scale, tol)  # fmt: skip
-        return
+def _bwd_repair_ref(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags, sums,
+                    rec, step, rows, causal, scale, tol):  # fmt: skip
     bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, reduce_stats(stats), rowmax, flags,
                rec, tuple(rows), causal, scale, tol)  # fmt: skip
 
 
-@bwd_repair_op.register_fake
-def _(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags, sums, rec, step,
-      rows, causal, scale, tol, kernels):  # fmt: skip
+def _nothing(*args) -> None:
     return None
+
+
+REFERENCE = SdpaOps(
+    kv_stats=define("sdpa_kv_stats", _kv_stats_ref, lambda k, v: k.new_empty(
+        k.shape[0], k.shape[1], 1, 3 * k.shape[-1] + 2, dtype=_F32)),
+    fwd_verify=define("sdpa_fwd_verify", _fwd_verify_ref,
+                      lambda q, *_: q.new_empty(q.shape[0], q.shape[1], dtype=torch.int32)),
+    fwd_repair=define("sdpa_fwd_repair", _fwd_repair_ref, _nothing),
+    bwd_verify=define("sdpa_bwd_verify", _bwd_verify_ref, lambda q, k, *_: (
+        q.new_empty(0, dtype=_F32), q.new_empty(k.shape[0], k.shape[1], dtype=torch.int32))),
+    bwd_sums=define("sdpa_bwd_sums", lambda dk, dv: dk.new_empty(0, dtype=_F32),
+                    lambda dk, dv: dk.new_empty(0, dtype=_F32)),
+    bwd_repair=define("sdpa_bwd_repair", _bwd_repair_ref, _nothing),
+)  # fmt: skip
+"""The torch reference's family: what a CPU runs by default (the repairs read their flags on the
+host, which costs nothing there)."""

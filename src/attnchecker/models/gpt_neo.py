@@ -12,7 +12,7 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from attnchecker.attention.core import CORE
-from attnchecker.attention.projection import flush
+from attnchecker.attention.engines import before_core
 from attnchecker.models.interface import attend_bound
 
 __all__ = ["gpt_neo_attn"]
@@ -24,13 +24,12 @@ def gpt_neo_attn(module: nn.Module) -> Callable[..., tuple[Tensor, Tensor]]:
     def _attn(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None):
         state = getattr(module, CORE)[1]
         if state is not None and not state.needs_core():  # its own _attn, untouched
-            flush(state)  # the projections it reads are checked first
-            state.handoff = None
+            before_core(state)  # the projections it reads are checked first
             return type(module)._attn(module, query, key, value, attention_mask)
         L, Lk = query.shape[-2], key.shape[-2]
         return attend_bound(
             module, query, key, value, attention_mask, scaling=None,
-            dropout=module.attn_dropout.p, causal=module.bias[:, :, Lk - L : Lk, :Lk],
+            dropout=module.attn_dropout.p, neo_causal=module.bias[:, :, Lk - L : Lk, :Lk],
         )  # fmt: skip
 
     return _attn

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnchecker.abft import regions
 from attnchecker.abft.eec import NEAR_INF
 from attnchecker.abft.tolerance import tf32_enabled
+from attnchecker.attention import regions
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.ops import ALL_OPS, CORE_GRAD_OPS, op_key
 from attnchecker.attention.projection import settle
@@ -104,7 +104,7 @@ def _coverage(st: AttentionState) -> dict[str, object]:
     why each op the config asks of it is not checked."""
     cov = st.coverage
     on = st.schedule.ops_of(st.name, on=True)
-    kernels = cov.engine == "triton"
+    kernels = cov.kernels
     checked = [
         op
         for op in (*st.ops, *st.grad_ops)
@@ -113,7 +113,7 @@ def _coverage(st: AttentionState) -> dict[str, object]:
         and (op in st.hooks or (kernels and op in CORE_GRAD_OPS))
     ]
     out = {
-        "engine": cov.engine,
+        "engine": cov.engine_name,
         "note": cov.note,
         "fallbacks": sorted(cov.fallbacks),
         "checked": checked,
@@ -348,7 +348,7 @@ class ProtectionHandle:
                     )  # fmt: skip
             groups: dict[tuple[str, str], list[str]] = {}
             for name, st in self._states.items():
-                groups.setdefault((st.coverage.engine, st.coverage.note), []).append(name)
+                groups.setdefault((st.coverage.engine_name, st.coverage.note), []).append(name)
             for (engine, note), names in groups.items():
                 _LOG.info(
                     "attnchecker: engine %s for %d module(s) (%s)%s",
@@ -361,7 +361,7 @@ class ProtectionHandle:
                 _LOG.warning(
                     "attnchecker: the %s engine fell back to the eager engine in %s (and maybe "
                     "others): %s; handle.summary()['per_module'] lists them",
-                    st.coverage.engine, name, reason,
+                    st.coverage.engine_name, name, reason,
                 )  # fmt: skip
 
     def _apply_policy(self, bad: list[Event], events: list[Event]) -> None:
@@ -389,7 +389,7 @@ class ProtectionHandle:
             "schedule": None if self.config.schedule is None else list(self.config.schedule),
             "scope": self.config.scope,
             "mode": self.config.mode,
-            # how the checks run from eager code (abft.regions: the config's choice, and per
+            # how the checks run from eager code (attention.regions: the config's choice, and per
             # check region what ran in this process: compiled, eager, a failed compile's eager)
             "check_impl": self.config.check_impl,
             "check_regions": regions.describe(),

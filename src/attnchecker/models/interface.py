@@ -27,7 +27,16 @@ from functools import partial
 from torch import Tensor, nn
 
 from attnchecker.attention.core import CORE, attend
-from attnchecker.attention.projection import flush
+from attnchecker.attention.engines import (
+    EAGER,
+    FLASH,
+    SDPA,
+    CoreCall,
+    Engine,
+    before_core,
+    run_core,
+)
+from attnchecker.attention.masks import eager_from_keys, masked_out
 from attnchecker.attention.state import AttentionState
 from attnchecker.errors import UnsupportedModelError
 
@@ -40,6 +49,8 @@ NAME = "attnchecker"
 TRITON_NAME = "attnchecker_triton"  # backend="triton" (the fused kernels): the 2D mask
 SDPA_NAME = "attnchecker_route"  # backend="sdpa": transformers' SDPA mask (no "sdpa" in the name:
 # transformers reads a name holding it as its own SDPA and asks the model to support that)
+
+_NAMES = {EAGER: NAME, FLASH: TRITON_NAME, SDPA: SDPA_NAME}  # the function of each engine
 
 KEYWORDS: dict[str, str] = {
     # keyword: why the checked core may take it as the family's eager attention does
@@ -157,11 +168,18 @@ def attend_bound(
     module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
     scaling: float | None, dropout: float, **options: object,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The checked core that protection bound to ``module`` (its spec and state), in the
-    module's training mode; ``options``: :func:`~attnchecker.attention.core.attend`'s others."""
+    """The checked eager core that protection bound to ``module`` (its spec and state), in the
+    module's training mode; ``options``: :class:`~attnchecker.attention.engines.CoreCall`'s
+    others. A module bound without a state runs the family's eager math, unchecked."""
     spec, state = getattr(module, CORE)
-    return attend(spec, query, key, value, mask, scaling=scaling, dropout=dropout,
-                  training=module.training, state=state, **options)  # fmt: skip
+    s = query.size(-1) ** -0.5 if scaling is None else scaling
+    if state is None:
+        neo = options.pop("neo_causal", None)
+        return attend(spec, query, key, value, mask, scaling=s, dropout=dropout,
+                      training=module.training, causal=neo, **options)  # fmt: skip
+    call = CoreCall(spec, query, key, value, mask, lambda: mask, s, dropout, module.training,
+                    **options)  # fmt: skip
+    return run_core(EAGER, state, call)
 
 
 def _attention(
@@ -173,68 +191,74 @@ def _attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     *,
-    fused: bool = False,
-    sdpa: bool = False,
+    engine: Engine = EAGER,
     **kwargs: object,
 ) -> tuple[Tensor, Tensor | None]:
-    """The function registered as :data:`NAME`; with ``fused`` as :data:`TRITON_NAME`: then
-    ``attention_mask`` is the 2D key padding mask (or None), causality and the sliding window
-    come from the module and the keywords, as for flash attention; with ``sdpa`` as
-    :data:`SDPA_NAME`: transformers' SDPA mask (4-D bool or None), causality as its SDPA
-    attention decides it."""
+    """The function registered as :data:`NAME` (the eager engine), :data:`TRITON_NAME` (the
+    fused kernels: ``attention_mask`` is the 2D key padding mask or None, causality and the
+    sliding window come from the module and the keywords, as for flash attention) and
+    :data:`SDPA_NAME` (the SDPA route: transformers' SDPA mask, 4-D bool or None, causality as
+    its SDPA attention decides it)."""
     bound = getattr(module, CORE, None)
-    own = None if fused else getattr(module, OWN, None)
+    state = None if bound is None else bound[1]
+    own = None if engine is FLASH else getattr(module, OWN, None)
     if own is not None and own.runs():  # nothing needs the core: the model's own attention
-        if bound is not None and bound[1] is not None:
-            flush(bound[1])  # the projections it reads are checked first
-            bound[1].handoff = None
+        if state is not None:
+            before_core(state)  # the projections it reads are checked first
         return _own_attention(own.impl, module, query, key, value, attention_mask, scaling,
                               dropout, **kwargs)  # fmt: skip
     _refuse(kwargs)
     upcast = bool(getattr(module, "reorder_and_upcast_attn", False))  # GPT-2's option
-    s = query.size(-1) ** -0.5 if scaling is None else scaling  # the checked core's scaling
-    if sdpa and bound is not None and bound[1] is not None:
-        from attnchecker.attention.fused import attend_sdpa_route
-
-        causal = kwargs.get("is_causal")
-        causal = bool(getattr(module, "is_causal", True)) if causal is None else bool(causal)
-        causal = query.shape[2] > 1 and attention_mask is None and causal  # as transformers'
-        spec, state = bound
-        return attend_sdpa_route(
-            spec, state, query, key, value, attention_mask, scaling=s, dropout=dropout,
-            training=module.training, causal=causal, softcap=kwargs.get("softcap"),
-            upcast_reordered=upcast,
-        )  # fmt: skip
-    if sdpa:  # not protected: transformers' SDPA attention on its own mask
+    options = {"softcap": kwargs.get("softcap"), "upcast_reordered": upcast}
+    if state is None and engine is SDPA:  # not protected: transformers' SDPA on its own mask
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)  # fmt: skip
-    if fused:
-        from attnchecker.attention.fused import attend_fused, eager_mask
-
-        causal = kwargs.get("is_causal")
-        causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
-        window = int(kwargs.get("sliding_window") or 0)
-        if bound is not None and bound[1] is not None:
-            spec, state = bound
-            return attend_fused(
-                spec, state, query, key, value, attention_mask, scaling=s, dropout=dropout,
-                training=module.training, causal=causal, window=window,
-                softcap=kwargs.get("softcap"), upcast_reordered=upcast,
-            )  # fmt: skip
-        # not protected: the eager math on the eager mask
-        L, Lk = query.shape[-2], key.shape[-2]
-        attention_mask = eager_mask(attention_mask, L, Lk, causal=causal, window=window,
-                                    dtype=query.dtype, device=query.device)  # fmt: skip
+    if state is None and engine is FLASH:  # not protected: the eager math on the eager mask
+        attention_mask = _fused_call(module, query, key, attention_mask, kwargs)[1]()
     if bound is None:  # not protected: exactly what "eager" would have run
         if upcast:
             return module._upcast_and_reordered_attn(query, key, value, attention_mask)
         return _eager_of(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    return attend_bound(module, query, key, value, attention_mask, scaling=s, dropout=dropout,
-                        upcast_reordered=upcast, softcap=kwargs.get("softcap"))  # fmt: skip
+    if state is None or engine is EAGER:
+        return attend_bound(module, query, key, value, attention_mask, scaling=scaling,
+                            dropout=dropout, **options)  # fmt: skip
+    s = query.size(-1) ** -0.5 if scaling is None else scaling  # the checked core's scaling
+    if engine is SDPA:
+        causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True)) if causal is None else bool(causal)
+        causal = query.shape[2] > 1 and attention_mask is None and causal  # as transformers'
+        eager = partial(_route_eager_mask, attention_mask, query, key, causal)
+        window = 0
+    else:
+        (causal, window), eager = _fused_call(module, query, key, attention_mask, kwargs)
+    call = CoreCall(bound[0], query, key, value, attention_mask, eager, s, dropout,
+                    module.training, causal=causal, window=window, prefill=engine is SDPA,
+                    **options)  # fmt: skip
+    return run_core(engine, state, call)
+
+
+def _route_eager_mask(mask: Tensor | None, query: Tensor, key: Tensor, causal: bool):
+    """The SDPA route's mask (transformers' SDPA mask: 4-D bool or None, then ``causal``) as the
+    eager core takes it."""
+    if mask is not None:
+        return masked_out(~mask, query.dtype)
+    return eager_from_keys(None, query.shape[-2], key.shape[-2], causal=causal, window=0,
+                           dtype=query.dtype, device=query.device)  # fmt: skip
+
+
+def _fused_call(module, query, key, key_mask, kwargs):
+    """((causal, window), the eager mask builder) of a call through :data:`TRITON_NAME`."""
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
+    window = int(kwargs.get("sliding_window") or 0)
+    L, Lk = query.shape[-2], key.shape[-2]
+    eager = partial(eager_from_keys, key_mask, L, Lk, causal=causal, window=window,
+                    dtype=query.dtype, device=query.device)  # fmt: skip
+    return (causal, window), eager
 
 
 def _fused_mask(
@@ -254,27 +278,24 @@ def _fused_mask(
 def install_interface(
     model: nn.Module,
     *,
-    fused: bool = False,
-    sdpa: bool = False,
+    engine: Engine = EAGER,
     cores: Sequence[nn.Module] = (),
     states: Sequence[AttentionState] = (),
 ) -> Callable[[], None]:
-    """Register the core (idempotent) and switch ``model`` to it; return the undo. ``fused``:
-    the fused backend, with transformers' flash-attention mask (2D padding or None). ``cores``
-    (the attention modules) get the model's :class:`Own` over ``states``: its own attention
-    runs while none of them needs the checked core. ``sdpa``: the SDPA route, with
-    transformers' SDPA mask."""
+    """Register the core (idempotent) and switch ``model`` to ``engine``'s function; return the
+    undo. The fused kernels take transformers' flash-attention mask (2D padding or None), the
+    SDPA route its SDPA mask. ``cores`` (the attention modules) get the model's :class:`Own`
+    over ``states``: its own attention runs while none of them needs the checked core."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(NAME, _attention)
+    for eng, name in _NAMES.items():
+        AttentionInterface.register(name, partial(_attention, engine=eng))
     AttentionMaskInterface.register(NAME, _mask)
-    AttentionInterface.register(TRITON_NAME, partial(_attention, fused=True))
     AttentionMaskInterface.register(TRITON_NAME, _fused_mask)
-    AttentionInterface.register(SDPA_NAME, partial(_attention, sdpa=True))
     AttentionMaskInterface.register(SDPA_NAME, partial(_mask, sdpa=True))
     previous = model.config._attn_implementation
-    model.set_attn_implementation(TRITON_NAME if fused else SDPA_NAME if sdpa else NAME)
+    model.set_attn_implementation(_NAMES[engine])
     own = Own(previous or "eager", states)
     _OWNS[id(model.config)] = own
     for core in cores:

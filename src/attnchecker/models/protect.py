@@ -17,7 +17,7 @@ from torch import nn
 from attnchecker.abft.tolerance import tf32_enabled
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.core import CORE
-from attnchecker.attention.fused import choose_engine
+from attnchecker.attention.engines import Engine, choose_engine
 from attnchecker.attention.ops import linear_parts
 from attnchecker.attention.projection import protect_attention, protect_linears
 from attnchecker.attention.schedule import Schedule
@@ -121,8 +121,7 @@ def _protect(
     try:
         unpatched = _wire(model, found, chosen, config, clock, schedule, engine, note, states, undo)
         if found is not None:
-            undo.append(install(model, found, fused=engine == "triton", sdpa=engine == "sdpa",
-                                states=tuple(states.values())))  # fmt: skip
+            undo.append(install(model, found, engine=engine, states=tuple(states.values())))
         elif not states:
             raise UnsupportedModelError(f"{unprotected}; and it has no linear layer to check")
 
@@ -130,7 +129,7 @@ def _protect(
             device = _device(module, clock.count.device)
             if clock.count.device != device:  # moved after protect_ (a guard, not a sync)
                 for state in states.values():
-                    state.records.to(device)
+                    state.follow(device)
             clock.tick(device)
 
         undo.append(model.register_forward_pre_hook(tick).remove)
@@ -202,7 +201,7 @@ def _wire(
     config: ABFTConfig,
     clock: Clock,
     schedule: Schedule,
-    engine: str,
+    engine: Engine,
     note: str,
     states: dict[str, AttentionState],
     undo: list[Callable[[], None]],

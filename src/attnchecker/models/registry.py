@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from attnchecker.attention.core import CoreSpec, attend
+from attnchecker.attention.engines import EAGER, Engine
 from attnchecker.attention.projection import ProjectionSpec, is_conv1d
 from attnchecker.errors import ConfigError, UnsupportedModelError
 
@@ -374,19 +375,17 @@ def install(
     model: nn.Module,
     found: Discovery,
     *,
-    fused: bool = False,
-    sdpa: bool = False,
+    engine: Engine = EAGER,
     states: Sequence = (),
 ) -> Callable[[], None]:
-    """Route every block's attention through the checked core (``fused``: the fused kernels;
-    ``sdpa``: the SDPA route),
-    or through the model's own while none of ``states`` needs the core (the attention
-    interface's families); return the undo."""
+    """Route every block's attention through the checked core (by ``engine``), or through the
+    model's own while none of ``states`` needs the core (the attention interface's families);
+    return the undo."""
     if not found.wiring.patch:
         from attnchecker.models.interface import install_interface
 
         cores = [b.core for b in found.blocks]
-        return install_interface(model, fused=fused, sdpa=sdpa, cores=cores, states=states)
+        return install_interface(model, engine=engine, cores=cores, states=states)
     method, make = found.wiring.patch
     for b in found.blocks:
         setattr(b.core, method, make(b.core))

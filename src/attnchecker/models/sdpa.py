@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -42,10 +43,10 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from attnchecker.attention.core import CORE, CoreSpec, attend
-from attnchecker.attention.fused import attend_fused
+from attnchecker.attention.engines import EAGER, FLASH, SDPA, CoreCall, before_core, run_core
+from attnchecker.attention.masks import eager_from_sdpa, keys_from_sdpa, masked_out, sdpa_4d
 from attnchecker.attention.ops import op as table_op
-from attnchecker.attention.projection import flush, project
-from attnchecker.attention.sdpa_core import checked_attention
+from attnchecker.attention.projection import project
 from attnchecker.attention.state import AttentionState
 from attnchecker.errors import UnsupportedModelError
 from attnchecker.models.sdpa_trace import Found, class_source, mha_split, trace
@@ -84,8 +85,7 @@ def checked_sdpa(
     SDPA itself runs, as the model called it."""
     spec, state = getattr(module, CORE)
     if state is not None and not state.needs_core():  # the model's own call, untouched
-        flush(state)  # the projections it reads are checked first
-        state.handoff = None
+        before_core(state)  # the projections it reads are checked first
         return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                      is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)  # fmt: skip
     if any(t.is_nested for t in (query, key, value)):
@@ -112,32 +112,23 @@ def checked_sdpa(
         )
     Lk = key.shape[-2]
     scaling = _scaling(query, scale)
-    if state is not None and state.coverage.engine == "sdpa":
-        if not dropout_p:
-            flush(state)  # the projections it reads are checked first
-            state.handoff = None
-            mask = attn_mask
-            if mask is not None and mask.dim() < 4:  # SDPA broadcasts (L, Lk), (B|1, L, Lk)
-                mask = mask.view(*(1,) * (4 - mask.dim()), *mask.shape)
-            out = checked_attention(state, query, key, value, mask, causal=is_causal,
-                                    scale=scaling)  # fmt: skip
-            if not state.checks("out"):
-                state.commit()
-            return out
-        if not torch.compiler.is_compiling():  # summary() names it
-            state.coverage.fallbacks.add("attention dropout in training")
-    if state is not None and state.coverage.engine == "triton":
-        key_mask, why = _key_padding(attn_mask, query.shape[0], Lk)
-        if is_causal and query.shape[-2] != Lk:
-            why = "is_causal with fewer queries than keys (SDPA aligns it top-left)"
-        if why is None:
-            out, _ = attend_fused(spec, state, query, key, value, key_mask, scaling=scaling,
-                                  dropout=dropout_p, training=dropout_p > 0, causal=is_causal,
-                                  window=0)  # fmt: skip
-            return out
-        if not torch.compiler.is_compiling():  # summary() names it
-            state.coverage.fallbacks.add(why)
-    return _eager(spec, state, query, key, value, attn_mask, dropout_p, is_causal, scaling)
+    L = query.shape[-2]
+    eager = partial(eager_from_sdpa, attn_mask, is_causal, L, Lk, query.dtype, query.device)
+    if state is None:  # the core's math, unchecked
+        return attend(spec, query, key, value, eager(), scaling=scaling, dropout=dropout_p,
+                      training=dropout_p > 0)[0]  # fmt: skip
+    engine, refused = state.coverage.engine, None  # the mask in the form the engine takes
+    if engine is SDPA:
+        mask = sdpa_4d(attn_mask)
+    elif engine is FLASH:
+        mask, refused = keys_from_sdpa(attn_mask, query.shape[0], Lk)
+        if is_causal and Lk != L:
+            refused = "is_causal with fewer queries than keys (SDPA aligns it top-left)"
+    else:
+        mask = eager()
+    call = CoreCall(spec, query, key, value, mask, eager, scaling, dropout_p, dropout_p > 0,
+                    causal=is_causal, refused=refused)  # fmt: skip
+    return run_core(engine, state, call)[0]
 
 
 def _scaling(query: Tensor, scale: float | None) -> float:
@@ -145,13 +136,11 @@ def _scaling(query: Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 
 
-def _eager(spec, state, query, key, value, attn_mask, dropout_p, is_causal, scaling) -> Tensor:
-    """The checked eager core on SDPA's arguments (``state`` None: its math, unchecked)."""
+def _eager(spec, query, key, value, attn_mask, is_causal, scaling) -> Tensor:
+    """The checked eager core's math on SDPA's arguments, unchecked (no dropout)."""
     L, Lk = query.shape[-2], key.shape[-2]
-    mask = _additive(attn_mask, is_causal, L, Lk, query.dtype, query.device)
-    out, _ = attend(spec, query, key, value, mask, scaling=scaling, dropout=dropout_p,
-                    training=dropout_p > 0, state=state)  # fmt: skip
-    return out
+    mask = eager_from_sdpa(attn_mask, is_causal, L, Lk, query.dtype, query.device)
+    return attend(spec, query, key, value, mask, scaling=scaling, dropout=0.0, training=False)[0]
 
 
 PROBE_ULPS = 64
@@ -173,8 +162,8 @@ def probe(calls: dict[str, tuple[tuple[Tensor, ...], dict, Tensor]]) -> list[str
         if heads != kv_heads and (not kw.get("enable_gqa") or heads % kv_heads):
             continue  # refused by checked_sdpa at the first call, by name
         with torch.no_grad():
-            got = _eager(SPEC, None, q, k, v, kw.get("attn_mask"), 0.0,
-                         bool(kw.get("is_causal", False)), scaling)  # fmt: skip
+            got = _eager(SPEC, q, k, v, kw.get("attn_mask"), bool(kw.get("is_causal", False)),
+                         scaling)  # fmt: skip
         tol = PROBE_ULPS * torch.finfo(want.dtype).eps * max(1.0, float(v.abs().max()))
         diff = (got.float() - want.float()).abs()
         same_nan = got.isnan() == want.isnan()
@@ -184,18 +173,6 @@ def probe(calls: dict[str, tuple[tuple[Tensor, ...], dict, Tensor]]) -> list[str
                        f"{worst:.3g} (tolerance {tol:.3g}; NaN where SDPA has none: "
                        f"{int((~same_nan).sum())})")  # fmt: skip
     return bad
-
-
-def _key_padding(attn_mask: Tensor | None, B: int, Lk: int) -> tuple[Tensor | None, str | None]:
-    """SDPA's mask as the fused kernels take it, a (B, Lk) boolean key mask (True attends),
-    or why it is not one (then the checked eager core runs the call)."""
-    if attn_mask is None:
-        return None, None
-    if attn_mask.dtype != torch.bool:
-        return None, "an additive float attn_mask (the kernels take a boolean key mask)"
-    if attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[2] != 1:
-        return None, "an attn_mask per query (the kernels take a mask per key)"
-    return attn_mask.reshape(attn_mask.shape[0], Lk).expand(B, Lk), None
 
 
 def checked_mha(
@@ -254,18 +231,21 @@ def checked_mha(
         q, k, v = _in_projection(module, state, query, key, value, in_proj_weight, in_proj_bias)
     q = q.view(L, N * num_heads, hd).transpose(0, 1).view(N, num_heads, L, hd)
     k, v = (t.view(S, N * num_heads, hd).transpose(0, 1).view(N, num_heads, S, hd) for t in (k, v))
-    mask = _masked_out(attn_mask, q.dtype)
+    mask = masked_out(attn_mask, q.dtype)
     if mask is not None:
         mask = mask.view(1, 1, L, S) if mask.dim() == 2 else mask.view(N, num_heads, L, S)
     elif is_causal:
-        mask = _additive(None, True, L, S, q.dtype, q.device)
-    padding = _masked_out(key_padding_mask, q.dtype)
+        mask = eager_from_sdpa(None, True, L, S, q.dtype, q.device)
+    padding = masked_out(key_padding_mask, q.dtype)
     if padding is not None:
         padding = padding.view(N, 1, 1, S)
         mask = padding if mask is None else mask + padding
     p = dropout_p if training else 0.0
-    out, probs = attend(spec, q, k, v, mask, scaling=hd**-0.5, dropout=p, training=training,
-                        state=state)  # fmt: skip
+    if state is None:
+        out, probs = attend(spec, q, k, v, mask, scaling=hd**-0.5, dropout=p, training=training)
+    else:
+        call = CoreCall(spec, q, k, v, mask, lambda: mask, hd**-0.5, p, training)
+        out, probs = run_core(EAGER, state, call)
     out = out.permute(2, 0, 1, 3).reshape(L, N, E)
     proj = getattr(module, "out_proj", None)
     if proj is not None and proj.weight is out_proj_weight and proj.bias is out_proj_bias:
@@ -316,39 +296,6 @@ def _in_projection(
         out += [y[i] for i in range(len(sites))]
     q, k, v = out
     return q, k, v
-
-
-def _masked_out(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """A mask as the eager core adds it: a boolean True masks out (``finfo.min``: a row with no
-    key gives uniform probabilities where SDPA gives NaN, as transformers' eager attention);
-    an additive mask as it is."""
-    if mask is None or mask.dtype != torch.bool:
-        return None if mask is None else mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-        mask, torch.finfo(dtype).min
-    )
-
-
-_CAUSAL: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
-
-
-def _additive(
-    attn_mask: Tensor | None, causal: bool, L: int, Lk: int, dtype: torch.dtype, device
-) -> Tensor | None:
-    """SDPA's mask (a boolean True attends; ``is_causal`` top-left aligned) as the additive mask
-    the eager core takes; the causal one made once per shape (a graph constant under
-    torch.compile), not two L x L tensors per call."""
-    if not causal:
-        if attn_mask is None or attn_mask.dtype != torch.bool:
-            return attn_mask
-        return _masked_out(~attn_mask, dtype)
-    key = (L, Lk, dtype, torch.device(device))
-    if key in _CAUSAL:
-        return _CAUSAL[key]
-    mask = _masked_out(~torch.ones(L, Lk, dtype=torch.bool, device=device).tril(), dtype)
-    if not torch.compiler.is_compiling():
-        _CAUSAL[key] = mask
-    return mask
 
 
 _ROUTES = {_SDPA: checked_sdpa, F.multi_head_attention_forward: checked_mha}

@@ -1,6 +1,6 @@
 """The one-GEMM check of attnchecker.abft.gemm: detection, location, repair and zero false
 alarms, in every operand layout the backward uses (x or y transposed) and in fp32 / bf16 / fp16,
-with its eager ops and with its Triton kernels (``impl="triton"``,
+with its eager ops and with its Triton kernels (``check_impl="triton"``,
 ``attnchecker.kernels.gemm_check``, in Triton's interpreter on a CPU)."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from attnchecker import kernels
 from attnchecker.abft.gemm import col_norms, gemm_check_, row_norms
+from attnchecker.attention.impl import resolve
+from attnchecker.attention.kernel_checks import gemm_check
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IMPLS = pytest.mark.parametrize(
@@ -29,11 +31,13 @@ def _operands(M, K, N, dtype, seed, tx=False, ty=False, scale=1.0):
 
 
 def _check(out, x, y, max_rows=4, impl="eager", **kw):
-    if impl == "triton":  # the registered ops (abft cannot import kernels: passed in)
-        kw["kernels"] = kernels.gemm_check_kernels("triton", out)
-        assert kw["kernels"] is not None
-    rows, cols, value, lost, again = gemm_check_(out, x, y, max_rows=max_rows, scale=1.0,
-                                                 impl=impl, **kw)  # fmt: skip
+    if impl == "triton":  # the registered ops (abft cannot import kernels: resolved outside)
+        how = resolve("triton", out.device)
+        assert how.kernels
+        result = gemm_check(how, out, x, y, max_rows=max_rows, scale=1.0, **kw)
+    else:
+        result = gemm_check_(out, x, y, max_rows=max_rows, scale=1.0, **kw)
+    rows, cols, value, lost, again = result
     return rows.item(), cols.item(), value.item(), bool(lost), bool(again)
 
 
