@@ -103,6 +103,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("attention/records.py", "self.log.index_add_(0, self._index(ops, recs.device), rows)",
            "self.log.index_copy_(0, self._index(ops, recs.device), rows)",
            "a second detection before the drain overwrites the first"),
+    Mutant("attention/records.py", "rows = rows.masked_fill(same.all(1, keepdim=True), 0)",
+           "rows = rows", "a replay's records equal to the first pass's counted twice, for the "
+           "registered ops and the fused kernels",
+           tests=("tests/integration/test_protect_runtime.py", "-k",
+                  "replay_rule or follow_the_same")),
+    Mutant("attention/records.py", "        if not self.replayed and in_replay():\n",
+           "        if False:\n", "the registered ops never learn that a replay reaches them: "
+           "their replays counted twice",
+           tests=("tests/integration/test_protect_runtime.py", "-k",
+                  "replay_rule or follow_the_same")),
     # ------------------------------------------------------------------ recovery/guard.py
     Mutant("recovery/guard.py", "op=torch.distributed.ReduceOp.MAX", "op=torch.distributed.ReduceOp.MIN",
            "one rank's flag does not skip the others: the replicas diverge"),

@@ -56,6 +56,7 @@ from attnchecker.abft.tolerance import (
 )
 from attnchecker.attention import regions
 from attnchecker.attention.impl import CheckImpl
+from attnchecker.kernels.constants import device_constant
 
 __all__ = [
     "Projection",
@@ -242,36 +243,24 @@ def row_floor(items: list[tuple[Projection, Tensor]]) -> float:
     )
 
 
-_SEGMENTS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
-
-
 def index_constant(values: tuple[int, ...], device: torch.device) -> Tensor:
-    """(len(values),) int64 ``values`` on ``device``, made once per device: a copy from host
-    memory synchronises a CUDA stream, so never one per call (under torch.compile a constant of
-    the graph)."""
-    key = (("index", *values), device)
-    if key not in _SEGMENTS:
-        t = torch.tensor(values, device=device)
-        if torch.compiler.is_compiling():
-            return t
-        _SEGMENTS[key] = t
-    return _SEGMENTS[key]
+    """(len(values),) int64 ``values`` on ``device``: a :func:`device_constant`."""
+    return device_constant(("index", values), device, lambda: torch.tensor(values, device=device))
 
 
 def _segments(sizes: tuple[int, ...], device: torch.device) -> Tensor:
-    """(sum(sizes), len(sizes)) float32 indicator of consecutive segments (a cached constant in
-    eager; under torch.compile a constant of the graph)."""
-    key = (sizes, device)
-    if key in _SEGMENTS:
-        return _SEGMENTS[key]
-    ind = torch.zeros(sum(sizes), len(sizes), device=device)
-    start = 0
-    for i, n in enumerate(sizes):
-        ind[start : start + n, i] = 1.0
-        start += n
-    if not torch.compiler.is_compiling():
-        _SEGMENTS[key] = ind
-    return ind
+    """(sum(sizes), len(sizes)) float32 indicator of consecutive segments: a
+    :func:`device_constant`."""
+
+    def make() -> Tensor:
+        ind = torch.zeros(sum(sizes), len(sizes), device=device)
+        start = 0
+        for i, n in enumerate(sizes):
+            ind[start : start + n, i] = 1.0
+            start += n
+        return ind
+
+    return device_constant(("segments", sizes), device, make)
 
 
 def _per_site(flags: Tensor, sizes: tuple[int, ...]) -> Tensor:
@@ -290,22 +279,22 @@ def _site_order(
     """Index permutations of the stacked head groups (sum G,) and outputs (sum N,) into the
     order the records count them (:meth:`Projection.group_order`), for the per-site counts;
     None where that is theirs (a cached constant)."""
-    orders = [p.group_order() for p in projs]
-    if all(o is None for o in orders):
+    orders_of = [p.group_order() for p in projs]
+    if all(o is None for o in orders_of):
         return None
-    key = (("order", *zip([p.groups for p in projs], orders, widths, strict=True)), device)
-    if key not in _SEGMENTS:
+    key = ("order", *zip([p.groups for p in projs], orders_of, widths, strict=True))
+
+    def order(part: int) -> Tensor:  # 0: the groups' order, 1: the outputs'
         g_order, n_order, g0, n0 = [], [], 0, 0
-        for p, o, n in zip(projs, orders, widths, strict=True):
+        for p, o, n in zip(projs, orders_of, widths, strict=True):
             w, seq = n // p.groups, range(p.groups) if o is None else o
             g_order += [g0 + g for g in seq]
             n_order += [n0 + g * w + j for g in seq for j in range(w)]
             g0, n0 = g0 + p.groups, n0 + n
-        if torch.compiler.is_compiling():  # a graph constant
-            return torch.tensor(g_order, device=device), torch.tensor(n_order, device=device)
-        _SEGMENTS[key] = torch.tensor(g_order, device=device)
-        _SEGMENTS[(("cols", *key[0]), device)] = torch.tensor(n_order, device=device)
-    return _SEGMENTS[key], _SEGMENTS[(("cols", *key[0]), device)]
+        return torch.tensor(n_order if part else g_order, device=device)
+
+    groups = device_constant((*key, "groups"), device, lambda: order(0))
+    return groups, device_constant((*key, "outputs"), device, lambda: order(1))
 
 
 def _columns(weight: Tensor, bias: Tensor | None, conv1d: bool, x: Tensor, f: Tensor) -> Tensor:

@@ -23,6 +23,7 @@ and hand it to :func:`run_core`, which owns what every engine needs around it:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,7 +152,7 @@ class _Flash(Engine):
         out = flash_attention(
             call.query, call.key, call.value, causal=call.causal, window=call.window,
             key_mask=None if call.mask is None else call.mask.bool(), scale=call.scaling,
-            counts=state.records.kernel, sink=state.records.kernel_sink, fault=fault,
+            counts=state.records.direct_counts(), sink=state.records.kernel_sink, fault=fault,
             check=checks_of(op for op in ALL_OPS if state.checks(op)),
             tolerance_scale=state.config.tolerance_scale,
         )  # fmt: skip
@@ -178,7 +179,7 @@ def run_core(engine: Engine, state: AttentionState, call: CoreCall) -> tuple[Ten
     why = engine.cannot(call)
     if why is not None:
         _fell_back(state, why, engine)
-        call = CoreCall(**{**call.__dict__, "mask": call.eager_mask()})
+        call = dataclasses.replace(call, mask=call.eager_mask())
         engine = EAGER
     handoff = before_core(state)
     out, probs = engine.attend(state, call, handoff)

@@ -24,8 +24,11 @@ as the probabilities are), f from :func:`~attnchecker.abft.tolerance.gemm_factor
 The records leave the backward as the *gradient of* a small leaf tensor that requires grad (one
 per protected module, (n ops, 7) float64 records of
 :data:`~attnchecker.attention.state.RECORD_FIELDS`): autograd accumulates them over layers and
-steps, nothing is mutated or synchronised, and compiled backward graphs carry them like any
-gradient. Fault injection reaches every gradient through its named site (:data:`GRAD_OPS`).
+steps, nothing is synchronised, and compiled backward graphs carry them like any gradient. The
+one exception: a linear layer's checks by the registered Triton ops add their records into that
+gradient in place (:func:`~attnchecker.attention.records.grad_of`; the ops write the rows
+themselves, on a flag), from eager code only. Fault injection reaches every gradient through its
+named site (:data:`GRAD_OPS`).
 """
 
 from __future__ import annotations
@@ -280,7 +283,7 @@ class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, sink, step, plan: MatmulPlan):
         ctx.save_for_backward(a, b, step.clone() if any(plan.check) else None)
-        ctx.sink, ctx.plan = sink.shape, plan
+        ctx.sink_shape, ctx.plan = sink.shape, plan
         return torch.matmul(a, b)
 
     @staticmethod
@@ -301,7 +304,7 @@ class _Matmul(torch.autograd.Function):
         if check_a or check_b:
             index = tuple(op for op, on in ((op_a, check_a), (op_b, check_b)) if on)
             args = (da if check_a else None, db if check_b else None, dc, a, b, step)
-            args += (plan.nonneg_a, plan.b_transposed, index, ctx.sink, plan.max_heads,
+            args += (plan.nonneg_a, plan.b_transposed, index, ctx.sink_shape, plan.max_heads,
                      plan.scale)  # fmt: skip
             grad_sink = regions.run(_matmul_grad_region, plan.impl.region(dc.dtype), *args)
         return da, db, grad_sink, None, None
@@ -356,8 +359,8 @@ class _Linear(torch.autograd.Function):
         # backward and add into sink.grad; the eager ops return records at the forward's step
         kernels = refs is not None
         ctx.save_for_backward(x, weight, step.clone() if any(plan.check) and not kernels else None)
-        ctx.sink, ctx.kernels = (sink, step, refs) if kernels else sink.shape, kernels
-        ctx.plan, ctx.has_bias = plan, bias is not None
+        ctx.sink_shape, ctx.plan, ctx.has_bias = sink.shape, plan, bias is not None
+        ctx.kernel_args = (sink, step, refs) if kernels else None
         if plan.conv1d:  # transformers' Conv1D
             out = x.view(-1, x.shape[-1])
             out = out @ weight if bias is None else torch.addmm(bias, out, weight)
@@ -389,13 +392,13 @@ class _Linear(torch.autograd.Function):
         if check_x or check_w:
             index = tuple(op[0] for op, on in ((op_x, check_x), (op_w, check_w)) if on)
             checked = (dx2 if check_x else None, dw if check_w else None)
-            if ctx.kernels:  # the registered ops, records added into sink.grad
-                sink, clock, refs = ctx.sink
+            if ctx.kernel_args is not None:  # the registered ops, records added into sink.grad
+                sink, clock, refs = ctx.kernel_args
                 _linear_grad_kernels(*checked, dy2, w, a, b, index, sink, clock, refs, plan)
                 regions.ran(_linear_grad_region.__qualname__, "triton", None)
             else:
-                args = (*checked, dy2, w, a, b, step, conv1d, index, ctx.sink, plan.max_rows,
-                        plan.scale)  # fmt: skip
+                args = (*checked, dy2, w, a, b, step, conv1d, index, ctx.sink_shape,
+                        plan.max_rows, plan.scale)  # fmt: skip
                 how = plan.impl.region(dy2.dtype)
                 grad_sink = regions.run(_linear_grad_region, how, *args)
         return dx, dw, db, grad_sink, None, None, None

@@ -7,7 +7,7 @@ Triton's interpreter): what :mod:`~attnchecker.attention.projection` runs instea
 Per projection and step: one ``proj_weights`` (cached on the step clock: :func:`weight_sums`,
 shared with the backward's dX check), then per call one ``proj_verify`` and one ``proj_repair``
 that returns at once on a clean call (:mod:`attnchecker.kernels.projection_check`). The records
-go straight into the module's log rows (:meth:`~attnchecker.attention.records.Records.direct_row`,
+go straight into the module's log rows (:meth:`~attnchecker.attention.records.Records.direct_log`,
 which also says what a checkpointing replay records); nothing is noted, nothing committed.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.abft.gemm import gemm_check_, limits
 from attnchecker.attention import regions
@@ -64,21 +63,17 @@ def gemm_check(
 
 def weight_sums(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,
                 conv1d: bool) -> Tensor:  # fmt: skip
-    """``proj_weights`` of a projection, once per step: cached on ``clock`` (emptied at every
-    tick), keyed by the weight and bias objects (held, so an id is not reused within the step),
-    their storage and version (an in-place edit between calls is seen; a fused optimizer's is
-    not, which the tick covers)."""
+    """``proj_weights`` of a projection, once per step (the clock's :class:`StepMemo`). The
+    eager and compiled regions compute their weight sums inside the region instead, per call
+    (:func:`~attnchecker.attention.checks.weight_sums`: fused with the check by the compiler)."""
     from attnchecker.kernels.projection_check import proj_weights
 
-    ptr = 0 if isinstance(weight, FakeTensor) else weight.data_ptr()  # (a shapes-only trace)
-    key = ("proj", id(weight), ptr, weight._version, groups, conv1d, id(bias))
-    hit = clock.cache.get(key)
-    if hit is None:
+    def make() -> Tensor:
         with torch.no_grad():
-            sums = proj_weights(weight.detach(), None if bias is None else bias.detach(), groups,
+            return proj_weights(weight.detach(), None if bias is None else bias.detach(), groups,
                                 conv1d)  # fmt: skip
-        hit = clock.cache[key] = (weight, bias, sums)
-    return hit[2]
+
+    return clock.memo.get(("proj", groups, conv1d), (weight, bias), make)
 
 
 def weight_refs(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,
@@ -118,7 +113,7 @@ def check_group(
     x2 = x.detach().reshape(-1, K)
     T = x2.shape[0]
     state.follow(x.device)  # moved without a root forward (a layer alone)
-    log, row = state.records.log, state.records.direct_row
+    log, row = state.records.direct_log(), state.records.direct_row
     refs, bound = [], []
     with torch.no_grad():
         for p, y in pairs:

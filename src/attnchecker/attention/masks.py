@@ -25,6 +25,8 @@ import math
 import torch
 from torch import Tensor
 
+from attnchecker.kernels.constants import device_constant
+
 __all__ = ["bias_from_sdpa", "eager_from_keys", "eager_from_sdpa", "keys_from_sdpa", "masked_out",
            "sdpa_4d"]  # fmt: skip
 
@@ -61,9 +63,6 @@ def eager_from_keys(
     return torch.where(ok, zero, torch.finfo(dtype).min)
 
 
-_CAUSAL: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
-
-
 def eager_from_sdpa(
     attn_mask: Tensor | None, causal: bool, L: int, Lk: int, dtype: torch.dtype, device
 ) -> Tensor | None:
@@ -73,13 +72,8 @@ def eager_from_sdpa(
         if attn_mask is None or attn_mask.dtype != torch.bool:
             return attn_mask
         return masked_out(~attn_mask, dtype)
-    key = (L, Lk, dtype, torch.device(device))
-    if key in _CAUSAL:
-        return _CAUSAL[key]
-    mask = masked_out(~torch.ones(L, Lk, dtype=torch.bool, device=device).tril(), dtype)
-    if not torch.compiler.is_compiling():
-        _CAUSAL[key] = mask
-    return mask
+    return device_constant(("causal", L, Lk, dtype), device, lambda: masked_out(
+        ~torch.ones(L, Lk, dtype=torch.bool, device=device).tril(), dtype))  # fmt: skip
 
 
 def sdpa_4d(attn_mask: Tensor | None) -> Tensor | None:

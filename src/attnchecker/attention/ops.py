@@ -5,8 +5,9 @@ where a fault can be placed (between the GEMM and its check), the config's switc
 (``ABFTConfig.ops``), the record row it writes (:mod:`~attnchecker.attention.records`), the
 events' ``op`` and the adaptive controller's unit of placement. Every tuple below is derived
 from :data:`OP_TABLE`: a new check on a new GEMM is one entry here plus the call of its check
-primitive where the GEMM runs (``engine``). The fused kernels name their own checks and map
-them onto these ops (``attnchecker.kernels.KERNEL_CHECKS``).
+primitive where the GEMM runs (``engine``). The other engines name their own checks and map
+them onto these ops: the SDPA route's, :data:`ROUTE_CHECKS`; the fused kernels',
+``attnchecker.kernels.KERNEL_CHECKS`` (defined with the kernels, below this package).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "ALL_OPS", "CORE_GRAD_OPS", "GRAD_OPS", "LINEAR_OPS", "OPS", "OP_TABLE", "Op", "in_backward",
-    "linear_op", "linear_parts", "op", "op_key",
+    "ALL_OPS", "CORE_GRAD_OPS", "GRAD_OPS", "LINEAR_OPS", "OPS", "OP_TABLE", "ROUTE_CHECKS", "Op",
+    "in_backward", "linear_op", "linear_parts", "op", "op_key",
 ]  # fmt: skip
 
 
@@ -99,6 +100,16 @@ checked core runs. A module whose config asks none of them, and that has no hook
 sites, runs the model's own attention (:meth:`~.state.AttentionState.needs_core`)."""
 
 ALL_OPS = OPS + GRAD_OPS
+
+ROUTE_CHECKS: dict[str, tuple[str, ...]] = {
+    "lse": ("scores",),  # forward: the LSE bound
+    "range": ("context", "probs"),  # forward: O within V's range (P is not materialised)
+    "dq_bound": ("dq", "dp"),  # backward: dQ's bound (a fault in dP reaches dS, then dQ)
+    "dk_sum": ("dk", "dp"),  # backward: sum_j dK_j = 0 (and dP's, through dS)
+    "dv_sum": ("dv",),  # backward: sum_j dV_j = sum_i dO_i
+}
+"""The SDPA route's checks (:mod:`~attnchecker.attention.sdpa_core`) and the core ops that
+switch each on (any of them); the first of them checked now names its record row."""
 
 LINEAR_OPS = tuple(o.name for o in OP_TABLE if o.part == _L)
 """The checks of one linear layer outside attention (``scope="all_linear"``): its output in the

@@ -273,6 +273,7 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
                     floor=row_floor(item) / factor,
                     bounds=False,
                 )
+            state.commit()  # (a checkpointing replay's scratch, if any)
             return
         with ranged(f"linear.{state.name}"):
             rec = projection_check_(

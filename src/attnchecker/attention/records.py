@@ -12,7 +12,9 @@ the API it writes through:
    forward op (a checkpointing replay's records compared with the first pass's there);
 2. the forward's registered ops that write ``log`` rows themselves, on a flag (the GEMM checks'
    ``proj_repair``, :mod:`~attnchecker.attention.kernel_checks`; the SDPA route's forward
-   verify / repair, :mod:`~attnchecker.attention.sdpa_core`): at :meth:`Records.direct_row`;
+   verify / repair, :mod:`~attnchecker.attention.sdpa_core`): into :meth:`Records.direct_log`
+   at :meth:`Records.direct_row` (the log itself; a scratch compared by :meth:`Records.commit`
+   in a module that checkpointing replays: the one replay rule);
 3. the backward's check regions (:mod:`~attnchecker.attention.grads`: the core's and the linear
    layers'): their records leave the backward as the gradient of the leaf ``sink`` (a row per
    backward op), so autograd accumulates them over layers and steps, compiled backward graphs
@@ -22,9 +24,10 @@ the API it writes through:
 5. the linear layers' backward by the registered ops: they add into :func:`grad_of` ``sink``
    in place (the one writer that mutates the sink's gradient: autograd then accumulates the
    other writers' gradients into that tensor);
-6. the fused kernels: int32 counters (check x detected, corrected, uncorrected) in ``kernel``
-   (forward, mutated by the kernels) and ``kernel_sink.grad`` (backward, as a gradient), turned
-   into rows by :meth:`Records.rows`.
+6. the fused kernels: int32 counters (check x detected, corrected, uncorrected) in
+   :meth:`Records.direct_counts` (forward, mutated by the kernels: ``kernel``, or a scratch under
+   the replay rule, as writer 2) and ``kernel_sink.grad`` (backward, as a gradient), turned into
+   rows by :meth:`Records.rows`.
 
 :meth:`Records.reset` (a drain) and :meth:`Records.to` (a move) are the only other writes.
 
@@ -117,8 +120,14 @@ class Records:
         self._grad_row = {o: i for i, o in enumerate(grad_ops)}
         self._noted: list[tuple[tuple[str, ...], Tensor]] = []  # this layer's, until commit()
         # the records of the last first pass (not a replay) per committed op tuple: what a
-        # checkpointing replay's records are compared with (eager only)
+        # checkpointing replay's records are compared with
         self._first: dict[tuple[str, ...], Tensor] = {}
+        # the registered ops that write log rows themselves: where they write until commit()
+        # once a checkpointing replay has reached the module (direct_log), and their last first
+        # pass's rows
+        self.replayed = False
+        self._direct: dict[str, list[Tensor]] = {"log": [], "kernel": []}
+        self._first_direct: dict[str, Tensor] = {}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -135,12 +144,16 @@ class Records:
         return self._noted[0][1].device if self._noted else None
 
     def commit(self, step: Tensor, how: CheckImpl) -> None:
-        """Add the noted records to the log at the clock ``step``. A checkpointing replay
-        repeats a forward already counted: its records are counted where they differ from the
-        first pass's (a fault that hit the replay alone, or a different one), and dropped where
-        they are the same (what the operands imply, such as an overflow upstream, comes back in
-        every replay). ``how``: how the records region runs. The caller has moved the records to
-        the noted ones' device (:meth:`~attnchecker.attention.state.AttentionState.follow`)."""
+        """Add the layer's records to the log, the noted ones at the clock ``step``. The one
+        replay rule, for every writer of the forward: a checkpointing replay repeats a forward
+        already counted, so its records are counted where they differ from the first pass's (a
+        fault that hit the replay alone, or a different one), and dropped where they are the same
+        (what the operands imply, such as an overflow upstream, comes back in every replay).
+        ``how``: how the records region runs. The caller has moved the records to the noted
+        ones' device (:meth:`~attnchecker.attention.state.AttentionState.follow`)."""
+        for name in self._direct:
+            if self._direct[name]:
+                self._commit_direct(name)
         if not self._noted:
             return
         ops = tuple(o for names, _ in self._noted for o in names)
@@ -162,15 +175,52 @@ class Records:
 
     def direct_row(self, *ops: str, on: Callable[[str], bool], grad: bool = False) -> int:
         """Where a registered op that writes its records itself writes the first of ``ops``
-        that ``on`` (the schedule) checks now: its row in ``log`` (``grad``: in the backward's
-        records); -1 for none. A forward in a checkpointing replay gets -1: such an op keeps no
-        record of its own to compare with the first pass's, so the replay is checked and
-        repaired but not recorded (the first pass counted what the operands imply; a fault that
-        hits the replay alone is corrected there uncounted)."""
-        if not grad and in_replay():
-            return -1
+        that ``on`` (the schedule) checks now: its row in :meth:`direct_log` (``grad``: in the
+        backward's records); -1 for none."""
         rows = self._grad_row if grad else self._row
         return next((rows[o] for o in ops if on(o)), -1)
+
+    def direct_log(self) -> Tensor:
+        """The tensor a registered op that writes its forward records itself writes them to:
+        the log, on the clean path (no copy, no launch); in a module a checkpointing replay has
+        reached (learned at its first replay; every pass from then on, first passes included),
+        a zeroed scratch of the log's shape that :meth:`commit` adds to the log by the replay
+        rule, as the noted records. The first replayed step has no first pass kept to compare
+        with: that replay's records of these ops are dropped (counted by the first pass where
+        the operands imply them; a fault in that replay alone is corrected uncounted)."""
+        return self._direct_target("log")
+
+    def direct_counts(self) -> Tensor | None:
+        """Where the fused kernels' forward adds its counters: ``kernel``, or as
+        :meth:`direct_log` a scratch of its shape in a module that checkpointing replays."""
+        return None if self.kernel is None else self._direct_target("kernel")
+
+    def _direct_target(self, name: str) -> Tensor:
+        own = getattr(self, name)
+        if torch.compiler.is_compiling():  # (compiled code does not replay Python)
+            return own
+        if not self.replayed and in_replay():
+            self.replayed = True
+        if not self.replayed:
+            return own
+        scratch = torch.zeros_like(own)
+        self._direct[name].append(scratch)
+        return scratch
+
+    def _commit_direct(self, name: str) -> None:
+        """The scratches of :meth:`direct_log` (``name`` "log") or :meth:`direct_counts`
+        ("kernel") into their tensor, by the replay rule."""
+        parts, self._direct[name] = self._direct[name], []
+        rows = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+        if in_replay():
+            first = self._first_direct.get(name)
+            if first is None:  # the first replay: its first pass wrote the tensor itself
+                return
+            same = (rows == first) | (rows.isnan() & first.isnan())
+            rows = rows.masked_fill(same.all(1, keepdim=True), 0)
+        else:
+            self._first_direct[name] = rows
+        getattr(self, name).add_(rows)
 
     def _index(self, ops: tuple[str, ...], device: torch.device) -> Tensor:
         """The log rows of ``ops`` (a cached constant: not a host-to-device copy a step)."""
@@ -230,6 +280,8 @@ class Records:
                 new.grad = None if old.grad is None else old.grad.to(device)
                 setattr(self, name, new)
         self._first.clear()  # a replay's first pass is compared on the device it ran on
+        self._first_direct = {}
+        self._direct = {"log": [], "kernel": []}
 
     def reset(self) -> None:
         """Forget what was read (a drain). Everything is zeroed in place, the backward's

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.abft.cast import autocast_operands
 from attnchecker.attention.grads import GradSite
 from attnchecker.attention.masks import bias_from_sdpa
+from attnchecker.attention.ops import CORE_GRAD_OPS, OPS, ROUTE_CHECKS, op
 from attnchecker.attention.sites import Sites
 from attnchecker.attention.state import AttentionState
+from attnchecker.kernels.constants import device_constant
 from attnchecker.kernels.sdpa_check import (
     REFERENCE,
     SdpaOps,
@@ -47,7 +48,8 @@ from attnchecker.kernels.sdpa_check import (
 
 __all__ = ["SdpaPlan", "checked_attention", "self_test"]
 
-_FWD_SITES, _BWD_SITES = ("scores", "probs", "context"), ("dp", "dv", "dq", "dk")
+_FWD_SITES = tuple(o for o in OPS if op(o).part == "core")  # scores, probs, context
+_FWD_CHECKS, _BWD_CHECKS = ("lse", "range"), ("dq_bound", "dk_sum", "dv_sum")
 
 
 def _changed(before: Tensor, after: Tensor) -> Tensor:
@@ -175,28 +177,16 @@ class _Checked(torch.autograd.Function):
         return dq, dk, dv, None, rec, None, None, None, None
 
 
-_NO_MASK: dict[torch.device, Tensor] = {}
-
-
 def _facts(state: AttentionState, mask: Tensor | None, q: Tensor) -> tuple[Tensor | None, Tensor]:
     """(the mask as the backend takes it, each row's largest mask value: :func:`mask_facts`),
     once per mask and step (the layers share one mask); without a mask a zero made once per
     device (no host-to-device copy a call: a CUDA graph captures none)."""
     if mask is None:
-        if q.device not in _NO_MASK or torch.compiler.is_compiling():
-            zero = torch.zeros(1, 1, 1, device=q.device)
-            if torch.compiler.is_compiling():
-                return None, zero
-            _NO_MASK[q.device] = zero
-        return None, _NO_MASK[q.device]
-    ptr = 0 if isinstance(mask, FakeTensor) else mask.data_ptr()  # (a shapes-only trace)
-    key = ("sdpa_mask", id(mask), ptr, mask._version, q.dtype, q.shape[:3])
-    hit = None if torch.compiler.is_compiling() else state.clock.cache.get(key)
-    if hit is None:
-        hit = (mask, backend_mask(mask, q), mask_facts(mask, q.shape[2]))
-        if not torch.compiler.is_compiling():
-            state.clock.cache[key] = hit
-    return hit[1], hit[2]
+        return None, device_constant(
+            "no mask", q.device, lambda: torch.zeros(1, 1, 1, device=q.device)
+        )
+    return state.clock.memo.get(("sdpa_mask", q.dtype, q.shape[:3]), (mask,), lambda: (
+        backend_mask(mask, q), mask_facts(mask, q.shape[2])))  # fmt: skip
 
 
 def checked_attention(
@@ -210,22 +200,21 @@ def checked_attention(
     state.follow(q.device)  # moved without a root forward (a layer alone)
     mask, rowmax = _facts(state, mask, q)
     row, on = state.records.direct_row, state.checks
-    fwd_rows = (row("scores", on=on), row("context", "probs", on=on))
-    bwd_rows = (row("dq", "dp", on=on, grad=True), row("dk", "dp", on=on, grad=True),
-                row("dv", on=on, grad=True))  # fmt: skip
+    fwd_rows = tuple(row(*ROUTE_CHECKS[c], on=on) for c in _FWD_CHECKS)
+    bwd_rows = tuple(row(*ROUTE_CHECKS[c], on=on, grad=True) for c in _BWD_CHECKS)
     hooked = not torch.compiler.is_compiling() and any(state.hooks.get(s) for s in _FWD_SITES)
     plan = SdpaPlan(
         causal, scale, float(state.config.tolerance_scale),
         fwd_rows, any(state.checks(o) for o in _FWD_SITES),
-        bwd_rows, any(state.checks(o) for o in _BWD_SITES), len(state.records.grad_ops),
-        state.sites if hooked else None, state.sites.grad_hook(_BWD_SITES),
+        bwd_rows, any(state.checks(o) for o in CORE_GRAD_OPS), len(state.records.grad_ops),
+        state.sites if hooked else None, state.sites.grad_hook(CORE_GRAD_OPS),
         _ops(state.impl.kernels),
     )  # fmt: skip
     sink = state.grads
     if sink is None or not torch.is_grad_enabled():
         sink = torch.zeros(0, device=q.device)  # (no backward records: an inert input)
-    out, _ = _Checked.apply(q, k, v, mask, sink, state.clock.count, state.records.log, rowmax,
-                            plan)  # fmt: skip
+    log = state.records.direct_log() if plan.fwd_on else state.records.log
+    out, _ = _Checked.apply(q, k, v, mask, sink, state.clock.count, log, rowmax, plan)
     return out
 
 

@@ -10,11 +10,13 @@ the model's modules (:class:`~.schedule.Schedule`), what its projection checks l
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.impl import Impl, resolve
@@ -23,6 +25,8 @@ from attnchecker.attention.records import RECORD_FIELDS, Records, new_log
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.sites import SiteCall, SiteHook, Sites, in_replay
 
+T = TypeVar("T")
+
 __all__ = [
     "RECORD_FIELDS",
     "AttentionState",
@@ -30,9 +34,40 @@ __all__ = [
     "Coverage",
     "SiteCall",
     "SiteHook",
+    "StepMemo",
     "in_replay",
     "new_log",
 ]
+
+
+class StepMemo:
+    """What the checks compute once per step from tensors that do not change within it (a
+    projection's weight sums for the registered ops, the SDPA route's mask facts): kept until
+    the model's :class:`Clock` ticks (a fused optimizer updates parameters without bumping their
+    version, which the tick covers), keyed by the tensors a value is made from, held (so an id
+    is not reused within the step), with their storage and version (an in-place edit between
+    calls is seen). Compiled code neither reads nor fills it (a read would be a guard)."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple, tuple] = {}
+
+    def get(self, key: tuple, of: tuple[Tensor | None, ...], make: Callable[[], T]) -> T:
+        """``make()``, once per step for ``key`` and the tensors ``of``."""
+        if torch.compiler.is_compiling():
+            return make()
+        full = (*key, *(None if t is None else _identity(t) for t in of))
+        hit = self._memo.get(full)
+        if hit is None:
+            hit = self._memo[full] = (of, make())
+        return hit[1]
+
+    def clear(self) -> None:
+        self._memo.clear()
+
+
+def _identity(t: Tensor) -> tuple[int, int, int]:
+    ptr = 0 if isinstance(t, FakeTensor) else t.data_ptr()  # (a shapes-only trace)
+    return id(t), ptr, t._version
 
 
 @dataclass
@@ -45,10 +80,7 @@ class Clock:
     drops in-place updates of 0-dim float64 CPU tensors held outside the graph (torch 2.13)."""
 
     count: Tensor
-    # what the checks compute once per step from the weights (the Triton kernels' sums, keyed by
-    # weight: projection.weight_sums), emptied at every tick in eager code: weights do not change
-    # between a forward and its backward, and a fused optimizer does not bump version counters
-    cache: dict = field(default_factory=dict)
+    memo: StepMemo = field(default_factory=StepMemo)  # emptied at every tick, in eager code
 
     @property
     def step(self) -> int:
@@ -59,8 +91,8 @@ class Clock:
         if self.count.device != device:  # the model moved after protect_ (a guard, not a sync)
             self.count = self.count.to(device)
         self.count.add_(1)
-        if not torch.compiler.is_compiling():  # (compiled code does not run the kernels)
-            self.cache.clear()
+        if not torch.compiler.is_compiling():  # (compiled code does not read it)
+            self.memo.clear()
 
 
 @dataclass

@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
+from attnchecker.kernels.constants import device_constant
 from attnchecker.kernels.triton_utils import (
     as_i64,
     block_product,
@@ -293,16 +293,9 @@ def refs_of(ws: Tensor, N: int, K: int, groups: int) -> Tensor:
 def _site_of(sites: tuple[int, ...], device: torch.device) -> Tensor:
     """(G,) int32 ``sites`` on ``device``, made once (a copy from host memory synchronises a
     CUDA stream); not kept when made under a fake mode (a shapes-only trace)."""
-    key = (sites, device)
-    if key in _SITES:
-        return _SITES[key]
-    t = torch.tensor(sites, dtype=torch.int32, device=device)
-    if not isinstance(t, FakeTensor):
-        _SITES[key] = t
-    return t
-
-
-_SITES: dict[tuple, Tensor] = {}
+    return device_constant(
+        ("sites", sites), device, lambda: torch.tensor(sites, dtype=torch.int32, device=device)
+    )
 
 
 def _gp(G: int) -> int:

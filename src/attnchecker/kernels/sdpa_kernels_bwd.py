@@ -147,8 +147,24 @@ def bwd_repair_kernel(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP,
                       scale, scale_abs, c_k, tol, floor_k, floor_v, w_live, c_q, floor_q,
                       HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):  # fmt: skip
-    """(nM, nN: the partials' blocks; BM, BN: the recomputation's, smaller: a rare path that
-    must not spill)"""
+    """One program per (batch, K/V head group): compare the group's partials, return on a clean
+    one, else record, recompute the group's dQ, dK, dV and check them again.
+
+    Its parameters, in groups (Triton takes scalars, not structs):
+
+    - tensors: Q, K, V, M (the additive mask), Out, LSE, DO (the output gradient), DQ, DK, DV
+      (repaired in place), STATS (:func:`~attnchecker.kernels.sdpa_kernels.kv_stats`), RMX (each
+      row's largest mask value), QP / KVP (the query-side and key-side partials of
+      :func:`bwd_rows` / :func:`bwd_cols`), FLAGS (and the records' claims), REC (the records),
+      STEP (the clock);
+    - the record rows of dq, dk, dv (-1: none) and the sizes: H, rep (query heads per K/V head),
+      L, Lk, d, S (key chunks of the stats), nM, nN (the partials' blocks);
+    - the strides, four a tensor (batch, head, row, column; three for the LSE and RMX), named
+      s<tensor>_<dim>: q, k, v, m (the mask), o, l (the LSE), g (dO), dq, dk, dv, r (RMX);
+    - the constants of :func:`bwd_consts` (scale and the tolerances), as the reference derives
+      them;
+    - compile-time: the mask, causality, IEEE products, and the recomputation's blocks BM, BN
+      (smaller than the partials': a rare path that must not spill), BD (d padded)."""
     bkv = tl.program_id(0).to(tl.int64)
     Hkv = H // rep
     b, g = bkv // Hkv, bkv % Hkv
