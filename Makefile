@@ -33,7 +33,7 @@ test: $(STAMP)
 
 # every test, then the curated mutation run (scripts/mutation.py, tests/mutation/mutants.py:
 # one-line changes to the modules that carry the README's promises, each must fail a test;
-# about 4 minutes on 2 cores: benchmarks/results/mutation_cpu2_2026-12-05.md)
+# about 11 minutes on 2 cores: benchmarks/results/mutation_cpu2_2026-12-06.md)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m "" -n 2 --dist worksteal tests
 	$(BIN)/python -m pytest -q -m "" -n 0 README.md docs
