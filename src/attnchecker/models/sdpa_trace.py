@@ -107,11 +107,11 @@ class _Recorder(TorchFunctionMode):
         if self.stack and (func in _KINDS or func in _PRODUCTS or func in _SOFTMAX):
             kind = _KINDS.get(func) or ("softmax" if func in _SOFTMAX else "product")
             self.calls.setdefault(self.stack[-1], []).append(kind)
-            if kind == "sdpa" and len(args) >= 3:
+            if func is _SDPA and len(args) >= 3:
                 self.operands.setdefault(self.stack[-1], (*args[:3], out))
                 named = dict(zip(_SDPA_ARGS, args[3:], strict=False)) | (kwargs or {})
                 self.kwargs.setdefault(self.stack[-1], named)
-            if kind == "mha" and len(args) >= 3:
+            if func is F.multi_head_attention_forward and len(args) >= 3:
                 self.mha.setdefault(self.stack[-1], mha_split(*args[:3]))
         return out
 
