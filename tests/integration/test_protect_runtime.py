@@ -199,19 +199,22 @@ def test_kind_table_is_complete():
 
 @pytest.mark.parametrize(
     "config",
-    [ABFTConfig(policy="warn"), ABFTConfig(backend="sdpa", check_impl="triton", policy="warn")],
-    ids=["eager_core", "sdpa_route_triton"],
-)
+    [ABFTConfig(policy="warn"), ABFTConfig(backend="sdpa", check_impl="triton", policy="warn"),
+     ABFTConfig(backend="triton", policy="warn")],
+    ids=["eager_core", "sdpa_route_triton", "fused_kernels"],
+)  # fmt: skip
 def test_the_replay_rule_is_the_same_for_every_implementation(config):
     """One rule for every writer of the forward's records (``Records.commit``): a checkpointing
     replay's records count where they differ from the first pass's. The registered ops (the
-    SDPA route's and the GEMM checks' Triton kernels, the interpreter here), which write the log
-    themselves, learn at a module's first replay to keep their first pass; from the next step on
-    a fault in a replay alone is counted, one in both passes once (the first replayed step, with
-    no first pass kept, counts only its first pass's, as before the rule was one)."""
+    SDPA route's and the GEMM checks' Triton kernels) and the fused kernels' counters (the
+    interpreter here), which write themselves, learn at a module's first replay to keep their
+    first pass; from the next step on a fault in a replay alone is counted, one in both passes
+    once (the first replayed step, with no first pass kept, counts only its first pass's)."""
     from attnchecker import kernels
+    from attnchecker.attention.sites import in_replay
+    from attnchecker.kernels.flash import KernelFault
 
-    if config.check_impl == "triton" and not kernels.available():
+    if (config.check_impl == "triton" or config.backend == "triton") and not kernels.available():
         pytest.skip("needs triton (CUDA or the interpreter)")
     base, _ = models("llama", dropout=False, layers=1)
     base.gradient_checkpointing_enable()
@@ -219,48 +222,26 @@ def test_the_replay_rule_is_the_same_for_every_implementation(config):
     inputs = batch("llama")
     hit = {"passes": ()}
 
-    def fault(c):
+    def fault(c):  # a fault at the context site (the eager core's, the route's emulated one)
         at = "replay" if c.replay else "first"
         if c.site == "context" and c.layer == 0 and at in hit["passes"]:
             c.tensor[0, 1, 2, 3] = float("nan")
 
-    handle.attach(fault)
-    counts = []
-    for passes in [(), ("replay",), ("first", "replay"), ("replay",)]:
-        hit["passes"] = passes
-        base.zero_grad(set_to_none=True)
-        base(**inputs).loss.backward()
-        counts.append(sum(e.count for e in handle.drain() if e.op == "context"))
-    # a clean step (its replay is the first), then a fault in the replay alone counted, one in
-    # both passes once, one in the replay alone again
-    assert counts == [0, 1, 1, 1], counts
-
-
-def test_the_fused_kernels_follow_the_same_replay_rule():
-    """The fused kernels' forward counters (``backend="triton"``, the interpreter here) by the
-    same rule: a kernel fault in a checkpointing replay alone is counted, one in both passes
-    once (from the step after a module's first replay, as the registered ops)."""
-    from attnchecker import kernels
-    from attnchecker.attention.sites import in_replay
-    from attnchecker.kernels.flash import KernelFault
-
-    if not kernels.available():
-        pytest.skip("needs triton (CUDA or the interpreter)")
-    base, _ = models("llama", dropout=False, layers=1)
-    base.gradient_checkpointing_enable()
-    handle = protect_(base, ABFTConfig(backend="triton", policy="warn"))
-    inputs = batch("llama")
-    hit = {"passes": ()}
-
-    def fault(query, key):
+    def kernel_fault(query, key):  # the fused kernels': in their P V accumulator
         at = "replay" if in_replay() else "first"
         return KernelFault("pv", 0, 1, 2, 3, math.nan) if at in hit["passes"] else None
 
-    handle.state(handle.modules[0]).kernel_fault = fault
+    op = "pv" if config.backend == "triton" else "context"
+    if op == "pv":
+        handle.state(handle.modules[0]).kernel_fault = kernel_fault
+    else:
+        handle.attach(fault)
     counts = []
     for passes in [(), ("replay",), ("first", "replay"), ("replay",)]:
         hit["passes"] = passes
         base.zero_grad(set_to_none=True)
         base(**inputs).loss.backward()
-        counts.append(sum(e.count for e in handle.drain() if e.op == "pv"))
+        counts.append(sum(e.count for e in handle.drain() if e.op == op))
+    # a clean step (its replay is the first), then a fault in the replay alone counted, one in
+    # both passes once, one in the replay alone again
     assert counts == [0, 1, 1, 1], counts

@@ -107,12 +107,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "rows = rows", "a replay's records equal to the first pass's counted twice, for the "
            "registered ops and the fused kernels",
            tests=("tests/integration/test_protect_runtime.py", "-k",
-                  "replay_rule or follow_the_same")),
+                  "replay_rule")),
     Mutant("attention/records.py", "        if not self.replayed and in_replay():\n",
            "        if False:\n", "the registered ops never learn that a replay reaches them: "
            "their replays counted twice",
            tests=("tests/integration/test_protect_runtime.py", "-k",
-                  "replay_rule or follow_the_same")),
+                  "replay_rule")),
     # ------------------------------------------------------------------ recovery/guard.py
     Mutant("recovery/guard.py", "op=torch.distributed.ReduceOp.MAX", "op=torch.distributed.ReduceOp.MIN",
            "one rank's flag does not skip the others: the replicas diverge"),

@@ -169,10 +169,6 @@ class Records:
             self._first[ops] = recs  # (a traced dict write would be a side effect)
         self.log.index_add_(0, self._index(ops, recs.device), rows)
 
-    def row(self, op: str) -> int:
-        """The log row of forward op ``op``."""
-        return self._row[op]
-
     def direct_row(self, *ops: str, on: Callable[[str], bool], grad: bool = False) -> int:
         """Where a registered op that writes its records itself writes the first of ``ops``
         that ``on`` (the schedule) checks now: its row in :meth:`direct_log` (``grad``: in the

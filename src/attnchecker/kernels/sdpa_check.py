@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
-from attnchecker.kernels import DEAD, SDPA_BLOCKS
+from attnchecker.kernels import DEAD
 
 __all__ = [
     "REFERENCE",
@@ -404,8 +404,6 @@ def bwd_repair(
 # family differ, so each op has its own fake.
 # Each family is an :class:`SdpaOps` value.
 
-CHUNK, BM, BN = SDPA_BLOCKS  # the kernels' keys per stats program, query / key rows per block
-
 _Q = "Tensor q, Tensor k"
 SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
     # name: (schema, mutated arguments)
@@ -457,11 +455,6 @@ class SdpaOps:
     bwd_verify: Callable[..., tuple[Tensor, Tensor]]
     bwd_sums: Callable[..., Tensor]
     bwd_repair: Callable[..., None]
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b)."""
-    return -(-a // b)
 
 
 def reduce_stats(stats: Tensor) -> Tensor:
