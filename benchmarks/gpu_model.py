@@ -28,7 +28,6 @@ slower of the two sums, a graph step the device's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 
@@ -37,12 +36,11 @@ os.environ.setdefault("ATTNCHECKER_CHECK_IMPL", "eager")  # as the H200 run meas
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from _common import RESULTS, environment, parse, write
 from attnchecker import ABFTConfig, protect_
 from attnchecker.attention.ops import CORE_OPS, OP_TABLE
-from attnchecker.gpu_cost import H200, OpTrace
+from attnchecker.gpu_cost import H200, LLAMA_8B, OpTrace, traced_step
 from attnchecker.models.tiny import build
 
 MEASURED = RESULTS / "protect_vs_sdpa_eager_checks_cuda_2026-12-04.json"
@@ -60,37 +58,36 @@ ARMS = {
     "core_sdpa": ABFTConfig(ops=CORE_OPS, backend="sdpa", check_impl="triton"),
     # the default config as "auto" runs it on CUDA: the SDPA route, the GEMM checks' Triton ops
     "protected_sdpa": ABFTConfig(backend="sdpa", check_impl="triton"),
+    "all_linear_sdpa": ABFTConfig(backend="sdpa", check_impl="triton", scope="all_linear"),
 }
-LLAMA_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "intermediate_size": 14336, "head_dim": 128}  # fmt: skip
+WIDE_ARMS = ["protected_sdpa", "all_linear_sdpa", "core_sdpa", "projections_triton"]
+"""What CUDA runs (``auto``): the arms of the wide tables."""
 
 
-def trace(family: str, config: ABFTConfig | None, L: int, *, fake: bool, **widths) -> OpTrace:
-    """The op trace of one training step (the second: the first builds what is cached) of a
-    2-layer ``family`` model, plain SDPA (``config`` None) or protected by ``config``."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with mode:
-        torch.manual_seed(0)
-        model = build(family, ARGS.size, layers=2, max_len=max(L, 128), **widths)
-        model.config.use_cache = False
-        model.train()
+def trace(family: str, config: ABFTConfig | None, L: int) -> OpTrace:
+    """The op trace of one training step computed for real (the second: the first builds what
+    is cached) of a 2-layer ``family`` model, plain SDPA (``config`` None) or protected by
+    ``config``: the calibration's, which runs on this machine."""
+    torch.manual_seed(0)
+    model = build(family, ARGS.size, layers=2, max_len=max(L, 128))
+    model.config.use_cache = False
+    model.train()
     model.set_attn_implementation("sdpa")  # what users run, and what protection starts from
-    if config is not None:  # outside the fake mode: protect_'s probe compares real numbers
+    if config is not None:
         protect_(model, config)
-    with mode:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-        ids = torch.randint(3, 128, (1, L), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    ids = torch.randint(3, 128, (1, L), generator=torch.Generator().manual_seed(0))
 
-        def step() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
+    step()
+    with OpTrace() as t:
         step()
-        with OpTrace() as t:
-            step()
     return t
 
 
@@ -99,7 +96,7 @@ def calibration() -> list[dict]:
     rows = []
     for family in ARGS.families:
         for arm, config in (("sdpa", None), ("protected", ARMS["protected"])):
-            m = trace(family, config, ARGS.calibrate_length, fake=False).modelled(H200)
+            m = trace(family, config, ARGS.calibrate_length).modelled(H200)
             got = measured.get(family, {}).get(f"step_{arm}_ms")
             rows.append({"family": family, "arm": arm, "launches": m.launches,
                          "host_ms": m.host * 1e3, "device_ms": m.device * 1e3,
@@ -109,23 +106,45 @@ def calibration() -> list[dict]:
     return rows
 
 
-def wide(widths: dict, L: int) -> list[dict]:
-    t = trace("llama", None, L, fake=True, **widths)
-    plain, base = t.modelled(H200), t.device_time(H200)
-    rows = [{"arm": "sdpa", "launches": plain.launches, "host_ms": plain.host * 1e3,
-             "device_ms": plain.device * 1e3, "eager_ms": plain.step() * 1e3,
-             "graph_ms": plain.step(graph=True) * 1e3, "eager_vs_sdpa": 0.0,
-             "graph_vs_sdpa": 0.0, "top": _top(base)}]  # fmt: skip
+def _row(arm: str, m, plain, extra=None) -> dict:
+    return {"arm": arm, "launches": m.launches, "host_ms": m.host * 1e3,
+            "device_ms": m.device * 1e3, "eager_ms": m.step() * 1e3,
+            "graph_ms": m.step(graph=True) * 1e3,
+            "eager_vs_sdpa": m.step() / plain.step() - 1,
+            "graph_vs_sdpa": m.step(graph=True) / plain.step(graph=True) - 1,
+            "top": "" if extra is None else _top(extra)}  # fmt: skip
+
+
+def _scaled(t1, t2, n: int):
+    """A step of ``n`` layers from the traces of 1 and 2: fixed + n x (the second layer's)."""
+    from attnchecker.gpu_cost import Modelled
+
+    a, b = t1.modelled(H200), t2.modelled(H200)
+    return Modelled(a.launches + (n - 1) * (b.launches - a.launches),
+                    a.host + (n - 1) * (b.host - a.host),
+                    a.device + (n - 1) * (b.device - a.device))  # fmt: skip
+
+
+def wide(widths: dict | None, L: int, layers: int, vocab: int, arms, micro: int = 1) -> list[dict]:
+    """Each arm's step of ``layers`` layers, from traces of 1 and 2 (shapes only, real
+    tensors, nothing computed: ``gpu_cost.traced_step``), against the plain SDPA model's."""
+
+    def both(config):
+        return [traced_step(config, layers=n, L=L, vocab=vocab, widths=widths,
+                            micro_batches=micro) for n in (1, 2)]  # fmt: skip
+
+    p1, p2 = both(None)
+    plain = _scaled(p1, p2, layers)
+    base = p2.device_time(H200)
+    base.subtract(p1.device_time(H200))
+    rows = [_row("sdpa", plain, plain)]
     print(rows[-1], flush=True)
-    for arm in ARGS.arms:
-        t = trace("llama", ARMS[arm], L, fake=True, **widths)
-        m, extra = t.modelled(H200), t.device_time(H200)
-        extra.subtract(base)
-        rows.append({"top": _top(extra), "arm": arm, "launches": m.launches, "host_ms": m.host * 1e3,
-                     "device_ms": m.device * 1e3, "eager_ms": m.step() * 1e3,
-                     "graph_ms": m.step(graph=True) * 1e3,
-                     "eager_vs_sdpa": m.step() / plain.step() - 1,
-                     "graph_vs_sdpa": m.step(graph=True) / plain.step(graph=True) - 1})  # fmt: skip
+    for arm in arms:
+        t1, t2 = both(ARMS[arm])
+        extra = t2.device_time(H200)
+        extra.subtract(t1.device_time(H200))
+        extra.subtract(base)  # what one protected layer adds on the device
+        rows.append(_row(arm, _scaled(t1, t2, layers), plain, extra))
         print(rows[-1], flush=True)
     return rows
 
@@ -133,15 +152,16 @@ def wide(widths: dict, L: int) -> list[dict]:
 def one_gemm() -> list[dict]:
     """One checked dX GEMM of the spec's measurement (T 8192, N 2304 -> K 768, bf16) by the
     registered ops, with W's references at hand (the step's weight sums) and with its own
-    references pass, against the GEMM itself, under FakeTensorMode."""
+    references pass, against the GEMM itself: shapes only, the Triton launches recorded."""
     from attnchecker.kernels import gemm_check as gc
+    from attnchecker.kernels.launches import SkipCompute, recorded
 
     rows = []
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        T, N, K = (64, 96, 32) if ARGS.quick else (8192, 2304, 768)
-        dy, w = torch.empty(T, N, dtype=torch.bfloat16), torch.empty(N, K, dtype=torch.bfloat16)
-        dx = torch.empty(T, K, dtype=torch.bfloat16)
-        rec, step = torch.zeros(7, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    T, N, K = (64, 96, 32) if ARGS.quick else (8192, 2304, 768)
+    dy, w = torch.empty(T, N, dtype=torch.bfloat16), torch.empty(N, K, dtype=torch.bfloat16)
+    dx = torch.empty(T, K, dtype=torch.bfloat16)
+    rec, step = torch.zeros(7, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    with SkipCompute(), recorded(run=False):
         refs = gc.gemm_refs(w)
         with OpTrace() as t:
             dy @ w
@@ -167,28 +187,32 @@ def _pct(x: float | None) -> str:
     return "" if x is None else f"{x:+.1%}"
 
 
-def markdown(
-    cal: list[dict], big: list[dict], base: list[dict], one: list[dict], env: dict, cmd: str
-) -> str:
-    widths = "base width (tiny at --quick)" if ARGS.quick else (
-        "hidden 4096, 32 heads, 8 KV heads, MLP 14336")  # fmt: skip
+def markdown(cal: list[dict], tables: list[tuple[str, list[dict]]], one: list[dict], env: dict,
+             cmd: str) -> str:  # fmt: skip
     out = [
         "# The protected step on an H200, **modelled** from op traces (not measured)",
         "",
-        f"`{cmd}`; torch {env['torch']}, {env['date']}. Model (`attnchecker.gpu_cost.OpTrace`, "
-        f"`H200`): per launching op max(bytes / {H200.bandwidth / 1e12:.1f} TB/s, FLOPs / "
-        f"{H200.flops / 1e12:.0f} TFLOP/s, {H200.kernel * 1e6:.0f} us) on the device, "
-        f"{H200.launch * 1e6:.0f} us on the host in eager, none in a CUDA graph; eager step = "
-        "max(host, device). One training step (forward, backward, AdamW foreach), bf16 "
-        'autocast; the checks as eager ops, or (`_triton` arms, `check_impl="triton"`, '
-        "what `auto` runs on CUDA) the GEMM checks as registered Triton ops (a repair waiting "
-        "for its flag costs the kernel floor), the rest as eager ops. `core`: the attention "
-        "core's checks alone on the eager core; `core_sdpa`: the same on the SDPA route "
-        '(`backend="sdpa"`: the backend\'s kernel and its six check kernels); `protected_sdpa`: '
-        "the default config as `auto` runs it on CUDA (the SDPA route, the GEMM checks' "
-        "Triton ops). A CUDA graph's step stands in for a compiled one (launch cost gone).",
+        f"`{cmd}`; torch {env['torch']}, {env['date']}. Model (`attnchecker.gpu_cost`, "
+        f"`H200`): per aten op max(bytes / {H200.bandwidth / 1e12:.1f} TB/s, FLOPs / "
+        f"{H200.flops / 1e12:.0f} TFLOP/s, {H200.kernel * 1e6:.0f} us) on the device; per Triton "
+        f"launch max(bytes / min({H200.bandwidth / 1e12:.1f} TB/s, programs x "
+        f"{H200.program_rate / 1e9:.0f} GB/s), {H200.kernel * 1e6:.0f} us), a repair on a clean "
+        "step its flags' bytes; "
+        f"{H200.launch * 1e6:.0f} us on the host per launch in eager, none in a CUDA graph; "
+        "eager step = max(host, device). One training step: forward and backward (of each "
+        "micro-batch), AdamW foreach, the records drained; bf16 autocast over fp32 weights. "
+        "Traced on real tensors with nothing computed (`gpu_cost.traced_step`: both arms the "
+        "same way, the GPU's path where it differs, the registered ops' own aten ops and "
+        "Triton launches charged), a step of n layers as fixed + n x the second layer's. "
+        "Arms: `protected_sdpa`, the default config as `auto` runs it on CUDA (the SDPA route, "
+        "the GEMM checks as registered Triton ops); `all_linear_sdpa`, the same with "
+        '`scope="all_linear"`; `core_sdpa`, the attention core\'s checks alone; '
+        "`projections_triton`, the projections' checks alone (eager core). A CUDA graph's step "
+        "stands in for a compiled one (launch cost gone; inductor's own fusion not modelled). "
+        "What the model cannot see: `attnchecker.gpu_cost`'s docstring (device constants not "
+        "fitted to kernel timings; per-program rate assumed).",
         "",
-        f"## Calibration: base width, 2 layers, L {ARGS.calibrate_length}, B 1, real tensors, "
+        f"## Calibration: base width, 2 layers, L {ARGS.calibrate_length}, B 1, computed, "
         f"against the H200's measured steps (`{MEASURED.name}`)",
         "",
         "| family | arm | launches | host ms | device ms | modelled ms | measured ms | error |",
@@ -199,16 +223,13 @@ def markdown(
         out.append(f"| {r['family']} | {r['arm']} | {r['launches']} | {r['host_ms']:.1f} | "
                    f"{r['device_ms']:.1f} | {r['modelled_ms']:.1f} | {got} | "
                    f"{_pct(r['error'])} |")  # fmt: skip
-    for title, rows in (
-        (f"llama, {widths}, 2 layers, L {ARGS.length}", big),
-        (f"llama, base width, 2 layers, L {ARGS.calibrate_length}", base),
-    ):
+    for title, rows in tables:
         out += [
             "",
-            f"## {title}, B 1, FakeTensorMode (modelled)",
+            f"## {title} (modelled)",
             "",
             "| arm | launches | host ms | device ms | eager ms | vs SDPA | CUDA graph ms | "
-            "vs SDPA | most device ms (beyond SDPA's) |",
+            "vs SDPA | most device ms a layer adds |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in rows:
@@ -238,19 +259,29 @@ def main() -> None:
     ap.add_argument("--size", default="base")
     ap.add_argument("--calibrate-length", type=int, default=1024)
     ap.add_argument("--length", type=int, default=4096)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=WIDE_ARMS, choices=list(ARMS))
+    ap.add_argument("--micro", type=int, default=4, help="micro-batches a step (its own table)")
     ARGS = parse(ap, {"size": "tiny", "calibrate_length": 64, "length": 64,
                       "families": ["llama"]})  # fmt: skip
     env = environment()
     cal = calibration()
-    big = wide({} if ARGS.quick else LLAMA_8B, ARGS.length)
-    base = wide({}, ARGS.calibrate_length)
+    q = ARGS.quick
+    widths, layers, vocab = ({}, 2, 128) if q else (LLAMA_8B, 32, 128256)
+    name = "base width" if q else "Llama-8B widths (hidden 4096, 32 heads, 8 KV heads, MLP 14336)"
+    tables = [
+        (f"llama, {name}, {layers} layers, vocabulary {vocab}, L {ARGS.length}, B 1",
+         wide(widths, ARGS.length, layers, vocab, ARGS.arms)),
+        (f"the same, gradient accumulation {ARGS.micro} micro-batches a step",
+         wide(widths, ARGS.length, layers, vocab, ["protected_sdpa"], micro=ARGS.micro)),
+        (f"llama, base width, 2 layers, vocabulary 128, L {ARGS.calibrate_length}, B 1",
+         wide({}, ARGS.calibrate_length, 2, 128, ARGS.arms)),
+    ]  # fmt: skip
     one = one_gemm()
     from _common import command
 
     write("gpu_model", {"environment": env, "args": vars(ARGS), "calibration": cal,
-                        "llama_8b": big, "base": base, "one_gemm": one},
-          markdown(cal, big, base, one, env, command()))  # fmt: skip
+                        "tables": tables, "one_gemm": one},
+          markdown(cal, tables, one, env, command()))  # fmt: skip
 
 
 ARGS: argparse.Namespace

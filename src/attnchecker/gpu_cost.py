@@ -1,36 +1,42 @@
 """The GPU cost model (``../shared/spec/gpu-path.md`` §7): a step's time on a GPU, modelled from
-the ops it dispatches on a machine without one. Every figure it gives is **modelled, not
+the work it dispatches on a machine without one. Every figure it gives is **modelled, not
 measured**, and is to be labelled so.
 
 The contract. Run one piece of work (a training step) under an :class:`OpTrace`: each launching
-op (not a view, :data:`attnchecker.testing.VIEW_OPS`, nor an allocation) is recorded with its
-FLOPs (``torch.utils.flop_counter``'s formulas: GEMMs, convolutions, attention kernels; 0 for the
-rest) and the bytes it moves (its tensor inputs and outputs, each once). On a :class:`Device`
-each op takes max(bytes / bandwidth, FLOPs / FLOP rate, a kernel's floor), and ``launch`` seconds
-of host time in eager, none in a CUDA graph; :class:`Modelled` sums them: an eager step is the
-slower of host and device (they overlap), a graph step the device's. The trace needs shapes, not
-values: it runs on real tensors, on the meta device and under ``FakeTensorMode`` (a step at
-widths this machine cannot hold). :data:`H200` is calibrated against measured H200 steps
-(``benchmarks/gpu_model.py`` states the error), which were host-bound: the device constants have
-not yet been tested against per-kernel timings.
+aten op (not a view, :data:`attnchecker.testing.VIEW_OPS`, nor an allocation) is recorded with
+its FLOPs (``torch.utils.flop_counter``'s formulas: GEMMs, convolutions, attention kernels; 0
+for the rest) and the bytes it moves (its tensor inputs and outputs, each once); a registered
+op of attnchecker's is looked into: the aten ops it runs inside (casts, zero-fills, copies) are
+recorded as the rest, and each Triton kernel it launches with its grid and the bytes of its
+arguments (:mod:`attnchecker.kernels.launches`). On a :class:`Device` an aten op takes
+max(bytes / bandwidth, FLOPs / FLOP rate, a kernel's floor); a Triton launch takes max(bytes /
+min(bandwidth, programs x ``program_rate``), the floor), a repair that returns on a clean flag
+(:func:`clean_exit`) the bytes of its flags only; each launch costs ``launch`` seconds of host
+time in eager, none in a CUDA graph; :class:`Modelled` sums them: an eager step is the slower
+of host and device (they overlap), a graph step the device's. :func:`traced_step` traces a
+protected (or plain) llama's training step at any width on this machine in seconds: real
+tensors, nothing computed (:class:`~attnchecker.kernels.launches.SkipCompute`), the GPU's path
+taken where the CPU's differs (the SDPA route expands K / V for GQA on CUDA), so both arms of a
+comparison are traced the same way.
 
-What a trace cannot see:
+What the model cannot see, and where it may be wrong:
 
-- the work inside a registered op (its casts, zero-fills, the copies it makes): it is one op,
-  charged for the tensors it takes and returns; a repair that waits for a device flag
-  (:data:`_ON_A_FLAG`) is charged the kernel floor alone, as on a clean step;
-- how a kernel uses the machine: every op is taken to reach the full bandwidth, so a launch of a
-  few programs over many bytes is priced like a pass over the whole device;
+- the device constants: ``bandwidth``, ``flops`` and ``kernel`` of :data:`H200` are rates
+  kernels are taken to reach, never yet fitted to per-kernel timings on the device (the
+  calibration rows of ``benchmarks/gpu_model.py`` were host-bound), and ``program_rate`` (what
+  one program of a launch streams) is an assumption: the bandwidth shared by the SMs;
+- how a kernel uses the machine beyond its grid: occupancy, tails, the L2, a serial loop
+  inside a program (a launch is charged by its bytes and programs only);
 - what a user's ``torch.compile`` runs: inductor fuses the traced ops its own way (a CUDA graph
   step stands in for a compiled one, launch cost gone; count the compiled kernels with
   :func:`attnchecker.testing.inductor_kernels`);
-- what fake tensors change: under ``FakeTensorMode`` transformers builds the causal mask in full
-  and repeats K/V for GQA in the plain model, which a real run does not; trace both arms of a
-  comparison the same way.
+- the backend's choice on a GPU (flash or memory-efficient SDPA) and the model's own code paths
+  there (transformers' GQA handling on CUDA is taken to be the CPU's: native).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -38,7 +44,16 @@ import torch
 
 from attnchecker.testing import VIEW_OPS, OpCounter
 
-__all__ = ["H200", "Device", "Modelled", "OpTrace"]
+__all__ = [
+    "H200",
+    "LLAMA_8B",
+    "Device",
+    "Modelled",
+    "OpTrace",
+    "audit_failures",
+    "launch_audit",
+    "traced_step",
+]
 
 
 @dataclass(frozen=True)
@@ -52,12 +67,25 @@ class Device:
     flops: float  # FLOP / s that a large bf16 GEMM reaches
     kernel: float  # s: the least a kernel takes on the device
     launch: float  # s of host time per launching op, eager
+    program_rate: float = 0.0  # bytes / s one program of a Triton launch streams (0: any)
+
+    def triton_time(self, nbytes: float, programs: int) -> float:
+        """A Triton launch's device time: its bytes at the rate its programs can reach."""
+        rate = self.bandwidth if not self.program_rate else min(
+            self.bandwidth, programs * self.program_rate)  # fmt: skip
+        return max(nbytes / rate, self.kernel)
 
 
-H200 = Device("H200", bandwidth=4.0e12, flops=7.0e14, kernel=3e-6, launch=20e-6)
+SMS = 132
+"""Streaming multiprocessors of an H100 / H200: a launch with fewer programs leaves SMs idle."""
+
+H200 = Device("H200", bandwidth=4.0e12, flops=7.0e14, kernel=3e-6, launch=20e-6,
+              program_rate=4.0e12 / SMS)  # fmt: skip
 """The H200 of the committed runs (``benchmarks/results/gpu_2026-12-04``): 4.8 TB/s and ~990
 TFLOP/s dense bf16 peak, taken at the rates kernels reach; ~20 us of host time per eager op was
-measured there (llama: 46 ms for 2,329 extra ops). ``benchmarks/gpu_model.py`` sets it against
+measured there (llama: 46 ms for 2,329 extra ops); a program of a Triton launch at most its SM's
+share of the bandwidth (an assumption, stated: the first GPU session measures it,
+``scripts/gpu_check.sh``). ``benchmarks/gpu_model.py`` sets it against
 those measured steps and states its error."""
 
 
@@ -82,15 +110,14 @@ _ALLOCATING = frozenset({"aten.empty", "aten.empty_like", "aten.empty_strided",
 :attr:`OpTrace.work`)."""
 
 
-_ON_A_FLAG = frozenset({"attnchecker.gemm_repair", "attnchecker.proj_repair",
-                        "attnchecker.sdpa_fwd_repair", "attnchecker.sdpa_bwd_repair",
-                        "attnchecker.sdpa_fwd_repair_triton",
-                        "attnchecker.sdpa_bwd_repair_triton"})  # fmt: skip
-"""Registered ops whose work waits for a device flag (the GEMM checks' and the SDPA route's
-repairs, as their Triton kernels run on CUDA): on a clean step each program reads a few flags
-and returns, so :class:`OpTrace` counts no bytes for them (the kernel floor), not the tensors
-they would rewrite on a flag."""
+def clean_exit(kernel: str) -> bool:
+    """Whether a Triton kernel is a repair (the SDPA route's, the GEMM checks'), whose programs
+    each read a flag or a few and return on a clean step: charged those bytes
+    (:data:`_FLAG_BYTES` a program), not the tensors they would rewrite on a flag."""
+    return "repair" in kernel
 
+
+_FLAG_BYTES = 128
 
 _FLOPS_AS = {  # CPU kernels the FLOP counter does not know, counted as their CUDA twins
     "aten._scaled_dot_product_flash_attention_for_cpu":
@@ -101,20 +128,36 @@ _FLOPS_AS = {  # CPU kernels the FLOP counter does not know, counted as their CU
 
 
 class OpTrace(OpCounter):
-    """An :class:`attnchecker.testing.OpCounter` that also keeps each launching op's FLOPs (the
-    formulas of ``torch.utils.flop_counter``: GEMMs, convolutions, attention kernels; 0 for the
-    rest) and the bytes it moves (its tensor inputs and outputs, each once; none for an op that
-    waits for a device flag, :data:`_ON_A_FLAG`, on a clean step): enough to model its time
-    on a GPU (:meth:`modelled`). Works on real tensors, on the meta device and under
-    ``FakeTensorMode`` (shapes only: a training step at widths this machine cannot hold).
-    Allocations (``aten.empty`` and kin) launch nothing and are left out."""
+    """An :class:`attnchecker.testing.OpCounter` that also keeps each launching aten op's FLOPs
+    (the formulas of ``torch.utils.flop_counter``: GEMMs, convolutions, attention kernels; 0 for
+    the rest) and the bytes it moves (its tensor inputs and outputs, each once), looks into
+    attnchecker's registered ops (their aten ops traced as the rest, their Triton launches
+    recorded: :attr:`launches`), and models the lot on a GPU (:meth:`modelled`). Allocations
+    (``aten.empty`` and kin) launch nothing and are left out. Enter it inside
+    :func:`attnchecker.kernels.launches.recorded` to see the Triton launches (``run=False`` with
+    :class:`~attnchecker.kernels.launches.SkipCompute`: shapes only)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.work: list[tuple[str, float, float]] = []  # (op, FLOPs, bytes) per launching op
+        self.launches: list = []  # the Triton launches (attnchecker.kernels.launches.Launch)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "attnchecker":  # its work: the ops inside, and its launches
+            from attnchecker.kernels import launches
+
+            self.ops[str(func.overloadpacket)] += 1
+            log = launches.current()
+            before = 0 if log is None else len(log)
+            from torch._library.custom_ops import OPDEFS
+
+            body = OPDEFS[func._schema.name]._init_fn  # its Python body, traced op by op
+            with self:
+                out = body(*args, **kwargs)
+            if log is not None:
+                self.launches += log[before:]
+            return out
         out = super().__torch_dispatch__(func, types, args, kwargs)
         op = str(func.overloadpacket)
         if op not in VIEW_OPS and op not in _ALLOCATING:
@@ -125,20 +168,120 @@ class OpTrace(OpCounter):
             flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
             seen = {id(t): t for t in tree_leaves((args, kwargs, out))
                     if isinstance(t, torch.Tensor)}  # fmt: skip
-            moved = (
-                0 if op in _ON_A_FLAG else sum(t.numel() * t.element_size() for t in seen.values())
-            )
+            moved = sum(t.numel() * t.element_size() for t in seen.values())
             self.work.append((op, flops, float(moved)))
         return out
 
+    @property
+    def launched(self) -> int:
+        """Launching aten ops and Triton launches (a registered op is its launches)."""
+        return len(self.work) + len(self.launches)
+
     def modelled(self, device: Device = H200) -> Modelled:
         """The traced work as a step on ``device``."""
-        return Modelled(len(self.work), len(self.work) * device.launch,
-                        sum(self.device_time(device).values()))  # fmt: skip
+        n = self.launched
+        return Modelled(n, n * device.launch, sum(self.device_time(device).values()))
 
     def device_time(self, device: Device = H200) -> Counter[str]:
-        """Modelled device seconds per op name (where a step's device time goes)."""
+        """Modelled device seconds per op name (Triton kernels as ``triton.<kernel>``)."""
         out: Counter[str] = Counter()
         for op, f, b in self.work:
             out[op] += max(b / device.bandwidth, f / device.flops, device.kernel)
+        for n in self.launches:
+            nbytes = n.programs * _FLAG_BYTES if clean_exit(n.kernel) else n.bytes
+            out[f"triton.{n.kernel}"] += device.triton_time(nbytes, n.programs)
         return out
+
+
+# ------------------------------------------------------------------------------ the launch audit
+
+LLAMA_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "intermediate_size": 14336, "head_dim": 128}  # fmt: skip
+"""Llama 3 8B's widths (head dim 128, GQA 4:1): what the launch audit and the model price."""
+
+PER_PROGRAM_MAX = 2e6
+"""Bytes of arguments a program may stream on its own (issue 54's rule): one program reaches
+tens of GB/s, not the device's TB/s, so a launch over more than this a program is serial."""
+
+FEW_PROGRAMS_MAX = 32e6
+"""Bytes a launch with fewer programs than :data:`SMS` may touch."""
+
+
+def traced_step(
+    config=None,
+    *,
+    family: str = "llama",
+    layers: int = 1,
+    L: int = 4096,
+    vocab: int = 32000,
+    batch: int = 1,
+    autocast: bool = True,
+    micro_batches: int = 1,
+    widths: dict | None = None,
+) -> OpTrace:
+    """The :class:`OpTrace` of the second of two training steps of a ``layers``-layer
+    ``family`` model at ``widths`` (:data:`LLAMA_8B` by default; ``{}``: base width), sequence
+    ``L``, ``batch`` sequences a micro-batch, ``micro_batches`` of them a step (gradients
+    accumulated), then AdamW (``foreach``, as on CUDA), the gradients zeroed and, protected,
+    the records drained: plain (``config`` None, SDPA attention) or protected by ``config`` (an
+    :class:`~attnchecker.ABFTConfig`; ``backend="sdpa", check_impl="triton"`` is what ``auto``
+    runs on CUDA). bf16 autocast over fp32 weights (``autocast``; else bf16 weights). Nothing is
+    computed (:class:`~attnchecker.kernels.launches.SkipCompute`, the Triton launches recorded,
+    not run, the GPU's path where it differs): seconds at widths this machine could not
+    compute, the same way for both arms."""
+    from attnchecker import protect_
+    from attnchecker.kernels.launches import SkipCompute, recorded
+    from attnchecker.models.tiny import build
+
+    with torch.device("meta"):
+        model = build(family, "base", layers=layers, max_len=L, vocab_size=vocab,
+                      **(LLAMA_8B if widths is None else widths))  # fmt: skip
+    model = model.to_empty(device="cpu")
+    if not autocast:
+        model = model.to(torch.bfloat16)
+    with torch.no_grad():  # protect_'s probe compares real numbers
+        for p in model.parameters():
+            p.uniform_(-0.02, 0.02)
+    model.config.use_cache = False
+    model.train()
+    model.set_attn_implementation("sdpa")
+    handle = None if config is None else protect_(model, config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    ids = torch.randint(3, 128, (batch, L), generator=torch.Generator().manual_seed(0))
+
+    def step(trace: OpTrace | None) -> None:
+        with SkipCompute(), recorded(run=False), trace or contextlib.nullcontext():
+            for _ in range(micro_batches):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if handle is not None:  # its reads are real: the log was never written
+            with recorded(run=False), trace or contextlib.nullcontext():
+                handle.drain()
+
+    step(None)  # the first builds what is cached
+    trace = OpTrace()
+    step(trace)
+    return trace
+
+
+def launch_audit(config, **kwargs) -> list:
+    """Every Triton launch of :func:`traced_step`'s protected step (its keywords; one layer at
+    Llama-8B widths, L 4096, by default), as :class:`~attnchecker.kernels.launches.Launch`es:
+    :func:`audit_failures` applies the rules."""
+    return traced_step(config, **kwargs).launches
+
+
+def audit_failures(launches) -> list[str]:
+    """The launches that break issue 54's rules: more than :data:`PER_PROGRAM_MAX` bytes of
+    arguments a program, or fewer programs than :data:`SMS` over more than
+    :data:`FEW_PROGRAMS_MAX` bytes."""
+    out = []
+    for n in launches:
+        if n.per_program > PER_PROGRAM_MAX:
+            out.append(f"{n.kernel} {n.grid}: {n.per_program / 1e6:.2f} MB a program")
+        elif n.programs < SMS and n.bytes > FEW_PROGRAMS_MAX:
+            out.append(f"{n.kernel} {n.grid}: {n.programs} programs over {n.bytes / 1e6:.0f} MB")
+    return out

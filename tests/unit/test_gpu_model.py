@@ -84,3 +84,74 @@ def test_the_cpu_flash_attention_is_charged_as_the_cuda_one():
     assert flops == {"aten._scaled_dot_product_flash_attention_for_cpu": 4 * 8 * 256**2 * 64,
                      "aten._scaled_dot_product_flash_attention_for_cpu_backward":
                          2.5 * 4 * 8 * 256**2 * 64}, flops  # fmt: skip
+
+
+def test_a_triton_launch_is_charged_by_what_its_programs_can_stream():
+    """A launch's bytes at min(bandwidth, programs x the per-program rate): one program over
+    100 MB is serial, a launch that fills the SMs reaches the bandwidth; a repair that
+    returns on a clean flag is charged its flags, not its arguments."""
+    from attnchecker.gpu_cost import SMS, clean_exit
+    from attnchecker.kernels.launches import Launch
+
+    one = H200.triton_time(100e6, 1)
+    assert one == pytest.approx(100e6 / H200.program_rate)
+    assert H200.triton_time(100e6, 4 * SMS) == pytest.approx(100e6 / H200.bandwidth)
+    assert one > 100 * H200.triton_time(100e6, 4 * SMS)
+    t = OpTrace()
+    t.launches = [
+        Launch("fwd_repair_kernel", (128, 32, 1), 10**9),
+        Launch("verify_kernel", (1, 1, 1), 10**8),
+    ]
+    times = t.device_time(H200)
+    assert clean_exit("fwd_repair_kernel") and not clean_exit("verify_kernel")
+    assert times["triton.fwd_repair_kernel"] == pytest.approx(H200.kernel)  # 4096 x 128 B
+    assert times["triton.verify_kernel"] == pytest.approx(1e8 / H200.program_rate)
+
+
+def test_a_registered_op_is_charged_its_own_ops_and_launches():
+    """The trace looks into attnchecker's registered ops: the GEMM check's reference pass is
+    its Triton launches (recorded with their grids, nothing run) and the aten ops inside,
+    not one op charged for its arguments."""
+    from attnchecker import kernels
+    from attnchecker.kernels.launches import SkipCompute, recorded
+
+    if not kernels.available():
+        pytest.skip("needs triton (or its interpreter)")
+    from attnchecker.kernels import gemm_check as gc
+
+    w = torch.empty(2304, 768, dtype=torch.bfloat16)
+    with SkipCompute(), recorded(run=False), OpTrace() as t:
+        gc.gemm_refs(w)
+    assert t.ops["attnchecker.gemm_refs"] == 1
+    assert t.launches and all(n.kernel.endswith("kernel") for n in t.launches)
+    assert t.launched == len(t.work) + len(t.launches)
+    assert all(not op.startswith("attnchecker") for op, *_ in t.work)
+
+
+def test_a_traced_step_takes_the_gpus_path():
+    """``traced_step`` at a tiny width, nothing computed: the protected step on the SDPA route
+    (as CUDA runs it) records the route's kernels and expands K / V for GQA as the CUDA path
+    does (two copies forward, two backward, and the group sums of dK and dV), which the CPU
+    path does not."""
+    from attnchecker import ABFTConfig, kernels
+    from attnchecker.gpu_cost import traced_step
+
+    if not kernels.available():
+        pytest.skip("needs triton (or its interpreter)")
+    tiny = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 128, "head_dim": 16}  # fmt: skip
+    plain = traced_step(None, L=64, vocab=128, widths=tiny)
+    prot = traced_step(ABFTConfig(backend="sdpa", check_impl="triton"), L=64, vocab=128,
+                       widths=tiny)  # fmt: skip
+    assert not plain.launches
+    names = {n.kernel for n in prot.launches}
+    assert {"fwd_verify_kernel", "fwd_repair_kernel", "bwd_check_kernel"} <= names
+    ops = {op for op, *_ in prot.work}
+    assert "aten._scaled_dot_product_flash_attention" in ops  # CUDA's kernel, on its meta
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in {op for op, *_ in plain.work}
+    from collections import Counter
+
+    more = Counter(op for op, *_ in prot.work)
+    more.subtract(Counter(op for op, *_ in plain.work))
+    assert more["aten.clone"] >= 4 and more["aten.sum"] >= 2, more
+    assert prot.modelled(H200).device > plain.modelled(H200).device

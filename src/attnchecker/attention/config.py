@@ -83,8 +83,8 @@ class ABFTConfig:
       CUDA and elsewhere compiled where that measured faster and inductor can build, unless
       the environment variable :data:`attnchecker.attention.impl.ENV` says otherwise
       (:mod:`attnchecker.attention.impl`, resolved once per module at ``protect_``). Same
-      tolerances; inside a model the user compiles
-      the checks are traced inline as regions.
+      tolerances; inside a model the user compiles, the registered ops stay ops (one extern
+      call each) and the other checks are traced inline as regions.
     - ``strict``: a model of one's own with attention protect_ cannot route (written by hand,
       ``flex_attention``, ...; :mod:`attnchecker.models.sdpa`) is refused (True), or protected
       at the SDPA calls it has, with a warning and ``summary()["attention"]`` naming the rest

@@ -169,13 +169,16 @@ def _linear_grad_kernels(
     dx: Tensor | None, dw: Tensor | None, dy: Tensor, w: Tensor, a: Tensor, b: Tensor,
     index: tuple[int, ...], sink: Tensor, clock: Tensor, refs: tuple[Tensor, torch.dtype],
     plan: LinearPlan,
-) -> None:  # fmt: skip
-    """A linear layer's dX and dW checks (those given) by the registered Triton ops, their
-    records added into ``sink.grad`` (made once, zeroed in place by a drain) at the clock's
-    step: three ops a check, two for dX (W's references at hand)."""
+) -> Tensor | None:  # fmt: skip
+    """A linear layer's dX and dW checks (those given) by the registered Triton ops at the
+    clock's step: three ops a check, two for dX (W's references at hand). Their records are
+    added into ``sink.grad`` in place (made once, zeroed in place by a drain), or, in a graph
+    being compiled (which may not mutate a tensor from outside the backward), into a fresh
+    records tensor returned as ``sink``'s gradient."""
     from attnchecker.attention.kernel_checks import gemm_check
 
-    recs = grad_of(sink)  # (n ops, 7), added into in place
+    compiling = torch.compiler.is_compiling()
+    recs = sink.new_zeros(sink.shape) if compiling else grad_of(sink)  # (n ops, 7)
     kw = {"max_rows": plan.max_rows, "scale": plan.scale, "step": clock}
     rows = iter(index)
     if dx is not None:
@@ -185,6 +188,7 @@ def _linear_grad_kernels(
                    refs_rounding=rounding, **kw)  # fmt: skip
     if dw is not None:
         gemm_check(plan.impl, dw, a, b, rec=recs[next(rows)], **kw)
+    return recs if compiling else None
 
 
 def _linear_grad_region(
@@ -394,7 +398,8 @@ class _Linear(torch.autograd.Function):
             checked = (dx2 if check_x else None, dw if check_w else None)
             if ctx.kernel_args is not None:  # the registered ops, records added into sink.grad
                 sink, clock, refs = ctx.kernel_args
-                _linear_grad_kernels(*checked, dy2, w, a, b, index, sink, clock, refs, plan)
+                grad_sink = _linear_grad_kernels(*checked, dy2, w, a, b, index, sink, clock, refs,
+                                                 plan)  # fmt: skip
                 regions.ran(_linear_grad_region.__qualname__, "triton", None)
             else:
                 args = (*checked, dy2, w, a, b, step, conv1d, index, ctx.sink_shape,

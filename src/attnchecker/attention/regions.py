@@ -45,8 +45,10 @@ _RAN: dict[str, set[str]] = {}  # region name -> the implementations that ran
 
 
 def ran(name: str, how: str, result: object) -> object:
-    """``result``, noted as region ``name`` having run ``how`` (for :func:`describe`)."""
-    _RAN.setdefault(name, set()).add(how)
+    """``result``, noted as region ``name`` having run ``how`` (for :func:`describe`; not in a
+    graph being compiled: no bookkeeping there)."""
+    if not torch.compiler.is_compiling():
+        _RAN.setdefault(name, set()).add(how)
     return result
 
 

@@ -2,8 +2,9 @@
 
 A tensor made from host values (``torch.tensor`` of indices, a causal mask) is a host-to-device
 copy, which synchronises a CUDA stream and which a CUDA graph does not capture; so each is made
-once per key and device from eager code and kept. Under ``torch.compile`` it is made in the
-graph (a constant of it) and not kept; under a fake mode (a shapes-only trace) it is not kept.
+once per key and device from eager code and kept. Under ``torch.compile`` a kept one is taken
+as it is (the graph reads it: no kernel), one not yet made is made in the graph (a constant of
+it, a kernel a call) and not kept; under a fake mode (a shapes-only trace) it is not kept.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ _CONSTANTS: dict[tuple[Hashable, torch.device], Tensor] = {}
 
 def device_constant(key: Hashable, device: torch.device, make: Callable[[], Tensor]) -> Tensor:
     """The constant ``make()`` (a tensor on ``device``) of ``key``, made once per device."""
-    if torch.compiler.is_compiling():
-        return make()
     slot = (key, torch.device(device))
     hit = _CONSTANTS.get(slot)
+    if torch.compiler.is_compiling():
+        return make() if hit is None else hit
     if hit is None:
         hit = make()
         if not isinstance(hit, FakeTensor):

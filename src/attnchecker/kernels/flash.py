@@ -324,12 +324,16 @@ def flash_backward(
     scale = d**-0.5 if scale is None else scale
     counts = new_counts(q.device) if counts is None else counts
     grad = grad.contiguous()  # autograd may hand an expanded (stride 0) gradient
+    lse = lse.contiguous()  # the kernels index it as (B, H, L) contiguous (a no-op as saved)
     prod = grad.float() * out.float()
     delta = prod.sum(-1).contiguous()  # (B, H, L): sum_j P dP of each row
     delta_abs = prod.abs_().sum(-1).contiguous()
-    # the kernels write each gradient with its input's strides (q's, k's, v's)
-    dq, dk, dv = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                  for t in (q, k, v))  # fmt: skip
+    # each gradient as the custom op's fake has it, empty_like its input: the input's layout
+    # where that is dense, else contiguous; never the input's own strides, which may overlap
+    # (K / V expanded over heads, stride 0: every head's program wrote the one row, dK off by
+    # more than its size) or leave gaps (a slice of a fused Q|K|V projection). The kernels
+    # read the inputs with their strides and write the gradients with the gradients'.
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     mask, code, flags = _launch(q, k, v, key_mask, fault, causal, window)
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad.stride(), mask.stride(0))
     qk_scale, group, tol = scale * LOG2E, H // Hkv, tolerance_scale
@@ -338,7 +342,8 @@ def flash_backward(
     tau_acc = _tau(q, inner=group * L, length=d, scale=tol)
     bwd.dkdv_kernel[(triton.cdiv(Lk, go["BLOCK_N"]), B * Hkv)](
         q, k, v, grad, lse, delta, dk, dv, mask, counts, code, *strides,
-        H, Hkv, L, Lk, d, group, qk_scale, scale, window, tau, tau_acc, **flags, **go,
+        *dk.stride(), *dv.stride(), H, Hkv, L, Lk, d, group, qk_scale, scale, window, tau,
+        tau_acc, **flags, **go,
     )  # fmt: skip
     go = _settings("dq", q, L, Lk, check)
     tau_acc = _tau(q, inner=Lk, length=d, scale=tol)
@@ -348,16 +353,7 @@ def flash_backward(
     q_norm, k_norm = (t.float().norm(dim=-1).contiguous() for t in (q, k))  # (B, H|Hkv, L)
     bwd.dq_kernel[(triton.cdiv(L, go["BLOCK_M"]), B * H)](
         q, k, v, grad, lse, delta, delta_abs, q_norm, k_norm, dq, mask, counts, code, *strides,
-        H, L, Lk, d, group, qk_scale, scale, window, tau_acc, tau_p, tau_logit, tau_out,
-        **flags, **go,
+        *dq.stride(), H, L, Lk, d, group, qk_scale, scale, window, tau_acc, tau_p, tau_logit,
+        tau_out, **flags, **go,
     )  # fmt: skip
-    return _dense(dq), _dense(dk), _dense(dv)
-
-
-def _dense(grad: Tensor) -> Tensor:
-    """``grad`` in the layout ``empty_like`` gives its input (the custom op's fake says so):
-    itself where the input was dense (a permutation of a contiguous tensor), else a copy. An
-    input with gaps, a slice of a fused Q|K|V projection (GPT-2, nanoGPT), gets contiguous
-    gradients: writing them with its strides into ``empty_like``'s buffer overran it."""
-    like = torch.empty_like(grad)
-    return grad if like.stride() == grad.stride() else like.copy_(grad)
+    return dq, dk, dv

@@ -69,6 +69,7 @@ def dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, KMASK, COUNTS, FAULT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdb, sdh, sdm, sdd, smb,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     H, HKV, L, LK, D, GROUP, qk_scale, scale, window, tau, tau_acc,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
     CHECK_ST: tl.constexpr, CHECK_DPT: tl.constexpr, CHECK_DV: tl.constexpr,
@@ -156,11 +157,12 @@ def dkdv_kernel(
             first, todo = tally(COUNTS, (_DV, _DK), (n_dv, n_dk), attempt, first)
         attempt += 1
 
-    dk_at = DK + b * skb + hk * skh + tl.cast(col0, tl.int64) * skn
-    tl.store(dk_at + cols[:, None] * skn + offs_d[None, :] * skd,
+    # the gradients' own strides: K and V may alias themselves (expanded), dK and dV never do
+    dk_at = DK + b * sdkb + hk * sdkh + tl.cast(col0, tl.int64) * sdkn
+    tl.store(dk_at + cols[:, None] * sdkn + offs_d[None, :] * sdkd,
              (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)  # fmt: skip
-    dv_at = DV + b * svb + hk * svh + tl.cast(col0, tl.int64) * svn
-    tl.store(dv_at + cols[:, None] * svn + offs_d[None, :] * svd, dv.to(DV.dtype.element_ty),
+    dv_at = DV + b * sdvb + hk * sdvh + tl.cast(col0, tl.int64) * sdvn
+    tl.store(dv_at + cols[:, None] * sdvn + offs_d[None, :] * sdvd, dv.to(DV.dtype.element_ty),
              mask=kv_mask)  # fmt: skip
 
 
@@ -168,7 +170,7 @@ def dkdv_kernel(
 def dq_kernel(
     Q, K, V, DO, LSE, DELTA, DELTA_ABS, Q_NORM, K_NORM, DQ, KMASK, COUNTS, FAULT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    sdb, sdh, sdm, sdd, smb,
+    sdb, sdh, sdm, sdd, smb, sdqb, sdqh, sdqm, sdqd,
     H, L, LK, D, GROUP, qk_scale, scale, window, tau_acc, tau_p, tau_logit, tau_out,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
     CHECK_P: tl.constexpr, CHECK_DS: tl.constexpr, CHECK_DQ: tl.constexpr,
@@ -259,6 +261,6 @@ def dq_kernel(
             first, todo = tally(COUNTS, (_P_SUM, _DS_SUM, _DQ), (n_p, n_ds, n_dq), attempt, first)
         attempt += 1
 
-    dq_at = DQ + b * sqb + h * sqh + tl.cast(row0, tl.int64) * sqm
-    tl.store(dq_at + rows[:, None] * sqm + offs_d[None, :] * sqd,
+    dq_at = DQ + b * sdqb + h * sdqh + tl.cast(row0, tl.int64) * sdqm
+    tl.store(dq_at + rows[:, None] * sdqm + offs_d[None, :] * sdqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=qm)  # fmt: skip

@@ -1,26 +1,32 @@
-"""The check of one GEMM out (M, N) = x (M, K) @ y (K, N) in three kernels, each a registered op.
+"""The check of one GEMM out (M, N) = x (M, K) @ y (K, N) in three registered ops.
 
 ``check_impl="triton"``'s implementation of :func:`attnchecker.abft.gemm.gemm_check_` on CUDA
-(and in Triton's interpreter on a CPU, for the tests). Each kernel is one
+(and in Triton's interpreter on a CPU, for the tests). Each op is one
 ``torch.library.custom_op``, so one call is one dispatched op (a CPU run counts launches as a GPU
-launches them) and ``torch.compile`` keeps it as one kernel:
+launches them) and ``torch.compile`` keeps it opaque. Each op launches two Triton kernels: a wide
+pass over (row block, chunk) programs that writes partial sums, and a small pass over row blocks
+that adds a row's partials in a fixed order (no float atomics: every result and record is the
+same whichever order the programs run in). The grids are sized to fill a GPU (at least twice
+its SMs where there are blocks enough, :func:`chunks`) and to keep each program's share of the
+operands near :data:`PROGRAM_BYTES`:
 
-1. ``attnchecker::gemm_refs`` (:func:`refs_kernel`), the references' pass over y, where the
-   caller has no cached one: y's row sums y 1 (K,) and its Frobenius norm (partial sums of
-   squares, one per program, summed by the verify kernel: no atomics);
-2. ``attnchecker::gemm_verify`` (:func:`verify_kernel`), one pass over the rows of out and of x:
-   each row's sum against its reference x_m . (y 1), and its excess over the tolerance
-   |residual| - floor + c ||x_m|| ||y||_F (c < 0; the constants are
-   :func:`~attnchecker.abft.gemm.gemm_check_`'s, from :mod:`attnchecker.abft.tolerance`). A
-   program with a flagged row adds its count to the record row and marks it detected at the
-   clock's step (the clean path writes nothing but the per-row scratch);
-3. ``attnchecker::gemm_repair`` (:func:`repair_kernel`), predicated on the device flag (the
-   record's flagged-row count): every program returns at once when it is 0. Else each flagged row is
-   recomputed from the operands (every row of a whole-column fault: the whole product), its
-   delivered and recomputed elements compared to locate the bad columns (an element further apart
-   than twice its rounding bound; the count of distinct columns goes to the record), and checked
-   again: a row that still fails is ``lost`` and ``reproduced`` (the operands imply it). Program
-   0 writes the worst row's residual as the record's ``value``.
+1. ``attnchecker::gemm_refs`` (:func:`refs_kernel`, :func:`refs_sum_kernel`), the references'
+   pass over y, where the caller has no cached one: y's row sums y 1 (K,) and its Frobenius norm
+   (a partial sum of squares per block of :data:`_BK` rows, summed by the verify);
+2. ``attnchecker::gemm_verify`` (:func:`verify_kernel`, :func:`verify_rows_kernel`), one pass
+   over the rows of out and of x: each row's sum against its reference x_m . (y 1), and its
+   excess over the tolerance |residual| - floor + c ||x_m|| ||y||_F (c < 0; the constants are
+   :func:`~attnchecker.abft.gemm.gemm_check_`'s, from :mod:`attnchecker.abft.tolerance`). A row
+   block with a flagged row adds its count to the record row (an exact integer) and marks it
+   detected at the clock's step (the clean path writes nothing but the per-row scratch);
+3. ``attnchecker::gemm_repair`` (:func:`repair_kernel`, :func:`repair_rows_kernel`),
+   predicated on the device flag (the record's flagged-row count, one load): every program
+   returns at once when it is 0. Else each flagged row is recomputed from the operands, a chunk
+   of columns a program (every row of a whole-column fault: the whole product), its delivered
+   and recomputed elements compared to locate the bad columns (an element further apart than
+   twice its rounding bound; the count of distinct columns goes to the record), and checked
+   again from its chunks' sums: a row that still fails is ``lost`` and ``reproduced`` (the
+   operands imply it). Program (0, 0) writes the worst row's residual as the record's ``value``.
 
 Unlike the eager region (:func:`attnchecker.abft.gemm._gemm_region`), which repairs at most
 ``max_rows`` rows and one column and checks columns too, this path detects by rows and repairs
@@ -29,7 +35,7 @@ a clean step); columns are located on a flag, not checked. Records are written s
 float64 row of :data:`~attnchecker.attention.records.RECORD_FIELDS` that the caller zeroed.
 
 On a CPU the kernels run only in Triton's interpreter; bf16 operands are read from fp32 copies
-there (it computes through numpy, which has no bf16). :func:`reference` computes what the three
+there (it computes through numpy, which has no bf16). :func:`reference` computes what the
 kernels compute with torch ops, for the tests that hold the two equal.
 """
 
@@ -43,29 +49,81 @@ import triton.language as tl
 from torch import Tensor
 
 from attnchecker.abft.tolerance import squares_lost
-from attnchecker.kernels.triton_utils import block_product, readable, span, tile, worst_residual
+from attnchecker.kernels.triton_utils import (
+    as_i64,
+    block_product,
+    readable,
+    span,
+    tile,
+    worst_residual,
+)
 
-__all__ = ["check_", "gemm_refs", "gemm_repair", "gemm_verify", "reference"]
+__all__ = ["PROGRAM_BYTES", "check_", "chunks", "gemm_refs", "gemm_repair", "gemm_verify",
+           "reference", "width"]  # fmt: skip
 
 _BM, _BN, _BK = 32, 64, 64  # a program's rows; the tiles it loops over
+_BF = 128  # the rows of a program that adds partials (a few bytes a row)
 _F32 = torch.float32
-_DETECTED, _STEP = 5, 6  # fields of the record row (attention.records.RECORD_FIELDS)
+_SMS = 132  # streaming multiprocessors of an H100 / H200
+PROGRAM_BYTES = 1 << 20
+"""The bytes of operands a program should stream at most (issue 54 allows 2 MB: one program
+reaches tens of GB/s, so a launch of fewer, larger programs is serial)."""
+
+
+def chunks(blocks: int, nbytes: int, most: int) -> int:
+    """How many chunks to cut each of ``blocks`` row blocks' work into: enough for twice
+    :data:`_SMS` programs and at most :data:`PROGRAM_BYTES` of the launch's ``nbytes`` a
+    program, at most ``most`` (the chunks there are)."""
+    want = max(2 * _SMS, triton.cdiv(nbytes, PROGRAM_BYTES))
+    return max(1, min(most, triton.cdiv(want, max(blocks, 1))))
+
+
+def width(n: int, parts: int, block: int) -> int:
+    """The width of each of ``parts`` chunks of n: a multiple of ``block`` (no tile crosses two
+    chunks); ``triton.cdiv(n, width)`` chunks are left."""
+    return max(block, triton.cdiv(triton.cdiv(n, parts), block) * block)
+
+
+def _nbytes(*ts: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _programs(n: int, block: int) -> int:
+    return max(1, triton.cdiv(n, block))
 
 
 @triton.jit
-def refs_kernel(Y, REFS, K, N, sy_k, sy_n, BK: tl.constexpr, BN: tl.constexpr):
-    """REFS[:K] = y 1 over the program's rows of y; REFS[K + program] = their sum of squares."""
-    pid = tl.program_id(0)
-    rows, rmask = span(pid.to(tl.int64) * BK, K, BK)
+def refs_kernel(Y, PART, K, N, NC, sy_k, sy_n, BK: tl.constexpr, BN: tl.constexpr):
+    """Program (r, c), y's rows block r over its columns chunk c (NC wide): their sums
+    PART[c, rows] (C, K), and their sum of squares PART[C K + c R + r]."""
+    r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    R, C = tl.num_programs(0).to(tl.int64), tl.num_programs(1).to(tl.int64)
+    rows, rmask = span(r * BK, K, BK)
     s = tl.zeros([BK], dtype=tl.float32)
     sq = tl.zeros([BK], dtype=tl.float32)
-    for n0 in range(0, N, BN):
-        cols, cmask = span(n0, N, BN)
+    for n0 in range(0, NC, BN):
+        cols, cmask = span(c * NC + n0, N, BN)
         t = tile(Y, rows, cols, sy_k, sy_n, rmask, cmask).to(tl.float32)
         s += tl.sum(t, 1)
         sq += tl.sum(t * t, 1)
+    tl.store(PART + (c * K + rows), s, mask=rmask)
+    tl.store(PART + (C * K + c * R + r), tl.sum(sq, 0))
+
+
+@triton.jit
+def refs_sum_kernel(PART, REFS, K, C, BK: tl.constexpr):
+    """Program r: REFS[rows] = y 1 of rows block r, REFS[K + r] its sum of squares, from the
+    C chunks' partials in their order."""
+    r = tl.program_id(0).to(tl.int64)
+    R = tl.num_programs(0).to(tl.int64)
+    rows, rmask = span(r * BK, K, BK)
+    s = tl.zeros([BK], dtype=tl.float32)
+    sq = tl.zeros([], dtype=tl.float32)
+    for c in range(0, C):
+        s += tl.load(PART + (c * as_i64(K) + rows), mask=rmask, other=0.0)
+        sq += tl.load(PART + (C * as_i64(K) + c * R + r))
     tl.store(REFS + rows, s, mask=rmask)
-    tl.store(REFS + (pid.to(tl.int64) + K), tl.sum(sq, 0))
+    tl.store(REFS + (K + r), sq)
 
 
 @triton.jit
@@ -80,24 +138,51 @@ def _fro(REFS, K, P, lost, BP: tl.constexpr):
 
 
 @triton.jit
-def verify_kernel(OUT, X, REFS, XN, SCR, BITS, REC, STEP, M, N, K, P, so_m, so_n, sx_m, sx_k,
-                  lost_x, lost_y, floor, c, chunk,
-                  HAS_XN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  BP: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    rows, rmask = span(pid.to(tl.int64) * BM, M, BM)
+def verify_kernel(OUT, X, REFS, PART, BITS, M, N, K, NC, KC, so_m, so_n, sx_m, sx_k, chunk,
+                  HAS_XN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr):  # fmt: skip
+    """Program (r, c), rows block r over chunk c of out's columns (NC wide) and of x's (KC):
+    the partial row sums, references and squares PART[c] (3, M); and the program's share of
+    the column bitmap the repair marks, zeroed."""
+    r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    rows, rmask = span(r * BM, M, BM)
     rs = tl.zeros([BM], dtype=tl.float32)
-    for n0 in range(0, N, BN):
-        cols, cmask = span(n0, N, BN)
+    for n0 in range(0, NC, BN):
+        cols, cmask = span(c * NC + n0, N, BN)
         rs += tl.sum(tile(OUT, rows, cols, so_m, so_n, rmask, cmask).to(tl.float32), 1)
     ref = tl.zeros([BM], dtype=tl.float32)
     sq = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        ks, kmask = span(k0, K, BK)
+    for k0 in range(0, KC, BK):
+        ks, kmask = span(c * KC + k0, K, BK)
         t = tile(X, rows, ks, sx_m, sx_k, rmask, kmask).to(tl.float32)
         ref += tl.sum(t * tl.load(REFS + ks, mask=kmask, other=0.0)[None, :], 1)
         if not HAS_XN:
             sq += tl.sum(t * t, 1)
+    at = PART + (c * 3 * M + rows)
+    tl.store(at, rs, mask=rmask)
+    tl.store(at + M, ref, mask=rmask)
+    tl.store(at + 2 * M, sq, mask=rmask)
+    p = r * tl.num_programs(1) + c  # this program's chunk of the bitmap
+    for j0 in range(0, chunk, BN):
+        js, jmask = span(p * chunk + j0, N, BN)
+        tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (p + 1) * chunk))
+
+
+@triton.jit
+def verify_rows_kernel(PART, REFS, XN, SCR, REC, STEP, M, K, P, C, lost_x, lost_y, floor, c,
+                       HAS_XN: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr):  # fmt: skip
+    """Program r, rows block r: the C chunks' partials added in order, each row's reference,
+    residual, excess and x norm into SCR (4, M); a flagged row's count into the record."""
+    r = tl.program_id(0).to(tl.int64)
+    rows, rmask = span(r * BM, M, BM)
+    rs = tl.zeros([BM], dtype=tl.float32)
+    ref = tl.zeros([BM], dtype=tl.float32)
+    sq = tl.zeros([BM], dtype=tl.float32)
+    for j in range(0, C):
+        at = PART + (j * 3 * as_i64(M) + rows)
+        rs += tl.load(at, mask=rmask, other=0.0)
+        ref += tl.load(at + M, mask=rmask, other=0.0)
+        sq += tl.load(at + 2 * M, mask=rmask, other=0.0)
     if HAS_XN:  # noqa: SIM108 (a static branch)
         xn = tl.load(XN + rows, mask=rmask, other=0.0)
     else:
@@ -108,10 +193,6 @@ def verify_kernel(OUT, X, REFS, XN, SCR, BITS, REC, STEP, M, N, K, P, so_m, so_n
     tl.store(SCR + (rows + M), res, mask=rmask)
     tl.store(SCR + (rows + 2 * M), exc, mask=rmask)
     tl.store(SCR + (rows + 3 * M), xn, mask=rmask)
-    # the column bitmap the repair marks, zeroed here: this program's chunk of it
-    for j0 in range(0, chunk, BN):
-        js, jmask = span(pid.to(tl.int64) * chunk + j0, N, BN)
-        tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (pid + 1) * chunk))
     flagged = tl.sum((~(exc <= 0.0) & rmask).to(tl.int32), 0)  # NaN compares False: flagged
     if flagged > 0:
         tl.atomic_add(REC, flagged.to(tl.float64))
@@ -120,24 +201,26 @@ def verify_kernel(OUT, X, REFS, XN, SCR, BITS, REC, STEP, M, N, K, P, so_m, so_n
 
 
 @triton.jit
-def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, M, N, K, P, so_m, so_n, sx_m, sx_k, sy_k, sy_n,
-                  lost_y, floor, c, f,
+def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, RSUM, M, N, K, P, NC, so_m, so_n, sx_m, sx_k,
+                  sy_k, sy_n, lost_y, floor, f,
                   IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   BP: tl.constexpr):  # fmt: skip
+    """Program (r, c), on the flag: rows block r's flagged rows recomputed over columns chunk c
+    (NC wide), bad columns located (each counted once: the bitmap), written, and their sums
+    RSUM[c] (M,) for the re-check (:func:`repair_rows_kernel`)."""
     if tl.load(REC) > 0:  # the device flag: nothing below runs on a clean product
-        pid = tl.program_id(0)
-        if pid == 0:  # the worst row's residual (NaN ranks first) as the record's value
-            tl.store(REC + 2, worst_residual(SCR, 2 * M, M, M, BM))
-        rows, rmask = span(pid.to(tl.int64) * BM, M, BM)
+        r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        if (r == 0) & (c == 0):  # the worst row's residual (NaN ranks first) as the value
+            tl.store(REC + 2, worst_residual(SCR, 2 * M, M, M, BM).to(tl.float64))
+        rows, rmask = span(r * BM, M, BM)
         exc = tl.load(SCR + (rows + 2 * M), mask=rmask, other=0.0)
         bad = ~(exc <= 0.0) & rmask
         if tl.sum(bad.to(tl.int32), 0) > 0:
             xn = tl.load(SCR + (rows + 3 * M), mask=rmask, other=0.0)
-            y_fro = _fro(REFS, K, P, lost_y, BP)
-            near = 2 * f * xn * y_fro + floor  # (BM,): two roundings of an element apart
+            near = 2 * f * xn * _fro(REFS, K, P, lost_y, BP) + floor  # two roundings apart
             sums = tl.zeros([BM], dtype=tl.float32)
-            for n0 in range(0, N, BN):
-                cols, cmask = span(n0, N, BN)
+            for n0 in range(0, NC, BN):
+                cols, cmask = span(c * NC + n0, N, BN)
                 acc = block_product(X, Y, rows, bad, cols, cmask, K, sx_m, sx_k, sy_k, sy_n, IEEE,
                                     BM, BN, BK)  # fmt: skip
                 new = acc.to(OUT.dtype.element_ty)
@@ -152,25 +235,46 @@ def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, M, N, K, P, so_m, so_n, sx_m,
                     tl.atomic_add(REC + 1, fresh.to(tl.float64))
                 tl.store(at, new, mask=both)
                 sums += tl.sum(tl.where(both, new.to(tl.float32), 0.0), 1)
+            tl.store(RSUM + (c * M + rows), sums, mask=bad)
+
+
+@triton.jit
+def repair_rows_kernel(REFS, SCR, REC, RSUM, M, K, P, C, lost_y, floor, c,
+                       BM: tl.constexpr, BP: tl.constexpr):  # fmt: skip
+    """Program r, on the flag: rows block r's repaired rows checked again from their chunks'
+    sums (added in order); one that still fails is lost and reproduced."""
+    if tl.load(REC) > 0:
+        r = tl.program_id(0).to(tl.int64)
+        rows, rmask = span(r * BM, M, BM)
+        exc = tl.load(SCR + (rows + 2 * M), mask=rmask, other=0.0)
+        bad = ~(exc <= 0.0) & rmask
+        if tl.sum(bad.to(tl.int32), 0) > 0:
+            sums = tl.zeros([BM], dtype=tl.float32)
+            for j in range(0, C):
+                sums += tl.load(RSUM + (j * as_i64(M) + rows), mask=bad, other=0.0)
             ref = tl.load(SCR + rows, mask=rmask, other=0.0)
+            xn = tl.load(SCR + (rows + 3 * M), mask=rmask, other=0.0)
+            y_fro = _fro(REFS, K, P, lost_y, BP)
             again = ~(tl.abs(sums - ref) - floor + c * xn * y_fro <= 0.0) & bad
             if tl.sum(again.to(tl.int32), 0) > 0:
                 tl.store(REC + 3, 1.0)  # lost
                 tl.store(REC + 4, 1.0)  # reproduced: recomputing from the operands repeats it
 
 
-def _programs(n: int, block: int) -> int:
-    return max(1, triton.cdiv(n, block))
-
-
 @torch.library.custom_op("attnchecker::gemm_refs", mutates_args=())
 def gemm_refs(y: Tensor) -> Tensor:
-    """(K + P,) fp32: y's row sums y 1 (K,), then the P partial sums of squares of its rows."""
+    """(K + P,) fp32: y's row sums y 1 (K,), then the P partial sums of squares of its blocks of
+    rows (two launches: chunks' partials, then their sums)."""
     K, N = y.shape
-    P = _programs(K, _BK)
-    refs = torch.empty(K + P, device=y.device, dtype=_F32)
+    R = _programs(K, _BK)
+    C = chunks(R, _nbytes(y), _programs(N, _BN))
+    NC = width(N, C, _BN)
+    C = _programs(N, NC)
+    refs = torch.empty(K + R, device=y.device, dtype=_F32)
+    part = torch.empty(C * (K + R), device=y.device, dtype=_F32)
     yr = readable(y)
-    refs_kernel[(P,)](yr, refs, K, N, yr.stride(0), yr.stride(1), BK=_BK, BN=_BN)
+    refs_kernel[(R, C)](yr, part, K, N, NC, yr.stride(0), yr.stride(1), BK=_BK, BN=_BN)
+    refs_sum_kernel[(R,)](part, refs, K, C, BK=_BK)
     return refs
 
 
@@ -187,18 +291,27 @@ def gemm_verify(
     """The rows' check of out (M, N) = x (M, K) @ y against ``refs`` (:func:`gemm_refs` of y,
     which has ``n_y`` elements); ``x_rows``: x's row norms when the caller has them. Adds to the
     record row ``rec`` (7,) float64; returns the scratch (4, M) fp32 (references, residuals,
-    excesses, x's row norms) and the column bitmap (N,) int32, zeroed, for :func:`gemm_repair`."""
+    excesses, x's row norms) and the column bitmap (N,) int32, zeroed, for :func:`gemm_repair`.
+    Two launches: (row block, chunk) partials, then their sums a row block."""
     M, N = out.shape
     K = x.shape[1]
+    R = _programs(M, _BM)
+    C = chunks(R, _nbytes(out, x), max(_programs(N, _BN), _programs(K, _BK)))
+    NC, KC = width(N, C, _BN), width(K, C, _BK)
+    C = max(_programs(N, NC), _programs(K, KC))
     scr = torch.empty(4, M, device=out.device, dtype=_F32)
     bits = torch.empty(N, device=out.device, dtype=torch.int32)
-    P, grid = refs.shape[0] - K, _programs(M, _BM)
+    part = torch.empty(C * 3 * M, device=out.device, dtype=_F32)
+    P = refs.shape[0] - K
     o, xr = readable(out), readable(x)
     xn = x_rows.to(_F32).contiguous() if x_rows is not None else scr
-    verify_kernel[(grid,)](o, xr, refs, xn, scr, bits, rec, step, M, N, K, P, o.stride(0),
-                           o.stride(1), xr.stride(0), xr.stride(1), squares_lost(K),
-                           squares_lost(n_y), floor, c, triton.cdiv(N, grid),
-                           HAS_XN=x_rows is not None, BM=_BM, BN=_BN, BK=_BK, BP=64)  # fmt: skip
+    verify_kernel[(R, C)](o, xr, refs, part, bits, M, N, K, NC, KC, o.stride(0), o.stride(1),
+                          xr.stride(0), xr.stride(1), triton.cdiv(N, R * C),
+                          HAS_XN=x_rows is not None, BM=_BM, BN=_BN, BK=_BK)  # fmt: skip
+    verify_rows_kernel[(_programs(M, _BF),)](part, refs, xn, scr, rec, step, M, K, P, C,
+                                             squares_lost(K), squares_lost(n_y), floor, c,
+                                             HAS_XN=x_rows is not None, BM=_BF,
+                                             BP=64)  # fmt: skip
     return scr, bits
 
 
@@ -215,43 +328,28 @@ def gemm_repair(
     floor: float, c: float,
 ) -> None:  # fmt: skip
     """Recompute, locate and re-check the rows :func:`gemm_verify` flagged (none on a clean
-    product: every program returns at once), into ``out`` and the record row ``rec``."""
+    product: every program of both launches returns at once), into ``out`` and the record row
+    ``rec``. Two launches: (row block, column chunk) programs, then the re-check a row block."""
     M, N = out.shape
     K = x.shape[1]
     P = refs.shape[0] - K
-    o, xr, yr = readable(out), readable(x), readable(y)
     f = -c / math.sqrt(N)  # an element's rounding bound per ||x_m|| ||y||_F (c = -sqrt(N) f)
+    o, xr, yr = readable(out), readable(x), readable(y)
     ieee = torch.float32 in (xr.dtype, yr.dtype)
     if xr.dtype != yr.dtype:  # tl.dot multiplies one dtype
         xr, yr = xr.to(_F32), yr.to(_F32)
-    repair_kernel[(_programs(M, _BM),)](
-        o,
-        xr,
-        yr,
-        refs,
-        scr,
-        bits,
-        rec,
-        M,
-        N,
-        K,
-        P,
-        o.stride(0),
-        o.stride(1),
-        xr.stride(0),
-        xr.stride(1),
-        yr.stride(0),
-        yr.stride(1),
-        squares_lost(y.numel()),
-        floor,
-        c,
-        f,
-        IEEE=ieee,
-        BM=_BM,
-        BN=_BN // 2 if ieee else _BN,
-        BK=_BK,
-        BP=64,
-    )  # fmt: skip (fp32 tiles: half as wide, no spill)
+    bn = _BN // 2 if ieee else _BN  # fp32 tiles: half as wide, no spill
+    R = _programs(M, _BM)
+    NC = width(N, chunks(R, _nbytes(out, x, y), _programs(N, bn)), bn)
+    C = _programs(N, NC)
+    rsum = torch.empty(C * M, device=out.device, dtype=_F32)
+    lost_y = squares_lost(y.numel())
+    repair_kernel[(R, C)](o, xr, yr, refs, scr, bits, rec, rsum, M, N, K, P, NC, o.stride(0),
+                          o.stride(1), xr.stride(0), xr.stride(1), yr.stride(0), yr.stride(1),
+                          lost_y, floor, f, IEEE=ieee, BM=_BM, BN=bn, BK=_BK,
+                          BP=64)  # fmt: skip
+    repair_rows_kernel[(_programs(M, _BF),)](refs, scr, rec, rsum, M, K, P, C, lost_y, floor, c,
+                                             BM=_BF, BP=64)  # fmt: skip
     if o is not out:  # the interpreter's fp32 copy
         out.copy_(o)
 

@@ -1,26 +1,34 @@
-"""The forward check of one projection y (T, N) = x (T, K) W^T + b in three kernels, each a
-registered op (``check_impl="triton"``'s :func:`attnchecker.attention.checks.projection_check_`).
+"""The forward check of one projection y (T, N) = x (T, K) W^T + b in three registered ops
+(``check_impl="triton"``'s :func:`attnchecker.attention.checks.projection_check_`), each of two
+Triton launches: a wide pass of partial sums over a grid sized to fill a GPU
+(:func:`attnchecker.kernels.gemm_check.chunks`), then a small pass that adds them in a fixed
+order (no float atomics: every result and record is the same whichever order the programs run
+in).
 
 The N outputs are G head groups of n; a row is a (token, group) pair, checked against
 x_t . (sum_{o in g} W_o) + sum_{o in g} b_o with the tolerance of the eager check (its
 ``factor`` and ``floor``, :func:`~attnchecker.attention.checks.row_factor`):
 factor (||x_t|| + 1) ||[W_g | b_g]||_F.
 
-1. ``attnchecker::proj_weights`` (:func:`weights_kernel`), one pass over W once per step (the
-   caller caches it on the step clock: weights do not change between a forward and its backward,
-   and fused optimizers do not bump version counters): per group, the sums of W over the group's
-   outputs S (G, K), of b, of b's squares and of W's squares, and W's row sums W 1 (N,). The
-   tail [W 1 | squares] is :func:`attnchecker.kernels.gemm_check.gemm_refs` of W, so the
-   backward's dX check (dX = dY W) reuses it;
-2. ``attnchecker::proj_verify`` (:func:`verify_kernel`), one pass over the rows of y and of x:
-   each (token, group)'s sum, reference and excess, and per program the tokens it flags for each
-   site (no atomics, nothing written to the log on a clean call);
-3. ``attnchecker::proj_repair`` (:func:`repair_kernel`), predicated on the flag (the programs'
-   counts): it returns at once when they are 0. Else program 0 writes the detection into the log
-   rows of the sites (flagged tokens, detected, step, the worst residual, NaN first), and every
-   flagged token's row is recomputed from x, W and b, its elements compared with the delivered
-   ones to locate bad columns (further apart than twice an element's rounding bound), and checked
-   again: what still fails is lost and reproduced.
+1. ``attnchecker::proj_weights`` (:func:`weights_kernel` over (group, output chunk, K block),
+   then :func:`weights_sum_kernel`), one pass over W once per step (the caller caches it on the
+   step clock: weights do not change between a forward and its backward, and fused optimizers
+   do not bump version counters): per group, the sums of W over the group's outputs S (G, K), of
+   b, of b's squares and of W's squares, and W's row sums W 1 (N,). The tail [W 1 | squares] is
+   :func:`attnchecker.kernels.gemm_check.gemm_refs` of W, so the backward's dX check (dX = dY W)
+   reuses it;
+2. ``attnchecker::proj_verify`` (:func:`verify_kernel` over (row block, chunk of y's columns
+   and of x's), then :func:`verify_rows_kernel` over row blocks), one pass over the rows of y
+   and of x: each (token, group)'s sum, reference and excess, and each site's count of flagged
+   tokens (exact integers added; nothing written to the log on a clean call);
+3. ``attnchecker::proj_repair`` (:func:`repair_kernel` over (row block, column chunk), then
+   :func:`repair_rows_kernel` over row blocks), predicated on the flag (the sites' counts, one
+   load): every program returns at once when they are 0. Else every flagged token's row is
+   recomputed from x, W and b, a column chunk a program, its elements compared with the
+   delivered ones to locate bad columns (further apart than twice an element's rounding bound),
+   and checked again from its chunks' sums: what still fails is lost and reproduced; program 0
+   of the second launch writes the detection into the log rows of the sites (flagged tokens,
+   detected, step, the worst residual, NaN first).
 
 The records go straight into the module's log (atomic adds of float64 rows of
 :data:`~attnchecker.attention.records.RECORD_FIELDS`, the log rows of the sites given; -1: a
@@ -40,6 +48,7 @@ from torch import Tensor
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
 from attnchecker.kernels.constants import device_constant
+from attnchecker.kernels.gemm_check import chunks, width
 from attnchecker.kernels.triton_utils import (
     as_i64,
     block_product,
@@ -51,45 +60,66 @@ from attnchecker.kernels.triton_utils import (
 
 __all__ = ["check_", "norms", "proj_repair", "proj_verify", "proj_weights", "reference", "refs_of"]
 
-_BM, _BN, _BK, _BO, _BP = 32, 64, 64, 32, 64
+_BM, _BN, _BK, _BO, _BR = 32, 64, 64, 32, 1024
 _F32 = torch.float32
 
 
 @triton.jit
-def weights_kernel(W, B, OUT, N, K, G, n, sw_o, sw_k, HAS_B: tl.constexpr, BO: tl.constexpr,
+def weights_kernel(W, PS, PW1, PSQ, N, K, G, n, OC, sw_o, sw_k, BO: tl.constexpr,
                    BK: tl.constexpr):  # fmt: skip
-    """Program g, one pass over the group's rows of W: S[g] (K,) summed over the group's
-    outputs, each output's row sum, the squares, the bias's sum and squares (OUT: [S (G K) |
-    b sums (G) | b squares (G) | W 1 (N) | W squares (G)])."""
-    g = tl.program_id(0).to(tl.int64)
-    base = as_i64(G) * K
+    """Program (g, j, c), group g's outputs chunk j (OC of them) over K block c: S's partial
+    over the chunk PS[j, g, block] (J, G, K), the outputs' partial row sums PW1[c, outputs]
+    (C, N) and the partial sum of squares PSQ[g, j, c]."""
+    g, j = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    c = tl.program_id(2).to(tl.int64)
+    J, C = tl.num_programs(1).to(tl.int64), tl.num_programs(2).to(tl.int64)
+    ks, kmask = span(c * BK, K, BK)
+    s = tl.zeros([BK], dtype=tl.float32)
     sq = tl.zeros([BK], dtype=tl.float32)
-    for o0 in range(0, n, BO):
-        os, omask = span(o0, n, BO)
-        w1 = tl.zeros([BO], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            ks, kmask = span(k0, K, BK)
-            t = tile(W, g * n + os, ks, sw_o, sw_k, omask, kmask).to(tl.float32)
-            w1 += tl.sum(t, 1)
-            sq += tl.sum(t * t, 0)
-            at = OUT + g * K + ks  # this program's own S row: read, add, write back
-            s = tl.sum(t, 0)
-            if o0 > 0:
-                s += tl.load(at, mask=kmask, other=0.0)
-            tl.store(at, s, mask=kmask)
-            tl.debug_barrier()  # the next chunk of outputs reads what this one wrote
-        tl.store(OUT + (g * n + os + (base + 2 * G)), w1, mask=omask)
-    bs = tl.zeros([BO], dtype=tl.float32)
-    bq = tl.zeros([BO], dtype=tl.float32)
-    if HAS_B:
-        for o0 in range(0, n, BO):
-            os, omask = span(o0, n, BO)
-            b = tl.load(B + g * n + os, mask=omask, other=0.0).to(tl.float32)
-            bs += b
-            bq += b * b
-    tl.store(OUT + (g + base), tl.sum(bs, 0))
-    tl.store(OUT + (g + (base + G)), tl.sum(bq, 0))
-    tl.store(OUT + (g + (base + 2 * G + N)), tl.sum(sq, 0))
+    for o0 in range(0, OC, BO):
+        os, omask = span(j * OC + o0, n, BO)
+        t = tile(W, g * n + os, ks, sw_o, sw_k, omask, kmask).to(tl.float32)
+        s += tl.sum(t, 0)
+        sq += tl.sum(t * t, 0)
+        tl.store(PW1 + (c * N + g * n + os), tl.sum(t, 1), mask=omask)
+    tl.store(PS + ((j * G + g) * K + ks), s, mask=kmask)
+    tl.store(PSQ + ((g * J + j) * C + c), tl.sum(sq, 0))
+
+
+@triton.jit
+def weights_sum_kernel(B, PS, PW1, PSQ, OUT, N, K, G, n, J, C, HAS_B: tl.constexpr,
+                       BR: tl.constexpr):  # fmt: skip
+    """Program p, the partials added in order: block p of S (G K) and of W 1 (N), and for
+    p < G group p's squares, bias sum and bias squares (OUT: [S (G K) | b sums (G) | b squares
+    (G) | W 1 (N) | W squares (G)])."""
+    p = tl.program_id(0).to(tl.int64)
+    base = as_i64(G) * K
+    at, amask = span(p * BR, base, BR)
+    s = tl.zeros([BR], dtype=tl.float32)
+    for j in range(0, J):
+        s += tl.load(PS + (j * base + at), mask=amask, other=0.0)
+    tl.store(OUT + at, s, mask=amask)
+    os, omask = span(p * BR, N, BR)
+    w1 = tl.zeros([BR], dtype=tl.float32)
+    for c in range(0, C):
+        w1 += tl.load(PW1 + (c * as_i64(N) + os), mask=omask, other=0.0)
+    tl.store(OUT + (os + (base + 2 * G)), w1, mask=omask)
+    if p < G:
+        sq = tl.zeros([BR], dtype=tl.float32)
+        for q0 in range(0, J * C, BR):
+            qs, qmask = span(q0, J * C, BR)
+            sq += tl.load(PSQ + (p * J * C + qs), mask=qmask, other=0.0)
+        tl.store(OUT + (p + (base + 2 * G + N)), tl.sum(sq, 0))
+        bs = tl.zeros([BR], dtype=tl.float32)
+        bq = tl.zeros([BR], dtype=tl.float32)
+        if HAS_B:
+            for o0 in range(0, n, BR):
+                bo, bmask = span(o0, n, BR)
+                b = tl.load(B + (p * n + bo), mask=bmask, other=0.0).to(tl.float32)
+                bs += b
+                bq += b * b
+        tl.store(OUT + (p + base), tl.sum(bs, 0))
+        tl.store(OUT + (p + (base + G)), tl.sum(bq, 0))
 
 
 @triton.jit
@@ -113,17 +143,27 @@ def _site_row(s: tl.constexpr, row0, row1, row2):
 
 
 @triton.jit
-def verify_kernel(Y, X, WS, SITE, SCR, BITS, T, N, K, G, n, P, sy_t, sy_n, sx_t, sx_k, lost_x,
-                  lost_w, factor, floor, chunk,
-                  S: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, GP: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    rows, rmask = span(pid.to(tl.int64) * BM, T, BM)
+def _flagged(SCR, T, G, S: tl.constexpr):
+    """The sites' flagged-token counts (the repair's flag), one load."""
+    ss = tl.arange(0, 4)
+    return tl.sum(tl.load(SCR + (ss + (3 * as_i64(T) * G + T)), mask=ss < S, other=0.0), 0)
+
+
+@triton.jit
+def verify_kernel(Y, X, WS, PART, SCR, BITS, T, N, K, G, n, NC, KC, sy_t, sy_n, sx_t, sx_k,
+                  chunk, S: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr):  # fmt: skip
+    """Program (r, c), tokens block r over chunk c of y's columns (NC wide) and x's (KC): the
+    partial references x_t . S_g, group sums and x's squares PART[c] ([ref | sums] (T, G) |
+    squares (T)); its share of the column bitmap zeroed; program (0, 0) zeroes the sites'
+    counts and lost flags (for the launches that follow)."""
+    r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    rows, rmask = span(r * BM, T, BM)
     gs, gmask = span(0, G, GP)
     ref = tl.zeros([BM, GP], dtype=tl.float32)
     sq = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):  # x_t . S_g for every group: one thin product
-        ks, kmask = span(k0, K, BK)
+    for k0 in range(0, KC, BK):  # x_t . S_g for every group: one thin product
+        ks, kmask = span(c * KC + k0, K, BK)
         t = tile(X, rows, ks, sx_t, sx_k, rmask, kmask)
         s = tile(WS, ks, gs, 1, K, kmask, gmask)  # S stored (G, K): read as (BK, GP)
         if BF16:  # the eager reference's dtype (S rounded to bf16, products exact in fp32)
@@ -132,64 +172,85 @@ def verify_kernel(Y, X, WS, SITE, SCR, BITS, T, N, K, G, n, P, sy_t, sy_n, sx_t,
             ref += tl.dot(t.to(tl.float32), s, input_precision="ieee")
         t = t.to(tl.float32)
         sq += tl.sum(t * t, 1)
-    ref += tl.load(WS + (gs + G * K), mask=gmask, other=0.0)[None, :]
     rs = tl.zeros([BM, GP], dtype=tl.float32)
-    for g in range(0, G):  # each group's sum of its n outputs
-        acc = tl.zeros([BM], dtype=tl.float32)
-        for c0 in range(0, n, BN):
-            cs, cmask = span(c0, n, BN)
-            acc += tl.sum(tile(Y, rows, g * n + cs, sy_t, sy_n, rmask, cmask).to(tl.float32), 1)
-        rs += tl.where(gs[None, :] == g, acc[:, None], 0.0)
+    for j0 in range(0, NC, BN):  # each group's sum of its outputs in the chunk
+        start = c * NC + j0
+        cols, cmask = span(start, N, BN)
+        t = tile(Y, rows, cols, sy_t, sy_n, rmask, cmask).to(tl.float32)
+        group = cols // n
+        for g in range(start // n, (tl.minimum(start + BN, N) - 1) // n + 1):  # a tile's groups
+            acc = tl.sum(tl.where((group == g)[None, :], t, 0.0), 1)
+            rs += tl.where(gs[None, :] == g, acc[:, None], 0.0)
+    at = PART + (c * (2 * T * G + T) + rows[:, None] * G + gs[None, :])
+    both = rmask[:, None] & gmask[None, :]
+    tl.store(at, ref, mask=both)
+    tl.store(at + T * G, rs, mask=both)
+    tl.store(PART + (c * (2 * T * G + T) + 2 * T * G + rows), sq, mask=rmask)
+    p = r * tl.num_programs(1) + c
+    if p == 0:
+        ss = tl.arange(0, 8)
+        tl.store(SCR + (ss + (3 * as_i64(T) * G + T)), tl.zeros([8], tl.float32), mask=ss < 2 * S)
+    for j0 in range(0, chunk, BN):  # this program's chunk of the column bitmap
+        js, jmask = span(p * chunk + j0, N, BN)
+        tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (p + 1) * chunk))
+
+
+@triton.jit
+def verify_rows_kernel(WS, SITE, PART, SCR, T, N, K, G, C, lost_x, lost_w, factor, floor,
+                       S: tl.constexpr, BM: tl.constexpr, GP: tl.constexpr):  # fmt: skip
+    """Program r, tokens block r: the C chunks' partials added in order; references, residuals
+    and excesses (T, G), ||x_t|| + 1 (T,) into SCR, and each site's flagged tokens added to its
+    count."""
+    r = tl.program_id(0).to(tl.int64)
+    rows, rmask = span(r * BM, T, BM)
+    gs, gmask = span(0, G, GP)
+    both = rmask[:, None] & gmask[None, :]
+    at = rows[:, None] * G + gs[None, :]
+    ref = tl.zeros([BM, GP], dtype=tl.float32)
+    rs = tl.zeros([BM, GP], dtype=tl.float32)
+    sq = tl.zeros([BM], dtype=tl.float32)
+    for j in range(0, C):
+        part = PART + j * (2 * as_i64(T) * G + T)
+        ref += tl.load(part + at, mask=both, other=0.0)
+        rs += tl.load(part + (at + T * G), mask=both, other=0.0)
+        sq += tl.load(part + (rows + 2 * T * G), mask=rmask, other=0.0)
+    ref += tl.load(WS + (gs + as_i64(G) * K), mask=gmask, other=0.0)[None, :]
     xn1 = tl.sqrt(sq) + lost_x + 1.0
     res = rs - ref
     norms = _norms(WS, gs, gmask, G, K, N, lost_w, floor)
     exc = tl.abs(res) - factor * xn1[:, None] * norms[None, :]
-    at = rows[:, None] * G + gs[None, :]
-    both = rmask[:, None] & gmask[None, :]
     tl.store(SCR + at, ref, mask=both)
     tl.store(SCR + (at + T * G), res, mask=both)
     tl.store(SCR + (at + 2 * T * G), exc, mask=both)
     tl.store(SCR + (rows + 3 * T * G), xn1, mask=rmask)
     flagged = ~(exc <= 0.0) & both  # NaN compares False: flagged
     site = tl.load(SITE + gs, mask=gmask, other=-1)
-    base = 3 * T * G + T
     for s in tl.static_range(S):  # tokens with a flagged group of site s
-        hit = tl.max((flagged & (site[None, :] == s)).to(tl.int32), 1)
-        tl.store(SCR + (pid.to(tl.int64) * S + s + base), tl.sum(hit, 0).to(tl.float32))
-    if pid == 0:
-        for s in tl.static_range(S):  # each site's lost flag, for the repair
-            tl.store(SCR + (as_i64(P) * S + s + base), 0.0)
-    for j0 in range(0, chunk, BN):  # this program's chunk of the column bitmap
-        js, jmask = span(pid.to(tl.int64) * chunk + j0, N, BN)
-        tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (pid + 1) * chunk))
+        hit = tl.sum(tl.max((flagged & (site[None, :] == s)).to(tl.int32), 1), 0)
+        if hit > 0:
+            tl.atomic_add(SCR + (3 * as_i64(T) * G + T + s), hit.to(tl.float32))
 
 
 @triton.jit
-def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, sy_t, sy_n, sx_t,
-                  sx_k, sw_o, sw_k, lost_w, factor, floor, near_f, row0, row1, row2,
+def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, RSUM, T, N, K, G, n, NC, sy_t, sy_n,
+                  sx_t, sx_k, sw_o, sw_k, lost_w, floor, near_f, row0, row1, row2,
                   S: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
-                  GP: tl.constexpr):  # fmt: skip
-    base = 3 * T * G + T
-    total = tl.zeros([], dtype=tl.float32)
-    for p0 in range(0, P * S, BP):  # the flag: every program's counts
-        ps, pmask = span(p0, P * S, BP)
-        total += tl.sum(tl.load(SCR + (ps + base), mask=pmask, other=0.0), 0)
-    if total > 0:
-        pid = tl.program_id(0)
-        if pid == 0:
-            _record(SCR, LOG, STEP, T, G, P, base, row0, row1, row2, S, BP)
-        rows, rmask = span(pid.to(tl.int64) * BM, T, BM)
+                  BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr):  # fmt: skip
+    """Program (r, c), on the flag: tokens block r's flagged tokens recomputed over columns
+    chunk c (NC wide), bad columns located (each counted once: the bitmap) and written, and
+    the chunk's group sums RSUM[c] (T, G) for the re-check (:func:`repair_rows_kernel`)."""
+    if _flagged(SCR, T, G, S) > 0:
+        r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        rows, rmask = span(r * BM, T, BM)
         gs, gmask = span(0, G, GP)
         both = rmask[:, None] & gmask[None, :]
         exc = tl.load(SCR + (rows[:, None] * G + gs[None, :] + 2 * T * G), mask=both, other=0.0)
         bad = tl.max((~(exc <= 0.0) & both).to(tl.int32), 1) > 0  # (BM,) tokens to recompute
         if tl.sum(bad.to(tl.int32), 0) > 0:
             xn1 = tl.load(SCR + (rows + 3 * T * G), mask=rmask, other=0.0)
-            norms = _norms(WS, gs, gmask, G, K, N, lost_w, 0.0)  # (GP,)
             sums = tl.zeros([BM, GP], dtype=tl.float32)
-            for n0 in range(0, N, BN):
-                cols, cmask = span(n0, N, BN)
+            for n0 in range(0, NC, BN):
+                cols, cmask = span(c * NC + n0, N, BN)
                 # W^T's columns: W (N, K) read as (K, N) through its strides
                 acc = block_product(X, W, rows, bad, cols, cmask, K, sx_t, sx_k, sw_k, sw_o, IEEE,
                                     BM, BN, BK)  # fmt: skip
@@ -217,33 +278,58 @@ def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, T, N, K, G, n, P, 
                 onehot = ((group[:, None] == gs[None, :]) & cmask[:, None]).to(tl.float32)
                 sums += tl.dot(tl.where(live, new.to(tl.float32), 0.0), onehot,
                                input_precision="ieee")  # fmt: skip
-            ref = tl.load(SCR + rows[:, None] * G + gs[None, :], mask=both, other=0.0)
+            at = RSUM + (c * T * G + rows[:, None] * G + gs[None, :])
+            tl.store(at, sums, mask=both)  # 0 where not flagged: read only where flagged
+
+
+@triton.jit
+def repair_rows_kernel(WS, SITE, SCR, LOG, STEP, RSUM, T, N, K, G, C, lost_w, factor, floor,
+                       row0, row1, row2, S: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
+                       GP: tl.constexpr):  # fmt: skip
+    """Program r, on the flag: tokens block r's repaired rows checked again from their chunks'
+    sums (added in order); a site with one that still fails is lost and reproduced, once a
+    call (its lost flag). Program 0 writes the detection (:func:`_record`)."""
+    if _flagged(SCR, T, G, S) > 0:
+        r = tl.program_id(0).to(tl.int64)
+        if r == 0:
+            _record(SCR, LOG, STEP, T, G, row0, row1, row2, S, BP)
+        rows, rmask = span(r * BM, T, BM)
+        gs, gmask = span(0, G, GP)
+        both = rmask[:, None] & gmask[None, :]
+        at = rows[:, None] * G + gs[None, :]
+        exc = tl.load(SCR + (at + 2 * T * G), mask=both, other=0.0)
+        bad = tl.max((~(exc <= 0.0) & both).to(tl.int32), 1) > 0
+        if tl.sum(bad.to(tl.int32), 0) > 0:
+            live = bad[:, None] & both
+            sums = tl.zeros([BM, GP], dtype=tl.float32)
+            for j in range(0, C):
+                sums += tl.load(RSUM + (j * as_i64(T) * G + at), mask=live, other=0.0)
+            xn1 = tl.load(SCR + (rows + 3 * T * G), mask=rmask, other=0.0)
+            norms = _norms(WS, gs, gmask, G, K, N, lost_w, 0.0)  # (GP,)
+            ref = tl.load(SCR + at, mask=both, other=0.0)
             still = ~(tl.abs(sums - ref) - factor * xn1[:, None] * (norms + floor)[None, :] <= 0)
-            still = still & bad[:, None] & both
+            still = still & live
             site = tl.load(SITE + gs, mask=gmask, other=-1)
             for s in tl.static_range(S):
                 row = _site_row(s, row0, row1, row2)
                 lost = tl.sum((still & (site[None, :] == s)).to(tl.int32), 1)
                 if (tl.sum(lost, 0) > 0) & (row >= 0):
                     one = tl.full([], 1.0, tl.float32)
-                    first = tl.atomic_add(SCR + (as_i64(P) * S + s + base), one)
+                    first = tl.atomic_add(SCR + (3 * as_i64(T) * G + T + S + s), one)
                     if first == 0:  # once per site: lost, and reproduced (the operands imply it)
                         tl.atomic_add(LOG + row * 7 + 3, 1.0)
                         tl.atomic_add(LOG + row * 7 + 4, 1.0)
 
 
 @triton.jit
-def _record(SCR, LOG, STEP, T, G, P, base, row0, row1, row2, S: tl.constexpr, BP: tl.constexpr):
-    """The detection into the sites' log rows (program 0 of a flagged repair): flagged tokens,
-    the worst residual (NaN first), detected once, the step."""
+def _record(SCR, LOG, STEP, T, G, row0, row1, row2, S: tl.constexpr, BP: tl.constexpr):
+    """The detection into the sites' log rows (program 0 of a flagged re-check): flagged
+    tokens, the worst residual (NaN first), detected once, the step."""
     value = worst_residual(SCR, 2 * T * G, T * G, T * G, BP)
     step = tl.load(STEP)
     for s in tl.static_range(S):
         row = _site_row(s, row0, row1, row2)
-        count = tl.zeros([], dtype=tl.float32)
-        for p0 in range(0, P, BP):
-            ps, pmask = span(p0, P, BP)
-            count += tl.sum(tl.load(SCR + (ps * S + s + base), mask=pmask, other=0.0), 0)
+        count = tl.load(SCR + (3 * as_i64(T) * G + T + s))
         if (count > 0) & (row >= 0):
             at = LOG + row * 7
             tl.atomic_add(at, count.to(tl.float64))
@@ -257,17 +343,31 @@ def _as_rows(weight: Tensor, conv1d: bool) -> Tensor:
     return weight.t() if conv1d else weight
 
 
+def _nbytes(*ts: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
 @torch.library.custom_op("attnchecker::proj_weights", mutates_args=())
 def proj_weights(weight: Tensor, bias: Tensor | None, groups: int, conv1d: bool) -> Tensor:
     """The packed weight-side sums of a projection of ``groups`` head groups (see
-    :func:`weights_kernel`), fp32."""
+    :func:`weights_sum_kernel`), fp32. Two launches: partials over (group, output chunk, K
+    block), then their sums in order."""
     w = readable(_as_rows(weight, conv1d))
     N, K = w.shape
+    n = N // groups
+    C = triton.cdiv(K, _BK) if K else 1
+    OC = width(n, chunks(groups * C, _nbytes(weight), triton.cdiv(n, _BO)), _BO)
+    J = triton.cdiv(n, OC) if n else 1
     out = torch.empty(groups * (K + 3) + N, device=w.device, dtype=_F32)
+    ps = torch.empty(J * groups * K, device=w.device, dtype=_F32)
+    pw1 = torch.empty(C * N, device=w.device, dtype=_F32)
+    psq = torch.empty(groups * J * C, device=w.device, dtype=_F32)
     b = readable(bias)
-    weights_kernel[(groups,)](w, b if b is not None else out, out, N, K, groups, N // groups,
-                              w.stride(0), w.stride(1), HAS_B=bias is not None, BO=_BO,
-                              BK=_BK)  # fmt: skip
+    weights_kernel[(groups, J, C)](w, ps, pw1, psq, N, K, groups, n, OC, w.stride(0),
+                                   w.stride(1), BO=_BO, BK=_BK)  # fmt: skip
+    grid = max(triton.cdiv(max(groups * K, N), _BR), groups)
+    weights_sum_kernel[(grid,)](b if b is not None else out, ps, pw1, psq, out, N, K, groups, n,
+                                J, C, HAS_B=bias is not None, BR=_BR)  # fmt: skip
     return out
 
 
@@ -302,34 +402,46 @@ def _gp(G: int) -> int:
     return max(16, triton.next_power_of_2(G))
 
 
+def _scratch(T: int, G: int, n_sites: int) -> int:
+    """proj_verify's scratch: [references | residuals | excesses] (T, G), ||x_t|| + 1 (T,), the
+    sites' flagged-token counts (S,) and their lost flags (S,)."""
+    return 3 * T * G + T + 2 * n_sites
+
+
 @torch.library.custom_op("attnchecker::proj_verify", mutates_args=())
 def proj_verify(
     y: Tensor, x: Tensor, ws: Tensor, site: Tensor, n_sites: int, factor: float, floor: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The rows' check of y (T, N) = x (T, K) W^T + b against ``ws`` (:func:`proj_weights`);
     ``site`` (G,) int32: the site each group is counted by. Returns the scratch (references,
-    residuals and excesses (T, G), ||x_t|| + 1 (T,), each program's flagged tokens per site,
-    the sites' lost flags) and the column bitmap (N,) int32, zeroed, for :func:`proj_repair`."""
+    residuals and excesses (T, G), ||x_t|| + 1 (T,), each site's flagged tokens, the sites'
+    lost flags, zeroed) and the column bitmap (N,) int32, zeroed, for :func:`proj_repair`. Two
+    launches: (token block, chunk) partials, then their sums a token block."""
     T, N = y.shape
     K = x.shape[1]
     G = site.shape[0]
-    P = triton.cdiv(T, _BM) if T else 1
-    scr = torch.empty(3 * T * G + T + (P + 1) * n_sites, device=y.device, dtype=_F32)
+    R = triton.cdiv(T, _BM) if T else 1
+    C = chunks(R, _nbytes(y, x), max(triton.cdiv(N, _BN), triton.cdiv(K, _BK)))
+    NC, KC = width(N, C, _BN), width(K, C, _BK)
+    C = max(triton.cdiv(N, NC), triton.cdiv(K, KC))
+    scr = torch.empty(_scratch(T, G, n_sites), device=y.device, dtype=_F32)
     bits = torch.empty(N, device=y.device, dtype=torch.int32)
+    part = torch.empty(C * (2 * T * G + T), device=y.device, dtype=_F32)
     yr, xr = readable(y), readable(x)
-    verify_kernel[(P,)](yr, xr, ws, site, scr, bits, T, N, K, G, N // G, P, yr.stride(0),
-                        yr.stride(1), xr.stride(0), xr.stride(1), squares_lost(K),
-                        _lost_w(N, K, G), factor, floor, triton.cdiv(N, P), S=n_sites,
-                        BF16=xr.dtype == torch.bfloat16, BM=_BM, BN=_BN, BK=_BK,
-                        GP=_gp(G))  # fmt: skip
+    verify_kernel[(R, C)](yr, xr, ws, part, scr, bits, T, N, K, G, N // G, NC, KC, yr.stride(0),
+                          yr.stride(1), xr.stride(0), xr.stride(1), triton.cdiv(N, R * C),
+                          S=n_sites, BF16=xr.dtype == torch.bfloat16, BM=_BM, BN=_BN, BK=_BK,
+                          GP=_gp(G))  # fmt: skip
+    verify_rows_kernel[(R,)](ws, site, part, scr, T, N, K, G, C, squares_lost(K),
+                             _lost_w(N, K, G), factor, floor, S=n_sites, BM=_BM,
+                             GP=_gp(G))  # fmt: skip
     return scr, bits
 
 
 @proj_verify.register_fake
 def _(y, x, ws, site, n_sites, factor, floor):
     T, N = y.shape
-    G, P = site.shape[0], triton.cdiv(T, _BM) if T else 1
-    return (y.new_empty(3 * T * G + T + (P + 1) * n_sites, dtype=_F32),
+    return (y.new_empty(_scratch(T, site.shape[0], n_sites), dtype=_F32),
             y.new_empty(N, dtype=torch.int32))  # fmt: skip
 
 
@@ -347,22 +459,31 @@ def proj_repair(
     factor: float, floor: float,
 ) -> None:  # fmt: skip
     """Record, recompute, locate and re-check what :func:`proj_verify` flagged (nothing on a
-    clean call: every program returns at once), into y and the log rows ``rows`` of the sites."""
+    clean call: every program of both launches returns at once), into y and the log rows
+    ``rows`` of the sites. Two launches: (token block, column chunk) programs, then the re-check
+    a token block."""
     T, N = y.shape
     K = x.shape[1]
     G, S = site.shape[0], len(rows)
-    P = triton.cdiv(T, _BM) if T else 1
+    R = triton.cdiv(T, _BM) if T else 1
     yr, xr, b = readable(y), readable(x), readable(bias)
     w = readable(_as_rows(weight, conv1d))
     ieee = torch.float32 in (xr.dtype, w.dtype)
     if xr.dtype != w.dtype:
         xr, w = xr.to(_F32), w.to(_F32)
+    bn = _BN // 2 if ieee else _BN  # fp32 tiles: half as wide, no spill
+    NC = width(N, chunks(R, _nbytes(y, x, weight), triton.cdiv(N, bn)), bn)
+    C = triton.cdiv(N, NC) if N else 1
+    rsum = torch.empty(C * T * G, device=y.device, dtype=_F32)
     r = [*rows, -1, -1][:3]
-    repair_kernel[(P,)](yr, xr, w, b if b is not None else ws, ws, site, scr, bits, log, step,
-                        T, N, K, G, N // G, P, yr.stride(0), yr.stride(1), xr.stride(0),
-                        xr.stride(1), w.stride(0), w.stride(1), _lost_w(N, K, G), factor, floor,
-                        factor / math.sqrt(N // G), *r, S=S, HAS_B=bias is not None, IEEE=ieee,
-                        BM=_BM, BN=_BN, BK=_BK, BP=_BP, GP=_gp(G))  # fmt: skip
+    lost_w = _lost_w(N, K, G)
+    repair_kernel[(R, C)](yr, xr, w, b if b is not None else ws, ws, site, scr, bits, log, rsum,
+                          T, N, K, G, N // G, NC, yr.stride(0), yr.stride(1), xr.stride(0),
+                          xr.stride(1), w.stride(0), w.stride(1), lost_w, floor,
+                          factor / math.sqrt(N // G), *r, S=S, HAS_B=bias is not None,
+                          IEEE=ieee, BM=_BM, BN=bn, BK=_BK, GP=_gp(G))  # fmt: skip
+    repair_rows_kernel[(R,)](ws, site, scr, log, step, rsum, T, N, K, G, C, lost_w, factor,
+                             floor, *r, S=S, BM=_BM, BP=64, GP=_gp(G))  # fmt: skip
     if yr is not y:  # the interpreter's fp32 copy
         y.copy_(yr)
 

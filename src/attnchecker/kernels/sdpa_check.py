@@ -50,6 +50,7 @@ from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
 from attnchecker.kernels import DEAD
+from attnchecker.kernels.launches import as_on_gpu
 
 __all__ = [
     "REFERENCE",
@@ -88,6 +89,13 @@ def group_sum(t: Tensor, kv_heads: int) -> Tensor:
     return t.view(t.shape[0], kv_heads, t.shape[1] // kv_heads, *t.shape[2:]).sum(2)
 
 
+def _native_cpu(q: Tensor) -> bool:
+    """Whether the backend is the CPU's flash kernel (GQA native, any mask): on a CPU, unless
+    launches are being recorded as on a GPU (:func:`attnchecker.kernels.launches.as_on_gpu`:
+    the GPU cost model traces CUDA's path, K / V expanded, on CPU tensors, shapes only)."""
+    return q.device.type == "cpu" and not as_on_gpu()
+
+
 def backend_mask(mask: Tensor | None, q: Tensor) -> Tensor | None:
     """An SDPA mask (4-D, bool: True attends, or additive) as the backend's kernel takes it: an
     additive mask in q's dtype (a bool one as 0 / -inf, as SDPA converts it); on CUDA expanded
@@ -98,7 +106,7 @@ def backend_mask(mask: Tensor | None, q: Tensor) -> Tensor | None:
     if mask.dtype == torch.bool:
         mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
     mask = mask.to(q.dtype)
-    if q.device.type == "cpu":
+    if _native_cpu(q):
         return mask
     Lk = mask.shape[-1]
     if mask.stride(-1) != 1 or (mask.shape[-2] > 1 and mask.stride(-2) % 16):
@@ -111,7 +119,7 @@ def attention_forward(
 ) -> tuple[Tensor, Tensor, tuple]:
     """(out (B, H, L, d), lse (B, H, L) fp32 natural log, what the backward needs) of the
     backend's attention kernel on q (B, H, L, d), k and v (B, Hkv, Lk, d)."""
-    if q.device.type == "cpu":  # GQA native
+    if _native_cpu(q):  # GQA native
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=backend_mask(mask, q), scale=scale
         )
@@ -139,7 +147,7 @@ def attention_backward(
     mask: Tensor | None, causal: bool, scale: float, aux: tuple,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv) of :func:`attention_forward` for the output gradient ``grad``."""
-    if q.device.type == "cpu":
+    if _native_cpu(q):
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal, attn_mask=backend_mask(mask, q), scale=scale
         )

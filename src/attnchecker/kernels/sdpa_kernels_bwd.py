@@ -1,13 +1,23 @@
 """The SDPA route's backward checks as Triton kernels (the forward's:
 :mod:`attnchecker.kernels.sdpa_kernels`; the shared helpers:
-:mod:`~attnchecker.kernels.triton_utils`), three launches a layer, none waiting for the host:
+:mod:`~attnchecker.kernels.triton_utils`), five launches a layer in three ops, none waiting for
+the host, every grid as wide as its data:
 
-- ``bwd_q_kernel``: per block of query rows, dQ's bound and the partial sums the dV and dK
-  checks compare with (sum live_i dO_i, its tolerance, sum a_i |q_i|);
-- ``bwd_kv_kernel``: per block of key rows, the column sums of dK and dV;
-- ``bwd_repair_kernel``: per K/V head group: reduces the partials, compares; returns unless a
-  check failed; else adds the records, recomputes the group's dQ, dK, dV (FlashAttention-2's
-  backward from the saved LSE: P = exp(s - LSE), dS = P (dP - D)) and checks them again.
+- ``bwd_q_kernel`` (op ``bwd_verify``): per block of query rows, dQ's bound and the partial sums
+  the dV and dK checks compare with (sum live_i dO_i, its tolerance, sum a_i |q_i|);
+- ``bwd_kv_kernel`` (op ``bwd_sums``): per block of key rows, the column sums of dK and dV;
+- ``bwd_check_kernel``, ``bwd_repair_q_kernel`` and ``bwd_repair_kv_kernel`` (op
+  ``bwd_repair``): per (K/V head group, 16 columns), the partials reduced in vector loads and
+  dK's and dV's checks; per (block of query rows, query head) and per (block of key rows, K/V
+  group), one vector load of the group's result and a return on a clean group, else the
+  block's dQ, or dK's and dV's block, recomputed (FlashAttention-2's backward from the saved
+  LSE: P = exp(s - LSE), dS = P (dP - D)) and checked again (two kernels: together in one,
+  the fp32 recomputations spilled).
+
+Records: dQ's rows and columns summed over flagged blocks (value 0), dK's and dV's a row a
+flagged group, columns summed, the value of the first flagged group's largest flagged sum;
+written by one program a record, elected by group order, so nothing depends on which program
+runs first.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from attnchecker.kernels.triton_utils import (
     head_stats,
     mark_lost,
     mask_view,
+    popcount16,
     readable,
     row_view,
     tile,
@@ -42,6 +53,8 @@ __all__ = ["bwd_cols", "bwd_repair", "bwd_rows"]
 _F32 = torch.float32
 _BM, _BN = SDPA_BLOCKS[1:]
 _DEAD = tl.constexpr(DEAD)
+_DC = 16  # columns a program of the group check
+_ENTRY = tl.constexpr(6)  # int32s of a group check's entry
 
 
 @triton.jit
@@ -99,35 +112,6 @@ def bwd_kv_kernel(DK, DV, PART, Hkv, Lk, d, nN, sk_b, sk_h, sk_l, sk_d, sv_b, sv
 
 
 @triton.jit
-def _group(QP, KVP, FLAGS, bkv, rep, d, nM, nN, ds, dm, BD: tl.constexpr):
-    """The reduced partials of one K/V head group: (ref, tol_v, qa (d,), max |LSE|, sum dK,
-    sum dV (d,), flagged dQ rows, flagged dQ columns)."""
-    ref = tl.zeros([BD], dtype=tl.float32)
-    tv = tl.zeros([BD], dtype=tl.float32)
-    qa = tl.zeros([BD], dtype=tl.float32)
-    lm = tl.zeros([], dtype=tl.float32)
-    n_q = tl.zeros([], dtype=tl.int32)
-    c_q = tl.zeros([], dtype=tl.int32)
-    for r in range(0, rep):
-        bh = bkv.to(tl.int64) * rep + r
-        for j in range(0, nM):
-            at = QP + (bh * nM + j) * (3 * d + 1)
-            ref += tl.load(at + ds, mask=dm, other=0.0)
-            tv += tl.load(at + d + ds, mask=dm, other=0.0)
-            qa += tl.load(at + 2 * d + ds, mask=dm, other=0.0)
-            lm = tl.maximum(lm, tl.load(at + 3 * d))
-            n_q += tl.load(FLAGS + 2 * (bh * nM + j))
-            c_q += tl.load(FLAGS + 2 * (bh * nM + j) + 1)
-    sk = tl.zeros([BD], dtype=tl.float32)
-    sv = tl.zeros([BD], dtype=tl.float32)
-    for j in range(0, nN):
-        at = KVP + (bkv.to(tl.int64) * nN + j) * (2 * d)
-        sk += tl.load(at + ds, mask=dm, other=0.0)
-        sv += tl.load(at + d + ds, mask=dm, other=0.0)
-    return ref, tv, qa, lm, sk, sv, n_q, c_q
-
-
-@triton.jit
 def _sums_bad(ref, tv, qa, lm, sk, sv, dm, scale_abs, c_k, tol, floor_k, floor_v):
     """(dK's flagged columns, dV's) of a group."""
     t_k = tol * 4 * ((c_k + EPS32_K * lm) * scale_abs * 2 * qa + floor_k)
@@ -138,125 +122,281 @@ def _sums_bad(ref, tv, qa, lm, sk, sv, dm, scale_abs, c_k, tol, floor_k, floor_v
 
 
 @triton.jit
-def bwd_repair_kernel(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, QP, KVP, FLAGS, REC, STEP,
-                      row_q, row_k, row_v, H, rep, L, Lk, d, S, nM, nN,
-                      sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
-                      sm_b, sm_h, sm_l, sm_k, so_b, so_h, so_l, so_d, sl_b, sl_h, sl_l,
-                      sg_b, sg_h, sg_l, sg_d, sdq_b, sdq_h, sdq_l, sdq_d,
-                      sdk_b, sdk_h, sdk_l, sdk_d, sdv_b, sdv_h, sdv_l, sdv_d, sr_b, sr_h, sr_l,
-                      scale, scale_abs, c_k, tol, floor_k, floor_v, w_live, c_q, floor_q,
-                      HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):  # fmt: skip
-    """One program per (batch, K/V head group): compare the group's partials, return on a clean
-    one, else record, recompute the group's dQ, dK, dV and check them again.
+def _col_sums(P, n, width, off, cols, cm, BJ: tl.constexpr, DC: tl.constexpr):
+    """Columns ``cols`` of the n partials of P (``width`` floats apart, at ``off``) summed."""
+    acc = tl.zeros([DC], dtype=tl.float32)
+    for j0 in range(0, n, BJ):
+        js = (j0 + tl.arange(0, BJ)).to(tl.int64)
+        acc += tl.sum(tl.load(P + js[:, None] * width + off + cols[None, :],
+                              mask=(js < n)[:, None] & cm[None, :], other=0.0), 0)  # fmt: skip
+    return acc
+
+
+@triton.jit
+def bwd_check_kernel(QP, KVP, FLAGS, GRP, SCR, rep, d, nM, nN, scale_abs, c_k, tol, floor_k,
+                     floor_v, BJ: tl.constexpr, DC: tl.constexpr):  # fmt: skip
+    """Per (K/V head group, DC columns): the group's partials reduced in vector loads (no
+    serial loop over flags), dK's and dV's column checks; into GRP the reduced reference sums
+    (ref, tol_v, qa: 3 d floats, and max |LSE|) for the repair's re-check, into SCR the
+    chunk's entry (:data:`_ENTRY` int32s: flagged dK and dV columns, the largest flagged sum of
+    each (fp32 bits), the group's flagged dQ rows and columns (chunk 0)) and, from chunk 0,
+    the group's arrival counter zeroed."""
+    g, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    nC = tl.num_programs(1)
+    cols = (c * DC + tl.arange(0, DC)).to(tl.int64)
+    cm = cols < d
+    W = 3 * d + 1
+    heads = QP + g * rep * nM * W  # the group's rep heads' partials are consecutive
+    ref = _col_sums(heads, rep * nM, W, 0, cols, cm, BJ, DC)
+    tv = _col_sums(heads, rep * nM, W, d, cols, cm, BJ, DC)
+    qa = _col_sums(heads, rep * nM, W, 2 * d, cols, cm, BJ, DC)
+    sk = _col_sums(KVP + g * nN * 2 * d, nN, 2 * d, 0, cols, cm, BJ, DC)
+    sv = _col_sums(KVP + g * nN * 2 * d, nN, 2 * d, d, cols, cm, BJ, DC)
+    lm = tl.zeros([], dtype=tl.float32)
+    n_q = tl.zeros([], dtype=tl.int32)
+    c_q = tl.zeros([], dtype=tl.int32)
+    for j0 in range(0, rep * nM, BJ):
+        js = (j0 + tl.arange(0, BJ)).to(tl.int64)
+        jm = js < rep * nM
+        lm = tl.maximum(lm, tl.max(tl.load(heads + js * W + 3 * d, mask=jm, other=0.0), 0))
+        fl = FLAGS + 2 * (g * rep * nM + js)
+        n_q += tl.sum(tl.load(fl, mask=jm, other=0), 0)
+        c_q += tl.sum(tl.load(fl + 1, mask=jm, other=0), 0)
+    k_bad, v_bad = _sums_bad(ref, tv, qa, lm, sk, sv, cm, scale_abs, c_k, tol, floor_k, floor_v)
+    at = GRP + g * W
+    tl.store(at + cols, ref, mask=cm)
+    tl.store(at + d + cols, tv, mask=cm)
+    tl.store(at + 2 * d + cols, qa, mask=cm)
+    e = SCR + (g * nC + c) * _ENTRY
+    tl.store(e, tl.sum(k_bad.to(tl.int32) << tl.arange(0, DC), 0))  # DC = 16: one word
+    tl.store(e + 1, tl.sum(v_bad.to(tl.int32) << tl.arange(0, DC), 0))
+    tl.store(e + 2, tl.max(tl.where(k_bad, sk, 0.0), 0).to(tl.int32, bitcast=True))
+    tl.store(e + 3, tl.max(tl.where(v_bad, sv, 0.0), 0).to(tl.int32, bitcast=True))
+    tl.store(e + 4, tl.where(c == 0, n_q, 0))
+    tl.store(e + 5, tl.where(c == 0, c_q, 0))
+    if c == 0:
+        tl.store(at + 3 * d, lm)
+        tl.store(SCR + tl.num_programs(0).to(tl.int64) * nC * _ENTRY + g, 0)  # the counter
+
+
+@triton.jit
+def _entries(SCR, g, nC, NC: tl.constexpr):
+    """A group's chunk entries: (dK's flagged columns, dV's: (NC,) 16-bit words; dQ's flagged
+    rows, columns; the largest flagged dK sum, dV's)."""
+    cs = tl.arange(0, NC)
+    at = SCR + (g * nC + cs) * _ENTRY
+    cm = cs < nC
+    wk = tl.load(at, mask=cm, other=0)
+    wv = tl.load(at + 1, mask=cm, other=0)
+    vk = tl.load(at + 2, mask=cm, other=0).to(tl.float32, bitcast=True)
+    vv = tl.load(at + 3, mask=cm, other=0).to(tl.float32, bitcast=True)
+    n_q = tl.sum(tl.load(at + 4, mask=cm, other=0), 0)
+    c_q = tl.sum(tl.load(at + 5, mask=cm, other=0), 0)
+    vk = tl.max(tl.where(cm, vk, -float("inf")), 0)
+    vv = tl.max(tl.where(cm, vv, -float("inf")), 0)
+    return wk, wv, n_q, c_q, vk, vv
+
+
+@triton.jit
+def _record(REC, row, SCR, n_groups, nC, which: tl.constexpr, me, step, NC: tl.constexpr):
+    """Write a backward check's record if group ``me`` is the first it flagged: over all groups,
+    dQ (which 0: rows and columns summed, value 0) or dK / dV (1 / 2: a row a flagged group,
+    the union of flagged columns, the first group's largest flagged sum), as the reference. On
+    a flag only: a loop over the groups."""
+    first = tl.full([], 2**31 - 1, tl.int64)
+    n_rows = tl.zeros([], dtype=tl.int32)
+    n_cols = tl.zeros([], dtype=tl.int32)
+    union = tl.zeros([NC], dtype=tl.int32)
+    value = tl.zeros([], dtype=tl.float32)
+    for g in range(0, n_groups):
+        wk, wv, n_q, c_q, vk, vv = _entries(SCR, g, nC, NC)
+        if which == 0:
+            if n_q > 0:
+                first = tl.minimum(first, g)
+                n_rows += n_q
+                n_cols += c_q
+        else:
+            w = wk if which == 1 else wv
+            if tl.sum(w, 0) > 0:
+                if first > g:
+                    first = g
+                    value = vk if which == 1 else vv
+                n_rows += 1
+                union = union | w
+    if which != 0:
+        n_cols = tl.sum(popcount16(union), 0)
+    if first == me:
+        add_record(REC, row, n_rows, n_cols, value, step)
+
+
+@triton.jit
+def _group_of(SCR, bh, H, rep, nC, NC: tl.constexpr):
+    """(b, h, the K/V group bkv, its entries: dK's and dV's flagged-column words, dQ's flagged
+    rows; whether it flagged at all) of query head ``bh``."""
+    Hkv = H // rep
+    b, h = bh // H, bh % H
+    bkv = b * Hkv + h // rep
+    wk, wv, n_q, _cq, _vk, _vv = _entries(SCR, bkv, nC, NC)
+    n_k, n_v = tl.sum(wk, 0), tl.sum(wv, 0)  # (nonzero: a flagged column)
+    return b, h, bkv, n_k, n_v, n_q, (n_q + n_k + n_v) > 0
+
+
+@triton.jit
+def bwd_repair_q_kernel(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, GRP, NEW, FLAGS, SCR,
+                        REC, STEP, row_q, row_k, row_v, H, rep, L, Lk, d, S, nM, nC,
+                        sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
+                        sm_b, sm_h, sm_l, sm_k, so_b, so_h, so_l, so_d, sl_b, sl_h, sl_l,
+                        sg_b, sg_h, sg_l, sg_d, sdq_b, sdq_h, sdq_l, sdq_d,
+                        sdk_b, sdk_h, sdk_l, sdk_d, sdv_b, sdv_h, sdv_l, sdv_d, sr_b, sr_h, sr_l,
+                        scale, scale_abs, c_k, tol, floor_k, floor_v, c_q, floor_q,
+                        HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                        NC: tl.constexpr):  # fmt: skip
+    """Program (block p of query rows, query head): one vector load of its group's entries
+    (:func:`bwd_check_kernel`'s) and a return on a clean group; else dQ's block p of its head
+    recomputed (FlashAttention-2's backward from the saved LSE), its bound checked again from
+    registers, and the first flagged group's program 0 writes dQ's record. Its parameters are
+    :func:`bwd_repair_kv_kernel`'s (one argument list for both)."""
+    p, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h, bkv, _nk, _nv, n_q, flagged = _group_of(SCR, bh, H, rep, nC, NC)
+    if flagged:  # the device flag: nothing below runs for a clean group
+        g = h // rep
+        ds = tl.arange(0, BD)
+        dm = ds < d
+        claims = FLAGS + 2 * tl.num_programs(1).to(tl.int64) * nM
+        Kh, Vh = K + b * sk_b + g * sk_h, V + b * sv_b + g * sv_h
+        _, _, ka, _, va = head_stats(STATS, bkv, S, d, ds, dm)
+        rows = (p * BM + tl.arange(0, BM)).to(tl.int64)
+        rm = rows < L
+        q = tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm)
+        dq = tl.zeros([BM, BD], dtype=tl.float32)
+        for nb in range(0, tl.cdiv(Lk, BN)):
+            cols = (nb * BN + tl.arange(0, BN)).to(tl.int64)
+            cm = cols < Lk
+            v = tile(Vh, cols, ds, sv_l, sv_d, cm, dm)
+            k, _p, _do, dsc = _block(
+                q, Kh, M + b * sm_b + h * sm_h, Out + b * so_b + h * so_h,
+                LSE + b * sl_b + h * sl_h, DO + b * sg_b + h * sg_h, v, rows, rm, cols, cm,
+                ds, dm, sk_l, sk_d, sm_l, sm_k, so_l, so_d, sl_l, sg_l, sg_d, scale,
+                HAS_MASK, CAUSAL, IEEE,
+            )  # fmt: skip
+            dq += dot(dsc.to(k.dtype), k, IEEE) * scale
+        both = rm[:, None] & dm[None, :]
+        newq = dq.to(DQ.dtype.element_ty)
+        tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None] * sdq_l + ds[None, :] * sdq_d,
+                 newq, mask=both)  # fmt: skip
+        # dQ's bound again on the new rows, from registers
+        g_ = tile(DO + b * sg_b + h * sg_h, rows, ds, sg_l, sg_d, rm, dm)
+        rmx = tl.load(RMX + b * sr_b + h * sr_h + rows * sr_l, mask=rm, other=_DEAD)
+        a = tl.sum(tl.abs(g_.to(tl.float32)), 1) * va * tl.where(rmx > _DEAD, 1.0, Lk * 1.0)
+        bound = c_q * 2 * scale_abs * a[:, None] * ka[None, :] + floor_q
+        worse = ~(tl.abs(newq.to(tl.float32)) - bound <= 0.0) & both
+        if (n_q > 0) & (tl.sum(tl.max(worse.to(tl.int32), 1), 0) > 0):
+            mark_lost(REC, row_q, claims + 3)
+        if (p == 0) & ((h % rep) == 0) & (n_q > 0):  # the record, by the first flagged group
+            n_groups = tl.num_programs(1).to(tl.int64) // rep
+            _record(REC, row_q, SCR, n_groups, nC, 0, bkv, tl.load(STEP), NC)
+
+
+@triton.jit
+def bwd_repair_kv_kernel(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, GRP, NEW, FLAGS, SCR,
+                         REC, STEP, row_q, row_k, row_v, H, rep, L, Lk, d, S, nM, nC,
+                         sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
+                         sm_b, sm_h, sm_l, sm_k, so_b, so_h, so_l, so_d, sl_b, sl_h, sl_l,
+                         sg_b, sg_h, sg_l, sg_d, sdq_b, sdq_h, sdq_l, sdq_d,
+                         sdk_b, sdk_h, sdk_l, sdk_d, sdv_b, sdv_h, sdv_l, sdv_d, sr_b, sr_h, sr_l,
+                         scale, scale_abs, c_k, tol, floor_k, floor_v, c_q, floor_q,
+                         HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                         NC: tl.constexpr):  # fmt: skip
+    """Program (block p of key rows, K/V head group): one vector load of the group's entries
+    and a return on a clean group; else dK's and dV's block p recomputed over the group's
+    heads, its column sums stored, and the last of the group's programs to arrive checks the
+    new sums (in block order: the same whoever arrives last); the first flagged group's
+    program 0 writes dK's and dV's records (nothing depends on which program runs first).
 
     Its parameters, in groups (Triton takes scalars, not structs):
 
     - tensors: Q, K, V, M (the additive mask), Out, LSE, DO (the output gradient), DQ, DK, DV
       (repaired in place), STATS (:func:`~attnchecker.kernels.sdpa_kernels.kv_stats`), RMX (each
-      row's largest mask value), QP / KVP (the query-side and key-side partials of
-      :func:`bwd_rows` / :func:`bwd_cols`), FLAGS (and the records' claims), REC (the records),
-      STEP (the clock);
+      row's largest mask value), GRP (the group's reduced sums), NEW (the new dK / dV sums a
+      key block), FLAGS (:func:`bwd_rows`' and the records' claims), SCR (the groups' entries
+      and arrival counters), REC (the records), STEP (the clock);
     - the record rows of dq, dk, dv (-1: none) and the sizes: H, rep (query heads per K/V head),
-      L, Lk, d, S (key chunks of the stats), nM, nN (the partials' blocks);
+      L, Lk, d, S (key chunks of the stats), nM (the query partials' blocks), nC (column
+      chunks);
     - the strides, four a tensor (batch, head, row, column; three for the LSE and RMX), named
       s<tensor>_<dim>: q, k, v, m (the mask), o, l (the LSE), g (dO), dq, dk, dv, r (RMX);
     - the constants of :func:`bwd_consts` (scale and the tolerances), as the reference derives
       them;
-    - compile-time: the mask, causality, IEEE products, and the recomputation's blocks BM, BN
-      (smaller than the partials': a rare path that must not spill), BD (d padded)."""
-    bkv = tl.program_id(0).to(tl.int64)
-    Hkv = H // rep
-    b, g = bkv // Hkv, bkv % Hkv
-    ds = tl.arange(0, BD)
-    dm = ds < d
-    ref, tv, qa, lm, sk, sv, n_q, c_qn = _group(QP, KVP, FLAGS, bkv, rep, d, nM, nN, ds, dm, BD)
-    k_bad, v_bad = _sums_bad(ref, tv, qa, lm, sk, sv, dm, scale_abs, c_k, tol, floor_k, floor_v)
-    n_k = tl.sum(k_bad.to(tl.int32), 0)
-    n_v = tl.sum(v_bad.to(tl.int32), 0)
-    if (n_q + n_k + n_v) > 0:  # the device flag: nothing below runs for a clean group
-        claims = FLAGS + 2 * tl.num_programs(0).to(tl.int64) * rep * nM
-        step = tl.load(STEP)
-        zero = tl.zeros([], dtype=tl.int32)
-        if n_q > 0:
-            add_record(REC, row_q, claims, n_q, c_qn, tl.zeros([], dtype=tl.float32), step)
-        if n_k > 0:
-            add_record(REC, row_k, claims + 1, zero + 1, n_k, tl.max(tl.where(k_bad, sk, 0.0), 0),
-                       step)  # fmt: skip
-        if n_v > 0:
-            add_record(REC, row_v, claims + 2, zero + 1, n_v, tl.max(tl.where(v_bad, sv, 0.0), 0),
-                       step)  # fmt: skip
+    - compile-time: the mask, causality, IEEE products, the recomputation's blocks BM, BN
+      (smaller than the partials': a rare path that must not spill), BD (d padded), NC (column
+      chunks, padded)."""
+    p, bkv = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    first = (bkv // (H // rep)) * H + (bkv % (H // rep)) * rep  # the group's first query head
+    b, h, _bkv, n_k, n_v, _nq, flagged = _group_of(SCR, first, H, rep, nC, NC)
+    if flagged:  # the device flag: nothing below runs for a clean group
+        g = h // rep
+        ds = tl.arange(0, BD)
+        dm = ds < d
+        claims = FLAGS + 2 * (tl.num_programs(1).to(tl.int64) * rep) * nM
         Kh, Vh = K + b * sk_b + g * sk_h, V + b * sv_b + g * sv_h
-        new_sk = tl.zeros([BD], dtype=tl.float32)
-        new_sv = tl.zeros([BD], dtype=tl.float32)
-        again_q = tl.zeros([], dtype=tl.int32)
-        _, _, ka, _, va = head_stats(STATS, bkv, S, d, ds, dm)
-        # dK, dV of every key block, over the group's heads and query blocks
-        for nb in range(0, tl.cdiv(Lk, BN)):
-            cols = (nb * BN + tl.arange(0, BN)).to(tl.int64)
-            cm = cols < Lk
-            dk = tl.zeros([BN, BD], dtype=tl.float32)
-            dv = tl.zeros([BN, BD], dtype=tl.float32)
-            v = tile(Vh, cols, ds, sv_l, sv_d, cm, dm)
-            for r in range(0, rep):
-                h = g * rep + r
-                for mb in range(0, tl.cdiv(L, BM)):
-                    rows = (mb * BM + tl.arange(0, BM)).to(tl.int64)
-                    rm = rows < L
-                    q = tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm)
-                    k, p, do, dsc = _block(
-                        q, Kh, M + b * sm_b + h * sm_h, Out + b * so_b + h * so_h,
-                        LSE + b * sl_b + h * sl_h, DO + b * sg_b + h * sg_h, v, rows, rm, cols, cm,
-                        ds, dm, sk_l, sk_d, sm_l, sm_k, so_l, so_d, sl_l, sg_l, sg_d, scale,
-                        HAS_MASK, CAUSAL, IEEE,
-                    )  # fmt: skip
-                    dv += dot(tl.trans(p.to(do.dtype)), do, IEEE)
-                    dk += dot(tl.trans(dsc.to(q.dtype)), q, IEEE) * scale
-            both = cm[:, None] & dm[None, :]
-            tl.store(DK + b * sdk_b + g * sdk_h + cols[:, None] * sdk_l + ds[None, :] * sdk_d,
-                     dk.to(DK.dtype.element_ty), mask=both)  # fmt: skip
-            tl.store(DV + b * sdv_b + g * sdv_h + cols[:, None] * sdv_l + ds[None, :] * sdv_d,
-                     dv.to(DV.dtype.element_ty), mask=both)  # fmt: skip
-            new_sk += tl.sum(tl.where(both, dk.to(DK.dtype.element_ty).to(tl.float32), 0.0), 0)
-            new_sv += tl.sum(tl.where(both, dv.to(DV.dtype.element_ty).to(tl.float32), 0.0), 0)
-        # dQ of every query block of the group's heads, over the key blocks
+        nN = tl.cdiv(Lk, BN)
+        cols = (p * BN + tl.arange(0, BN)).to(tl.int64)
+        cm = cols < Lk
+        dk = tl.zeros([BN, BD], dtype=tl.float32)
+        dv = tl.zeros([BN, BD], dtype=tl.float32)
+        v = tile(Vh, cols, ds, sv_l, sv_d, cm, dm)
         for r in range(0, rep):
-            h = g * rep + r
+            hr = g * rep + r
             for mb in range(0, tl.cdiv(L, BM)):
                 rows = (mb * BM + tl.arange(0, BM)).to(tl.int64)
                 rm = rows < L
-                q = tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm)
-                dq = tl.zeros([BM, BD], dtype=tl.float32)
-                for nb in range(0, tl.cdiv(Lk, BN)):
-                    cols = (nb * BN + tl.arange(0, BN)).to(tl.int64)
-                    cm = cols < Lk
-                    v = tile(Vh, cols, ds, sv_l, sv_d, cm, dm)
-                    k, _p, _do, dsc = _block(
-                        q, Kh, M + b * sm_b + h * sm_h, Out + b * so_b + h * so_h,
-                        LSE + b * sl_b + h * sl_h, DO + b * sg_b + h * sg_h, v, rows, rm, cols, cm,
-                        ds, dm, sk_l, sk_d, sm_l, sm_k, so_l, so_d, sl_l, sg_l, sg_d, scale,
-                        HAS_MASK, CAUSAL, IEEE,
-                    )  # fmt: skip
-                    dq += dot(dsc.to(k.dtype), k, IEEE) * scale
-                both = rm[:, None] & dm[None, :]
-                tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None] * sdq_l + ds[None, :] * sdq_d,
-                         dq.to(DQ.dtype.element_ty), mask=both)  # fmt: skip
-                # dQ's bound again on the new rows
-                g_ = tile(DO + b * sg_b + h * sg_h, rows, ds, sg_l, sg_d, rm, dm)
-                rmx = tl.load(RMX + b * sr_b + h * sr_h + rows * sr_l, mask=rm, other=_DEAD)
-                a = tl.sum(tl.abs(g_.to(tl.float32)), 1) * va * tl.where(rmx > _DEAD, 1.0, Lk * 1.0)
-                bound = c_q * 2 * scale_abs * a[:, None] * ka[None, :] + floor_q
-                newq = dq.to(DQ.dtype.element_ty).to(tl.float32)
-                worse = ~(tl.abs(newq) - bound <= 0.0) & both
-                again_q += tl.sum(tl.max(worse.to(tl.int32), 1), 0)
-        k_bad, v_bad = _sums_bad(ref, tv, qa, lm, new_sk, new_sv, dm, scale_abs, c_k, tol,
-                                 floor_k, floor_v)  # fmt: skip
-        if (n_q > 0) & (again_q > 0):
-            mark_lost(REC, row_q, claims + 3)
-        if (n_k > 0) & (tl.sum(k_bad.to(tl.int32), 0) > 0):
-            mark_lost(REC, row_k, claims + 4)
-        if (n_v > 0) & (tl.sum(v_bad.to(tl.int32), 0) > 0):
-            mark_lost(REC, row_v, claims + 5)
+                q = tile(Q + b * sq_b + hr * sq_h, rows, ds, sq_l, sq_d, rm, dm)
+                _k, pr, do, dsc = _block(
+                    q, Kh, M + b * sm_b + hr * sm_h, Out + b * so_b + hr * so_h,
+                    LSE + b * sl_b + hr * sl_h, DO + b * sg_b + hr * sg_h, v, rows, rm, cols,
+                    cm, ds, dm, sk_l, sk_d, sm_l, sm_k, so_l, so_d, sl_l, sg_l, sg_d, scale,
+                    HAS_MASK, CAUSAL, IEEE,
+                )  # fmt: skip
+                dv += dot(tl.trans(pr.to(do.dtype)), do, IEEE)
+                dk += dot(tl.trans(dsc.to(q.dtype)), q, IEEE) * scale
+        both = cm[:, None] & dm[None, :]
+        dk_ = dk.to(DK.dtype.element_ty)
+        dv_ = dv.to(DV.dtype.element_ty)
+        tl.store(DK + b * sdk_b + g * sdk_h + cols[:, None] * sdk_l + ds[None, :] * sdk_d,
+                 dk_, mask=both)  # fmt: skip
+        tl.store(DV + b * sdv_b + g * sdv_h + cols[:, None] * sdv_l + ds[None, :] * sdv_d,
+                 dv_, mask=both)  # fmt: skip
+        new = NEW + (bkv * nN + p) * 2 * d
+        tl.store(new + ds, tl.sum(tl.where(both, dk_.to(tl.float32), 0.0), 0), mask=dm)
+        tl.store(new + d + ds, tl.sum(tl.where(both, dv_.to(tl.float32), 0.0), 0), mask=dm)
+        tl.debug_barrier()  # every warp's sums stored before the arrival is counted
+        counter = SCR + tl.num_programs(1).to(tl.int64) * nC * _ENTRY + bkv
+        if tl.atomic_add(counter, 1, sem="acq_rel") == nN - 1:  # the group's last block
+            tl.debug_barrier()
+            sk = tl.zeros([BD], dtype=tl.float32)
+            sv = tl.zeros([BD], dtype=tl.float32)
+            for j in range(0, nN):  # in block order: the same sums whoever arrives last
+                sk += tl.load(NEW + (bkv * nN + j) * 2 * d + ds, mask=dm, other=0.0)
+                sv += tl.load(NEW + (bkv * nN + j) * 2 * d + d + ds, mask=dm, other=0.0)
+            grp = GRP + bkv * (3 * d + 1)
+            ref = tl.load(grp + ds, mask=dm, other=0.0)
+            tv = tl.load(grp + d + ds, mask=dm, other=0.0)
+            qa = tl.load(grp + 2 * d + ds, mask=dm, other=0.0)
+            k_bad, v_bad = _sums_bad(ref, tv, qa, tl.load(grp + 3 * d), sk, sv, dm, scale_abs,
+                                     c_k, tol, floor_k, floor_v)  # fmt: skip
+            if (n_k > 0) & (tl.sum(k_bad.to(tl.int32), 0) > 0):
+                mark_lost(REC, row_k, claims + 4)
+            if (n_v > 0) & (tl.sum(v_bad.to(tl.int32), 0) > 0):
+                mark_lost(REC, row_v, claims + 5)
+        if p == 0:  # the records, by the first group each flagged
+            n_groups = tl.num_programs(1).to(tl.int64)
+            step = tl.load(STEP)
+            if n_k > 0:
+                _record(REC, row_k, SCR, n_groups, nC, 1, bkv, step, NC)
+            if n_v > 0:
+                _record(REC, row_v, SCR, n_groups, nC, 2, bkv, step, NC)
 
 
 @triton.jit
@@ -324,27 +464,38 @@ def bwd_cols(dk: Tensor, dv: Tensor) -> Tensor:
 
 def bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, flags, kvpart,
                rec, step, rows, causal: bool, scale: float, tol: float) -> None:  # fmt: skip
-    """Compare the partials per K/V head group; recompute the failing groups' dQ, dK, dV in
-    place, their records into ``rec`` rows ``rows`` (dq, dk, dv; -1: none): nothing on a clean
-    call."""
+    """Compare the partials per K/V head group (:func:`bwd_check_kernel`); recompute the
+    failing groups' dQ, dK, dV in place (:func:`bwd_repair_q_kernel`,
+    :func:`bwd_repair_kv_kernel`), their records into ``rec`` rows ``rows`` (dq, dk, dv; -1:
+    none): three launches, nothing written on a clean call but the scratch."""
     B, H, L, d = q.shape
     Hkv, Lk, S = k.shape[1], k.shape[2], stats.shape[2]
-    nM, nN = triton.cdiv(L, _BM), triton.cdiv(Lk, _BN)
+    nM, nN, BD = triton.cdiv(L, _BM), triton.cdiv(Lk, _BN), block_d(d)
+    RB = 16  # the recomputation's blocks (a rare path: small tiles, more warps, no spill)
+    nC = triton.cdiv(d, _DC)
+    c = bwd_consts(q, k, dq, dk, dv, scale, tol)
+    grp = torch.empty(B * Hkv * (3 * d + 1), device=q.device, dtype=_F32)
+    scr = torch.empty(B * Hkv * (nC * _ENTRY + 1), device=q.device, dtype=torch.int32)
+    bwd_check_kernel[(B * Hkv, nC)](qpart, kvpart, flags, grp, scr, H // Hkv, d, nM, nN,
+                                    c["scale_abs"], c["c_k"], c["tol"], c["floor_k"],
+                                    c["floor_v"], BJ=64, DC=_DC)  # fmt: skip
+    new = torch.empty(B * Hkv * triton.cdiv(Lk, RB) * 2 * d, device=q.device, dtype=_F32)
     qr, kr, vr, orr, gr = (readable(t) for t in (q, k, v, out, grad))
     dqr, dkr, dvr = (readable(t) for t in (dq, dk, dv))
     m, sm, has_mask = mask_view(mask, q, Lk)
     rmx = row_view(rowmax, q)
-    c = bwd_consts(q, k, dq, dk, dv, scale, tol)
-    bwd_repair_kernel[(B * Hkv,)](
-        qr, kr, vr, m, orr, lse, gr, dqr, dkr, dvr, stats, rmx, qpart, kvpart, flags, rec, step,
-        rows[0], rows[1], rows[2], H, H // Hkv, L, Lk, d, S, nM, nN,
+    args = (
+        qr, kr, vr, m, orr, lse, gr, dqr, dkr, dvr, stats, rmx, grp, new, flags, scr, rec, step,
+        rows[0], rows[1], rows[2], H, H // Hkv, L, Lk, d, S, nM, nC,
         *qr.stride(), *kr.stride(), *vr.stride(), *sm, *orr.stride(), *lse.stride(),
         *gr.stride(), *dqr.stride(), *dkr.stride(), *dvr.stride(), *rmx.stride(),
-        scale, c["scale_abs"], c["c_k"], c["tol"], c["floor_k"], c["floor_v"], c["w_live"],
-        c["c_q"], c["floor_q"],
-        HAS_MASK=has_mask, CAUSAL=causal, IEEE=use_ieee(q), BM=16, BN=16, BD=block_d(d),
-        num_warps=8,
+        scale, c["scale_abs"], c["c_k"], c["tol"], c["floor_k"], c["floor_v"], c["c_q"],
+        c["floor_q"],
     )  # fmt: skip
+    meta = {"HAS_MASK": has_mask, "CAUSAL": causal, "IEEE": use_ieee(q), "BM": RB, "BN": RB,
+            "BD": BD, "NC": triton.next_power_of_2(triton.cdiv(BD, _DC))}  # fmt: skip
+    bwd_repair_q_kernel[(triton.cdiv(L, RB), B * H)](*args, **meta, num_warps=8)
+    bwd_repair_kv_kernel[(triton.cdiv(Lk, RB), B * Hkv)](*args, **meta, num_warps=8, num_stages=1)
     for t, r in ((dq, dqr), (dk, dkr), (dv, dvr)):
         if r is not t:  # the interpreter's fp32 copies
             t.copy_(r)

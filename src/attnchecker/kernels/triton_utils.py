@@ -22,11 +22,12 @@ import triton.language as tl
 from torch import Tensor
 
 from attnchecker.kernels import interpreting
+from attnchecker.kernels.launches import as_on_gpu
 
 __all__ = [
     "EPS32", "EPS32_K", "add_record", "as_i64", "block_d", "block_product", "block_scores",
-    "dot", "head_stats", "mark_lost", "mask_view", "readable", "row_view", "span", "tile",
-    "use_ieee", "worst_residual",
+    "dot", "head_stats", "mark_lost", "mask_view", "popcount16", "readable", "row_view", "span",
+    "tile", "use_ieee", "words", "worst_residual",
 ]  # fmt: skip
 
 _F32 = torch.float32
@@ -128,17 +129,32 @@ def head_stats(STATS, bkv, S, d, ds, dm):
 
 
 @triton.jit
-def add_record(LOG, row, CLAIM, n_rows, n_cols, value, step):
-    """Add a flagged head's rows and columns to ``LOG[row]``; the first to claim the call's
-    record adds detected, the step and its value."""
+def add_record(LOG, row, n_rows, n_cols, value, step):
+    """Add one call's record of a check to ``LOG[row]`` (-1: not recorded): flagged rows and
+    columns, the delivered value, detected, the step. One program a call writes it (the
+    caller elects it by a rule that does not depend on program order)."""
     if row >= 0:
         at = LOG + row * 7
         tl.atomic_add(at, n_rows.to(tl.float64))
         tl.atomic_add(at + 1, n_cols.to(tl.float64))
-        if tl.atomic_xchg(CLAIM, 1) == 0:
-            tl.atomic_add(at + 2, value.to(tl.float64))
-            tl.atomic_add(at + 5, 1.0)
-            tl.atomic_add(at + 6, step.to(tl.float64))
+        tl.atomic_add(at + 2, value.to(tl.float64))
+        tl.atomic_add(at + 5, 1.0)
+        tl.atomic_add(at + 6, step.to(tl.float64))
+
+
+@triton.jit
+def words(flags, BD: tl.constexpr):
+    """(BD,) 0 / 1 flags as BD // 16 int32 words of 16 bits."""
+    return tl.sum(tl.reshape(flags, [BD // 16, 16]) << tl.arange(0, 16)[None, :], 1)
+
+
+@triton.jit
+def popcount16(w):
+    """Set bits of each 16-bit word."""
+    n = tl.zeros(w.shape, dtype=tl.int32)
+    for i in tl.static_range(16):
+        n += (w >> i) & 1
+    return n
 
 
 @triton.jit
@@ -171,8 +187,9 @@ def block_scores(q, K, M, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k, sc
 
 
 def readable(t: Tensor | None) -> Tensor | None:
-    """t as the kernels read it: an fp32 copy of a bf16 tensor in the interpreter."""
-    if t is not None and interpreting() and t.dtype == torch.bfloat16:
+    """t as the kernels read it: an fp32 copy of a bf16 tensor in the interpreter (unless the
+    launches are recorded, not run: :func:`attnchecker.kernels.launches.recorded`)."""
+    if t is not None and interpreting() and t.dtype == torch.bfloat16 and not as_on_gpu():
         return t.to(_F32)
     return t
 
