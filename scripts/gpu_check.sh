@@ -12,6 +12,9 @@
 #   projections' checks alone and all_linear (the GEMM checks as registered Triton ops:
 #   check_impl="auto" on CUDA), eager / CUDA graph / compiled, at base width (L 1024) and Llama-8B widths
 #   (L 4096), arms alternated, each row written as measured (step_rows.jsonl);
+# - calibrate: benchmarks/kernel_times.py, every check kernel of one protected step (Llama-8B
+#   widths and base width, 1 layer) timed alone with CUDA events against the cost model's
+#   charge, and the device constants fitted (bandwidth, per-program rate, floor: issue 54);
 # - tests: the `gpu` tests (tests/integration/test_gpu.py: the SDPA route's among them) and the
 #   fused kernels' tests
 #   (tests/unit/kernels, compiled for the GPU, no interpreter) with the system python, failing
@@ -34,9 +37,9 @@
 #
 # Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (480), GPU_CHECK_STAGES,
 # GPU_CHECK_WORKERS (16), GPU_CHECK_ALARM_ARMS (all four),
-# GPU_CHECK_{STEP,TEST,TUNE,BENCH,GEMM,AUTO,ALARM,KERNEL,COMPILED}_TIMEOUT
-# (240, 150, 150, 70, 40, 100, 100, 75, 60), OUT; GPU_CHECK_TINY=1 runs the step stage on the
-# CPU at tiny sizes (tests/integration/test_gpu_stage.py runs the script so).
+# GPU_CHECK_{STEP,CALIBRATE,TEST,TUNE,BENCH,GEMM,AUTO,ALARM,KERNEL,COMPILED}_TIMEOUT
+# (240, 90, 150, 150, 70, 40, 100, 100, 75, 60), OUT; GPU_CHECK_TINY=1 runs the step and
+# calibrate stages on the CPU at tiny sizes (tests/integration/test_gpu_stage.py runs them so).
 # Measured on an H200 (2026-12-04): tests 111 s with 16 workers, the alarm sweep ~90 s, the
 # kernels' benchmark ~60 s; the protect_vs_sdpa rows build 4 base-width models each.
 set -euo pipefail
@@ -50,6 +53,7 @@ if [[ -z "$PY" ]]; then
     exit 2
 fi
 STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-240}
+CALIBRATE_TIMEOUT=${GPU_CHECK_CALIBRATE_TIMEOUT:-90}
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-150}
 ALARM_TIMEOUT=${GPU_CHECK_ALARM_TIMEOUT:-100}
 KERNEL_TIMEOUT=${GPU_CHECK_KERNEL_TIMEOUT:-75}
@@ -150,6 +154,14 @@ run_step() {
         "${tiny[@]}"
 }
 
+# every check kernel of a protected step timed alone, against the cost model (issue 54)
+run_calibrate() {
+    local tiny=()
+    if [[ -n "${GPU_CHECK_TINY:-}" ]]; then tiny=(--tiny --reps 1); fi
+    stage calibrate "$CALIBRATE_TIMEOUT" "$PY" benchmarks/kernel_times.py \
+        --out "$work/kernel_rows.jsonl" "${tiny[@]}"
+}
+
 # the gpu tests and the kernels' tests, compiled for the device, with tests/conftest.py as on
 # a CPU (it sets TRITON_INTERPRET only without CUDA; its ATTNCHECKER_CHECK_IMPL=eager is
 # overridden by test_gpu.py, whose checks run the CUDA default, CHECK_IMPL there, asserted by
@@ -238,7 +250,7 @@ run_compiled() {
         triton --reps 5 --tag compiled
 }
 
-for name in ${GPU_CHECK_STAGES:-step tests gemm benchmark auto alarms kernels tune compiled}; do
+for name in ${GPU_CHECK_STAGES:-step calibrate tests gemm benchmark auto alarms kernels tune compiled}; do
     if ! declare -F "run_$name" >/dev/null; then
         echo "gpu_check: no stage $name"
         status=1

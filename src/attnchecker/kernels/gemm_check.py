@@ -336,8 +336,9 @@ def gemm_repair(
     f = -c / math.sqrt(N)  # an element's rounding bound per ||x_m|| ||y||_F (c = -sqrt(N) f)
     o, xr, yr = readable(out), readable(x), readable(y)
     ieee = torch.float32 in (xr.dtype, yr.dtype)
-    if xr.dtype != yr.dtype:  # tl.dot multiplies one dtype
-        xr, yr = xr.to(_F32), yr.to(_F32)
+    if xr.dtype != yr.dtype and not ieee:  # two half dtypes: tl.dot multiplies one (an fp32
+        xr, yr = xr.to(_F32), yr.to(_F32)  # operand: the tiles go to fp32 in the kernel, so
+        # no copy on every clean call, as there was: ~100 MB an o_proj at Llama-8B widths)
     bn = _BN // 2 if ieee else _BN  # fp32 tiles: half as wide, no spill
     R = _programs(M, _BM)
     NC = width(N, chunks(R, _nbytes(out, x, y), _programs(N, bn)), bn)

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["Launch", "SkipCompute", "as_on_gpu", "current", "program_order", "recorded"]
+__all__ = ["Launch", "SkipCompute", "arg_bytes", "as_on_gpu", "current", "program_order", "recorded"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def as_on_gpu() -> bool:
     return _STATE["log"] is not None and not _STATE["run"]
 
 
-def _bytes(values) -> int:
+def arg_bytes(values) -> int:
     spans: dict[int, int] = {}
     for v in values:
         if isinstance(v, torch.Tensor) and v.numel() > 0:
@@ -99,7 +99,7 @@ def _call(executor, original: Callable, *args_dev, **kwargs):
     if log is not None:
         kw = {k: v for k, v in kwargs.items() if k in inspect.getfullargspec(executor.fn).args}
         log.append(Launch(executor.fn.__name__, _grid(executor, args_dev, kw),
-                          _bytes([*args_dev, *kw.values()])))  # fmt: skip
+                          arg_bytes([*args_dev, *kw.values()])))  # fmt: skip
         if not _STATE["run"]:
             return None
     order = _STATE["order"]
@@ -178,7 +178,7 @@ def program_order(how: str) -> Iterator[None]:
         _STATE.update(saved)
 
 
-_SMALL = 4096  # elements: ops on no more than this compute (step counters, the clock, scalars)
+_SMALL = 1 << 16  # elements: ops on no more than this compute (step counters, the clock, scalars)
 
 
 class SkipCompute(TorchDispatchMode):

@@ -410,16 +410,18 @@ def _scratch(T: int, G: int, n_sites: int) -> int:
 
 @torch.library.custom_op("attnchecker::proj_verify", mutates_args=())
 def proj_verify(
-    y: Tensor, x: Tensor, ws: Tensor, site: Tensor, n_sites: int, factor: float, floor: float,
+    y: Tensor, x: Tensor, ws: Tensor, sites: list[int], n_sites: int, factor: float, floor: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The rows' check of y (T, N) = x (T, K) W^T + b against ``ws`` (:func:`proj_weights`);
-    ``site`` (G,) int32: the site each group is counted by. Returns the scratch (references,
+    ``sites`` (G ints): the site each group is counted by (a list, not a tensor: a compiled
+    graph would build the tensor on every call; the op takes its device copy, made once). Returns the scratch (references,
     residuals and excesses (T, G), ||x_t|| + 1 (T,), each site's flagged tokens, the sites'
     lost flags, zeroed) and the column bitmap (N,) int32, zeroed, for :func:`proj_repair`. Two
     launches: (token block, chunk) partials, then their sums a token block."""
     T, N = y.shape
     K = x.shape[1]
-    G = site.shape[0]
+    G = len(sites)
+    site = _site_of(tuple(sites), y.device)
     R = triton.cdiv(T, _BM) if T else 1
     C = chunks(R, _nbytes(y, x), max(triton.cdiv(N, _BN), triton.cdiv(K, _BK)))
     NC, KC = width(N, C, _BN), width(K, C, _BK)
@@ -439,9 +441,9 @@ def proj_verify(
 
 
 @proj_verify.register_fake
-def _(y, x, ws, site, n_sites, factor, floor):
+def _(y, x, ws, sites, n_sites, factor, floor):
     T, N = y.shape
-    return (y.new_empty(_scratch(T, site.shape[0], n_sites), dtype=_F32),
+    return (y.new_empty(_scratch(T, len(sites), n_sites), dtype=_F32),
             y.new_empty(N, dtype=torch.int32))  # fmt: skip
 
 
@@ -455,7 +457,7 @@ def _lost_w(N: int, K: int, G: int) -> float:
 @torch.library.custom_op("attnchecker::proj_repair", mutates_args=("y", "scr", "bits", "log"))
 def proj_repair(
     y: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, conv1d: bool, ws: Tensor,
-    site: Tensor, scr: Tensor, bits: Tensor, log: Tensor, step: Tensor, rows: list[int],
+    sites: list[int], scr: Tensor, bits: Tensor, log: Tensor, step: Tensor, rows: list[int],
     factor: float, floor: float,
 ) -> None:  # fmt: skip
     """Record, recompute, locate and re-check what :func:`proj_verify` flagged (nothing on a
@@ -464,13 +466,15 @@ def proj_repair(
     a token block."""
     T, N = y.shape
     K = x.shape[1]
-    G, S = site.shape[0], len(rows)
+    G, S = len(sites), len(rows)
+    site = _site_of(tuple(sites), y.device)
     R = triton.cdiv(T, _BM) if T else 1
     yr, xr, b = readable(y), readable(x), readable(bias)
     w = readable(_as_rows(weight, conv1d))
     ieee = torch.float32 in (xr.dtype, w.dtype)
-    if xr.dtype != w.dtype:
-        xr, w = xr.to(_F32), w.to(_F32)
+    if xr.dtype != w.dtype and not ieee:  # two half dtypes: tl.dot multiplies one (with an
+        xr, w = xr.to(_F32), w.to(_F32)  # fp32 operand the kernel takes its tiles to fp32:
+        # no copy of x on every clean call, as there was under autocast with fp32 weights)
     bn = _BN // 2 if ieee else _BN  # fp32 tiles: half as wide, no spill
     NC = width(N, chunks(R, _nbytes(y, x, weight), triton.cdiv(N, bn)), bn)
     C = triton.cdiv(N, NC) if N else 1
@@ -496,9 +500,9 @@ def check_(
     """Check and repair y (T, N) = x (T, K) W^T + b in place, into the log rows ``rows`` of its
     sites (``sites``: the site of each head group, indices into ``rows``); returns the scratch
     (the references (T, G) first; :func:`proj_verify`)."""
-    site = _site_of(sites, y.device)
-    scr, bits = proj_verify(y, x, ws, site, len(rows), factor, floor)
-    proj_repair(y, x, weight, bias, conv1d, ws, site, scr, bits, log, step, rows, factor, floor)
+    scr, bits = proj_verify(y, x, ws, list(sites), len(rows), factor, floor)
+    proj_repair(y, x, weight, bias, conv1d, ws, list(sites), scr, bits, log, step, rows, factor,
+                floor)  # fmt: skip
     return scr
 
 

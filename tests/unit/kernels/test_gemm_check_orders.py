@@ -75,7 +75,7 @@ def _projection(lost: bool) -> dict[str, torch.Tensor]:
     y[10, 96:144] = 1e3  # a token, all of site 1's second group
     log, step = torch.zeros(3, 7, dtype=torch.float64), torch.full((1,), 9.0, dtype=torch.float64)
     ws = pc.proj_weights(w, b, len(SITES), False)
-    site = pc._site_of(SITES, y.device)
+    site = list(SITES)
     scr, bits = pc.proj_verify(y, x, ws, site, 3, 1e-5, 1e-30)
     pc.proj_repair(y, x, w, b, False, ws, site, scr, bits, log, step, [0, 1, 2], 1e-5, 1e-30)
     return {"y": y, "ws": ws, "scr": scr, "bits": bits, "log": log}

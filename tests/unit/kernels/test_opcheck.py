@@ -83,7 +83,7 @@ def _proj():
 
     x, weight, b, y, lim = _case(torch.float32, conv1d=True, seed=5)
     y[3, 5] = 1e4
-    site = torch.tensor(SITES, dtype=torch.int32)
+    site = list(SITES)
     log, step = torch.zeros(3, 7, dtype=torch.float64), torch.full((1,), 9.0, dtype=torch.float64)
     return y, x, weight, b, proj_weights(weight, b, G, True), site, log, step, lim
 

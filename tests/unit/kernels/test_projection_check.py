@@ -59,7 +59,7 @@ def test_the_verify_kernel_computes_the_reference_excesses(dtype, conv1d, bias):
     y[4, 20] = 1e3  # a flagged (token, group) beside clean ones
     want = pc.reference(y, x, weight, b, conv1d, G, **lim)
     ws = pc.proj_weights(weight, b, G, conv1d)
-    scr, _ = pc.proj_verify(y, x, ws, pc._site_of(SITES, y.device), 3, lim["factor"], lim["floor"])
+    scr, _ = pc.proj_verify(y, x, ws, list(SITES), 3, lim["factor"], lim["floor"])
     got = {"ref": scr[: T * G], "res": scr[T * G : 2 * T * G], "exc": scr[2 * T * G : 3 * T * G]}
     for name, v in got.items():
         torch.testing.assert_close(v.view(T, G), want[name], rtol=1e-5, atol=1e-4)
@@ -152,3 +152,22 @@ def test_each_head_group_is_counted_by_the_site_the_eager_check_counts_it_by():
     assert sites_of(timm) == (0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 0)
     assert sites_of(Projection(w, None, False, ("y",), 1)) == (0,)
     assert math.prod(len(sites_of(p)) == p.groups for p in (neox, gqa, timm))
+
+
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_autocasts_mixed_operands_are_repaired_without_a_copy(conv1d):
+    """Under bf16 autocast with fp32 weights (mixed precision training) x is bf16 and W fp32:
+    the repair multiplies them in fp32 inside the kernel (no fp32 copy of x on every clean call,
+    as there was: issue 54) and rebuilds the product autocast made, to bf16 rounding."""
+    x, weight, b, _, lim = _case(torch.float32, conv1d, seed=3)
+    x = x.to(torch.bfloat16)
+    lim = {"factor": 2e-2, "floor": 1e-30}
+    w = weight.t() if conv1d else weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        clean = F.linear(x, w, b)
+    assert clean.dtype == torch.bfloat16
+    y = clean.clone()
+    y[6, 40] = float("inf")
+    log = _run(y, x, weight, b, conv1d, lim)
+    assert log[1, [0, 1, 3, 5]].tolist() == [1, 1, 0, 1]
+    torch.testing.assert_close(y.float(), clean.float(), rtol=2e-2, atol=2e-2)
