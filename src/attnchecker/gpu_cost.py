@@ -185,8 +185,10 @@ class OpTrace(OpCounter):
     def device_time(self, device: Device = H200) -> Counter[str]:
         """Modelled device seconds per op name (Triton kernels as ``triton.<kernel>``)."""
         out: Counter[str] = Counter()
-        for op, f, b in self.work:
-            out[op] += max(b / device.bandwidth, f / device.flops, device.kernel)
+        for op, f, b in self.work:  # (a CPU kernel under its CUDA twin's name)
+            twin = _FLOPS_AS.get(op)
+            name = op if twin is None else f"aten.{twin.__name__.split('.')[0]}"
+            out[name] += max(b / device.bandwidth, f / device.flops, device.kernel)
         for n in self.launches:
             nbytes = n.programs * _FLAG_BYTES if clean_exit(n.kernel) else n.bytes
             out[f"triton.{n.kernel}"] += device.triton_time(nbytes, n.programs)

@@ -129,10 +129,10 @@ def test_a_registered_op_is_charged_its_own_ops_and_launches():
 
 
 def test_a_traced_step_takes_the_gpus_path():
-    """``traced_step`` at a tiny width and L 4096, nothing computed: the protected step on the SDPA route
-    (as CUDA runs it) records the route's kernels and expands K / V for GQA as the CUDA path
-    does (two copies forward, two backward, and the group sums of dK and dV), which the CPU
-    path does not."""
+    """``traced_step`` at a tiny width and L 4096, nothing computed: the protected step on the
+    SDPA route (as CUDA runs it) records the route's kernels and expands K / V for GQA as the
+    CUDA path does (two copies forward, two backward, and the group sums of dK and dV), which
+    the CPU path does not."""
     from attnchecker import ABFTConfig, kernels
     from attnchecker.gpu_cost import traced_step
 

@@ -30,7 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["Launch", "SkipCompute", "arg_bytes", "as_on_gpu", "current", "program_order", "recorded"]
+__all__ = ["Launch", "SkipCompute", "arg_bytes", "as_on_gpu", "current", "program_order",
+           "recorded"]  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -414,9 +414,10 @@ def proj_verify(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The rows' check of y (T, N) = x (T, K) W^T + b against ``ws`` (:func:`proj_weights`);
     ``sites`` (G ints): the site each group is counted by (a list, not a tensor: a compiled
-    graph would build the tensor on every call; the op takes its device copy, made once). Returns the scratch (references,
-    residuals and excesses (T, G), ||x_t|| + 1 (T,), each site's flagged tokens, the sites'
-    lost flags, zeroed) and the column bitmap (N,) int32, zeroed, for :func:`proj_repair`. Two
+    graph would build the tensor on every call; the op takes its device copy, made once).
+    Returns the scratch (references, residuals and excesses (T, G), ||x_t|| + 1 (T,), each
+    site's flagged tokens, the sites' lost flags, zeroed) and the column bitmap (N,) int32,
+    zeroed, for :func:`proj_repair`. Two
     launches: (token block, chunk) partials, then their sums a token block."""
     T, N = y.shape
     K = x.shape[1]
