@@ -60,7 +60,11 @@ ARMS = {
     "protected_sdpa": ABFTConfig(backend="sdpa", check_impl="triton"),
     "all_linear_sdpa": ABFTConfig(backend="sdpa", check_impl="triton", scope="all_linear"),
 }
-WIDE_ARMS = ["protected_sdpa", "all_linear_sdpa", "core_sdpa", "projections_triton"]
+NATIVE_GQA = {"protected_sdpa_gqa": "protected_sdpa", "all_linear_sdpa_gqa": "all_linear_sdpa"}
+"""Arms traced as if the flash kernel took K / V of fewer heads as they are (``probe_gqa`` on the
+device decides; until a GPU says so, the route expands them)."""
+WIDE_ARMS = ["protected_sdpa", "protected_sdpa_gqa", "all_linear_sdpa", "all_linear_sdpa_gqa",
+             "core_sdpa", "projections_triton"]  # fmt: skip
 """What CUDA runs (``auto``): the arms of the wide tables."""
 
 
@@ -129,9 +133,10 @@ def wide(widths: dict | None, L: int, layers: int, vocab: int, arms, micro: int 
     """Each arm's step of ``layers`` layers, from traces of 1 and 2 (shapes only, real
     tensors, nothing computed: ``gpu_cost.traced_step``), against the plain SDPA model's."""
 
-    def both(config):
+    def both(config, native_gqa=False):
         return [traced_step(config, layers=n, L=L, vocab=vocab, widths=widths,
-                            micro_batches=micro) for n in (1, 2)]  # fmt: skip
+                            micro_batches=micro, native_gqa=native_gqa)
+                for n in (1, 2)]  # fmt: skip
 
     p1, p2 = both(None)
     plain = _scaled(p1, p2, layers)
@@ -140,7 +145,7 @@ def wide(widths: dict | None, L: int, layers: int, vocab: int, arms, micro: int 
     rows = [_row("sdpa", plain, plain)]
     print(rows[-1], flush=True)
     for arm in arms:
-        t1, t2 = both(ARMS[arm])
+        t1, t2 = both(ARMS[NATIVE_GQA.get(arm, arm)], arm in NATIVE_GQA)
         extra = t2.device_time(H200)
         extra.subtract(t1.device_time(H200))
         extra.subtract(base)  # what one protected layer adds on the device
@@ -206,7 +211,10 @@ def markdown(cal: list[dict], tables: list[tuple[str, list[dict]]], one: list[di
         "Triton launches charged), a step of n layers as fixed + n x the second layer's. "
         "Arms: `protected_sdpa`, the default config as `auto` runs it on CUDA (the SDPA route, "
         "the GEMM checks as registered Triton ops); `all_linear_sdpa`, the same with "
-        '`scope="all_linear"`; `core_sdpa`, the attention core\'s checks alone; '
+        '`scope="all_linear"`; `_gqa`: the same if the flash kernel takes K / V of fewer heads '
+        "as they are (the route probes it on the device, `sdpa_check.probe_gqa`; else it "
+        "expands them: two copies forward, two and two group sums backward); `core_sdpa`, "
+        "the attention core's checks alone; "
         "`projections_triton`, the projections' checks alone (eager core). A CUDA graph's step "
         "stands in for a compiled one (launch cost gone; inductor's own fusion not modelled). "
         "What the model cannot see: `attnchecker.gpu_cost`'s docstring (device constants not "
@@ -259,7 +267,7 @@ def main() -> None:
     ap.add_argument("--size", default="base")
     ap.add_argument("--calibrate-length", type=int, default=1024)
     ap.add_argument("--length", type=int, default=4096)
-    ap.add_argument("--arms", nargs="+", default=WIDE_ARMS, choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=WIDE_ARMS, choices=[*ARMS, *NATIVE_GQA])
     ap.add_argument("--micro", type=int, default=4, help="micro-batches a step (its own table)")
     ARGS = parse(ap, {"size": "tiny", "calibrate_length": 64, "length": 64,
                       "families": ["llama"]})  # fmt: skip

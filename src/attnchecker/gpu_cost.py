@@ -220,6 +220,7 @@ def traced_step(
     autocast: bool = True,
     micro_batches: int = 1,
     widths: dict | None = None,
+    native_gqa: bool = False,
 ) -> OpTrace:
     """The :class:`OpTrace` of the second of two training steps of a ``layers``-layer
     ``family`` model at ``widths`` (:data:`LLAMA_8B` by default; ``{}``: base width), sequence
@@ -227,7 +228,9 @@ def traced_step(
     accumulated), then AdamW (``foreach``, as on CUDA), the gradients zeroed and, protected,
     the records drained: plain (``config`` None, SDPA attention) or protected by ``config`` (an
     :class:`~attnchecker.ABFTConfig`; ``backend="sdpa", check_impl="triton"`` is what ``auto``
-    runs on CUDA). bf16 autocast over fp32 weights (``autocast``; else bf16 weights). Nothing is
+    runs on CUDA). ``native_gqa``: the flash kernel takes K / V of fewer heads as they are
+    (:data:`attnchecker.kernels.sdpa_check.GQA_NATIVE`, probed on the device; else the route
+    expands them). bf16 autocast over fp32 weights (``autocast``; else bf16 weights). Nothing is
     computed (:class:`~attnchecker.kernels.launches.SkipCompute`, the Triton launches recorded,
     not run, the GPU's path where it differs): seconds at widths this machine could not
     compute, the same way for both arms."""
@@ -263,9 +266,17 @@ def traced_step(
             with recorded(run=False), trace or contextlib.nullcontext():
                 handle.drain()
 
-    step(None)  # the first builds what is cached
-    trace = OpTrace()
-    step(trace)
+    from attnchecker.kernels import sdpa_check
+
+    saved = dict(sdpa_check.GQA_NATIVE)
+    sdpa_check.GQA_NATIVE["cpu"] = native_gqa  # (the GPU's path is traced on CPU tensors)
+    try:
+        step(None)  # the first builds what is cached
+        trace = OpTrace()
+        step(trace)
+    finally:
+        sdpa_check.GQA_NATIVE.clear()
+        sdpa_check.GQA_NATIVE.update(saved)
     return trace
 
 

@@ -572,3 +572,16 @@ def test_the_sdpa_kernels_match_their_reference_on_cuda(dtype):
     for got, want in zip(bad, (dq, dk, dv), strict=True):
         torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
     assert rec[0, [0, 3, 5]].tolist() == [1, 0, 1] and rec[1:].sum() == 0
+
+
+def test_the_flash_kernels_own_gqa_is_used_where_it_agrees():
+    """Issue 54: the route expands K / V for GQA unless the flash kernel takes them as they are
+    (``sdpa_check.probe_gqa``, run by the route's self-test): on an H100 / H200 with torch's
+    FlashAttention-2 it should, and then the route's output and gradients equal SDPA's with
+    ``enable_gqa`` as before (the self-test passes on that path)."""
+    from attnchecker.attention.sdpa_core import self_test
+    from attnchecker.kernels import sdpa_check
+
+    assert self_test("cuda") is None
+    print("flash takes GQA natively:", sdpa_check.GQA_NATIVE.get("cuda"))
+    assert sdpa_check.GQA_NATIVE.get("cuda") is not None

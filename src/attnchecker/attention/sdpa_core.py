@@ -44,6 +44,7 @@ from attnchecker.kernels.sdpa_check import (
     expand_kv,
     group_sum,
     mask_facts,
+    probe_gqa,
 )
 
 __all__ = ["SdpaPlan", "checked_attention", "self_test"]
@@ -237,6 +238,7 @@ def self_test(device: torch.device | str) -> str | None:
     reason = None
     try:
         device = torch.device(device)
+        probe_gqa(device)  # the flash kernel's own GQA where it has it (the run below uses it)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         clock = Clock(torch.zeros(1, dtype=torch.float64, device=device))
         state = AttentionState("self_test", 0, ABFTConfig(backend="sdpa"), clock,

@@ -53,6 +53,7 @@ from attnchecker.kernels import DEAD
 from attnchecker.kernels.launches import as_on_gpu
 
 __all__ = [
+    "GQA_NATIVE",
     "REFERENCE",
     "SCHEMAS",
     "SdpaOps",
@@ -67,6 +68,7 @@ __all__ = [
     "group_sum",
     "kv_stats",
     "mask_facts",
+    "probe_gqa",
 ]
 
 _F32 = torch.float32
@@ -114,6 +116,47 @@ def backend_mask(mask: Tensor | None, q: Tensor) -> Tensor | None:
     return mask.expand(*q.shape[:3], Lk)
 
 
+GQA_NATIVE: dict[str, bool] = {}
+"""Whether the flash kernel takes K / V with fewer heads than Q on a device (``str(device)``),
+as :func:`probe_gqa` found; where not known, K / V are expanded (two copies forward, two and
+two group sums backward at Llama-8B widths: issue 54)."""
+
+
+def probe_gqa(device: torch.device) -> bool:
+    """Run the flash kernel with K / V of fewer heads than Q, forward and backward, on a small
+    bf16 case on ``device``, against the same with K / V expanded: whether it takes them and
+    agrees (kept in :data:`GQA_NATIVE`). Eager code (the route's self-test calls it)."""
+    key = str(device)
+    if key not in GQA_NATIVE:
+        ok = False
+        if torch.device(device).type == "cuda":
+            try:
+                g = torch.Generator().manual_seed(0)
+                q, k, v = (torch.randn(1, n, 64, 64, generator=g).to(device, torch.bfloat16)
+                           for n in (4, 2, 2))  # fmt: skip
+                grad = torch.randn(1, 4, 64, 64, generator=g).to(device, torch.bfloat16)
+                got = _flash(grad, q, k, v)
+                want = _flash(grad, q, expand_kv(k, 4), expand_kv(v, 4))
+                want = (*want[:2], group_sum(want[2], 2), group_sum(want[3], 2))
+                pairs = zip(got, want, strict=True)
+                ok = all(a.shape == b.shape and bool(torch.allclose(a.float(), b.float(),
+                         rtol=2e-2, atol=2e-2)) for a, b in pairs)  # fmt: skip
+            except RuntimeError:
+                ok = False
+        GQA_NATIVE[key] = ok
+    return GQA_NATIVE[key]
+
+
+def _flash(grad, q, k, v):
+    out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=0.125
+    )
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=0.125
+    )
+    return out, dq, dk, dv
+
+
 def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, tuple]:
@@ -125,16 +168,18 @@ def attention_forward(
         )
         return out, lse, ()
     H, L = q.shape[1], q.shape[2]
-    k, v = expand_kv(k, H), expand_kv(v, H)
     # flash takes no mask, half precision, head sizes to 256, and aligns causality bottom-right
     # (SDPA's is top-left: the same only where L == Lk); the memory-efficient kernel the rest
     square = not causal or k.shape[2] == L
     half = q.dtype in (torch.float16, torch.bfloat16)
     if mask is None and square and half and q.shape[-1] <= 256:
+        if not GQA_NATIVE.get(str(q.device), False):
+            k, v = expand_kv(k, H), expand_kv(v, H)
         out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale
         )
         return out, lse, ("flash", cq, ck, mq, mk, seed, offset)
+    k, v = expand_kv(k, H), expand_kv(v, H)
     bias = backend_mask(mask, q)
     out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
         q, k, v, bias, True, 0.0, causal, scale=scale
@@ -152,16 +197,19 @@ def attention_backward(
             grad, q, k, v, out, lse, 0.0, causal, attn_mask=backend_mask(mask, q), scale=scale
         )
     H, Hkv = q.shape[1], k.shape[1]
-    ke, ve = expand_kv(k, H), expand_kv(v, H)
     if aux[0] == "flash":
         _, cq, ck, mq, mk, seed, offset = aux
+        native = GQA_NATIVE.get(str(q.device), False)
+        ke, ve = (k, v) if native else (expand_kv(k, H), expand_kv(v, H))
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
             grad, q, ke, ve, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
         )
+        if native:  # the kernel summed each group onto its kv head
+            return dq, dk, dv
     else:
         _, bias, lse_full, seed, offset = aux
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, ke, ve, bias, out, lse_full, seed, offset, 0.0,
+            grad, q, expand_kv(k, H), expand_kv(v, H), bias, out, lse_full, seed, offset, 0.0,
             [True, True, True, False], causal, scale=scale,
         )  # fmt: skip
     if Hkv != H:  # the group's gradients summed onto its kv head
