@@ -159,3 +159,24 @@ def test_a_traced_step_takes_the_gpus_path():
     more.subtract(Counter(op for op, *_ in plain.work))
     assert more["aten.clone"] >= 4 and more["aten.sum"] >= 2, more
     assert prot.modelled(H200).device > plain.modelled(H200).device
+
+
+def test_with_the_flash_kernels_own_gqa_the_route_copies_nothing():
+    """Where the device's flash kernel takes K / V of fewer heads (``sdpa_check.probe_gqa``),
+    the route passes them as they are: no expansion copies, no group sums of dK and dV."""
+    from collections import Counter
+
+    from attnchecker import ABFTConfig, kernels
+    from attnchecker.gpu_cost import traced_step
+
+    if not kernels.available():
+        pytest.skip("needs triton (or its interpreter)")
+    tiny = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 128, "head_dim": 16}  # fmt: skip
+    cfg = ABFTConfig(backend="sdpa", check_impl="triton")
+    ops = [Counter(op for op, *_ in traced_step(cfg, L=64, vocab=128, widths=tiny,
+                                                native_gqa=native).work)
+           for native in (False, True)]  # fmt: skip
+    expanded, native = ops
+    assert expanded["aten.clone"] - native["aten.clone"] >= 4
+    assert expanded["aten.sum"] - native["aten.sum"] == 2
