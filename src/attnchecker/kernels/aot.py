@@ -240,9 +240,7 @@ def compile_case(case: Case) -> list[Report]:
 
 
 GEMM_KERNELS = ("gemm_refs", "gemm_verify", "gemm_repair", "proj_weights", "proj_verify",
-                "proj_repair", "gemm_refs_sum", "gemm_verify_rows", "gemm_repair_rows",
-                "proj_weights_sum", "proj_verify_rows", "proj_repair_rows", "sdpa_kv_stats",
-                "sdpa_fwd_verify", "sdpa_fwd_repair",
+                "proj_repair", "sdpa_kv_stats", "sdpa_fwd_verify", "sdpa_fwd_repair",
                 "sdpa_bwd_q", "sdpa_bwd_kv", "sdpa_bwd_check", "sdpa_bwd_repair_q",
                 "sdpa_bwd_repair_kv")  # fmt: skip
 """The Triton kernels of the GEMM checks (:mod:`attnchecker.kernels.gemm_check`,
@@ -268,9 +266,7 @@ def compile_gemm_case(case: Case) -> list[Report]:
     from attnchecker.kernels import sdpa_kernels_bwd as sb
 
     kernels = (gc.refs_kernel, gc.verify_kernel, gc.repair_kernel, pc.weights_kernel,
-               pc.verify_kernel, pc.repair_kernel, gc.refs_sum_kernel, gc.verify_rows_kernel,
-               gc.repair_rows_kernel, pc.weights_sum_kernel, pc.verify_rows_kernel,
-               pc.repair_rows_kernel, sk.kv_stats_kernel, sk.fwd_verify_kernel,
+               pc.verify_kernel, pc.repair_kernel, sk.kv_stats_kernel, sk.fwd_verify_kernel,
                sk.fwd_repair_kernel, sb.bwd_q_kernel, sb.bwd_kv_kernel, sb.bwd_check_kernel,
                sb.bwd_repair_q_kernel, sb.bwd_repair_kv_kernel)  # fmt: skip
     fns = dict(zip(GEMM_KERNELS, kernels, strict=True))

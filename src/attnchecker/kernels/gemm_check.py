@@ -3,26 +3,29 @@
 ``check_impl="triton"``'s implementation of :func:`attnchecker.abft.gemm.gemm_check_` on CUDA
 (and in Triton's interpreter on a CPU, for the tests). Each op is one
 ``torch.library.custom_op``, so one call is one dispatched op (a CPU run counts launches as a GPU
-launches them) and ``torch.compile`` keeps it opaque. Each op launches two Triton kernels: a wide
-pass over (row block, chunk) programs that writes partial sums, and a small pass over row blocks
-that adds a row's partials in a fixed order (no float atomics: every result and record is the
-same whichever order the programs run in). The grids are sized to fill a GPU (at least twice
-its SMs where there are blocks enough, :func:`chunks`) and to keep each program's share of the
-operands near :data:`PROGRAM_BYTES`:
+launches them) and ``torch.compile`` keeps it opaque. Each op is one Triton launch over (row
+block, chunk) programs that write partial sums; the last program of a row block to arrive (an
+integer counter, :func:`arrive`) adds the row block's partials in a fixed order (chunk 0 first:
+no float atomics, so every result and record is the same whichever order the programs run in).
+The counters are one buffer a device (:func:`counters`) that every launch leaves at 0, so no
+launch zeroes them first. The grids are sized to fill a GPU (at least twice its SMs where there
+are blocks enough, :func:`chunks`) and to keep each program's share of the operands near
+:data:`PROGRAM_BYTES`:
 
-1. ``attnchecker::gemm_refs`` (:func:`refs_kernel`, :func:`refs_sum_kernel`), the references'
-   pass over y, where the caller has no cached one: y's row sums y 1 (K,) and its Frobenius norm
-   (a partial sum of squares per block of :data:`_BK` rows, summed by the verify);
-2. ``attnchecker::gemm_verify`` (:func:`verify_kernel`, :func:`verify_rows_kernel`), one pass
-   over the rows of out and of x: each row's sum against its reference x_m . (y 1), and its
-   excess over the tolerance |residual| - floor + c ||x_m|| ||y||_F (c < 0; the constants are
+1. ``attnchecker::gemm_refs`` (:func:`refs_kernel`), the references' pass over y, where the
+   caller has no cached one: y's row sums y 1 (K,) and its Frobenius norm (a partial sum of
+   squares per block of :data:`_BK` rows, summed by the verify);
+2. ``attnchecker::gemm_verify`` (:func:`verify_kernel`), one pass over the rows of out and of
+   x: each row's sum against its reference x_m . (y 1), and its excess over the tolerance
+   |residual| - floor + c ||x_m|| ||y||_F (c < 0; the constants are
    :func:`~attnchecker.abft.gemm.gemm_check_`'s, from :mod:`attnchecker.abft.tolerance`). A row
    block with a flagged row adds its count to the record row (an exact integer) and marks it
-   detected at the clock's step (the clean path writes nothing but the per-row scratch);
-3. ``attnchecker::gemm_repair`` (:func:`repair_kernel`, :func:`repair_rows_kernel`),
-   predicated on the device flag (the record's flagged-row count, one load): every program
-   returns at once when it is 0. Else each flagged row is recomputed from the operands, a chunk
-   of columns a program (every row of a whole-column fault: the whole product), its delivered
+   detected at the clock's step (the clean path writes nothing but the per-row scratch and its
+   row block's counter);
+3. ``attnchecker::gemm_repair`` (:func:`repair_kernel`), predicated on the device flag (the
+   record's flagged-row count, one load): every program returns at once when it is 0 (no
+   counter touched). Else each flagged row is recomputed from the operands, a chunk of columns a
+   program (every row of a whole-column fault: the whole product), its delivered
    and recomputed elements compared to locate the bad columns (an element further apart than
    twice its rounding bound; the count of distinct columns goes to the record), and checked
    again from its chunks' sums: a row that still fails is ``lost`` and ``reproduced`` (the
@@ -41,7 +44,9 @@ kernels compute with torch ops, for the tests that hold the two equal.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -58,11 +63,10 @@ from attnchecker.kernels.triton_utils import (
     worst_residual,
 )
 
-__all__ = ["PROGRAM_BYTES", "check_", "chunks", "gemm_refs", "gemm_repair", "gemm_verify",
-           "reference", "width"]  # fmt: skip
+__all__ = ["PROGRAM_BYTES", "arrive", "check_", "chunks", "counters", "counting", "gemm_refs",
+           "gemm_repair", "gemm_verify", "reference", "width"]  # fmt: skip
 
 _BM, _BN, _BK = 32, 64, 64  # a program's rows; the tiles it loops over
-_BF = 128  # the rows of a program that adds partials (a few bytes a row)
 _F32 = torch.float32
 _SMS = 132  # streaming multiprocessors of an H100 / H200
 PROGRAM_BYTES = 1 << 20
@@ -92,10 +96,53 @@ def _programs(n: int, block: int) -> int:
     return max(1, triton.cdiv(n, block))
 
 
+_COUNTERS: dict[torch.device, list[Tensor]] = {}
+
+
+def counters(device: torch.device, n: int) -> Tensor:
+    """At least ``n`` int32 arrival counters on ``device``, all 0 (:func:`arrive`). A launch
+    that counts leaves every counter it touched at 0 again (the last arrival resets it), so one
+    buffer a device serves every launch of the checks, which run one at a time on the step's
+    stream, and no launch needs a zeroing kernel before it. Made once (grown by doubling; an
+    outgrown one is kept: a captured CUDA graph may point at it)."""
+    kept = _COUNTERS.setdefault(torch.device(device), [])
+    if not kept or kept[-1].numel() < n:
+        size = max(4096, triton.next_power_of_2(n))
+        kept.append(torch.zeros(size, device=device, dtype=torch.int32))
+    return kept[-1]
+
+
+@contextlib.contextmanager
+def counting(cnt: Tensor) -> Iterator[None]:
+    """Around launches that count into ``cnt``: one that stops half way (an error in the
+    interpreter) leaves it zeroed, not half counted."""
+    try:
+        yield
+    except BaseException:
+        cnt.zero_()
+        raise
+
+
 @triton.jit
-def refs_kernel(Y, PART, K, N, NC, sy_k, sy_n, BK: tl.constexpr, BN: tl.constexpr):
+def arrive(CNT, expected):
+    """Count this program in at CNT; whether it is the last of ``expected`` (which then resets
+    the counter to 0 for the next launch). The barrier before the release puts every thread's
+    stores before it; the one after the acquire puts the other programs' stores before every
+    thread's reads that follow."""
+    tl.debug_barrier()
+    last = tl.atomic_add(CNT, 1, sem="acq_rel") == expected - 1
+    tl.debug_barrier()
+    if last:
+        tl.store(CNT, 0)
+    return last
+
+
+@triton.jit
+def refs_kernel(Y, PART, REFS, CNT, K, N, NC, sy_k, sy_n, BK: tl.constexpr, BN: tl.constexpr):
     """Program (r, c), y's rows block r over its columns chunk c (NC wide): their sums
-    PART[c, rows] (C, K), and their sum of squares PART[C K + c R + r]."""
+    PART[c, rows] (C, K), and their sum of squares PART[C K + c R + r]; the last of row block
+    r's programs to arrive adds the C chunks' in their order: REFS[rows] = y 1 of the block,
+    REFS[K + r] its sum of squares."""
     r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     R, C = tl.num_programs(0).to(tl.int64), tl.num_programs(1).to(tl.int64)
     rows, rmask = span(r * BK, K, BK)
@@ -108,22 +155,14 @@ def refs_kernel(Y, PART, K, N, NC, sy_k, sy_n, BK: tl.constexpr, BN: tl.constexp
         sq += tl.sum(t * t, 1)
     tl.store(PART + (c * K + rows), s, mask=rmask)
     tl.store(PART + (C * K + c * R + r), tl.sum(sq, 0))
-
-
-@triton.jit
-def refs_sum_kernel(PART, REFS, K, C, BK: tl.constexpr):
-    """Program r: REFS[rows] = y 1 of rows block r, REFS[K + r] its sum of squares, from the
-    C chunks' partials in their order."""
-    r = tl.program_id(0).to(tl.int64)
-    R = tl.num_programs(0).to(tl.int64)
-    rows, rmask = span(r * BK, K, BK)
-    s = tl.zeros([BK], dtype=tl.float32)
-    sq = tl.zeros([], dtype=tl.float32)
-    for c in range(0, C):
-        s += tl.load(PART + (c * as_i64(K) + rows), mask=rmask, other=0.0)
-        sq += tl.load(PART + (C * as_i64(K) + c * R + r))
-    tl.store(REFS + rows, s, mask=rmask)
-    tl.store(REFS + (K + r), sq)
+    if arrive(CNT + r, C):
+        s = tl.zeros([BK], dtype=tl.float32)
+        total = tl.zeros([], dtype=tl.float32)
+        for j in range(0, C):
+            s += tl.load(PART + (j * K + rows), mask=rmask, other=0.0)
+            total += tl.load(PART + (C * K + j * R + r))
+        tl.store(REFS + rows, s, mask=rmask)
+        tl.store(REFS + (K + r), total)
 
 
 @triton.jit
@@ -138,12 +177,14 @@ def _fro(REFS, K, P, lost, BP: tl.constexpr):
 
 
 @triton.jit
-def verify_kernel(OUT, X, REFS, PART, BITS, M, N, K, NC, KC, so_m, so_n, sx_m, sx_k, chunk,
-                  HAS_XN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr):  # fmt: skip
+def verify_kernel(OUT, X, REFS, XN, PART, SCR, BITS, REC, STEP, CNT, M, N, K, P, NC, KC, so_m,
+                  so_n, sx_m, sx_k, chunk, lost_x, lost_y, floor, ctol, HAS_XN: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  BP: tl.constexpr):  # fmt: skip
     """Program (r, c), rows block r over chunk c of out's columns (NC wide) and of x's (KC):
     the partial row sums, references and squares PART[c] (3, M); and the program's share of
-    the column bitmap the repair marks, zeroed."""
+    the column bitmap the repair marks, zeroed. The last of row block r's programs to arrive
+    checks its rows (:func:`_verify_rows`)."""
     r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows, rmask = span(r * BM, M, BM)
     rs = tl.zeros([BM], dtype=tl.float32)
@@ -166,15 +207,16 @@ def verify_kernel(OUT, X, REFS, PART, BITS, M, N, K, NC, KC, so_m, so_n, sx_m, s
     for j0 in range(0, chunk, BN):
         js, jmask = span(p * chunk + j0, N, BN)
         tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (p + 1) * chunk))
+    if arrive(CNT + r, tl.num_programs(1)):
+        _verify_rows(PART, REFS, XN, SCR, REC, STEP, rows, rmask, M, K, P, tl.num_programs(1),
+                     lost_x, lost_y, floor, ctol, HAS_XN, BM, BP)  # fmt: skip
 
 
 @triton.jit
-def verify_rows_kernel(PART, REFS, XN, SCR, REC, STEP, M, K, P, C, lost_x, lost_y, floor, c,
-                       HAS_XN: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr):  # fmt: skip
-    """Program r, rows block r: the C chunks' partials added in order, each row's reference,
+def _verify_rows(PART, REFS, XN, SCR, REC, STEP, rows, rmask, M, K, P, C, lost_x, lost_y, floor,
+                 c, HAS_XN: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr):  # fmt: skip
+    """A rows block's check: its C chunks' partials added in order, each row's reference,
     residual, excess and x norm into SCR (4, M); a flagged row's count into the record."""
-    r = tl.program_id(0).to(tl.int64)
-    rows, rmask = span(r * BM, M, BM)
     rs = tl.zeros([BM], dtype=tl.float32)
     ref = tl.zeros([BM], dtype=tl.float32)
     sq = tl.zeros([BM], dtype=tl.float32)
@@ -201,13 +243,15 @@ def verify_rows_kernel(PART, REFS, XN, SCR, REC, STEP, M, K, P, C, lost_x, lost_
 
 
 @triton.jit
-def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, RSUM, M, N, K, P, NC, so_m, so_n, sx_m, sx_k,
-                  sy_k, sy_n, lost_y, floor, f,
+def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, RSUM, CNT, M, N, K, P, NC, so_m, so_n, sx_m,
+                  sx_k, sy_k, sy_n, lost_y, floor, f, ctol,
                   IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   BP: tl.constexpr):  # fmt: skip
     """Program (r, c), on the flag: rows block r's flagged rows recomputed over columns chunk c
     (NC wide), bad columns located (each counted once: the bitmap), written, and their sums
-    RSUM[c] (M,) for the re-check (:func:`repair_rows_kernel`)."""
+    RSUM[c] (M,); the last of a flagged block's C programs to arrive re-checks its rows
+    (:func:`_recheck_rows`). A clean program (a clean call, a block with no flagged row)
+    counts nothing."""
     if tl.load(REC) > 0:  # the device flag: nothing below runs on a clean product
         r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         if (r == 0) & (c == 0):  # the worst row's residual (NaN ranks first) as the value
@@ -236,35 +280,33 @@ def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, RSUM, M, N, K, P, NC, so_m, s
                 tl.store(at, new, mask=both)
                 sums += tl.sum(tl.where(both, new.to(tl.float32), 0.0), 1)
             tl.store(RSUM + (c * M + rows), sums, mask=bad)
+            C = tl.num_programs(1)  # every chunk of a flagged block has work: C arrive
+            if arrive(CNT + r, C):
+                _recheck_rows(REFS, SCR, REC, RSUM, rows, rmask, bad, M, K, P, C, lost_y, floor,
+                              ctol, BM, BP)  # fmt: skip
 
 
 @triton.jit
-def repair_rows_kernel(REFS, SCR, REC, RSUM, M, K, P, C, lost_y, floor, c,
-                       BM: tl.constexpr, BP: tl.constexpr):  # fmt: skip
-    """Program r, on the flag: rows block r's repaired rows checked again from their chunks'
-    sums (added in order); one that still fails is lost and reproduced."""
-    if tl.load(REC) > 0:
-        r = tl.program_id(0).to(tl.int64)
-        rows, rmask = span(r * BM, M, BM)
-        exc = tl.load(SCR + (rows + 2 * M), mask=rmask, other=0.0)
-        bad = ~(exc <= 0.0) & rmask
-        if tl.sum(bad.to(tl.int32), 0) > 0:
-            sums = tl.zeros([BM], dtype=tl.float32)
-            for j in range(0, C):
-                sums += tl.load(RSUM + (j * as_i64(M) + rows), mask=bad, other=0.0)
-            ref = tl.load(SCR + rows, mask=rmask, other=0.0)
-            xn = tl.load(SCR + (rows + 3 * M), mask=rmask, other=0.0)
-            y_fro = _fro(REFS, K, P, lost_y, BP)
-            again = ~(tl.abs(sums - ref) - floor + c * xn * y_fro <= 0.0) & bad
-            if tl.sum(again.to(tl.int32), 0) > 0:
-                tl.store(REC + 3, 1.0)  # lost
-                tl.store(REC + 4, 1.0)  # reproduced: recomputing from the operands repeats it
+def _recheck_rows(REFS, SCR, REC, RSUM, rows, rmask, bad, M, K, P, C, lost_y, floor, c,
+                  BM: tl.constexpr, BP: tl.constexpr):  # fmt: skip
+    """A rows block's repaired rows (``bad``) checked again from their chunks' sums (added in
+    order); one that still fails is lost and reproduced."""
+    sums = tl.zeros([BM], dtype=tl.float32)
+    for j in range(0, C):
+        sums += tl.load(RSUM + (j * as_i64(M) + rows), mask=bad, other=0.0)
+    ref = tl.load(SCR + rows, mask=rmask, other=0.0)
+    xn = tl.load(SCR + (rows + 3 * M), mask=rmask, other=0.0)
+    y_fro = _fro(REFS, K, P, lost_y, BP)
+    again = ~(tl.abs(sums - ref) - floor + c * xn * y_fro <= 0.0) & bad
+    if tl.sum(again.to(tl.int32), 0) > 0:
+        tl.store(REC + 3, 1.0)  # lost
+        tl.store(REC + 4, 1.0)  # reproduced: recomputing from the operands repeats it
 
 
 @torch.library.custom_op("attnchecker::gemm_refs", mutates_args=())
 def gemm_refs(y: Tensor) -> Tensor:
     """(K + P,) fp32: y's row sums y 1 (K,), then the P partial sums of squares of its blocks of
-    rows (two launches: chunks' partials, then their sums)."""
+    rows (one launch: chunks' partials, summed by each row block's last)."""
     K, N = y.shape
     R = _programs(K, _BK)
     C = chunks(R, _nbytes(y), _programs(N, _BN))
@@ -273,8 +315,10 @@ def gemm_refs(y: Tensor) -> Tensor:
     refs = torch.empty(K + R, device=y.device, dtype=_F32)
     part = torch.empty(C * (K + R), device=y.device, dtype=_F32)
     yr = readable(y)
-    refs_kernel[(R, C)](yr, part, K, N, NC, yr.stride(0), yr.stride(1), BK=_BK, BN=_BN)
-    refs_sum_kernel[(R,)](part, refs, K, C, BK=_BK)
+    cnt = counters(y.device, R)
+    with counting(cnt):
+        refs_kernel[(R, C)](yr, part, refs, cnt, K, N, NC, yr.stride(0), yr.stride(1), BK=_BK,
+                            BN=_BN)  # fmt: skip
     return refs
 
 
@@ -292,7 +336,7 @@ def gemm_verify(
     which has ``n_y`` elements); ``x_rows``: x's row norms when the caller has them. Adds to the
     record row ``rec`` (7,) float64; returns the scratch (4, M) fp32 (references, residuals,
     excesses, x's row norms) and the column bitmap (N,) int32, zeroed, for :func:`gemm_repair`.
-    Two launches: (row block, chunk) partials, then their sums a row block."""
+    One launch: (row block, chunk) partials, added by each row block's last to arrive."""
     M, N = out.shape
     K = x.shape[1]
     R = _programs(M, _BM)
@@ -305,13 +349,13 @@ def gemm_verify(
     P = refs.shape[0] - K
     o, xr = readable(out), readable(x)
     xn = x_rows.to(_F32).contiguous() if x_rows is not None else scr
-    verify_kernel[(R, C)](o, xr, refs, part, bits, M, N, K, NC, KC, o.stride(0), o.stride(1),
-                          xr.stride(0), xr.stride(1), triton.cdiv(N, R * C),
-                          HAS_XN=x_rows is not None, BM=_BM, BN=_BN, BK=_BK)  # fmt: skip
-    verify_rows_kernel[(_programs(M, _BF),)](part, refs, xn, scr, rec, step, M, K, P, C,
-                                             squares_lost(K), squares_lost(n_y), floor, c,
-                                             HAS_XN=x_rows is not None, BM=_BF,
-                                             BP=64)  # fmt: skip
+    cnt = counters(out.device, R)
+    with counting(cnt):
+        verify_kernel[(R, C)](o, xr, refs, xn, part, scr, bits, rec, step, cnt, M, N, K, P, NC,
+                              KC, o.stride(0), o.stride(1), xr.stride(0), xr.stride(1),
+                              triton.cdiv(N, R * C), squares_lost(K), squares_lost(n_y), floor,
+                              c, HAS_XN=x_rows is not None, BM=_BM, BN=_BN, BK=_BK,
+                              BP=64)  # fmt: skip
     return scr, bits
 
 
@@ -328,8 +372,9 @@ def gemm_repair(
     floor: float, c: float,
 ) -> None:  # fmt: skip
     """Recompute, locate and re-check the rows :func:`gemm_verify` flagged (none on a clean
-    product: every program of both launches returns at once), into ``out`` and the record row
-    ``rec``. Two launches: (row block, column chunk) programs, then the re-check a row block."""
+    product: every program returns at once), into ``out`` and the record row ``rec``. One
+    launch of (row block, column chunk) programs; a flagged block's last to arrive re-checks
+    it."""
     M, N = out.shape
     K = x.shape[1]
     P = refs.shape[0] - K
@@ -344,13 +389,12 @@ def gemm_repair(
     NC = width(N, chunks(R, _nbytes(out, x, y), _programs(N, bn)), bn)
     C = _programs(N, NC)
     rsum = torch.empty(C * M, device=out.device, dtype=_F32)
-    lost_y = squares_lost(y.numel())
-    repair_kernel[(R, C)](o, xr, yr, refs, scr, bits, rec, rsum, M, N, K, P, NC, o.stride(0),
-                          o.stride(1), xr.stride(0), xr.stride(1), yr.stride(0), yr.stride(1),
-                          lost_y, floor, f, IEEE=ieee, BM=_BM, BN=bn, BK=_BK,
-                          BP=64)  # fmt: skip
-    repair_rows_kernel[(_programs(M, _BF),)](refs, scr, rec, rsum, M, K, P, C, lost_y, floor, c,
-                                             BM=_BF, BP=64)  # fmt: skip
+    cnt = counters(out.device, R)
+    with counting(cnt):
+        repair_kernel[(R, C)](o, xr, yr, refs, scr, bits, rec, rsum, cnt, M, N, K, P, NC,
+                              o.stride(0), o.stride(1), xr.stride(0), xr.stride(1), yr.stride(0),
+                              yr.stride(1), squares_lost(y.numel()), floor, f, c, IEEE=ieee,
+                              BM=_BM, BN=bn, BK=_BK, BP=64)  # fmt: skip
     if o is not out:  # the interpreter's fp32 copy
         out.copy_(o)
 

@@ -1,34 +1,36 @@
 """The forward check of one projection y (T, N) = x (T, K) W^T + b in three registered ops
-(``check_impl="triton"``'s :func:`attnchecker.attention.checks.projection_check_`), each of two
-Triton launches: a wide pass of partial sums over a grid sized to fill a GPU
-(:func:`attnchecker.kernels.gemm_check.chunks`), then a small pass that adds them in a fixed
-order (no float atomics: every result and record is the same whichever order the programs run
-in).
+(``check_impl="triton"``'s :func:`attnchecker.attention.checks.projection_check_`), each one
+Triton launch: a wide pass of partial sums over a grid sized to fill a GPU
+(:func:`attnchecker.kernels.gemm_check.chunks`), whose last program to arrive at a block's
+counter adds the block's partials in a fixed order (:func:`~attnchecker.kernels.gemm_check.arrive`:
+no float atomics, so every result and record is the same whichever order the programs run in;
+the counters are the device's, left at 0 by every launch).
 
 The N outputs are G head groups of n; a row is a (token, group) pair, checked against
 x_t . (sum_{o in g} W_o) + sum_{o in g} b_o with the tolerance of the eager check (its
 ``factor`` and ``floor``, :func:`~attnchecker.attention.checks.row_factor`):
 factor (||x_t|| + 1) ||[W_g | b_g]||_F.
 
-1. ``attnchecker::proj_weights`` (:func:`weights_kernel` over (group, output chunk, K block),
-   then :func:`weights_sum_kernel`), one pass over W once per step (the caller caches it on the
+1. ``attnchecker::proj_weights`` (:func:`weights_kernel` over (group, output chunk, K block)),
+   one pass over W once per step (the caller caches it on the
    step clock: weights do not change between a forward and its backward, and fused optimizers
    do not bump version counters): per group, the sums of W over the group's outputs S (G, K), of
    b, of b's squares and of W's squares, and W's row sums W 1 (N,). The tail [W 1 | squares] is
    :func:`attnchecker.kernels.gemm_check.gemm_refs` of W, so the backward's dX check (dX = dY W)
    reuses it;
 2. ``attnchecker::proj_verify`` (:func:`verify_kernel` over (row block, chunk of y's columns
-   and of x's), then :func:`verify_rows_kernel` over row blocks), one pass over the rows of y
-   and of x: each (token, group)'s sum, reference and excess, and each site's count of flagged
-   tokens (exact integers added; nothing written to the log on a clean call);
-3. ``attnchecker::proj_repair`` (:func:`repair_kernel` over (row block, column chunk), then
-   :func:`repair_rows_kernel` over row blocks), predicated on the flag (the sites' counts, one
-   load): every program returns at once when they are 0. Else every flagged token's row is
-   recomputed from x, W and b, a column chunk a program, its elements compared with the
-   delivered ones to locate bad columns (further apart than twice an element's rounding bound),
-   and checked again from its chunks' sums: what still fails is lost and reproduced; program 0
-   of the second launch writes the detection into the log rows of the sites (flagged tokens,
-   detected, step, the worst residual, NaN first).
+   and of x's)), one pass over the rows of y and of x: each (token, group)'s sum, reference and
+   excess (a row block's last program), and each site's count of flagged tokens (exact
+   integers, counted on the device's counters and written out by the last row block; nothing
+   written to the log on a clean call);
+3. ``attnchecker::proj_repair`` (:func:`repair_kernel` over (row block, column chunk)),
+   predicated on the flag (the sites' counts, one load): every program returns at once when
+   they are 0 (no counter touched). Else every flagged token's row is recomputed from x, W and
+   b, a column chunk a program, its elements compared with the delivered ones to locate bad
+   columns (further apart than twice an element's rounding bound), and checked again from its
+   chunks' sums by the block's last program: what still fails is lost and reproduced; program
+   (0, 0) writes the detection into the log rows of the sites (flagged tokens, detected, step,
+   the worst residual, NaN first).
 
 The records go straight into the module's log (atomic adds of float64 rows of
 :data:`~attnchecker.attention.records.RECORD_FIELDS`, the log rows of the sites given; -1: a
@@ -48,7 +50,7 @@ from torch import Tensor
 from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
 from attnchecker.kernels.constants import device_constant
-from attnchecker.kernels.gemm_check import chunks, width
+from attnchecker.kernels.gemm_check import arrive, chunks, counters, counting, width
 from attnchecker.kernels.triton_utils import (
     as_i64,
     block_product,
@@ -65,11 +67,14 @@ _F32 = torch.float32
 
 
 @triton.jit
-def weights_kernel(W, PS, PW1, PSQ, N, K, G, n, OC, sw_o, sw_k, BO: tl.constexpr,
-                   BK: tl.constexpr):  # fmt: skip
+def weights_kernel(W, B, PS, PW1, PSQ, OUT, CNT, N, K, G, n, OC, sw_o, sw_k, HAS_B: tl.constexpr,
+                   BO: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):  # fmt: skip
     """Program (g, j, c), group g's outputs chunk j (OC of them) over K block c: S's partial
     over the chunk PS[j, g, block] (J, G, K), the outputs' partial row sums PW1[c, outputs]
-    (C, N) and the partial sum of squares PSQ[g, j, c]."""
+    (C, N) and the partial sum of squares PSQ[g, j, c]. Each sum's last program to arrive adds
+    its partials in order into OUT ([S (G K) | b sums (G) | b squares (G) | W 1 (N) | W squares
+    (G)]): S's block (g, c) the last of its J, W 1 of chunk (g, j) the last of its C, group g's
+    squares and bias sums the last of its J C."""
     g, j = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     c = tl.program_id(2).to(tl.int64)
     J, C = tl.num_programs(1).to(tl.int64), tl.num_programs(2).to(tl.int64)
@@ -84,42 +89,35 @@ def weights_kernel(W, PS, PW1, PSQ, N, K, G, n, OC, sw_o, sw_k, BO: tl.constexpr
         tl.store(PW1 + (c * N + g * n + os), tl.sum(t, 1), mask=omask)
     tl.store(PS + ((j * G + g) * K + ks), s, mask=kmask)
     tl.store(PSQ + ((g * J + j) * C + c), tl.sum(sq, 0))
-
-
-@triton.jit
-def weights_sum_kernel(B, PS, PW1, PSQ, OUT, N, K, G, n, J, C, HAS_B: tl.constexpr,
-                       BR: tl.constexpr):  # fmt: skip
-    """Program p, the partials added in order: block p of S (G K) and of W 1 (N), and for
-    p < G group p's squares, bias sum and bias squares (OUT: [S (G K) | b sums (G) | b squares
-    (G) | W 1 (N) | W squares (G)])."""
-    p = tl.program_id(0).to(tl.int64)
     base = as_i64(G) * K
-    at, amask = span(p * BR, base, BR)
-    s = tl.zeros([BR], dtype=tl.float32)
-    for j in range(0, J):
-        s += tl.load(PS + (j * base + at), mask=amask, other=0.0)
-    tl.store(OUT + at, s, mask=amask)
-    os, omask = span(p * BR, N, BR)
-    w1 = tl.zeros([BR], dtype=tl.float32)
-    for c in range(0, C):
-        w1 += tl.load(PW1 + (c * as_i64(N) + os), mask=omask, other=0.0)
-    tl.store(OUT + (os + (base + 2 * G)), w1, mask=omask)
-    if p < G:
-        sq = tl.zeros([BR], dtype=tl.float32)
+    if arrive(CNT + (g * C + c), J):  # S's block (g, c): its J chunks of outputs in order
+        s = tl.zeros([BK], dtype=tl.float32)
+        for q in range(0, J):
+            s += tl.load(PS + ((q * G + g) * K + ks), mask=kmask, other=0.0)
+        tl.store(OUT + (g * K + ks), s, mask=kmask)
+    if arrive(CNT + (G * C + g * J + j), C):  # W 1 of chunk (g, j): its C K blocks in order
+        for o0 in range(0, OC, BO):
+            os, omask = span(j * OC + o0, n, BO)
+            w1 = tl.zeros([BO], dtype=tl.float32)
+            for q in range(0, C):
+                w1 += tl.load(PW1 + (q * N + g * n + os), mask=omask, other=0.0)
+            tl.store(OUT + (g * n + os + (base + 2 * G)), w1, mask=omask)
+    if arrive(CNT + (G * C + G * J + g), J * C):  # group g's squares and bias
+        wq = tl.zeros([BR], dtype=tl.float32)
         for q0 in range(0, J * C, BR):
             qs, qmask = span(q0, J * C, BR)
-            sq += tl.load(PSQ + (p * J * C + qs), mask=qmask, other=0.0)
-        tl.store(OUT + (p + (base + 2 * G + N)), tl.sum(sq, 0))
+            wq += tl.load(PSQ + (g * J * C + qs), mask=qmask, other=0.0)
+        tl.store(OUT + (g + (base + 2 * G + N)), tl.sum(wq, 0))
         bs = tl.zeros([BR], dtype=tl.float32)
         bq = tl.zeros([BR], dtype=tl.float32)
         if HAS_B:
             for o0 in range(0, n, BR):
                 bo, bmask = span(o0, n, BR)
-                b = tl.load(B + (p * n + bo), mask=bmask, other=0.0).to(tl.float32)
+                b = tl.load(B + (g * n + bo), mask=bmask, other=0.0).to(tl.float32)
                 bs += b
                 bq += b * b
-        tl.store(OUT + (p + base), tl.sum(bs, 0))
-        tl.store(OUT + (p + (base + G)), tl.sum(bq, 0))
+        tl.store(OUT + (g + base), tl.sum(bs, 0))
+        tl.store(OUT + (g + (base + G)), tl.sum(bq, 0))
 
 
 @triton.jit
@@ -150,13 +148,16 @@ def _flagged(SCR, T, G, S: tl.constexpr):
 
 
 @triton.jit
-def verify_kernel(Y, X, WS, PART, SCR, BITS, T, N, K, G, n, NC, KC, sy_t, sy_n, sx_t, sx_k,
-                  chunk, S: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr):  # fmt: skip
+def verify_kernel(Y, X, WS, SITE, PART, SCR, BITS, CNT, T, N, K, G, n, NC, KC, sy_t, sy_n, sx_t,
+                  sx_k, chunk, lost_x, lost_w, factor, floor, S: tl.constexpr,
+                  BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  GP: tl.constexpr):  # fmt: skip
     """Program (r, c), tokens block r over chunk c of y's columns (NC wide) and x's (KC): the
     partial references x_t . S_g, group sums and x's squares PART[c] ([ref | sums] (T, G) |
-    squares (T)); its share of the column bitmap zeroed; program (0, 0) zeroes the sites'
-    counts and lost flags (for the launches that follow)."""
+    squares (T)); its share of the column bitmap zeroed. The last of block r's programs to
+    arrive (counter CNT[r]) checks its tokens (:func:`_verify_rows`), counting each site's
+    flagged tokens on CNT[R + 1 + s]; the last such block (counter CNT[R]) writes the counts
+    into SCR and zeroes the sites' lost flags (for the repair), leaving the counters 0."""
     r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows, rmask = span(r * BM, T, BM)
     gs, gmask = span(0, G, GP)
@@ -186,23 +187,30 @@ def verify_kernel(Y, X, WS, PART, SCR, BITS, T, N, K, G, n, NC, KC, sy_t, sy_n, 
     tl.store(at, ref, mask=both)
     tl.store(at + T * G, rs, mask=both)
     tl.store(PART + (c * (2 * T * G + T) + 2 * T * G + rows), sq, mask=rmask)
-    p = r * tl.num_programs(1) + c
-    if p == 0:
-        ss = tl.arange(0, 8)
-        tl.store(SCR + (ss + (3 * as_i64(T) * G + T)), tl.zeros([8], tl.float32), mask=ss < 2 * S)
+    R, C = tl.num_programs(0).to(tl.int64), tl.num_programs(1).to(tl.int64)
+    p = r * C + c
     for j0 in range(0, chunk, BN):  # this program's chunk of the column bitmap
         js, jmask = span(p * chunk + j0, N, BN)
         tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (p + 1) * chunk))
+    if arrive(CNT + r, C):
+        for h in range(0, BM, BM // 4):  # a quarter block at a time: fewer registers a thread
+            part_rows, part_mask = span(r * BM + h, T, BM // 4)
+            _verify_rows(WS, SITE, PART, SCR, CNT + (R + 1), part_rows, part_mask, T, N, K, G, C,
+                         lost_x, lost_w, factor, floor, S, BM // 4, GP)  # fmt: skip
+        if arrive(CNT + R, R):  # every block counted: the sites' counts out, lost flags zeroed
+            ss = tl.arange(0, 4)
+            counts = tl.atomic_xchg(CNT + (R + 1 + ss), tl.zeros([4], tl.int32), mask=ss < S)
+            flags = SCR + (ss + (3 * as_i64(T) * G + T))
+            tl.store(flags, counts.to(tl.float32), mask=ss < S)
+            tl.store(flags + S, tl.zeros([4], tl.float32), mask=ss < S)
 
 
 @triton.jit
-def verify_rows_kernel(WS, SITE, PART, SCR, T, N, K, G, C, lost_x, lost_w, factor, floor,
-                       S: tl.constexpr, BM: tl.constexpr, GP: tl.constexpr):  # fmt: skip
-    """Program r, tokens block r: the C chunks' partials added in order; references, residuals
+def _verify_rows(WS, SITE, PART, SCR, SITES, rows, rmask, T, N, K, G, C, lost_x, lost_w, factor,
+                 floor, S: tl.constexpr, BM: tl.constexpr, GP: tl.constexpr):  # fmt: skip
+    """A tokens block's check: its C chunks' partials added in order; references, residuals
     and excesses (T, G), ||x_t|| + 1 (T,) into SCR, and each site's flagged tokens added to its
-    count."""
-    r = tl.program_id(0).to(tl.int64)
-    rows, rmask = span(r * BM, T, BM)
+    counter SITES[s]."""
     gs, gmask = span(0, G, GP)
     both = rmask[:, None] & gmask[None, :]
     at = rows[:, None] * G + gs[None, :]
@@ -228,19 +236,25 @@ def verify_rows_kernel(WS, SITE, PART, SCR, T, N, K, G, C, lost_x, lost_w, facto
     for s in tl.static_range(S):  # tokens with a flagged group of site s
         hit = tl.sum(tl.max((flagged & (site[None, :] == s)).to(tl.int32), 1), 0)
         if hit > 0:
-            tl.atomic_add(SCR + (3 * as_i64(T) * G + T + s), hit.to(tl.float32))
+            tl.atomic_add(SITES + s, hit)
 
 
 @triton.jit
-def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, RSUM, T, N, K, G, n, NC, sy_t, sy_n,
-                  sx_t, sx_k, sw_o, sw_k, lost_w, floor, near_f, row0, row1, row2,
+def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, RSUM, CNT, T, N, K, G, n, NC, sy_t,
+                  sy_n, sx_t, sx_k, sw_o, sw_k, lost_w, factor, floor, near_f, row0, row1, row2,
                   S: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr):  # fmt: skip
+                  BN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                  GP: tl.constexpr):  # fmt: skip
     """Program (r, c), on the flag: tokens block r's flagged tokens recomputed over columns
     chunk c (NC wide), bad columns located (each counted once: the bitmap) and written, and
-    the chunk's group sums RSUM[c] (T, G) for the re-check (:func:`repair_rows_kernel`)."""
+    the chunk's group sums RSUM[c] (T, G); the last of a flagged block's C programs to arrive
+    re-checks its tokens (:func:`_recheck_rows`). Program (0, 0) writes the detection
+    (:func:`_record`). A clean program (a clean call, a block with no flagged token) counts
+    nothing."""
     if _flagged(SCR, T, G, S) > 0:
         r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        if (r == 0) & (c == 0):
+            _record(SCR, LOG, STEP, T, G, row0, row1, row2, S, BP)
         rows, rmask = span(r * BM, T, BM)
         gs, gmask = span(0, G, GP)
         both = rmask[:, None] & gmask[None, :]
@@ -280,50 +294,51 @@ def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, RSUM, T, N, K, G, n, NC,
                                input_precision="ieee")  # fmt: skip
             at = RSUM + (c * T * G + rows[:, None] * G + gs[None, :])
             tl.store(at, sums, mask=both)  # 0 where not flagged: read only where flagged
+            C = tl.num_programs(1)  # every chunk of a flagged block has work: C arrive
+            if arrive(CNT + r, C):
+                for h in range(0, BM, BM // 4):  # a quarter block at a time: fewer registers
+                    part_rows, part_mask = span(r * BM + h, T, BM // 4)
+                    _recheck_rows(WS, SITE, SCR, LOG, RSUM, part_rows, part_mask, T, N, K, G, C,
+                                  lost_w, factor, floor, row0, row1, row2, S, BM // 4,
+                                  GP)  # fmt: skip
 
 
 @triton.jit
-def repair_rows_kernel(WS, SITE, SCR, LOG, STEP, RSUM, T, N, K, G, C, lost_w, factor, floor,
-                       row0, row1, row2, S: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
-                       GP: tl.constexpr):  # fmt: skip
-    """Program r, on the flag: tokens block r's repaired rows checked again from their chunks'
-    sums (added in order); a site with one that still fails is lost and reproduced, once a
-    call (its lost flag). Program 0 writes the detection (:func:`_record`)."""
-    if _flagged(SCR, T, G, S) > 0:
-        r = tl.program_id(0).to(tl.int64)
-        if r == 0:
-            _record(SCR, LOG, STEP, T, G, row0, row1, row2, S, BP)
-        rows, rmask = span(r * BM, T, BM)
-        gs, gmask = span(0, G, GP)
-        both = rmask[:, None] & gmask[None, :]
-        at = rows[:, None] * G + gs[None, :]
-        exc = tl.load(SCR + (at + 2 * T * G), mask=both, other=0.0)
-        bad = tl.max((~(exc <= 0.0) & both).to(tl.int32), 1) > 0
-        if tl.sum(bad.to(tl.int32), 0) > 0:
-            live = bad[:, None] & both
-            sums = tl.zeros([BM, GP], dtype=tl.float32)
-            for j in range(0, C):
-                sums += tl.load(RSUM + (j * as_i64(T) * G + at), mask=live, other=0.0)
-            xn1 = tl.load(SCR + (rows + 3 * T * G), mask=rmask, other=0.0)
-            norms = _norms(WS, gs, gmask, G, K, N, lost_w, 0.0)  # (GP,)
-            ref = tl.load(SCR + at, mask=both, other=0.0)
-            still = ~(tl.abs(sums - ref) - factor * xn1[:, None] * (norms + floor)[None, :] <= 0)
-            still = still & live
-            site = tl.load(SITE + gs, mask=gmask, other=-1)
-            for s in tl.static_range(S):
-                row = _site_row(s, row0, row1, row2)
-                lost = tl.sum((still & (site[None, :] == s)).to(tl.int32), 1)
-                if (tl.sum(lost, 0) > 0) & (row >= 0):
-                    one = tl.full([], 1.0, tl.float32)
-                    first = tl.atomic_add(SCR + (3 * as_i64(T) * G + T + S + s), one)
-                    if first == 0:  # once per site: lost, and reproduced (the operands imply it)
-                        tl.atomic_add(LOG + row * 7 + 3, 1.0)
-                        tl.atomic_add(LOG + row * 7 + 4, 1.0)
+def _recheck_rows(WS, SITE, SCR, LOG, RSUM, rows, rmask, T, N, K, G, C, lost_w, factor, floor,
+                  row0, row1, row2, S: tl.constexpr, BM: tl.constexpr,
+                  GP: tl.constexpr):  # fmt: skip
+    """Tokens ``rows``' repaired rows (the flagged ones) checked again from their chunks' sums
+    (added in order); a site with one that still fails is lost and reproduced, once a call (its
+    lost flag)."""
+    gs, gmask = span(0, G, GP)
+    both = rmask[:, None] & gmask[None, :]
+    at = rows[:, None] * G + gs[None, :]
+    exc = tl.load(SCR + (at + 2 * T * G), mask=both, other=0.0)
+    bad = tl.max((~(exc <= 0.0) & both).to(tl.int32), 1) > 0
+    live = bad[:, None] & both
+    sums = tl.zeros([BM, GP], dtype=tl.float32)
+    for j in range(0, C):
+        sums += tl.load(RSUM + (j * as_i64(T) * G + at), mask=live, other=0.0)
+    xn1 = tl.load(SCR + (rows + 3 * T * G), mask=rmask, other=0.0)
+    norms = _norms(WS, gs, gmask, G, K, N, lost_w, 0.0)  # (GP,)
+    ref = tl.load(SCR + at, mask=both, other=0.0)
+    still = ~(tl.abs(sums - ref) - factor * xn1[:, None] * (norms + floor)[None, :] <= 0)
+    still = still & live
+    site = tl.load(SITE + gs, mask=gmask, other=-1)
+    for s in tl.static_range(S):
+        row = _site_row(s, row0, row1, row2)
+        lost = tl.sum((still & (site[None, :] == s)).to(tl.int32), 1)
+        if (tl.sum(lost, 0) > 0) & (row >= 0):
+            one = tl.full([], 1.0, tl.float32)
+            first = tl.atomic_add(SCR + (3 * as_i64(T) * G + T + S + s), one)
+            if first == 0:  # once per site: lost, and reproduced (the operands imply it)
+                tl.atomic_add(LOG + row * 7 + 3, 1.0)
+                tl.atomic_add(LOG + row * 7 + 4, 1.0)
 
 
 @triton.jit
 def _record(SCR, LOG, STEP, T, G, row0, row1, row2, S: tl.constexpr, BP: tl.constexpr):
-    """The detection into the sites' log rows (program 0 of a flagged re-check): flagged
+    """The detection into the sites' log rows (program (0, 0) of a flagged repair): flagged
     tokens, the worst residual (NaN first), detected once, the step."""
     value = worst_residual(SCR, 2 * T * G, T * G, T * G, BP)
     step = tl.load(STEP)
@@ -350,8 +365,8 @@ def _nbytes(*ts: Tensor | None) -> int:
 @torch.library.custom_op("attnchecker::proj_weights", mutates_args=())
 def proj_weights(weight: Tensor, bias: Tensor | None, groups: int, conv1d: bool) -> Tensor:
     """The packed weight-side sums of a projection of ``groups`` head groups (see
-    :func:`weights_sum_kernel`), fp32. Two launches: partials over (group, output chunk, K
-    block), then their sums in order."""
+    :func:`weights_kernel`), fp32. One launch: partials over (group, output chunk, K block),
+    each sum added in order by its last program to arrive."""
     w = readable(_as_rows(weight, conv1d))
     N, K = w.shape
     n = N // groups
@@ -363,11 +378,12 @@ def proj_weights(weight: Tensor, bias: Tensor | None, groups: int, conv1d: bool)
     pw1 = torch.empty(C * N, device=w.device, dtype=_F32)
     psq = torch.empty(groups * J * C, device=w.device, dtype=_F32)
     b = readable(bias)
-    weights_kernel[(groups, J, C)](w, ps, pw1, psq, N, K, groups, n, OC, w.stride(0),
-                                   w.stride(1), BO=_BO, BK=_BK)  # fmt: skip
-    grid = max(triton.cdiv(max(groups * K, N), _BR), groups)
-    weights_sum_kernel[(grid,)](b if b is not None else out, ps, pw1, psq, out, N, K, groups, n,
-                                J, C, HAS_B=bias is not None, BR=_BR)  # fmt: skip
+    cnt = counters(w.device, groups * (C + J + 1))
+    with counting(cnt):
+        weights_kernel[(groups, J, C)](w, b if b is not None else out, ps, pw1, psq, out, cnt, N,
+                                       K, groups, n, OC, w.stride(0), w.stride(1),
+                                       HAS_B=bias is not None, BO=_BO, BK=_BK,
+                                       BR=_BR)  # fmt: skip
     return out
 
 
@@ -417,8 +433,8 @@ def proj_verify(
     graph would build the tensor on every call; the op takes its device copy, made once).
     Returns the scratch (references, residuals and excesses (T, G), ||x_t|| + 1 (T,), each
     site's flagged tokens, the sites' lost flags, zeroed) and the column bitmap (N,) int32,
-    zeroed, for :func:`proj_repair`. Two
-    launches: (token block, chunk) partials, then their sums a token block."""
+    zeroed, for :func:`proj_repair`. One
+    launch: (token block, chunk) partials, added by each token block's last to arrive."""
     T, N = y.shape
     K = x.shape[1]
     G = len(sites)
@@ -431,13 +447,13 @@ def proj_verify(
     bits = torch.empty(N, device=y.device, dtype=torch.int32)
     part = torch.empty(C * (2 * T * G + T), device=y.device, dtype=_F32)
     yr, xr = readable(y), readable(x)
-    verify_kernel[(R, C)](yr, xr, ws, part, scr, bits, T, N, K, G, N // G, NC, KC, yr.stride(0),
-                          yr.stride(1), xr.stride(0), xr.stride(1), triton.cdiv(N, R * C),
-                          S=n_sites, BF16=xr.dtype == torch.bfloat16, BM=_BM, BN=_BN, BK=_BK,
-                          GP=_gp(G))  # fmt: skip
-    verify_rows_kernel[(R,)](ws, site, part, scr, T, N, K, G, C, squares_lost(K),
-                             _lost_w(N, K, G), factor, floor, S=n_sites, BM=_BM,
-                             GP=_gp(G))  # fmt: skip
+    cnt = counters(y.device, R + 1 + n_sites)  # R blocks', the blocks', the sites' counts
+    with counting(cnt):
+        verify_kernel[(R, C)](yr, xr, ws, site, part, scr, bits, cnt, T, N, K, G, N // G, NC,
+                              KC, yr.stride(0), yr.stride(1), xr.stride(0), xr.stride(1),
+                              triton.cdiv(N, R * C), squares_lost(K), _lost_w(N, K, G), factor,
+                              floor, S=n_sites, BF16=xr.dtype == torch.bfloat16, BM=_BM, BN=_BN,
+                              BK=_BK, GP=_gp(G))  # fmt: skip
     return scr, bits
 
 
@@ -462,9 +478,9 @@ def proj_repair(
     factor: float, floor: float,
 ) -> None:  # fmt: skip
     """Record, recompute, locate and re-check what :func:`proj_verify` flagged (nothing on a
-    clean call: every program of both launches returns at once), into y and the log rows
-    ``rows`` of the sites. Two launches: (token block, column chunk) programs, then the re-check
-    a token block."""
+    clean call: every program returns at once), into y and the log rows ``rows`` of the sites.
+    One launch of (token block, column chunk) programs; a flagged block's last to arrive
+    re-checks it."""
     T, N = y.shape
     K = x.shape[1]
     G, S = len(sites), len(rows)
@@ -481,14 +497,14 @@ def proj_repair(
     C = triton.cdiv(N, NC) if N else 1
     rsum = torch.empty(C * T * G, device=y.device, dtype=_F32)
     r = [*rows, -1, -1][:3]
-    lost_w = _lost_w(N, K, G)
-    repair_kernel[(R, C)](yr, xr, w, b if b is not None else ws, ws, site, scr, bits, log, rsum,
-                          T, N, K, G, N // G, NC, yr.stride(0), yr.stride(1), xr.stride(0),
-                          xr.stride(1), w.stride(0), w.stride(1), lost_w, floor,
-                          factor / math.sqrt(N // G), *r, S=S, HAS_B=bias is not None,
-                          IEEE=ieee, BM=_BM, BN=bn, BK=_BK, GP=_gp(G))  # fmt: skip
-    repair_rows_kernel[(R,)](ws, site, scr, log, step, rsum, T, N, K, G, C, lost_w, factor,
-                             floor, *r, S=S, BM=_BM, BP=64, GP=_gp(G))  # fmt: skip
+    cnt = counters(y.device, R)
+    with counting(cnt):
+        repair_kernel[(R, C)](yr, xr, w, b if b is not None else ws, ws, site, scr, bits, log,
+                              step, rsum, cnt, T, N, K, G, N // G, NC, yr.stride(0),
+                              yr.stride(1), xr.stride(0), xr.stride(1), w.stride(0), w.stride(1),
+                              _lost_w(N, K, G), factor, floor, factor / math.sqrt(N // G), *r,
+                              S=S, HAS_B=bias is not None, IEEE=ieee, BM=_BM, BN=bn, BK=_BK,
+                              BP=64, GP=_gp(G))  # fmt: skip
     if yr is not y:  # the interpreter's fp32 copy
         y.copy_(yr)
 

@@ -1,19 +1,20 @@
 """The GEMM checks' kernels give the same bytes whichever order their programs run in.
 
 The GEMM check's and the projection check's ops (``attnchecker.kernels.gemm_check``,
-``.projection_check``) each launch a wide grid of (row block, chunk) programs that write
-partial sums, then a pass that adds them in a fixed order; the repairs claim columns in a
-bitmap and add exact integer counts to the records. Here, at widths that give every launch
-several row blocks and several chunks, a check with injected faults (bad elements of the
-product in several row blocks and column chunks, a NaN, a bad operand row that is lost) is run
-with each launch's programs in order, reversed, in a GPU's order and shuffled
-(:func:`attnchecker.kernels.launches.program_order`): every output, the scratch, the column
-bitmap and the records must be byte for byte the in-order run's, and the in-order run must
-locate, repair and record the faults.
+``.projection_check``) each launch one wide grid of (row block, chunk) programs that write
+partial sums; the last program of a block to arrive at its counter adds them in a fixed order;
+the repairs claim columns in a bitmap and add exact integer counts to the records. Here, at
+widths that give every launch several row blocks and several chunks, a check with injected
+faults (bad elements of the product in several row blocks and column chunks, a NaN, a bad
+operand row that is lost) is run with each launch's programs in order, reversed, in a GPU's
+order and shuffled (:func:`attnchecker.kernels.launches.program_order`): every output, the
+scratch, the column bitmap and the records must be byte for byte the in-order run's, and the
+in-order run must locate, repair and record the faults.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -90,9 +91,40 @@ def test_the_inputs_give_every_launch_several_row_blocks_and_chunks():
     with recorded() as proj:
         _projection(False)
     grids = {(n.kernel, n.grid) for n in (*gemm, *proj)}
-    for kernel in ("refs_kernel", "verify_kernel", "repair_kernel", "weights_kernel"):
+    for kernel in ("refs_kernel", "verify_kernel", "repair_kernel"):
         assert all(min(g[0], g[1]) > 1 for k, g in grids if k == kernel), (kernel, grids)
-    assert all(g[0] > 1 for k, g in {(n.kernel, n.grid) for n in proj} if "rows" in k)
+    assert all(min(g) > 1 for k, g in grids if k == "weights_kernel"), grids
+    # one launch an op: the partials' sums are the last arrivals', not a second kernel's
+    assert [n.kernel for n in gemm] == ["refs_kernel", "verify_kernel", "repair_kernel"]
+    assert [n.kernel for n in proj] == ["weights_kernel", "verify_kernel", "repair_kernel"]
+
+
+@pytest.mark.parametrize("flagged", [False, True], ids=["clean", "flagged"])
+def test_every_launch_leaves_the_arrival_counters_at_zero(flagged):
+    """The next launch counts from 0 without a zeroing kernel: every counter a launch touched
+    is reset by its last arrival, in any order, clean or flagged."""
+    from attnchecker.kernels import gemm_check as gc
+    from attnchecker.kernels import projection_check as pc
+
+    def check(how=None):
+        if flagged:
+            _gemm(True), _projection(True)
+            return
+        x, y, lim = _case(100, 200, 300, torch.float32, 11)
+        rec, step = _record()
+        gc.check_(x @ y, x, y, rec, step, floor=lim["floor"], c=lim["c"])
+        assert rec.tolist() == [0.0] * 7
+        w = y.t().contiguous()
+        log = torch.zeros(3, 7, dtype=torch.float64)
+        ws = pc.proj_weights(w, None, 6, False)
+        pc.check_(x @ y, x, w, None, False, ws, SITES, log, step, [0, 1, 2], factor=1e-5,
+                  floor=1e-30)  # fmt: skip
+        assert not log.any()
+
+    for how in (None, *ORDERS):
+        with program_order(how) if how else contextlib.nullcontext():
+            check()
+        assert not gc.counters(torch.device("cpu"), 1).any(), how
 
 
 @pytest.mark.parametrize("lost", [False, True], ids=["located", "lost"])
