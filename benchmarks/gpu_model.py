@@ -268,7 +268,8 @@ def main() -> None:
     ap.add_argument("--calibrate-length", type=int, default=1024)
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--arms", nargs="+", default=WIDE_ARMS, choices=[*ARMS, *NATIVE_GQA])
-    ap.add_argument("--micro", type=int, default=4, help="micro-batches a step (its own table)")
+    ap.add_argument("--micro", type=int, default=4,
+                    help="micro-batches a step (its own table; 1: none)")  # fmt: skip
     ARGS = parse(ap, {"size": "tiny", "calibrate_length": 64, "length": 64,
                       "families": ["llama"]})  # fmt: skip
     env = environment()
@@ -279,11 +280,13 @@ def main() -> None:
     tables = [
         (f"llama, {name}, {layers} layers, vocabulary {vocab}, L {ARGS.length}, B 1",
          wide(widths, ARGS.length, layers, vocab, ARGS.arms)),
-        (f"the same, gradient accumulation {ARGS.micro} micro-batches a step",
-         wide(widths, ARGS.length, layers, vocab, ["protected_sdpa"], micro=ARGS.micro)),
-        (f"llama, base width, 2 layers, vocabulary 128, L {ARGS.calibrate_length}, B 1",
-         wide({}, ARGS.calibrate_length, 2, 128, ARGS.arms)),
     ]  # fmt: skip
+    if ARGS.micro > 1:
+        tables.append((f"the same, gradient accumulation {ARGS.micro} micro-batches a step",
+                       wide(widths, ARGS.length, layers, vocab, ["protected_sdpa"],
+                            micro=ARGS.micro)))  # fmt: skip
+    tables.append((f"llama, base width, 2 layers, vocabulary 128, L {ARGS.calibrate_length}, B 1",
+                   wide({}, ARGS.calibrate_length, 2, 128, ARGS.arms)))  # fmt: skip
     one = one_gemm()
     from _common import command
 
