@@ -38,14 +38,13 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attnchecker import ABFTConfig, protect_  # noqa: E402
-from attnchecker.gpu_cost import H200, LLAMA_8B, SMS, clean_exit  # noqa: E402
+from attnchecker.gpu_cost import FLAG_BYTES, H200, LLAMA_8B, SMS, clean_exit  # noqa: E402
 from attnchecker.kernels.launches import arg_bytes  # noqa: E402
 from attnchecker.models.tiny import build  # noqa: E402
 
 WIDTHS = {"8b": (LLAMA_8B, 4096), "base": ({}, 1024)}
 TINY = ({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 64, "head_dim": 8}, 64)  # fmt: skip
-_FLAG_BYTES = 128
 
 
 @contextlib.contextmanager
@@ -123,7 +122,7 @@ def measure(width: str) -> dict:
     launches = []
     for i, (kernel, grid, nbytes, _) in enumerate(reps[0]):
         programs = grid[0] * grid[1] * grid[2]
-        touched = programs * _FLAG_BYTES if clean_exit(kernel) else nbytes
+        touched = programs * FLAG_BYTES if clean_exit(kernel) else nbytes
         got = statistics.median(r[i][3] for r in reps if len(r) > i)
         model_s = H200.triton_time(touched, programs)
         launches.append({"kernel": kernel, "grid": list(grid), "programs": programs,

@@ -113,11 +113,13 @@ _ALLOCATING = frozenset({"aten.empty", "aten.empty_like", "aten.empty_strided",
 def clean_exit(kernel: str) -> bool:
     """Whether a Triton kernel is a repair (the SDPA route's, the GEMM checks'), whose programs
     each read a flag or a few and return on a clean step: charged those bytes
-    (:data:`_FLAG_BYTES` a program), not the tensors they would rewrite on a flag."""
+    (:data:`FLAG_BYTES` a program), not the tensors they would rewrite on a flag."""
     return "repair" in kernel
 
 
-_FLAG_BYTES = 128
+FLAG_BYTES = 128
+"""Bytes a repair's program reads on a clean step (its flags): what :func:`clean_exit` kernels
+are charged."""
 
 _FLOPS_AS = {  # CPU kernels the FLOP counter does not know, counted as their CUDA twins
     "aten._scaled_dot_product_flash_attention_for_cpu":
@@ -190,7 +192,7 @@ class OpTrace(OpCounter):
             name = op if twin is None else f"aten.{twin.__name__.split('.')[0]}"
             out[name] += max(b / device.bandwidth, f / device.flops, device.kernel)
         for n in self.launches:
-            nbytes = n.programs * _FLAG_BYTES if clean_exit(n.kernel) else n.bytes
+            nbytes = n.programs * FLAG_BYTES if clean_exit(n.kernel) else n.bytes
             out[f"triton.{n.kernel}"] += device.triton_time(nbytes, n.programs)
         return out
 
