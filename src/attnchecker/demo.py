@@ -200,7 +200,7 @@ def run_model_demo(
     base = build(family, "small", max_len=64, seed=seed)
     base.train()
     faults = _fused_faults() if backend == "triton" else _MODEL_FAULTS
-    if backend != "eager":  # (attention dropout in training runs the checked eager attention)
+    if backend == "triton":  # (attention dropout in training runs the checked eager attention)
         for m in base.modules():
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0

@@ -37,6 +37,7 @@ What the model cannot see, and where it may be wrong:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -68,6 +69,7 @@ class Device:
     kernel: float  # s: the least a kernel takes on the device
     launch: float  # s of host time per launching op, eager
     program_rate: float = 0.0  # bytes / s one program of a Triton launch streams (0: any)
+    sync: float = 30e-6  # s the device idles at a host read: the round trip, the next launch
 
     def triton_time(self, nbytes: float, programs: int) -> float:
         """A Triton launch's device time: its bytes at the rate its programs can reach."""
@@ -91,16 +93,22 @@ those measured steps and states its error."""
 
 @dataclass(frozen=True)
 class Modelled:
-    """A modelled step: its launching ops, host time and device time (seconds)."""
+    """A modelled step: its launching ops, host time, device time (seconds) and its host reads
+    of device values (``syncs``), each ``sync_cost`` seconds of an idle device."""
 
     launches: int
     host: float
     device: float
+    syncs: int = 0
+    sync_cost: float = 0.0
 
     def step(self, graph: bool = False) -> float:
-        """Eager: host and device overlap, the slower sets the pace; in a CUDA graph the host
-        launches nothing."""
-        return self.device if graph else max(self.host, self.device)
+        """Eager: host and device overlap, the slower sets the pace, and each host read stalls
+        the device; in a CUDA graph the host launches nothing (a step with host reads cannot
+        be captured: NaN)."""
+        if graph:
+            return self.device if not self.syncs else math.nan
+        return max(self.host, self.device) + self.syncs * self.sync_cost
 
 
 _ALLOCATING = frozenset({"aten.empty", "aten.empty_like", "aten.empty_strided",
@@ -182,7 +190,9 @@ class OpTrace(OpCounter):
     def modelled(self, device: Device = H200) -> Modelled:
         """The traced work as a step on ``device``."""
         n = self.launched
-        return Modelled(n, n * device.launch, sum(self.device_time(device).values()))
+        reads = sum(k for op, k in self.syncs.items() if op != "aten.lift_fresh")  # (host data)
+        return Modelled(n, n * device.launch, sum(self.device_time(device).values()), reads,
+                        device.sync)  # fmt: skip
 
     def device_time(self, device: Device = H200) -> Counter[str]:
         """Modelled device seconds per op name (Triton kernels as ``triton.<kernel>``)."""

@@ -95,6 +95,76 @@ def test_every_family_corrects_the_core_faults_on_the_route(family):
     assert {f[:3] for f in failures} <= LOWERING, failures
 
 
+DROPPING = ("gpt2", "bert", "roberta", "distilbert")
+"""The families that train with attention dropout by default (0.1): on the route (issue 54)."""
+
+
+@pytest.mark.parametrize("family", DROPPING)
+def test_a_step_with_attention_dropout_equals_the_plain_models(family):
+    """Attention dropout on: the route runs the backend's own kernel with its draw (a CPU's
+    math backend, as the plain SDPA model does), so the loss is the plain model's to the bit
+    and the gradients (its backward in fp32 from the same draw) to 1e-5; no call falls back."""
+    base, _ = models(family, layers=1)
+    inputs = batch(family)
+    want = _plain_step(base, inputs)
+    model = copy.deepcopy(base)
+    handle = protect_(model, SDPA)
+    got = train_step(model, inputs)
+    dropped = copy.deepcopy(base)  # (the draw matters: without it the loss differs)
+    dropped.set_attn_implementation("sdpa")
+    dropped.eval()
+    assert not torch.allclose(train_step(dropped, inputs)[0], want[0])
+    assert torch.equal(got[0], want[0]), (got[0], want[0])
+    assert max_diff(got[1], want[1]) <= 1e-5
+    assert handle.drain() == []
+    cov = handle.summary()["per_module"]
+    assert {c["engine"] for c in cov.values()} == {"sdpa"}
+    assert not any(c["fallbacks"] for c in cov.values())
+
+
+@pytest.mark.parametrize("family", DROPPING)
+def test_every_core_fault_is_corrected_with_attention_dropout_on(family):
+    """Attention dropout on, every core site (forward and backward) and pattern once, the kinds
+    taking turns: corrected in the same step, equal to the fault-free step with the same draw
+    (a repair reruns the whole call from the generator's state before it), but for the lowered
+    scores the forward cannot see."""
+    base, _ = models(family, layers=1)
+    sites = ("scores", "probs", "context", "dq", "dk", "dp", "dv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        failures = fault_matrix(base, batch(family), train_step, config=SDPA.replace(
+            policy="warn"), sites=sites, reported=REPORTED,
+            rotate=DROPPING.index(family))  # fmt: skip
+    assert {f[:3] for f in failures} <= LOWERING, failures
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs triton (CUDA or the interpreter)")
+def test_a_dropout_call_takes_the_reference_ops_under_the_kernels():
+    """``check_impl="triton"`` (CUDA's default) with attention dropout on: the dropout calls run
+    the reference's check ops (the Triton repairs cannot draw the kernel's mask; their ops
+    refuse a dropout call), and a forward and a backward fault are corrected."""
+    from attnchecker.kernels.sdpa_kernels_bwd import TRITON_OPS
+
+    base, _ = models("gpt2", layers=1)
+    config = SDPA.replace(check_impl="triton")
+    inputs = batch("gpt2")
+    model = copy.deepcopy(base)
+    protect_(model, config)
+    with OpCounter() as c:
+        train_step(model, inputs)
+    assert c.ops["attnchecker.sdpa_fwd_repair"] == 1, c.ops
+    assert c.ops["attnchecker.sdpa_fwd_repair_triton"] == 0
+    failures = []
+    for site, kind, pattern in (("context", "nan", "1R"), ("dk", "inf", "0D")):
+        failures += fault_matrix(base, inputs, train_step, config=config, sites=(site,),
+                                 kinds={kind: KINDS[kind]}, patterns=(pattern,),
+                                 reported=REPORTED)  # fmt: skip
+    assert not failures, failures
+    q = torch.zeros(1, 1, 1, 16)
+    with pytest.raises(NotImplementedError, match="no dropout"):
+        TRITON_OPS.fwd_verify(q, q, q, q[..., 0], q, q, q, [0, 1], 1.0, q, 1.0, 0.1)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_every_backward_fault_is_corrected(family):
     base, _ = models(family, dropout=False, layers=1)

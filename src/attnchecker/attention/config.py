@@ -65,8 +65,9 @@ class ABFTConfig:
       invariants of what it returns (no L x L tensor; bounds that see extreme errors in the
       forward, exact sums of dV and dK in the backward); ``"triton"`` the fused flash kernels
       with their checks inside (:mod:`attnchecker.kernels`); the last two fall back to the eager
-      engine, with a warning once, for a call they do not cover (attention dropout in training,
-      soft-capping). ``"auto"`` (the default) is the SDPA route on CUDA where the model's
+      engine, with a warning once, for a call they do not cover (soft-capping; for the fused
+      kernels attention dropout in training; for the route attention dropout under
+      torch.compile). ``"auto"`` (the default) is the SDPA route on CUDA where the model's
       attention goes through transformers' attention interface or SDPA and the route passes a
       self-test there, eager otherwise (on a CPU: the eager core's checksums see more). The
       projections are checked by the same hooks in every backend.

@@ -12,9 +12,12 @@ and hand it to :func:`run_core`, which owns what every engine needs around it:
 
 - the set-up (:func:`before_core`): the queued projection checks run first (the core reads
   their outputs), and what they left for the core (``mode="passing"``) is taken;
-- the fallback: a call the engine does not cover (:meth:`Engine.cannot`: attention dropout in
-  training, logit soft-capping, GPT-2's ``reorder_and_upcast_attn``, GPT-Neo's fp32 q and k, and
-  for the fused kernels fp32 without TF32 at wide heads and masks they do not take) runs the
+- the fallback: a call the engine does not cover (:meth:`Engine.cannot`: logit soft-capping,
+  GPT-2's ``reorder_and_upcast_attn``, GPT-Neo's fp32 q and k; for the fused kernels attention
+  dropout in training, fp32 without TF32 at wide heads and masks they do not take; for the SDPA
+  route attention dropout under torch.compile (its rerun needs the generator's state, which
+  dynamo does not trace) and emulated core faults in a dropout call on CUDA, whose kernels keep
+  their draw) runs the
   checked eager engine on the eager form of the call's mask, named in ``summary()``, with a
   warning once per reason;
 - the commit: the layer's records are written unless the output projection's check, which
@@ -34,6 +37,7 @@ from torch import Tensor
 from attnchecker.attention.config import ALL_OPS, ABFTConfig
 from attnchecker.attention.core import CoreSpec, attend, output_layout
 from attnchecker.attention.handoff import Handoff
+from attnchecker.attention.ops import CORE_OPS
 from attnchecker.attention.projection import flush
 from attnchecker.attention.state import AttentionState
 from attnchecker.errors import ConfigError, UnsupportedModelError
@@ -79,8 +83,9 @@ class Engine:
     name = "eager"
     counters = False
 
-    def cannot(self, call: CoreCall) -> str | None:
-        """Why this engine does not compute ``call`` as the family does (None: it does)."""
+    def cannot(self, call: CoreCall, state: AttentionState | None = None) -> str | None:
+        """Why this engine does not compute ``call`` (for ``state``'s module) as the family
+        does (None: it does)."""
         return None
 
     def attend(
@@ -100,10 +105,14 @@ class Engine:
         return f"<engine {self.name}>"
 
 
+def _dropping(call: CoreCall) -> bool:
+    """Whether the call applies attention dropout (training, p > 0)."""
+    return call.training and call.dropout > 0
+
+
 def _uncovered(call: CoreCall) -> str | None:
     """What neither the SDPA route nor the fused kernels compute as the family does."""
     reasons = {
-        "attention dropout in training": call.training and call.dropout > 0,
         "logit soft-capping": call.softcap is not None,
         "reorder_and_upcast_attn": call.upcast_reordered,
         "fp32 q and k without scaling (GPT-Neo)": call.spec.upcast_qk or not call.spec.scale,
@@ -114,8 +123,15 @@ def _uncovered(call: CoreCall) -> str | None:
 class _Sdpa(Engine):
     name = "sdpa"
 
-    def cannot(self, call: CoreCall) -> str | None:
-        return _uncovered(call)
+    def cannot(self, call, state=None):
+        why = _uncovered(call)
+        if why is None and _dropping(call) and torch.compiler.is_compiling():
+            why = "attention dropout under torch.compile"  # (the draw's start: a host read)
+        if why is None and _dropping(call) and call.query.is_cuda and state is not None:
+            hooked = any(state.hooks.get(s) for s in CORE_OPS)
+            if hooked:  # the eager S, P, O need the draw, which CUDA's kernels keep
+                why = "emulated core faults with attention dropout on CUDA"
+        return why
 
     def attend(self, state, call, handoff):
         from attnchecker.attention.sdpa_core import checked_attention
@@ -125,7 +141,8 @@ class _Sdpa(Engine):
         if call.prefill and call.causal and call.mask is None and Lk > L:  # as transformers
             key, value = key[:, :, :L], value[:, :, :L]
         out = checked_attention(state, call.query, key, value, call.mask, causal=call.causal,
-                                scale=call.scaling)  # fmt: skip
+                                scale=call.scaling,
+                                dropout=call.dropout if _dropping(call) else 0.0)  # fmt: skip
         return output_layout(call.spec, out), None
 
 
@@ -133,11 +150,11 @@ class _Flash(Engine):
     name = "triton"
     counters = True
 
-    def cannot(self, call: CoreCall) -> str | None:
+    def cannot(self, call, state=None):
         from attnchecker.kernels.flash import FP32_MAX_HEAD, operand_kind
 
         q = call.query
-        why = _uncovered(call)
+        why = "attention dropout in training" if _dropping(call) else _uncovered(call)
         if why is None and q.is_cuda and q.shape[-1] > FP32_MAX_HEAD and operand_kind(q) == "fp32":
             why = f"fp32 without TF32 at head size > {FP32_MAX_HEAD} (the kernels spill)"
         return why
@@ -176,7 +193,7 @@ def run_core(engine: Engine, state: AttentionState, call: CoreCall) -> tuple[Ten
     """The checked attention core of ``call`` by ``engine`` (the checked eager engine for a
     call it does not cover), with the set-up before it and the commit after it: (output in the
     family's layout, probabilities or None)."""
-    why = engine.cannot(call)
+    why = engine.cannot(call, state)
     if why is not None:
         _fell_back(state, why, engine)
         call = dataclasses.replace(call, mask=call.eager_mask())

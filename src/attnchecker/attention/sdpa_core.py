@@ -41,10 +41,12 @@ from attnchecker.kernels.sdpa_check import (
     attention_backward,
     attention_forward,
     backend_mask,
+    dropout_keep,
     expand_kv,
     group_sum,
     mask_facts,
     probe_gqa,
+    rng_state,
 )
 
 __all__ = ["SdpaPlan", "checked_attention", "self_test"]
@@ -58,8 +60,9 @@ def _changed(before: Tensor, after: Tensor) -> Tensor:
     return (~(after == before)).flatten(2).any(-1)
 
 
-def _emulate_forward(sites, q, k, v, mask, causal, scale, out, lse) -> None:
-    """The forward's sites on eager S, P, O: what a hook changed replaces ``out`` / ``lse``."""
+def _emulate_forward(sites, q, k, v, mask, causal, scale, out, lse, keep=None) -> None:
+    """The forward's sites on eager S, P, O: what a hook changed replaces ``out`` / ``lse``
+    (``keep``: the call's dropout draw, scaled: what multiplies P before V)."""
     H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
     if sites.hooks.get("scores") or sites.hooks.get("probs"):
         ke, ve = expand_kv(k, H), expand_kv(v, H)
@@ -72,15 +75,17 @@ def _emulate_forward(sites, q, k, v, mask, causal, scale, out, lse) -> None:
         before = p.clone()
         sites.run("probs", p)
         heads = hit | _changed(before, p)
-        o = (p @ ve).to(out.dtype)
+        o = ((p if keep is None else (p * keep).to(p.dtype)) @ ve).to(out.dtype)
         out.copy_(torch.where(heads[..., None, None], o, out))
         lse.copy_(torch.where(hit[..., None], torch.logsumexp(z, -1), lse))
     sites.run("context", out)
 
 
-def _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv) -> None:
+def _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv,
+                      keep=None) -> None:  # fmt: skip
     """The backward's sites on eager dP, dV, dQ, dK (dS from the possibly corrupted dP):
-    what a hook changed replaces the kernel's gradients of those heads (dK, dV: their group)."""
+    what a hook changed replaces the kernel's gradients of those heads (dK, dV: their group);
+    ``keep``: the forward's dropout draw, scaled (dP is the gradient of the undropped P)."""
     H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
     Hkv = k.shape[1]
     ke, ve = expand_kv(k, H), expand_kv(v, H)
@@ -88,7 +93,10 @@ def _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv)
     p = torch.softmax(z, -1).nan_to_num(0.0)  # (B, H, L, Lk) fp32
     found = {}
     dp = grad @ ve.mT  # (B, H, L, Lk)
-    dvf = p.to(q.dtype).mT @ grad  # (B, H, Lk, d)
+    w = p if keep is None else p * keep
+    if keep is not None:
+        dp = (dp * keep).to(dp.dtype)
+    dvf = w.to(q.dtype).mT @ grad  # (B, H, Lk, d)
     for site, t in (("dp", dp), ("dv", dvf)):
         before = t.clone()
         hook(site, t)
@@ -130,6 +138,7 @@ class SdpaPlan:
     bwd_rows: tuple[int, int, int]  # sink rows of the dq, dk, dv checks (-1: not recorded)
     bwd_on: bool  # any backward check runs
     n_grad: int  # rows of the backward's records
+    dropout: float  # the kernel's attention dropout (training), 0: none
     sites: Sites | None  # the forward's sites, where a hook waits at one (emulated faults)
     hook: GradSite | None  # the backward's site runner, or None
     ops: SdpaOps  # the check ops: the Triton kernels' or the torch reference's
@@ -141,40 +150,47 @@ class _Checked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, sink, step, log, rowmax, plan: SdpaPlan):
-        out, lse, aux = attention_forward(q, k, v, mask, plan.causal, plan.scale)
+        p = plan.dropout
+        rng = rng_state(q.device) if p > 0 else None  # the draw's start: what a rerun rewinds to
+        out, lse, aux = attention_forward(q, k, v, mask, plan.causal, plan.scale, p)
+        keep = None
+        if p > 0 and (plan.sites is not None or plan.hook is not None):  # emulated faults
+            keep = dropout_keep(q, k, v, mask, plan.causal, plan.scale, p, rng) / (1 - p)
         if plan.sites is not None:
-            _emulate_forward(plan.sites, q, k, v, mask, plan.causal, plan.scale, out, lse)
+            _emulate_forward(plan.sites, q, k, v, mask, plan.causal, plan.scale, out, lse, keep)
         stats, ops, rows = None, plan.ops, list(plan.fwd_rows)
         if plan.fwd_on:
             stats = ops.kv_stats(k, v)
             flags = ops.fwd_verify(q, k, out, lse, stats, log, step, rows, plan.scale, rowmax,
-                                   plan.tol)  # fmt: skip
+                                   plan.tol, p)  # fmt: skip
             ops.fwd_repair(q, k, v, mask, out, lse, stats, flags, log, step, rows, plan.causal,
-                           plan.scale, rowmax, plan.tol)  # fmt: skip
-        ctx.save_for_backward(q, k, v, mask, out, lse, stats, step, rowmax)
+                           plan.scale, rowmax, plan.tol, p, rng)  # fmt: skip
+        ctx.save_for_backward(q, k, v, mask, out, lse, stats, step, rowmax, rng, keep)
         ctx.plan, ctx.aux, ctx.sink = plan, aux, sink.numel() > 0
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad, _grad_lse):
-        q, k, v, mask, out, lse, stats, step, rowmax = ctx.saved_tensors
+        q, k, v, mask, out, lse, stats, step, rowmax, rng, keep = ctx.saved_tensors
         plan: SdpaPlan = ctx.plan
-        causal, scale, tol, ops = plan.causal, plan.scale, plan.tol, plan.ops
+        causal, scale, tol, ops, p = plan.causal, plan.scale, plan.tol, plan.ops, plan.dropout
         grad = grad.contiguous()
-        dq, dk, dv = attention_backward(grad, q, k, v, out, lse, mask, causal, scale, ctx.aux)
+        dq, dk, dv = attention_backward(grad, q, k, v, out, lse, mask, causal, scale, ctx.aux, p,
+                                        rng)  # fmt: skip
         if plan.hook is not None:
-            _emulate_backward(plan.hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv)
+            _emulate_backward(plan.hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv,
+                              keep)  # fmt: skip
         rec = None
         if plan.bwd_on and ctx.sink:
             stats = ops.kv_stats(k, v) if stats is None else stats
             rec = torch.zeros(plan.n_grad, 7, dtype=torch.float64, device=q.device)
             rows = list(plan.bwd_rows)
             part, flags = ops.bwd_verify(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec,
-                                         step, rows, scale, tol)  # fmt: skip
+                                         step, rows, scale, tol, p)  # fmt: skip
             sums = ops.bwd_sums(dk, dv)
             ops.bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags,
-                           sums, rec, step, rows, causal, scale, tol)  # fmt: skip
+                           sums, rec, step, rows, causal, scale, tol, p, rng)  # fmt: skip
         return dq, dk, dv, None, rec, None, None, None, None
 
 
@@ -192,11 +208,13 @@ def _facts(state: AttentionState, mask: Tensor | None, q: Tensor) -> tuple[Tenso
 
 def checked_attention(
     state: AttentionState, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *,
-    causal: bool, scale: float,
+    causal: bool, scale: float, dropout: float = 0.0,
 ) -> Tensor:  # fmt: skip
     """SDPA of q (B, H, L, d), k and v (B, Hkv, Lk, d) (``mask``: 4-D bool or additive,
-    broadcast to (B, H, L, Lk); ``causal`` top-left) by the backend's kernel, with the checks
-    the state asks for now: (B, H, L, d) in q's dtype."""
+    broadcast to (B, H, L, Lk); ``causal`` top-left; ``dropout``: the kernel's attention
+    dropout, in training) by the backend's kernel, with the checks the state asks for now:
+    (B, H, L, d) in q's dtype. A dropout call takes the torch reference's check ops on any
+    device (their repairs rerun the backend's draw; :mod:`~attnchecker.kernels.sdpa_check`)."""
     q, k, v = autocast_operands(q, k, v)  # (RoPE can leave q and k fp32 while v is bf16)
     state.follow(q.device)  # moved without a root forward (a layer alone)
     mask, rowmax = _facts(state, mask, q)
@@ -208,8 +226,8 @@ def checked_attention(
         causal, scale, float(state.config.tolerance_scale),
         fwd_rows, any(state.checks(o) for o in _FWD_SITES),
         bwd_rows, any(state.checks(o) for o in CORE_GRAD_OPS), len(state.records.grad_ops),
-        state.sites if hooked else None, state.sites.grad_hook(CORE_GRAD_OPS),
-        _ops(state.impl.kernels),
+        float(dropout), state.sites if hooked else None, state.sites.grad_hook(CORE_GRAD_OPS),
+        _ops(state.impl.kernels and not dropout),
     )  # fmt: skip
     sink = state.grads
     if sink is None or not torch.is_grad_enabled():

@@ -98,8 +98,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     camp.add_argument(
         "--no-dropout", action="store_true",
-        help="every dropout probability 0 (with --backend sdpa: the route runs attention "
-        "dropout in training on the eager engine)",
+        help="every dropout probability 0 (with --backend triton: the fused kernels run "
+        "attention dropout in training on the eager engine)",
     )  # fmt: skip
     camp.add_argument("--size", default="tiny", choices=SIZES)
     camp.add_argument("--seed", type=int, default=0)

@@ -67,11 +67,11 @@ class CampaignConfig:
     rank: int = 0
     world: int = 1
     backend: str = "eager"  # ABFTConfig.backend of every arm; "triton" adds the kernel:<site> sites
-    # ("sdpa": the core's sites are emulated on the SDPA route; attention dropout runs eager)
+    # ("sdpa": the core's sites are emulated on the SDPA route, attention dropout too on a CPU)
     check_arms: bool = False  # an arm per check and layer per lost trial (:func:`arm_checks`)
     recovery_arms: bool = False  # the guard alone and protection, skipping or replaying
-    dropout: bool = True  # False: every dropout probability 0 (a family's preset; the SDPA
-    # route runs attention dropout in training on the eager engine)
+    dropout: bool = True  # False: every dropout probability 0 (a family's preset; the fused
+    # kernels run attention dropout in training on the eager engine)
 
     def __post_init__(self) -> None:
         from attnchecker.attention.config import BACKENDS

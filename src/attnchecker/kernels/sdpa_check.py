@@ -4,7 +4,8 @@ what it returns, as registered ops.
 The core runs the aten op that ``F.scaled_dot_product_attention`` runs (the CPU flash kernel; on
 CUDA the flash kernel, or the memory-efficient one where a mask is given), because those return
 each row's log-sum-exp. Nothing of size L x L is made. What holds exactly for any mask and any
-backend (no dropout), per (batch, head), q_i / k_j / v_j rows, P the softmax, n the key count:
+backend, per (batch, head), q_i / k_j / v_j rows, P the softmax, n the key count (attention
+dropout with probability p: :ref:`below <dropout>`):
 
 - **scores** (forward): max_j (scale s_ij + m_ij) <= LSE_i <= max_j (scale s_ij + m_ij) + log n,
   and |scale s_ij| <= r_i = |scale| ||q_i|| max_j ||k_j||, so m_i - r_i <= LSE_i <= m_i + r_i +
@@ -22,6 +23,21 @@ backend (no dropout), per (batch, head), q_i / k_j / v_j rows, P the softmax, n 
   from dS's bound: loose, extreme errors only in half precision; docs/gpu.md).
 - **dq** (backward): |dQ_if| <= scale sum_j |dS_ij| |k_jf| <= 2 scale ||dO_i||_1 max|V| max_j |k_jf|
   (sum_j |dS_ij| <= sum_j p_ij (|dP_ij| + |D_i|) <= 2 max_j |dP_ij|). A bound: extreme errors.
+
+.. _dropout:
+
+**Attention dropout** (training, probability p; c = 1 / (1 - p)): the kernel multiplies P by a
+mask Z / (1 - p) it draws (Z in {0, 1}) before V, so O_i = sum_j w_ij v_j with w_ij = c z_ij p_ij
+>= 0 and sum_j w_ij in [0, c]. The LSE is the undropped softmax's: its bound holds as is. O_if
+lies in [c min(0, min_j v_jf), c max(0, max_j v_jf)]. dK's sum stays an identity (sum_j dS_ij =
+sum_j p_ij dP_ij - D_i = 0, D_i = dO_i . O_i = sum_j p_ij dP_ij with dP = c Z o (dO V^T));
+dV's sum is sum_i (sum_j w_ij) dO_i, so it lies in [c sum_i min(0, dO_i), c sum_i max(0, dO_i)]
+(a range: extreme errors only); dQ's and dK's bounds take c (|dP| <= c ||dO_i||_1 max|V|). The
+draw is the backend's and lives inside its kernel: a repair reruns the whole call with the
+generator rewound to its state before the call (the same seed and offset, so the same Z, on
+CUDA and on a CPU), and a CPU's backward reruns its math forward so (:func:`attention_backward`).
+The repairs of a dropout call read their flags on the host (the route takes the torch
+reference's ops: the Triton repairs cannot draw the kernel's Z): one sync a call (issue 54).
 
 Tolerances (derived where they are computed) are in units of the operands' ``finfo.eps`` and of
 fp32 accumulation, times ``tolerance_scale``.
@@ -41,6 +57,7 @@ device: no host synchronisation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +79,7 @@ __all__ = [
     "backend_mask",
     "bwd_repair",
     "bwd_verify",
+    "dropout_keep",
     "expand_kv",
     "fwd_repair",
     "fwd_verify",
@@ -69,6 +87,8 @@ __all__ = [
     "kv_stats",
     "mask_facts",
     "probe_gqa",
+    "rewound",
+    "rng_state",
 ]
 
 _F32 = torch.float32
@@ -157,11 +177,62 @@ def _flash(grad, q, k, v):
     return out, dq, dk, dv
 
 
+def rng_state(device: torch.device | str) -> Tensor:
+    """The generator's state on ``device`` (held on the host: no synchronisation), what a
+    rerun of a dropout call rewinds to."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def rewound(state: Tensor | None, device: torch.device):
+    """Run the block with ``device``'s generator at ``state`` (None: as it is), then put it
+    back where it was: a rerun draws what the first run drew and leaves the stream as it was."""
+    if state is None:
+        yield
+        return
+    now = rng_state(device)
+    cuda = torch.device(device).type == "cuda"
+    setter = (lambda s: torch.cuda.set_rng_state(s, device)) if cuda else torch.set_rng_state
+    setter(state)
+    try:
+        yield
+    finally:
+        setter(now)
+
+
+def _math(q, k, v, mask, causal, scale, dropout):
+    """SDPA's math backend, as ``F.scaled_dot_product_attention`` runs it on a CPU with dropout
+    (its draw from the CPU generator): (out, the dropped probabilities)."""
+    return _aten._scaled_dot_product_attention_math(
+        q, k, v, backend_mask(mask, q), dropout, causal, scale=scale, enable_gqa=True
+    )
+
+
+def _lse(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+    """Each row's log-sum-exp of the scaled, masked scores (B, H, L) fp32: what the math backend
+    does not return (a CPU's dropout path; L x L there, as the backend itself)."""
+    H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
+    z = (q.float() @ expand_kv(k, H).float().mT) * scale
+    if mask is not None:
+        z = z + backend_mask(mask, q).float()
+    if causal:
+        z = z.masked_fill(torch.ones(L, Lk, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.logsumexp(z, -1)
+
+
 def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
-) -> tuple[Tensor, Tensor, tuple]:
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
+    dropout: float = 0.0,
+) -> tuple[Tensor, Tensor, tuple]:  # fmt: skip
     """(out (B, H, L, d), lse (B, H, L) fp32 natural log, what the backward needs) of the
-    backend's attention kernel on q (B, H, L, d), k and v (B, Hkv, Lk, d)."""
+    backend's attention kernel on q (B, H, L, d), k and v (B, Hkv, Lk, d); ``dropout``: the
+    kernel's own attention dropout, drawn from the device's generator."""
+    if dropout > 0 and q.device.type == "cpu" and not as_on_gpu():  # SDPA's math backend
+        return _math(q, k, v, mask, causal, scale, dropout)[0], _lse(q, k, mask, causal, scale), (
+            "math",)  # fmt: skip
     if _native_cpu(q):  # GQA native
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=backend_mask(mask, q), scale=scale
@@ -176,22 +247,28 @@ def attention_forward(
         if not GQA_NATIVE.get(str(q.device), False):
             k, v = expand_kv(k, H), expand_kv(v, H)
         out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale
+            q, k, v, dropout, causal, False, scale=scale
         )
         return out, lse, ("flash", cq, ck, mq, mk, seed, offset)
     k, v = expand_kv(k, H), expand_kv(v, H)
     bias = backend_mask(mask, q)
     out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias, True, 0.0, causal, scale=scale
+        q, k, v, bias, True, dropout, causal, scale=scale
     )
     return out, lse[..., :L], ("efficient", bias, lse, seed, offset)
 
 
 def attention_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    mask: Tensor | None, causal: bool, scale: float, aux: tuple,
+    mask: Tensor | None, causal: bool, scale: float, aux: tuple, dropout: float = 0.0,
+    rng: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dq, dk, dv) of :func:`attention_forward` for the output gradient ``grad``."""
+    """(dq, dk, dv) of :func:`attention_forward` for the output gradient ``grad``; with
+    ``dropout``, the forward's draw: on CUDA the kernel's seed and offset in ``aux``, on a CPU
+    the math backend's forward rerun from ``rng`` (the generator's state before it) and
+    differentiated in fp32 (:func:`_math_backward`)."""
+    if aux and aux[0] == "math":
+        return _math_backward(grad, q, k, v, mask, causal, scale, dropout, rng)
     if _native_cpu(q):
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal, attn_mask=backend_mask(mask, q), scale=scale
@@ -202,19 +279,54 @@ def attention_backward(
         native = GQA_NATIVE.get(str(q.device), False)
         ke, ve = (k, v) if native else (expand_kv(k, H), expand_kv(v, H))
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-            grad, q, ke, ve, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
+            grad, q, ke, ve, out, lse, cq, ck, mq, mk, dropout, causal, seed, offset, scale=scale
         )
         if native:  # the kernel summed each group onto its kv head
             return dq, dk, dv
     else:
         _, bias, lse_full, seed, offset = aux
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, expand_kv(k, H), expand_kv(v, H), bias, out, lse_full, seed, offset, 0.0,
-            [True, True, True, False], causal, scale=scale,
+            grad, q, expand_kv(k, H), expand_kv(v, H), bias, out, lse_full, seed, offset,
+            dropout, [True, True, True, False], causal, scale=scale,
         )  # fmt: skip
     if Hkv != H:  # the group's gradients summed onto its kv head
         dk, dv = group_sum(dk, Hkv), group_sum(dv, Hkv)
     return dq, dk, dv
+
+
+def _math_backward(grad, q, k, v, mask, causal, scale, dropout, rng):
+    """(dq, dk, dv) of the math backend's dropout call (a CPU's), in fp32 from its draw (rerun
+    from ``rng``): P from the scores, W = P Z / (1 - p), dV = W^T dO, dP = Z / (1 - p) o
+    (dO V^T), dS = P o (dP - sum_j P dP), dQ = scale dS K, dK = scale dS^T Q (autograd's own
+    formulas; explicit, since a registered op's repair runs below autograd)."""
+    H, Hkv, L, Lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    keep = dropout_keep(q, k, v, mask, causal, scale, dropout, rng).float() / (1 - dropout)
+    qf, kf, vf, g = q.float(), expand_kv(k, H).float(), expand_kv(v, H).float(), grad.float()
+    z = (qf @ kf.mT) * scale
+    if mask is not None:
+        z = z + backend_mask(mask, q).float()
+    if causal:
+        z = z.masked_fill(torch.ones(L, Lk, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    p = torch.softmax(z, -1).nan_to_num(0.0)  # a row with no key: 0, as the math backend's
+    dv = (p * keep).mT @ g
+    dp = (g @ vf.mT) * keep
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    dq, dk = (ds @ kf) * scale, (ds.mT @ qf) * scale
+    if Hkv != H:
+        dk, dv = group_sum(dk, Hkv), group_sum(dv, Hkv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def dropout_keep(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
+    dropout: float, rng: Tensor,
+) -> Tensor:  # fmt: skip
+    """The CPU math backend's dropout draw of a call, (B, H, L, Lk) bool (True: kept; where P is
+    0 either way, False), rerun from ``rng``: what emulated faults at the core's sites need (the
+    eager S, P, O of a dropout call). CUDA's kernels do not give theirs (there, such a call runs
+    the eager engine)."""
+    with rewound(rng, q.device):
+        return _math(q, k, v, mask, causal, scale, dropout)[1] != 0
 
 
 # --------------------------------------------------------------------------------- the checks
@@ -261,11 +373,14 @@ def _record(
     log[row].add_(torch.stack([n_rows, n_cols.to(torch.float64) * det, value, zero, zero, det, at]))
 
 
-def _fwd_flags(q, k, out, lse, stats, scale, rowmax, tol):
+def _fwd_flags(q, k, out, lse, stats, scale, rowmax, tol, dropout=0.0):
     """(lse_bad (B, H, L), o_bad (B, H, L, d), lse excess, o excess) of the forward checks."""
     H, d, Lk = q.shape[1], q.shape[3], k.shape[2]
     st = expand_kv(stats, H)[:, :, None]  # (B, H, 1, 3d + 2)
     lo, hi, knorm = st[..., :d], st[..., d : 2 * d], st[..., 3 * d]
+    if dropout > 0:  # weights c z_ij p_ij: O in the hull of c V's range and 0
+        c = 1 / (1 - dropout)
+        lo, hi = c * lo.clamp(max=0), c * hi.clamp(min=0)
     rowmax = rowmax.to(q.device)
     live = rowmax > DEAD  # (B | 1, H | 1, L | 1)
     m = torch.where(live, rowmax, 0.0)
@@ -293,12 +408,12 @@ def _fwd_flags(q, k, out, lse, stats, scale, rowmax, tol):
 
 def fwd_verify(
     q: Tensor, k: Tensor, out: Tensor, lse: Tensor, stats: Tensor, log: Tensor, step: Tensor,
-    rows: tuple[int, int], scale: float, rowmax: Tensor, tol: float,
+    rows: tuple[int, int], scale: float, rowmax: Tensor, tol: float, dropout: float = 0.0,
 ) -> Tensor:  # fmt: skip
     """The forward's checks of one call: records added to ``log`` rows ``rows`` (scores,
     context; -1: not recorded) and the flags (B, H) int32 (bit 1: the LSE bound, bit 2: the
     context's range) that :func:`fwd_repair` reads."""
-    lse_bad, o_bad, lse_ex, o_ex = _fwd_flags(q, k, out, lse, stats, scale, rowmax, tol)
+    lse_bad, o_bad, lse_ex, o_ex = _fwd_flags(q, k, out, lse, stats, scale, rowmax, tol, dropout)
     if rows[0] >= 0:
         _record(log, rows[0], lse_bad, torch.zeros(()), _worst(lse, lse_ex), step)
     if rows[1] >= 0:
@@ -321,33 +436,49 @@ def _heads(x: Tensor, b: Tensor, h: Tensor) -> Tensor:
     return x[b, h][None]
 
 
+def _flagged(flags: Tensor) -> bool:
+    """Whether any flag is set, read on the host (the reference's repairs: free on a CPU, a
+    synchronisation on CUDA); while launches are recorded as on a GPU (the cost model's trace,
+    values garbage) the read is made, so it is seen and charged, and the clean path taken."""
+    hit = bool(flags.any())
+    return hit and not as_on_gpu()
+
+
 def fwd_repair(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
     stats: Tensor, flags: Tensor, log: Tensor, rows: tuple[int, int], causal: bool,
-    scale: float, rowmax: Tensor, tol: float,
+    scale: float, rowmax: Tensor, tol: float, dropout: float = 0.0, rng: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Recompute the flagged (batch, head) outputs and LSEs in place; those still flagged are
-    lost and reproduced in the rows of the checks that flagged them. Nothing on a clean call."""
-    if not bool(flags.any()):  # (CPU: no device to wait for; CUDA: the sync to remove)
+    lost and reproduced in the rows of the checks that flagged them. Nothing on a clean call.
+    With ``dropout``, the whole call rerun from ``rng`` (the kernel's draw follows the heads'
+    places in the call: a sub-batch would draw other masks)."""
+    if not _flagged(flags):  # (CPU: no device to wait for; CUDA: a synchronisation)
         return
     b, h = flags.nonzero(as_tuple=True)
     rep = q.shape[1] // k.shape[1]
     sub = [_heads(q, b, h), _heads(k, b, h // rep), _heads(v, b, h // rep)]
-    m = None if mask is None else _heads(mask, b, h)
-    new_out, new_lse, _ = attention_forward(*sub, m, causal, scale)
+    if dropout > 0:
+        with rewound(rng, q.device):
+            whole = attention_forward(q, k, v, mask, causal, scale, dropout)
+        new_out, new_lse = whole[0][b, h][None], whole[1][b, h][None]
+    else:
+        m = None if mask is None else _heads(mask, b, h)
+        new_out, new_lse, _ = attention_forward(*sub, m, causal, scale)
     out[b, h], lse[b, h] = new_out[0], new_lse[0]
     again = fwd_verify(sub[0], sub[1], new_out, new_lse, stats[b, h // rep][None],
                        log.new_zeros(2, 7), log.new_zeros(1), (-1, -1), scale,
-                       _heads(_full(rowmax, q), b, h), tol)  # fmt: skip
+                       _heads(_full(rowmax, q), b, h), tol, dropout)  # fmt: skip
     for bit, row in ((1, rows[0]), (2, rows[1])):
         if row >= 0 and bool((again & bit).any()):
             log[row, _LOSE] += 1
             log[row, _REPRO] += 1
 
 
-def _bwd_flags(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, scale, tol):
+def _bwd_flags(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, scale, tol, dropout=0.0):
     """(dq_bad (B, H, L, d), dk_bad (B, Hkv, d), dv_bad (B, Hkv, d), excesses) of the backward
     checks."""
+    c = 1 / (1 - dropout)  # dropout: the weights c z p sum to at most c
     H, L, d = q.shape[1:]
     Hkv, Lk = k.shape[1], k.shape[2]
     eps = torch.finfo(q.dtype).eps
@@ -365,22 +496,27 @@ def _bwd_flags(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, scale, tol):
     # row adds up to Lk |dO_i| (P of ones).
     acc = (L + Lk) * _EPS32
     w = live * (2 * eps + acc + _EPS32 * lse_abs) + (1 - live) * Lk  # (B, H, L, 1)
-    ref = group_sum((live * g).sum(2), Hkv)  # (B, Hkv, d)
     # each dV_j rounded to the output dtype loses up to a subnormal spacing where it underflows
     # (fp16 gradients without a loss scale: ~1e-5), which no relative term covers
     t_v = (
         tol
         * 4
-        * (group_sum((w * g.abs()).sum(2), Hkv) + underflow_floor(dv.dtype, length=Lk, inner=L))
+        * (c * group_sum((w * g.abs()).sum(2), Hkv) + underflow_floor(dv.dtype, length=Lk, inner=L))
     )
-    v_excess = (dv.float().sum(2) - ref).abs() - t_v
+    sv = dv.float().sum(2)
+    if dropout > 0:  # sum_j dV_j = sum_i (sum_j w_ij) dO_i, sum_j w_ij in [0, c]: a range
+        lo = c * group_sum((live * g.clamp(max=0)).sum(2), Hkv)
+        hi = c * group_sum((live * g.clamp(min=0)).sum(2), Hkv)
+        v_excess = torch.maximum(sv - hi, lo - sv) - t_v
+    else:
+        v_excess = (sv - group_sum((live * g).sum(2), Hkv)).abs() - t_v  # (B, Hkv, d)
     # dK: sum_j dK_j = 0, and sum_j |dK_jf| <= |scale| sum_i (sum_j |dS_ij|) |q_if| <= 2 |scale|
     # sum_i a_i |q_if| (a_i = ||dO_i||_1 max|V|; Lk a_i on a dead row). Relative to that: dS
     # rounded for the MMA, D_i from the delivered O, dK_j rounded to the output dtype (eps
     # each), the products in fp32 over L + Lk + d terms, P from the rounded LSE
     st = stats[:, :, None]  # (B, Hkv, 1, 3d + 2)
     vabs = expand_kv(st[..., 3 * d + 1], H)  # (B, H, 1)
-    a = g.abs().sum(-1) * vabs * (live[..., 0] + (1 - live[..., 0]) * Lk)  # (B, H, L)
+    a = c * g.abs().sum(-1) * vabs * (live[..., 0] + (1 - live[..., 0]) * Lk)  # (B, H, L)
     qa = group_sum((a[..., None] * q.float().abs()).sum(2), Hkv)  # (B, Hkv, d)
     c = 4 * eps + (L + Lk + d) * _EPS32 + _EPS32 * lse_abs.amax((1, 2, 3))[:, None, None]
     t_k = tol * 4 * (c * abs(scale) * 2 * qa + underflow_floor(dk.dtype, length=Lk, inner=L))
@@ -400,13 +536,13 @@ def bwd_verify(
     q: Tensor, k: Tensor, v: Tensor, lse: Tensor, grad: Tensor, dq: Tensor, dk: Tensor,
     dv: Tensor, stats: Tensor, rowmax: Tensor, rec: Tensor, step: Tensor,
     rows: tuple[int, int, int],
-    scale: float, tol: float,
+    scale: float, tol: float, dropout: float = 0.0,
 ) -> Tensor:  # fmt: skip
     """The backward's checks of one call: records added to ``rec`` rows ``rows`` (dq, dk, dv;
     -1: not recorded) and the flags (B, Hkv) int32 (bits 1, 2, 4: dq, dk, dv) of each K/V head
     group, which :func:`bwd_repair` reads."""
     q_bad, k_bad, v_bad, q_ex, k_ex, v_ex = _bwd_flags(q, k, v, lse, grad, dq, dk, dv, stats,
-                                                       rowmax, scale, tol)  # fmt: skip
+                                                       rowmax, scale, tol, dropout)  # fmt: skip
     B, Hkv = k.shape[:2]
     if rows[0] >= 0:
         _record(rec, rows[0], q_bad.any(-1), q_bad.flatten(0, 2).any(0).sum(),
@@ -423,12 +559,13 @@ def bwd_repair(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
     grad: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, stats: Tensor, rowmax: Tensor,
     flags: Tensor, rec: Tensor, rows: tuple[int, int, int], causal: bool, scale: float,
-    tol: float,
+    tol: float, dropout: float = 0.0, rng: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Recompute dQ, dK and dV of the flagged K/V head groups in place (every query head of a
     group), check them again, and mark the still flagged lost and reproduced. Nothing on a clean
-    call."""
-    if not bool(flags.any()):
+    call. With ``dropout``, the whole call's backward from the forward's draw (``rng``: the
+    generator before the forward)."""
+    if not _flagged(flags):
         return
     b, g = flags.nonzero(as_tuple=True)
     rep = q.shape[1] // k.shape[1]
@@ -437,15 +574,22 @@ def bwd_repair(
     sub_q = [_heads(t, bq, hq) for t in (q, out, grad)]
     sub_lse = lse[bq, hq][None]
     sub_k = [_heads(t, b, g) for t in (k, v)]
-    m = None if mask is None else _heads(mask, bq, hq)
-    with torch.no_grad():  # (the CUDA kernels' backward takes their forward's own state)
-        aux = attention_forward(sub_q[0], *sub_k, m, causal, scale)[2] if q.is_cuda else ()
-        new = attention_backward(sub_q[2], sub_q[0], *sub_k, sub_q[1], sub_lse, m, causal, scale,
-                                 aux)  # fmt: skip
+    if dropout > 0:
+        with torch.no_grad(), rewound(rng, q.device):
+            aux = attention_forward(q, k, v, mask, causal, scale, dropout)[2]
+        whole = attention_backward(grad, q, k, v, out, lse, mask, causal, scale, aux, dropout, rng)
+        new = (whole[0][bq, hq][None], whole[1][b, g][None], whole[2][b, g][None])
+    else:
+        m = None if mask is None else _heads(mask, bq, hq)
+        with torch.no_grad():  # (the CUDA kernels' backward takes their forward's own state)
+            aux = attention_forward(sub_q[0], *sub_k, m, causal, scale)[2] if q.is_cuda else ()
+            new = attention_backward(sub_q[2], sub_q[0], *sub_k, sub_q[1], sub_lse, m, causal,
+                                     scale, aux)  # fmt: skip
     dq[bq, hq], dk[b, g], dv[b, g] = new[0][0], new[1][0], new[2][0]
     again = bwd_verify(sub_q[0], *sub_k, sub_lse, sub_q[2], *new, stats[b, g][None],
                        _heads(_full(rowmax, q), bq, hq),
-                       rec.new_zeros(3, 7), rec.new_zeros(1), (-1, -1, -1), scale, tol)  # fmt: skip
+                       rec.new_zeros(3, 7), rec.new_zeros(1), (-1, -1, -1), scale, tol,
+                       dropout)  # fmt: skip
     for bit, row in ((1, rows[0]), (2, rows[1]), (4, rows[2])):
         if row >= 0 and bool((again & bit).any()):
             rec[row, _LOSE] += 1
@@ -466,21 +610,23 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sdpa_kv_stats": ("(Tensor k, Tensor v) -> Tensor", ()),
     "sdpa_fwd_verify": (
         f"({_Q}, Tensor out, Tensor lse, Tensor stats, Tensor(a!) log, Tensor step, int[] rows, "
-        "float scale, Tensor rowmax, float tol) -> Tensor", ("log",)),
+        "float scale, Tensor rowmax, float tol, float dropout=0.) -> Tensor", ("log",)),
     "sdpa_fwd_repair": (
         f"({_Q}, Tensor v, Tensor? mask, Tensor(a!) out, Tensor(b!) lse, Tensor stats, "
         "Tensor(c!) flags, Tensor(d!) log, Tensor step, int[] rows, bool causal, float scale, "
-        "Tensor rowmax, float tol) -> ()", ("out", "lse", "flags", "log")),
+        "Tensor rowmax, float tol, float dropout=0., Tensor? rng=None) -> ()",
+        ("out", "lse", "flags", "log")),
     "sdpa_bwd_verify": (
         f"({_Q}, Tensor v, Tensor lse, Tensor grad, Tensor dq, Tensor dk, Tensor dv, "
         "Tensor stats, Tensor rowmax, Tensor(a!) rec, Tensor step, int[] rows, float scale, "
-        "float tol) -> (Tensor, Tensor)", ("rec",)),
+        "float tol, float dropout=0.) -> (Tensor, Tensor)", ("rec",)),
     "sdpa_bwd_sums": ("(Tensor dk, Tensor dv) -> Tensor", ()),
     "sdpa_bwd_repair": (
         f"({_Q}, Tensor v, Tensor? mask, Tensor out, Tensor lse, Tensor grad, Tensor(a!) dq, "
         "Tensor(b!) dk, Tensor(c!) dv, Tensor stats, Tensor rowmax, Tensor part, "
         "Tensor(d!) flags, Tensor sums, Tensor(e!) rec, Tensor step, int[] rows, bool causal, "
-        "float scale, float tol) -> ()", ("dq", "dk", "dv", "flags", "rec")),
+        "float scale, float tol, float dropout=0., Tensor? rng=None) -> ()",
+        ("dq", "dk", "dv", "flags", "rec")),
 }  # fmt: skip
 """The SDPA route's check ops, one schema for both families: forward, kv_stats (K's and V's
 ranges, partial per chunk of keys), fwd_verify (flags, records on the reference's path),
@@ -525,28 +671,36 @@ def _kv_stats_ref(k, v):
     return kv_stats(k, v)[:, :, None]
 
 
-def _fwd_verify_ref(q, k, out, lse, stats, log, step, rows, scale, rowmax, tol):
+def _fwd_verify_ref(q, k, out, lse, stats, log, step, rows, scale, rowmax, tol, dropout=0.0):
     return fwd_verify(q, k, out, lse, reduce_stats(stats), log, step, tuple(rows), scale,
-                      rowmax, tol)  # fmt: skip
+                      rowmax, tol, dropout)  # fmt: skip
 
 
 def _fwd_repair_ref(q, k, v, mask, out, lse, stats, flags, log, step, rows, causal, scale,
-                    rowmax, tol):  # fmt: skip
+                    rowmax, tol, dropout=0.0, rng=None):  # fmt: skip
     fwd_repair(q, k, v, mask, out, lse, reduce_stats(stats), flags, log, tuple(rows), causal,
-               scale, rowmax, tol)  # fmt: skip
+               scale, rowmax, tol, dropout, rng)  # fmt: skip
 
 
-def _bwd_verify_ref(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol):
+def _bwd_verify_ref(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol,
+                    dropout=0.0):  # fmt: skip
     """(no partials, the whole check's flags (B, Hkv))."""
     flags = bwd_verify(q, k, v, lse, grad, dq, dk, dv, reduce_stats(stats), rowmax, rec, step,
-                       tuple(rows), scale, tol)  # fmt: skip
+                       tuple(rows), scale, tol, dropout)  # fmt: skip
     return q.new_empty(0, dtype=_F32), flags
 
 
 def _bwd_repair_ref(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags, sums,
-                    rec, step, rows, causal, scale, tol):  # fmt: skip
+                    rec, step, rows, causal, scale, tol, dropout=0.0, rng=None):  # fmt: skip
     bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, reduce_stats(stats), rowmax, flags,
-               rec, tuple(rows), causal, scale, tol)  # fmt: skip
+               rec, tuple(rows), causal, scale, tol, dropout, rng)  # fmt: skip
+
+
+def no_dropout(dropout: float) -> None:
+    """The Triton family's refusal of a dropout call (the route runs those on the reference's
+    ops: the Triton repairs cannot draw the kernel's mask)."""
+    if dropout > 0:
+        raise NotImplementedError("the SDPA route's Triton check ops take no dropout call")
 
 
 def _nothing(*args) -> None:

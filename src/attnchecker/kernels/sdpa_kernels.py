@@ -36,7 +36,7 @@ from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
 from attnchecker.kernels import DEAD, SDPA_BLOCKS
-from attnchecker.kernels.sdpa_check import define
+from attnchecker.kernels.sdpa_check import define, no_dropout
 from attnchecker.kernels.triton_utils import (
     EPS32,
     add_record,
@@ -351,12 +351,14 @@ def fwd_repair(q, k, v, mask, out, lse, stats, rowmax, flags, log, step, rows, c
 # does, on a flag.
 
 
-def _fwd_verify_op(q, k, out, lse, stats, log, step, rows, scale, rowmax, tol):
+def _fwd_verify_op(q, k, out, lse, stats, log, step, rows, scale, rowmax, tol, dropout=0.0):
+    no_dropout(dropout)
     return fwd_verify(q, k, out, lse, stats, rowmax, scale, tol)
 
 
 def _fwd_repair_op(q, k, v, mask, out, lse, stats, flags, log, step, rows, causal, scale, rowmax,
-                   tol):  # fmt: skip
+                   tol, dropout=0.0, rng=None):  # fmt: skip
+    no_dropout(dropout)
     fwd_repair(q, k, v, mask, out, lse, stats, rowmax, flags, log, step, rows, causal, scale, tol)
 
 

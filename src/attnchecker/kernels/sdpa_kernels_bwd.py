@@ -29,7 +29,7 @@ from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
 from attnchecker.kernels import DEAD, SDPA_BLOCKS
-from attnchecker.kernels.sdpa_check import SdpaOps, define
+from attnchecker.kernels.sdpa_check import SdpaOps, define, no_dropout
 from attnchecker.kernels.sdpa_kernels import fwd_repair_op, fwd_verify_op, kv_stats_op
 from attnchecker.kernels.triton_utils import (
     EPS32,
@@ -506,8 +506,17 @@ def bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, 
 # give the scratch these kernels exchange.
 
 
-def _bwd_verify_op(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol):
+def _bwd_verify_op(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol,
+                   dropout=0.0):  # fmt: skip
+    no_dropout(dropout)
     return bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale, tol)
+
+
+def _bwd_repair_op(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, flags, kvpart,
+                   rec, step, rows, causal, scale, tol, dropout=0.0, rng=None):  # fmt: skip
+    no_dropout(dropout)
+    bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, flags, kvpart,
+               rec, step, rows, causal, scale, tol)  # fmt: skip
 
 
 def _bwd_verify_fake(q, *_):
@@ -528,7 +537,7 @@ TRITON_OPS = SdpaOps(
     fwd_repair=fwd_repair_op,
     bwd_verify=define("sdpa_bwd_verify", _bwd_verify_op, _bwd_verify_fake, suffix="_triton"),
     bwd_sums=define("sdpa_bwd_sums", bwd_cols, _bwd_sums_fake, suffix="_triton"),
-    bwd_repair=define("sdpa_bwd_repair", bwd_repair, lambda *_: None, suffix="_triton"),
+    bwd_repair=define("sdpa_bwd_repair", _bwd_repair_op, lambda *_: None, suffix="_triton"),
 )
 """The SDPA route's check ops as Triton kernels (CUDA's default, ``check_impl="auto"``; the
 interpreter in tests): the repairs read their flags on the device, no host synchronisation."""

@@ -97,8 +97,7 @@ def from_file(path: str, *, task: str = "lm", seed: int = 0, **overrides: Any) -
 
 def no_dropout(family: str, size: str = "tiny") -> dict[str, float]:
     """Overrides of :func:`build` that set every dropout probability of ``family``'s config to
-    0 (attention dropout in training runs the SDPA route's and the fused kernels' calls on the
-    eager engine)."""
+    0 (attention dropout in training runs the fused kernels' calls on the eager engine)."""
     cfg = family_config(family, size).to_dict()
     return {k: 0.0 for k, v in cfg.items()
             if isinstance(v, float) and ("dropout" in k or "pdrop" in k)}  # fmt: skip
