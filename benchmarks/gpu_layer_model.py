@@ -32,14 +32,42 @@ ARMS = {
 }  # fmt: skip
 
 
-def layer(config, native: bool, widths: dict, L: int) -> tuple[float, float, int, dict]:
-    """(device s, host s, launches) of the second layer, and its device time by op."""
-    a, b = (traced_step(config, layers=n, L=L, vocab=128, widths=widths, native_gqa=native)
-            for n in (1, 2))  # fmt: skip
+DROPOUT_ARMS = {
+    "the SDPA route (default)": ABFTConfig(backend="sdpa", check_impl="triton"),
+    "the eager engine (before issue 54)": ABFTConfig(backend="eager", check_impl="triton"),
+}
+"""The families that train with attention dropout (GPT-2, BERT): the route keeps them (its
+reference check ops, a host read a repair) where they used to fall back to the eager engine."""
+
+
+def layer(config, native: bool, widths: dict, L: int, family: str = "llama",
+          batch: int = 1) -> tuple[float, float, int, dict, int]:  # fmt: skip
+    """(device s, host s, launches) of the second layer, its device time by op, and its host
+    reads (each stalls the device: ``H200.sync``)."""
+    a, b = (traced_step(config, family=family, layers=n, L=L, vocab=128, widths=widths,
+                        native_gqa=native, batch=batch) for n in (1, 2))  # fmt: skip
     ma, mb = a.modelled(H200), b.modelled(H200)
     by_op = b.device_time(H200)
     by_op.subtract(a.device_time(H200))
-    return mb.device - ma.device, mb.host - ma.host, mb.launches - ma.launches, by_op
+    return (mb.device - ma.device, mb.host - ma.host, mb.launches - ma.launches, by_op,
+            mb.syncs - ma.syncs)  # fmt: skip
+
+
+def dropout_rows(L: int = 1024, batch: int = 8) -> list[dict]:
+    """A layer of GPT-2 and BERT at base width with their attention dropout (0.1), eager: the
+    plain model's CUDA kernels draw it (flash, memory-efficient with BERT's padding mask)."""
+    rows = []
+    for family in ("gpt2", "bert"):
+        pd, ph, _pn, _pby, ps = layer(None, False, {}, L, family, batch)
+        plain = max(pd, ph) + ps * H200.sync
+        for arm, config in DROPOUT_ARMS.items():
+            d, h, n, _by, syncs = layer(config, False, {}, L, family, batch)
+            rows.append({"family": family, "arm": arm, "L": L, "batch": batch,
+                         "plain_ms": plain * 1e3, "device_ms": d * 1e3, "host_ms": h * 1e3,
+                         "syncs": syncs - ps, "launches": n - _pn,
+                         "eager": (max(d, h) + syncs * H200.sync) / plain - 1})  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
 
 
 def main() -> None:
@@ -51,9 +79,9 @@ def main() -> None:
         widths = {"base width, L 128": ({}, 128)}
     rows = []
     for name, (w, L) in widths.items():
-        pd, ph, pn, pby = layer(None, False, w, L)
+        pd, ph, pn, pby, _ = layer(None, False, w, L)
         for arm, (config, native) in ARMS.items():
-            d, h, n, by = layer(config, native, w, L)
+            d, h, n, by, _ = layer(config, native, w, L)
             by.subtract(pby)
             top = ", ".join(f"{op.removeprefix('aten.')} {t * 1e6:.0f} us"
                             for op, t in by.most_common(4))  # fmt: skip

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -259,10 +260,15 @@ def traced_step(
     with torch.no_grad():  # protect_'s probe compares real numbers
         for p in model.parameters():
             p.uniform_(-0.02, 0.02)
+        for name, buf in model.named_buffers():  # indices (BERT's positions, token types)
+            if not buf.is_floating_point():
+                buf.copy_(torch.arange(buf.shape[-1]).expand_as(buf) if name.endswith(
+                    "position_ids") else torch.zeros_like(buf))  # fmt: skip
     model.config.use_cache = False
     model.train()
     model.set_attn_implementation("sdpa")
-    handle = None if config is None else protect_(model, config)
+    # (values are garbage: the records may read as faults, so drain warns, silenced, not raises)
+    handle = None if config is None else protect_(model, config.replace(policy="warn"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     ids = torch.randint(3, 128, (batch, L), generator=torch.Generator().manual_seed(0))
 
@@ -274,22 +280,50 @@ def traced_step(
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if handle is not None:  # its reads are real: the log was never written
-            with recorded(run=False), trace or contextlib.nullcontext():
+        if handle is not None:
+            with recorded(run=False), trace or contextlib.nullcontext(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 handle.drain()
 
     from attnchecker.kernels import sdpa_check
 
     saved = dict(sdpa_check.GQA_NATIVE)
     sdpa_check.GQA_NATIVE["cpu"] = native_gqa  # (the GPU's path is traced on CPU tensors)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _as_on_cuda(sdpa)
     try:
         step(None)  # the first builds what is cached
         trace = OpTrace()
         step(trace)
     finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
         sdpa_check.GQA_NATIVE.clear()
         sdpa_check.GQA_NATIVE.update(saved)
     return trace
+
+
+def _as_on_cuda(sdpa):
+    """``F.scaled_dot_product_attention`` as CUDA runs a call with dropout (the flash kernel
+    without a mask in half precision, else the memory-efficient one, each drawing its own
+    dropout), for the plain model traced on CPU tensors (where the call would take the math
+    backend, L x L); calls without dropout as they are (the CPU's flash kernel, charged as
+    CUDA's)."""
+
+    def on_cuda(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):  # fmt: skip
+        if dropout_p == 0:
+            return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)  # fmt: skip
+        from attnchecker.kernels.sdpa_check import backend_mask, expand_kv
+
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16):
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, scale=scale)[0]  # fmt: skip
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, backend_mask(attn_mask, q), True, dropout_p, is_causal, scale=scale)[0]
+
+    return on_cuda
 
 
 def launch_audit(config, **kwargs) -> list:

@@ -215,7 +215,8 @@ def _lse(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) 
     """Each row's log-sum-exp of the scaled, masked scores (B, H, L) fp32: what the math backend
     does not return (a CPU's dropout path; L x L there, as the backend itself)."""
     H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
-    z = (q.float() @ expand_kv(k, H).float().mT) * scale
+    with torch.autocast(q.device.type, enabled=False):  # (fp32 products under autocast too)
+        z = (q.float() @ expand_kv(k, H).float().mT) * scale
     if mask is not None:
         z = z + backend_mask(mask, q).float()
     if causal:
@@ -299,8 +300,14 @@ def _math_backward(grad, q, k, v, mask, causal, scale, dropout, rng):
     from ``rng``): P from the scores, W = P Z / (1 - p), dV = W^T dO, dP = Z / (1 - p) o
     (dO V^T), dS = P o (dP - sum_j P dP), dQ = scale dS K, dK = scale dS^T Q (autograd's own
     formulas; explicit, since a registered op's repair runs below autograd)."""
-    H, Hkv, L, Lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     keep = dropout_keep(q, k, v, mask, causal, scale, dropout, rng).float() / (1 - dropout)
+    with torch.autocast(q.device.type, enabled=False):
+        return _math_grads(q, k, v, grad, keep, mask, causal, scale)
+
+
+def _math_grads(q, k, v, grad, keep, mask, causal, scale):
+    """:func:`_math_backward`'s formulas, fp32, given the draw ``keep`` (scaled)."""
+    H, Hkv, L, Lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     qf, kf, vf, g = q.float(), expand_kv(k, H).float(), expand_kv(v, H).float(), grad.float()
     z = (qf @ kf.mT) * scale
     if mask is not None:
@@ -359,7 +366,7 @@ def _worst(values: Tensor, excess: Tensor) -> Tensor:
     """The delivered value where ``excess`` is largest (NaN first), 0-dim fp64."""
     flat_e, flat_v = excess.reshape(-1), values.reshape(-1).to(torch.float64)
     key = torch.where(flat_e.isnan(), torch.inf, flat_e)
-    return flat_v[key.argmax()]
+    return flat_v.gather(0, key.argmax().reshape(1))[0]  # (no data-dependent shape)
 
 
 def _record(
