@@ -223,3 +223,39 @@ def test_a_compiled_model_runs_the_registered_check_ops():
     assert torch.allclose(got[0], want[0], rtol=1e-6)
     assert max_diff(got[1], want[1]) <= 1e-5
     assert [(e.op, e.action) for e in handle.drain() if e.op == "v"] == [("v", "corrected")]
+
+
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=SLOW),
+                                    pytest.param("gpt2", marks=SLOW)])  # fmt: skip
+def test_compiled_registered_ops_correct_every_projection_fault(family):
+    """The CUDA default compiled (the route, the checks as registered Triton ops: the
+    interpreter here): a fault at each projection (every kind and pattern once across them) is
+    corrected in the compiled program as in eager (a recompilation a site: the slow set; the
+    default run compiles one, above). The core's sites are emulated in eager only."""
+    from attnchecker import ABFTConfig, kernels
+
+    if not kernels.available():
+        pytest.skip("needs triton (or its interpreter)")
+    torch._dynamo.reset()
+    model = build(family, layers=1)
+    model.train()
+    model.set_attn_implementation("sdpa")
+    handle = protect_(model, ABFTConfig(backend="sdpa", check_impl="triton"))
+    compiled = torch.compile(model, fullgraph=True)
+    inputs = batch(family)
+    snapshot = copy.deepcopy(model.state_dict())
+    want = _compiled_step(model, compiled, inputs)
+    assert handle.drain() == []
+    for site in ("q", "k", "v", "out"):
+        kind, pattern = FAULTS[site]
+        model.load_state_dict(snapshot)
+        hook = fire_once(site, pattern, kind, layer=0)
+        detach = handle.attach(hook)
+        got = _compiled_step(model, compiled, inputs)
+        detach.remove()
+        assert hook.fired, site
+        assert torch.allclose(got[0], want[0], rtol=1e-6), (site, kind, pattern)
+        assert max_diff(got[1], want[1]) <= 1e-5, (site, kind, pattern)
+        assert update_excess(got, want) <= 1e-5, (site, kind, pattern)
+        events = [(e.op, e.action) for e in handle.drain() if e.op == site]
+        assert events in ([(site, "corrected")], [(site, "recomputed")]), (site, events)
