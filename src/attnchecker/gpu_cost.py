@@ -321,7 +321,8 @@ def _as_on_cuda(sdpa):
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 q, k, v, dropout_p, is_causal, scale=scale)[0]  # fmt: skip
         return torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, backend_mask(attn_mask, q), True, dropout_p, is_causal, scale=scale)[0]
+            q, k, v, backend_mask(attn_mask, q), True, dropout_p, is_causal, scale=scale
+        )[0]
 
     return on_cuda
 

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnchecker import ABFTConfig, kernels, protect_
 from attnchecker.attention.ops import CORE_OPS, GRAD_OPS, OPS
+from attnchecker.gpu_cost import OpTrace
 from attnchecker.models.families import FAMILIES as FAMILIES_ALL
 from attnchecker.testing import VIEW_OPS, OpCounter
 
@@ -35,10 +36,14 @@ FAMILIES = ("llama", "mistral", "qwen3", "phi3", "gpt2", "gpt_neox", "opt", "ber
 REPORTED = {"probs": ("context",), "dp": ("dq", "dk")}
 
 
-def _plain_step(base, inputs):
+def _sdpa_model(base):
     model = copy.deepcopy(base)
     model.set_attn_implementation("sdpa")
-    return train_step(model, inputs)
+    return model
+
+
+def _plain_step(base, inputs):
+    return train_step(_sdpa_model(base), inputs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -139,30 +144,41 @@ def test_every_core_fault_is_corrected_with_attention_dropout_on(family):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="needs triton (CUDA or the interpreter)")
-def test_a_dropout_call_takes_the_reference_ops_under_the_kernels():
-    """``check_impl="triton"`` (CUDA's default) with attention dropout on: the dropout calls run
-    the reference's check ops (the Triton repairs cannot draw the kernel's mask; their ops
-    refuse a dropout call), and a forward and a backward fault are corrected."""
-    from attnchecker.kernels.sdpa_kernels_bwd import TRITON_OPS
-
+def test_the_triton_ops_take_a_dropout_call():
+    """``check_impl="triton"`` (CUDA's default) with attention dropout on: the Triton family's
+    ops run (their verify kernels take the dropout; a repair reads its flag on the host, one
+    read a repair op, and on a flag the reference checks again and reruns the call's draw): a
+    clean step equals the plain model's, and a forward and a backward fault are corrected."""
     base, _ = models("gpt2", layers=1)
     config = SDPA.replace(check_impl="triton")
     inputs = batch("gpt2")
+    want = _plain_step(base, inputs)
     model = copy.deepcopy(base)
-    protect_(model, config)
-    with OpCounter() as c:
-        train_step(model, inputs)
-    assert c.ops["attnchecker.sdpa_fwd_repair"] == 1, c.ops
-    assert c.ops["attnchecker.sdpa_fwd_repair_triton"] == 0
+    handle = protect_(model, config)
+    with OpTrace() as c:  # (it looks into the registered ops)
+        got = train_step(model, inputs)
+    assert c.ops["attnchecker.sdpa_fwd_repair_triton"] == 1, c.ops
+    assert c.ops["attnchecker.sdpa_fwd_repair"] == 0
+    with OpTrace() as plain:
+        train_step(_sdpa_model(base), inputs)
+    reads = Counter(c.syncs)
+    reads.subtract(plain.syncs)
+    reads.pop("aten.lift_fresh", None)  # (constants made once a process from host data)
+    assert +reads == {"aten.is_nonzero": 2}, reads  # the two repairs' reads, nothing else
+    assert torch.equal(got[0], want[0]) and max_diff(got[1], want[1]) <= 1e-5
+    assert handle.drain() == []
     failures = []
-    for site, kind, pattern in (("context", "nan", "1R"), ("dk", "inf", "0D")):
+    for site, kind, pattern in (
+        ("context", "nan", "1R"),
+        ("scores", "inf", "0D"),
+        ("dk", "inf", "0D"),
+        ("dv", "1e10", "1C"),
+        ("dq", "nan", "1R"),
+    ):
         failures += fault_matrix(base, inputs, train_step, config=config, sites=(site,),
                                  kinds={kind: KINDS[kind]}, patterns=(pattern,),
                                  reported=REPORTED)  # fmt: skip
     assert not failures, failures
-    q = torch.zeros(1, 1, 1, 16)
-    with pytest.raises(NotImplementedError, match="no dropout"):
-        TRITON_OPS.fwd_verify(q, q, q, q[..., 0], q, q, q, [0, 1], 1.0, q, 1.0, 0.1)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -213,8 +213,8 @@ def checked_attention(
     """SDPA of q (B, H, L, d), k and v (B, Hkv, Lk, d) (``mask``: 4-D bool or additive,
     broadcast to (B, H, L, Lk); ``causal`` top-left; ``dropout``: the kernel's attention
     dropout, in training) by the backend's kernel, with the checks the state asks for now:
-    (B, H, L, d) in q's dtype. A dropout call takes the torch reference's check ops on any
-    device (their repairs rerun the backend's draw; :mod:`~attnchecker.kernels.sdpa_check`)."""
+    (B, H, L, d) in q's dtype. A dropout call's repairs read their flags on the host and rerun
+    the backend's draw (:mod:`~attnchecker.kernels.sdpa_check`)."""
     q, k, v = autocast_operands(q, k, v)  # (RoPE can leave q and k fp32 while v is bf16)
     state.follow(q.device)  # moved without a root forward (a layer alone)
     mask, rowmax = _facts(state, mask, q)
@@ -227,7 +227,7 @@ def checked_attention(
         fwd_rows, any(state.checks(o) for o in _FWD_SITES),
         bwd_rows, any(state.checks(o) for o in CORE_GRAD_OPS), len(state.records.grad_ops),
         float(dropout), state.sites if hooked else None, state.sites.grad_hook(CORE_GRAD_OPS),
-        _ops(state.impl.kernels and not dropout),
+        _ops(state.impl.kernels),
     )  # fmt: skip
     sink = state.grads
     if sink is None or not torch.is_grad_enabled():

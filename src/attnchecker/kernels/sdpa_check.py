@@ -36,8 +36,9 @@ dV's sum is sum_i (sum_j w_ij) dO_i, so it lies in [c sum_i min(0, dO_i), c sum_
 draw is the backend's and lives inside its kernel: a repair reruns the whole call with the
 generator rewound to its state before the call (the same seed and offset, so the same Z, on
 CUDA and on a CPU), and a CPU's backward reruns its math forward so (:func:`attention_backward`).
-The repairs of a dropout call read their flags on the host (the route takes the torch
-reference's ops: the Triton repairs cannot draw the kernel's Z): one sync a call (issue 54).
+The repairs of a dropout call read their flags on the host (the Triton family's verify kernels
+take the dropout; on a flag, this reference checks again, writes the records and repairs: the
+Triton repairs cannot draw the kernel's Z): one synchronisation a repair op (issue 54).
 
 Tolerances (derived where they are computed) are in units of the operands' ``finfo.eps`` and of
 fp32 accumulation, times ``tolerance_scale``.
@@ -701,13 +702,6 @@ def _bwd_repair_ref(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, pa
                     rec, step, rows, causal, scale, tol, dropout=0.0, rng=None):  # fmt: skip
     bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, reduce_stats(stats), rowmax, flags,
                rec, tuple(rows), causal, scale, tol, dropout, rng)  # fmt: skip
-
-
-def no_dropout(dropout: float) -> None:
-    """The Triton family's refusal of a dropout call (the route runs those on the reference's
-    ops: the Triton repairs cannot draw the kernel's mask)."""
-    if dropout > 0:
-        raise NotImplementedError("the SDPA route's Triton check ops take no dropout call")
 
 
 def _nothing(*args) -> None:

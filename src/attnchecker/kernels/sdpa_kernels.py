@@ -35,8 +35,9 @@ import triton.language as tl
 from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
-from attnchecker.kernels import DEAD, SDPA_BLOCKS
-from attnchecker.kernels.sdpa_check import define, no_dropout
+from attnchecker.kernels import DEAD, SDPA_BLOCKS, sdpa_check
+from attnchecker.kernels.launches import as_on_gpu
+from attnchecker.kernels.sdpa_check import define, reduce_stats
 from attnchecker.kernels.triton_utils import (
     EPS32,
     add_record,
@@ -124,15 +125,20 @@ def _worst(values, excess, bad):
 def fwd_verify_kernel(Q, Out, LSE, STATS, RMX, FLAGS, H, rep, L, d, S, nM, FW,
                       sq_b, sq_h, sq_l, sq_d, so_b, so_h, so_l, so_d, sl_b, sl_h, sl_l,
                       sr_b, sr_h, sr_l, scale_abs, logn, tol_rel, tol_abs, hull_rel, hull_abs,
-                      BM: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+                      drop_c, BM: tl.constexpr, BD: tl.constexpr,
+                      DROP: tl.constexpr):  # fmt: skip
     """Per block of query rows, its entry of FLAGS (FW int32s: :func:`entry_width`): the flag
     bits, the flagged LSE rows and O rows, and on a flag the worst excess and delivered value
-    of each (fp32 bits) and O's flagged columns (16 a word)."""
+    of each (fp32 bits) and O's flagged columns (16 a word). ``DROP``: attention dropout, O in
+    ``drop_c`` (1 / (1 - p)) times the hull of V's range and 0."""
     pm, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     ds = tl.arange(0, BD)
     dm = ds < d
     lo, hi, _, kn, _ = head_stats(STATS, b * (H // rep) + h // rep, S, d, ds, dm)
+    if DROP:
+        lo = tl.minimum(lo, 0.0) * drop_c
+        hi = tl.maximum(hi, 0.0) * drop_c
     rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
     rm = rows < L
     q = tile(Q + b * sq_b + h * sq_h, rows, ds, sq_l, sq_d, rm, dm).to(tl.float32)
@@ -306,9 +312,10 @@ def fwd_consts(q: Tensor, out: Tensor, Lk: int, scale: float, tol: float) -> dic
 
 
 def fwd_verify(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, stats: Tensor, rowmax: Tensor,
-               scale: float, tol: float) -> Tensor:  # fmt: skip
+               scale: float, tol: float, dropout: float = 0.0) -> Tensor:  # fmt: skip
     """The forward's flags and counts per block of query rows (an int32 scratch for
-    :func:`fwd_repair`; its last 4 entries, zeroed, are the records' claims)."""
+    :func:`fwd_repair`; its last 4 entries, zeroed, are the records' claims); ``dropout``: the
+    call's attention dropout (O's range widened)."""
     B, H, L, d = q.shape
     Hkv, S = stats.shape[1], stats.shape[2]
     nM, FW = triton.cdiv(L, _BM), entry_width(d)
@@ -318,8 +325,17 @@ def fwd_verify(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, stats: Tensor, ro
     c = fwd_consts(q, out, k.shape[2], scale, tol)
     fwd_verify_kernel[(nM, B * H)](qr, orr, lse, stats, rmx, flags, H, H // Hkv, L, d, S, nM, FW,
                                    *qr.stride(), *orr.stride(), *lse.stride(), *rmx.stride(), **c,
-                                   BM=_BM, BD=block_d(d))  # fmt: skip
+                                   drop_c=1 / (1 - dropout), BM=_BM, BD=block_d(d),
+                                   DROP=dropout > 0)  # fmt: skip
     return flags
+
+
+def flagged(flags: Tensor, d: int) -> bool:
+    """Whether :func:`fwd_verify`'s scratch holds a flag, read on the host (a dropout call's
+    repair: a synchronisation on CUDA); the clean path while launches are recorded as on a GPU
+    (the read is made, so the cost model sees it)."""
+    hit = bool(flags[:-4].view(-1, entry_width(d))[:, 0].any())
+    return hit and not as_on_gpu()
 
 
 def fwd_repair(q, k, v, mask, out, lse, stats, rowmax, flags, log, step, rows, causal: bool,
@@ -352,13 +368,19 @@ def fwd_repair(q, k, v, mask, out, lse, stats, rowmax, flags, log, step, rows, c
 
 
 def _fwd_verify_op(q, k, out, lse, stats, log, step, rows, scale, rowmax, tol, dropout=0.0):
-    no_dropout(dropout)
-    return fwd_verify(q, k, out, lse, stats, rowmax, scale, tol)
+    return fwd_verify(q, k, out, lse, stats, rowmax, scale, tol, dropout)
 
 
 def _fwd_repair_op(q, k, v, mask, out, lse, stats, flags, log, step, rows, causal, scale, rowmax,
                    tol, dropout=0.0, rng=None):  # fmt: skip
-    no_dropout(dropout)
+    if dropout > 0:  # the kernel's draw is not the repair kernel's: the reference's, on a flag
+        if flagged(flags, q.shape[-1]):
+            stats = reduce_stats(stats)
+            bad = sdpa_check.fwd_verify(q, k, out, lse, stats, log, step, tuple(rows), scale,
+                                        rowmax, tol, dropout)  # fmt: skip
+            sdpa_check.fwd_repair(q, k, v, mask, out, lse, stats, bad, log, tuple(rows), causal,
+                                  scale, rowmax, tol, dropout, rng)  # fmt: skip
+        return
     fwd_repair(q, k, v, mask, out, lse, stats, rowmax, flags, log, step, rows, causal, scale, tol)
 
 

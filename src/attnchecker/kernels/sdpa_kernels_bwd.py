@@ -28,8 +28,9 @@ import triton.language as tl
 from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
-from attnchecker.kernels import DEAD, SDPA_BLOCKS
-from attnchecker.kernels.sdpa_check import SdpaOps, define, no_dropout
+from attnchecker.kernels import DEAD, SDPA_BLOCKS, sdpa_check
+from attnchecker.kernels.launches import as_on_gpu
+from attnchecker.kernels.sdpa_check import SdpaOps, define, reduce_stats
 from attnchecker.kernels.sdpa_kernels import fwd_repair_op, fwd_verify_op, kv_stats_op
 from attnchecker.kernels.triton_utils import (
     EPS32,
@@ -61,7 +62,7 @@ _ENTRY = tl.constexpr(6)  # int32s of a group check's entry
 def bwd_q_kernel(Q, DO, LSE, DQ, STATS, RMX, PART, FLAGS, H, rep, L, Lk, d, S, nM,
                  sq_b, sq_h, sq_l, sq_d, sg_b, sg_h, sg_l, sg_d, sl_b, sl_h, sl_l,
                  sd_b, sd_h, sd_l, sd_d, sr_b, sr_h, sr_l, scale_abs, w_live, c_q, floor_q,
-                 BM: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+                 drop_c, BM: tl.constexpr, BD: tl.constexpr):  # fmt: skip
     pm, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     ds = tl.arange(0, BD)
@@ -76,16 +77,17 @@ def bwd_q_kernel(Q, DO, LSE, DQ, STATS, RMX, PART, FLAGS, H, rep, L, Lk, d, S, n
     rmx = tl.load(RMX + b * sr_b + h * sr_h + rows * sr_l, mask=rm, other=_DEAD)
     live = rmx > _DEAD
     lse_abs = tl.where(live & (tl.abs(lse) < float("inf")), tl.abs(lse), 0.0)
-    a = tl.sum(tl.abs(g), 1) * va * tl.where(live, 1.0, Lk * 1.0)
+    a = drop_c * tl.sum(tl.abs(g), 1) * va * tl.where(live, 1.0, Lk * 1.0)
     bound = c_q * 2 * scale_abs * a[:, None] * ka[None, :] + floor_q
     q_bad = ~(tl.abs(dq) - bound <= 0.0) & rm[:, None] & dm[None, :]
     w = tl.where(live, w_live + EPS32_K * lse_abs, Lk * 1.0)
     w = tl.where(rm, w, 0.0)
-    at = PART + (bh.to(tl.int64) * nM + pm) * (3 * d + 1)
+    at = PART + (bh.to(tl.int64) * nM + pm) * (4 * d + 1)
     tl.store(at + ds, tl.sum(tl.where(live[:, None], g, 0.0), 0), mask=dm)
     tl.store(at + d + ds, tl.sum(w[:, None] * tl.abs(g), 0), mask=dm)
     tl.store(at + 2 * d + ds, tl.sum(a[:, None] * tl.abs(q), 0), mask=dm)
     tl.store(at + 3 * d, tl.max(lse_abs, 0))
+    tl.store(at + 3 * d + 1 + ds, tl.sum(tl.where(live[:, None], tl.abs(g), 0.0), 0), mask=dm)
     n_q = tl.sum(tl.max(q_bad.to(tl.int32), 1), 0)
     tl.store(FLAGS + 2 * (bh.to(tl.int64) * nM + pm), n_q)
     cols = tl.max(q_bad.to(tl.int32), 0)
@@ -112,12 +114,18 @@ def bwd_kv_kernel(DK, DV, PART, Hkv, Lk, d, nN, sk_b, sk_h, sk_l, sk_d, sv_b, sv
 
 
 @triton.jit
-def _sums_bad(ref, tv, qa, lm, sk, sv, dm, scale_abs, c_k, tol, floor_k, floor_v):
-    """(dK's flagged columns, dV's) of a group."""
+def _sums_bad(ref, tv, qa, lm, sk, sv, dm, scale_abs, c_k, tol, floor_k, floor_v, drop_c, ga,
+              DROP: tl.constexpr):  # fmt: skip
+    """(dK's flagged columns, dV's) of a group; ``DROP``: attention dropout, dV's sum in
+    ``drop_c`` times [sum of the negative dO, of the positive] (``ga``: sum |dO|)."""
     t_k = tol * 4 * ((c_k + EPS32_K * lm) * scale_abs * 2 * qa + floor_k)
-    t_v = tol * 4 * (tv + floor_v)
+    t_v = tol * 4 * (tv * drop_c + floor_v)
     k_bad = ~(tl.abs(sk) - t_k <= 0.0) & dm
-    v_bad = ~(tl.abs(sv - ref) - t_v <= 0.0) & dm
+    if DROP:
+        exc = tl.maximum(sv - drop_c * (ref + ga) * 0.5, drop_c * (ref - ga) * 0.5 - sv)
+        v_bad = ~(exc - t_v <= 0.0) & dm
+    else:
+        v_bad = ~(tl.abs(sv - ref) - t_v <= 0.0) & dm
     return k_bad, v_bad
 
 
@@ -134,7 +142,8 @@ def _col_sums(P, n, width, off, cols, cm, BJ: tl.constexpr, DC: tl.constexpr):
 
 @triton.jit
 def bwd_check_kernel(QP, KVP, FLAGS, GRP, SCR, rep, d, nM, nN, scale_abs, c_k, tol, floor_k,
-                     floor_v, BJ: tl.constexpr, DC: tl.constexpr):  # fmt: skip
+                     floor_v, drop_c, BJ: tl.constexpr, DC: tl.constexpr,
+                     DROP: tl.constexpr):  # fmt: skip
     """Per (K/V head group, DC columns): the group's partials reduced in vector loads (no
     serial loop over flags), dK's and dV's column checks; into GRP the reduced reference sums
     (ref, tol_v, qa: 3 d floats, and max |LSE|) for the repair's re-check, into SCR the
@@ -145,7 +154,7 @@ def bwd_check_kernel(QP, KVP, FLAGS, GRP, SCR, rep, d, nM, nN, scale_abs, c_k, t
     nC = tl.num_programs(1)
     cols = (c * DC + tl.arange(0, DC)).to(tl.int64)
     cm = cols < d
-    W = 3 * d + 1
+    W = 4 * d + 1
     heads = QP + g * rep * nM * W  # the group's rep heads' partials are consecutive
     ref = _col_sums(heads, rep * nM, W, 0, cols, cm, BJ, DC)
     tv = _col_sums(heads, rep * nM, W, d, cols, cm, BJ, DC)
@@ -162,8 +171,12 @@ def bwd_check_kernel(QP, KVP, FLAGS, GRP, SCR, rep, d, nM, nN, scale_abs, c_k, t
         fl = FLAGS + 2 * (g * rep * nM + js)
         n_q += tl.sum(tl.load(fl, mask=jm, other=0), 0)
         c_q += tl.sum(tl.load(fl + 1, mask=jm, other=0), 0)
-    k_bad, v_bad = _sums_bad(ref, tv, qa, lm, sk, sv, cm, scale_abs, c_k, tol, floor_k, floor_v)
-    at = GRP + g * W
+    ga = ref
+    if DROP:
+        ga = _col_sums(heads, rep * nM, W, 3 * d + 1, cols, cm, BJ, DC)
+    k_bad, v_bad = _sums_bad(ref, tv, qa, lm, sk, sv, cm, scale_abs, c_k, tol, floor_k, floor_v,
+                             drop_c, ga, DROP)  # fmt: skip
+    at = GRP + g * (3 * d + 1)
     tl.store(at + cols, ref, mask=cm)
     tl.store(at + d + cols, tv, mask=cm)
     tl.store(at + 2 * d + cols, qa, mask=cm)
@@ -385,7 +398,7 @@ def bwd_repair_kv_kernel(Q, K, V, M, Out, LSE, DO, DQ, DK, DV, STATS, RMX, GRP, 
             tv = tl.load(grp + d + ds, mask=dm, other=0.0)
             qa = tl.load(grp + 2 * d + ds, mask=dm, other=0.0)
             k_bad, v_bad = _sums_bad(ref, tv, qa, tl.load(grp + 3 * d), sk, sv, dm, scale_abs,
-                                     c_k, tol, floor_k, floor_v)  # fmt: skip
+                                     c_k, tol, floor_k, floor_v, 1.0, ref, False)  # fmt: skip
             if (n_k > 0) & (tl.sum(k_bad.to(tl.int32), 0) > 0):
                 mark_lost(REC, row_k, claims + 4)
             if (n_v > 0) & (tl.sum(v_bad.to(tl.int32), 0) > 0):
@@ -433,13 +446,14 @@ def bwd_consts(q: Tensor, k: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, scale: 
             "floor_q": tol * 4 * underflow_floor(dq.dtype, length=1, inner=Lk)}  # fmt: skip
 
 
-def bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale: float, tol: float):
+def bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale: float, tol: float, dropout: float = 0.0):
     """dQ's bound and the query-side partial sums, per block of query rows: (partials fp32,
-    flags int32; its last 8 entries, zeroed, are the records' claims)."""
+    flags int32; its last 8 entries, zeroed, are the records' claims); ``dropout``: the call's
+    attention dropout (the bounds scaled by 1 / (1 - p))."""
     B, H, L, d = q.shape
     Hkv, Lk, S = k.shape[1], k.shape[2], stats.shape[2]
     nM = triton.cdiv(L, _BM)
-    part = torch.empty(B * H * nM * (3 * d + 1), device=q.device, dtype=_F32)
+    part = torch.empty(B * H * nM * (4 * d + 1), device=q.device, dtype=_F32)
     flags = torch.empty(2 * B * H * nM + 8, device=q.device, dtype=torch.int32)
     qr, gr, dqr = readable(q), readable(grad), readable(dq)
     rmx = row_view(rowmax, q)
@@ -447,7 +461,7 @@ def bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale: float, tol: float):
     bwd_q_kernel[(nM, B * H)](qr, gr, lse, dqr, stats, rmx, part, flags, H, H // Hkv, L, Lk, d,
                               S, nM, *qr.stride(), *gr.stride(), *lse.stride(), *dqr.stride(),
                               *rmx.stride(), c["scale_abs"], c["w_live"], c["c_q"], c["floor_q"],
-                              BM=_BM, BD=block_d(d))  # fmt: skip
+                              1 / (1 - dropout), BM=_BM, BD=block_d(d))  # fmt: skip
     return part, flags
 
 
@@ -462,6 +476,23 @@ def bwd_cols(dk: Tensor, dv: Tensor) -> Tensor:
     return part
 
 
+def group_check(q, k, dq, dk, dv, qpart, flags, kvpart, scale: float, tol: float,
+                dropout: float = 0.0) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """:func:`bwd_check_kernel` over every (K/V head group, 16 columns): (the groups' reduced
+    sums, their entries and arrival counters)."""
+    B, H, L, d = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    nM, nN, nC = triton.cdiv(L, _BM), triton.cdiv(Lk, _BN), triton.cdiv(d, _DC)
+    c = bwd_consts(q, k, dq, dk, dv, scale, tol)
+    grp = torch.empty(B * Hkv * (3 * d + 1), device=q.device, dtype=_F32)
+    scr = torch.empty(B * Hkv * (nC * _ENTRY + 1), device=q.device, dtype=torch.int32)
+    bwd_check_kernel[(B * Hkv, nC)](qpart, kvpart, flags, grp, scr, H // Hkv, d, nM, nN,
+                                    c["scale_abs"], c["c_k"], c["tol"], c["floor_k"],
+                                    c["floor_v"], 1 / (1 - dropout), BJ=64, DC=_DC,
+                                    DROP=dropout > 0)  # fmt: skip
+    return grp, scr
+
+
 def bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, flags, kvpart,
                rec, step, rows, causal: bool, scale: float, tol: float) -> None:  # fmt: skip
     """Compare the partials per K/V head group (:func:`bwd_check_kernel`); recompute the
@@ -470,15 +501,11 @@ def bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, 
     none): three launches, nothing written on a clean call but the scratch."""
     B, H, L, d = q.shape
     Hkv, Lk, S = k.shape[1], k.shape[2], stats.shape[2]
-    nM, nN, BD = triton.cdiv(L, _BM), triton.cdiv(Lk, _BN), block_d(d)
+    nM, BD = triton.cdiv(L, _BM), block_d(d)
     RB = 16  # the recomputation's blocks (a rare path: small tiles, more warps, no spill)
     nC = triton.cdiv(d, _DC)
     c = bwd_consts(q, k, dq, dk, dv, scale, tol)
-    grp = torch.empty(B * Hkv * (3 * d + 1), device=q.device, dtype=_F32)
-    scr = torch.empty(B * Hkv * (nC * _ENTRY + 1), device=q.device, dtype=torch.int32)
-    bwd_check_kernel[(B * Hkv, nC)](qpart, kvpart, flags, grp, scr, H // Hkv, d, nM, nN,
-                                    c["scale_abs"], c["c_k"], c["tol"], c["floor_k"],
-                                    c["floor_v"], BJ=64, DC=_DC)  # fmt: skip
+    grp, scr = group_check(q, k, dq, dk, dv, qpart, flags, kvpart, scale, tol)
     new = torch.empty(B * Hkv * triton.cdiv(Lk, RB) * 2 * d, device=q.device, dtype=_F32)
     qr, kr, vr, orr, gr = (readable(t) for t in (q, k, v, out, grad))
     dqr, dkr, dvr = (readable(t) for t in (dq, dk, dv))
@@ -508,13 +535,22 @@ def bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, 
 
 def _bwd_verify_op(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step, rows, scale, tol,
                    dropout=0.0):  # fmt: skip
-    no_dropout(dropout)
-    return bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale, tol)
+    return bwd_rows(q, k, lse, grad, dq, stats, rowmax, scale, tol, dropout)
 
 
 def _bwd_repair_op(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, flags, kvpart,
                    rec, step, rows, causal, scale, tol, dropout=0.0, rng=None):  # fmt: skip
-    no_dropout(dropout)
+    if dropout > 0:  # the kernel's draw is not the repair kernels': the reference's, on a flag
+        _, scr = group_check(q, k, dq, dk, dv, qpart, flags, kvpart, scale, tol, dropout)
+        n = scr.numel() - k.shape[0] * k.shape[1]  # (the arrival counters after the entries)
+        hit = bool(scr[:n].any())  # (an entry is all zero but for a flag)
+        if hit and not as_on_gpu():
+            stats = reduce_stats(stats)
+            bad = sdpa_check.bwd_verify(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step,
+                                        tuple(rows), scale, tol, dropout)  # fmt: skip
+            sdpa_check.bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, bad,
+                                  rec, tuple(rows), causal, scale, tol, dropout, rng)  # fmt: skip
+        return
     bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpart, flags, kvpart,
                rec, step, rows, causal, scale, tol)  # fmt: skip
 
@@ -522,7 +558,7 @@ def _bwd_repair_op(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpa
 def _bwd_verify_fake(q, *_):
     B, H, L, d = q.shape
     nM = triton.cdiv(L, _BM)
-    return (q.new_empty(B * H * nM * (3 * d + 1), dtype=_F32),
+    return (q.new_empty(B * H * nM * (4 * d + 1), dtype=_F32),
             q.new_empty(2 * B * H * nM + 8, dtype=torch.int32))  # fmt: skip
 
 

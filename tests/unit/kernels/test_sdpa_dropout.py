@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from attnchecker import kernels
 from attnchecker.kernels.sdpa_check import (
     attention_backward,
     attention_forward,
@@ -88,7 +89,8 @@ def test_the_kernel_is_sdpas_own_draw_and_its_gradients(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_clean_dropout_calls_raise_no_flag(device, dtype):
-    """No false alarm with dropout on, over seeds, causal and padded, every dtype."""
+    """No false alarm with dropout on, over seeds, causal and padded, every dtype: the
+    reference's checks, and the Triton kernels' where they run (CUDA, the interpreter)."""
     for seed in range(6):
         q, k, v, grad = _operands(device, dtype, seed)
         for mask, causal in ((None, True), (_padding(device), False)):
@@ -96,6 +98,36 @@ def test_clean_dropout_calls_raise_no_flag(device, dtype):
             f, b, log, rec = _checks(q, k, v, grad, mask, out, lse, dq, dk, dv)
             assert not bool(f.any()) and not bool(b.any()), (seed, causal)
             assert not bool(log[:, 5].any()) and not bool(rec[:, 5].any())
+            if kernels.available() and seed < 2:
+                assert not _kernel_flags(q, k, v, grad, mask, out, lse, dq, dk, dv), (seed, causal)
+
+
+def _kernel_flags(q, k, v, grad, mask, out, lse, dq, dk, dv) -> bool:
+    """Whether the Triton family's verify kernels flag a dropout call (forward or backward)."""
+    from attnchecker.kernels import sdpa_kernels as sk
+    from attnchecker.kernels import sdpa_kernels_bwd as sb
+
+    stats, rowmax = sk.kv_stats(k, v), mask_facts(mask, L).to(q.device)
+    f = sk.fwd_verify(q, k, out, lse, stats, rowmax, SCALE, 1.0, P)
+    part, qflags = sb.bwd_rows(q, k, lse, grad, dq, stats, rowmax, SCALE, 1.0, P)
+    _grp, scr = sb.group_check(q, k, dq, dk, dv, part, qflags, sb.bwd_cols(dk, dv), SCALE, 1.0, P)
+    n = scr.numel() - k.shape[0] * k.shape[1]
+    return sk.flagged(f, D) or bool(scr[:n].any())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs triton (CUDA or the interpreter)")
+def test_the_kernels_see_what_the_reference_sees_with_dropout():
+    """A fault in O and one in dV, dropout on: the Triton verify kernels flag them as the
+    reference does (the repair then reads the flag and takes the reference's path)."""
+    q, k, v, grad = _operands("cpu", torch.float32)
+    _rng, out, lse, _aux, dq, dk, dv = _call(q, k, v, grad, None, True)
+    assert not _kernel_flags(q, k, v, grad, None, out, lse, dq, dk, dv)
+    bad = out.clone()
+    bad[0, 3, 11, 2] = 1e4
+    assert _kernel_flags(q, k, v, grad, None, bad, lse, dq, dk, dv)
+    bad_dv = dv.clone()
+    bad_dv[1, 0, 5, 7] = 1e4
+    assert _kernel_flags(q, k, v, grad, None, out, lse, dq, dk, bad_dv)
 
 
 def test_no_flag_under_autocast():
