@@ -39,8 +39,8 @@ DROPOUT_ARMS = {
     "the SDPA route (default)": ABFTConfig(backend="sdpa", check_impl="triton"),
     "the eager engine (before issue 54)": ABFTConfig(backend="eager", check_impl="triton"),
 }
-"""The families that train with attention dropout (GPT-2, BERT): the route keeps them (its
-reference check ops, a host read a repair) where they used to fall back to the eager engine."""
+"""The families that train with attention dropout (GPT-2, BERT): the route keeps them (a host
+read a repair op) where they used to fall back to the eager engine."""
 
 
 def layer(config, native: bool, widths: dict, L: int, family: str = "llama",
@@ -129,10 +129,11 @@ def main() -> None:
             f"A layer of GPT-2 and BERT at base width, L {drops[0]['L']}, B {drops[0]['batch']}, "
             "attention dropout 0.1, eager: the plain model's own CUDA kernels draw the dropout "
             "(flash; memory-efficient with a mask). On the route a dropout call's checks are the "
-            "torch reference's ops (many small launches: the host sets the pace) and each of its "
-            f"two repairs reads its flag on the host, charged {H200.sync * 1e6:.0f} us of idle "
-            "device each (a step with host reads is not capturable in a CUDA graph). The eager "
-            "engine is where these calls went before.",
+            "Triton family's verify kernels (dropout's bounds) and each of its two repair ops "
+            f"reads its flag on the host, charged {H200.sync * 1e6:.0f} us of idle device each "
+            "(a step with host reads is not capturable in a CUDA graph); on a flag the torch "
+            "reference reruns the call's draw. The eager engine is where these calls went "
+            "before.",
             "",
             "| family | arm | plain layer ms | protected device ms | host ms | host reads added "
             "| launches added | eager |",
