@@ -27,12 +27,17 @@ from attnchecker import ABFTConfig
 from attnchecker.gpu_cost import H200, LLAMA_8B, traced_step
 
 ARMS = {
-    "default": (ABFTConfig(backend="sdpa", check_impl="triton"), False),
-    "default, flash's own GQA": (ABFTConfig(backend="sdpa", check_impl="triton"), True),
-    "all_linear": (ABFTConfig(backend="sdpa", check_impl="triton", scope="all_linear"), False),
+    "default": (ABFTConfig(backend="sdpa", check_impl="triton"), False, 1),
+    "default, flash's own GQA": (ABFTConfig(backend="sdpa", check_impl="triton"), True, 1),
+    "default, 4 micro-batches a step": (ABFTConfig(backend="sdpa", check_impl="triton"), False, 4),
+    "all_linear": (ABFTConfig(backend="sdpa", check_impl="triton", scope="all_linear"), False, 1),
     "all_linear, flash's own GQA": (
-        ABFTConfig(backend="sdpa", check_impl="triton", scope="all_linear"), True),
+        ABFTConfig(backend="sdpa", check_impl="triton", scope="all_linear"), True, 1),
+    "all_linear, 4 micro-batches a step": (
+        ABFTConfig(backend="sdpa", check_impl="triton", scope="all_linear"), False, 4),
 }  # fmt: skip
+"""(config, the flash kernel's own GQA, micro-batches a step: gradient accumulation, the weight
+sums once a step)."""
 
 
 DROPOUT_ARMS = {
@@ -44,11 +49,12 @@ read a repair op) where they used to fall back to the eager engine."""
 
 
 def layer(config, native: bool, widths: dict, L: int, family: str = "llama",
-          batch: int = 1) -> tuple[float, float, int, dict, int]:  # fmt: skip
-    """(device s, host s, launches) of the second layer, its device time by op, and its host
-    reads (each stalls the device: ``H200.sync``)."""
+          batch: int = 1, micro: int = 1) -> tuple[float, float, int, dict, int]:  # fmt: skip
+    """(device s, host s, launches) of the second layer in a step of ``micro`` micro-batches,
+    its device time by op, and its host reads (each stalls the device: ``H200.sync``)."""
     a, b = (traced_step(config, family=family, layers=n, L=L, vocab=128, widths=widths,
-                        native_gqa=native, batch=batch) for n in (1, 2))  # fmt: skip
+                        native_gqa=native, batch=batch, micro_batches=micro)
+            for n in (1, 2))  # fmt: skip
     ma, mb = a.modelled(H200), b.modelled(H200)
     by_op = b.device_time(H200)
     by_op.subtract(a.device_time(H200))
@@ -82,9 +88,10 @@ def main() -> None:
         widths = {"base width, L 128": ({}, 128)}
     rows = []
     for name, (w, L) in widths.items():
-        pd, ph, pn, pby, _ = layer(None, False, w, L)
-        for arm, (config, native) in ARMS.items():
-            d, h, n, by, _ = layer(config, native, w, L)
+        plain = {m: layer(None, False, w, L, micro=m) for m in {a[2] for a in ARMS.values()}}
+        for arm, (config, native, micro) in ARMS.items():
+            pd, ph, pn, pby, _ = plain[micro]
+            d, h, n, by, _ = layer(config, native, w, L, micro=micro)
             by.subtract(pby)
             top = ", ".join(f"{op.removeprefix('aten.')} {t * 1e6:.0f} us"
                             for op, t in by.most_common(4))  # fmt: skip
@@ -110,7 +117,10 @@ def main() -> None:
         "`gpu_model_cpu2_2026-12-05.md`'s +1.7% (Llama-8B widths) and +18.9% / +14.9% (base "
         "width), withdrawn: that trace left out work (casts inside registered ops, the route's "
         "K / V expansion on CUDA), flattered the plain model (a full mask and repeated K / V "
-        "under FakeTensorMode) and charged serial kernels the full bandwidth.",
+        "under FakeTensorMode) and charged serial kernels the full bandwidth. The rows of 4 "
+        "micro-batches a step (gradient accumulation) are a whole optimizer step's layer (4 "
+        "forwards and backwards, their launches) against the plain one's: the weight sums run "
+        "once a step.",
         "",
         "| widths | arm | plain layer ms | protected layer ms (device) | host ms | launches "
         "added | eager | CUDA graph | most device time added |",

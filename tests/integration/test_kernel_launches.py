@@ -97,3 +97,35 @@ def test_the_weight_sums_follow_a_fused_optimizer_step_by_step():
             losses.append(loss.detach())
         assert torch.equal(*losses)
     assert handle.drain() == []
+
+
+def test_micro_batches_of_one_optimizer_step_share_the_weight_sums():
+    """Gradient accumulation (4 micro-batches a step, a fused AdamW that bumps no version): the
+    weight sums are computed once per weight per optimizer step, not per micro-batch, and afresh
+    after each step (no false alarm over three steps; the losses equal the plain model's)."""
+    base = build("llama", layers=LAYERS, max_len=64)
+    base.train()
+    base.set_attn_implementation("sdpa")
+    plain, model = copy.deepcopy(base), copy.deepcopy(base)
+    handle = protect_(model, _config("all_linear"))
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-2, fused=True) for m in (plain, model)]
+    g = torch.Generator().manual_seed(2)
+    weights = []
+    for _ in range(3):
+        batches = [torch.randint(3, 128, (2, 24), generator=g) for _ in range(4)]
+        for m, opt in zip((plain, model), opts, strict=True):
+            with OpCounter() as c:
+                losses = [m(input_ids=ids, labels=ids).loss for ids in batches]
+                for loss in losses:
+                    (loss / 4).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if m is model:
+                weights.append(c.ops["attnchecker.proj_weights"])
+                got = torch.stack(losses).detach()
+            else:
+                want = torch.stack(losses).detach()
+        assert torch.equal(got, want)
+    n_weights = LAYERS * 7 + 1  # q, k, v, o, gate, up, down a layer, and the LM head
+    assert weights == [n_weights] * 3, weights
+    assert handle.drain() == []

@@ -64,7 +64,8 @@ def gemm_check(
 
 def weight_sums(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,
                 conv1d: bool) -> Tensor:  # fmt: skip
-    """``proj_weights`` of a projection, once per step (the clock's :class:`StepMemo`). The
+    """``proj_weights`` of a projection, once per optimizer step (the clock's ``weights``
+    :class:`StepMemo`: micro-batches share it). The
     eager and compiled regions compute their weight sums inside the region instead, per call
     (:func:`~attnchecker.attention.checks.weight_sums`: fused with the check by the compiler)."""
     from attnchecker.kernels.projection_check import proj_weights
@@ -74,7 +75,7 @@ def weight_sums(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,
             return proj_weights(weight.detach(), None if bias is None else bias.detach(), groups,
                                 conv1d)  # fmt: skip
 
-    return clock.memo.get(("proj", groups, conv1d), (weight, bias), make)
+    return clock.weights.get(("proj", groups, conv1d), (weight, bias), make)
 
 
 def weight_refs(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,

@@ -70,6 +70,23 @@ def _identity(t: Tensor) -> tuple[int, int, int]:
     return id(t), ptr, t._version
 
 
+_UPDATES = [0]
+"""torch.optim steps taken in this process (a global step post-hook counts them)."""
+_COUNTING: list = []
+
+
+def _count_updates() -> None:
+    """Count every torch.optim optimizer's steps from now on (one global hook a process)."""
+    if not _COUNTING:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _COUNTING.append(register_optimizer_step_post_hook(_updated))
+
+
+def _updated(optimizer, args, kwargs) -> None:
+    _UPDATES[0] += 1
+
+
 @dataclass
 class Clock:
     """The step counter shared by all protected modules of one model, on the model's device,
@@ -77,10 +94,22 @@ class Clock:
     does not run then); compiled code never reads a Python int that changes every step.
 
     A float64 tensor of shape (1,): exact to 2^53 steps, and not 0-dim, because torch.compile
-    drops in-place updates of 0-dim float64 CPU tensors held outside the graph (torch 2.13)."""
+    drops in-place updates of 0-dim float64 CPU tensors held outside the graph (torch 2.13).
+
+    Two memos: ``memo``, emptied at every tick (a forward's values: the SDPA route's mask
+    facts), and ``weights`` (the weights' sums), emptied at the first tick after a torch.optim
+    step, so micro-batches of one optimizer step (gradient accumulation) share one pass over
+    each weight; until a torch.optim optimizer has stepped in the process (weights updated by
+    hand, say), at every tick. An update outside torch.optim that bumps no version (a write into
+    ``p.data``) while one is in use is not seen: its stale sums would flag every row, loudly."""
 
     count: Tensor
     memo: StepMemo = field(default_factory=StepMemo)  # emptied at every tick, in eager code
+    weights: StepMemo = field(default_factory=StepMemo)  # emptied after an optimizer step
+    updates: int = -1  # _UPDATES when ``weights`` was last emptied
+
+    def __post_init__(self) -> None:
+        _count_updates()
 
     @property
     def step(self) -> int:
@@ -93,6 +122,9 @@ class Clock:
         self.count.add_(1)
         if not torch.compiler.is_compiling():  # (compiled code does not read it)
             self.memo.clear()
+            if _UPDATES[0] == 0 or _UPDATES[0] != self.updates:
+                self.weights.clear()
+                self.updates = _UPDATES[0]
 
 
 @dataclass
