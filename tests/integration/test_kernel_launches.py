@@ -100,9 +100,11 @@ def test_the_weight_sums_follow_a_fused_optimizer_step_by_step():
 
 
 def test_micro_batches_of_one_optimizer_step_share_the_weight_sums():
-    """Gradient accumulation (4 micro-batches a step, a fused AdamW that bumps no version): the
-    weight sums are computed once per weight per optimizer step, not per micro-batch, and afresh
-    after each step (no false alarm over three steps; the losses equal the plain model's)."""
+    """Gradient accumulation (4 micro-batches a step, a fused AdamW that bumps no version): after
+    the first optimizer step (before it, the clock cannot tell an optimizer's updates from a
+    hand-written one's) the weight sums are computed once per weight per step, not per
+    micro-batch, and afresh after each step (no false alarm over three steps; the losses equal
+    the plain model's)."""
     base = build("llama", layers=LAYERS, max_len=64)
     base.train()
     base.set_attn_implementation("sdpa")
@@ -127,5 +129,5 @@ def test_micro_batches_of_one_optimizer_step_share_the_weight_sums():
                 want = torch.stack(losses).detach()
         assert torch.equal(got, want)
     n_weights = LAYERS * 7 + 1  # q, k, v, o, gate, up, down a layer, and the LM head
-    assert weights == [n_weights] * 3, weights
+    assert weights == [4 * n_weights, n_weights, n_weights], weights
     assert handle.drain() == []

@@ -99,14 +99,16 @@ class Clock:
     Two memos: ``memo``, emptied at every tick (a forward's values: the SDPA route's mask
     facts), and ``weights`` (the weights' sums), emptied at the first tick after a torch.optim
     step, so micro-batches of one optimizer step (gradient accumulation) share one pass over
-    each weight; until a torch.optim optimizer has stepped in the process (weights updated by
-    hand, say), at every tick. An update outside torch.optim that bumps no version (a write into
-    ``p.data``) while one is in use is not seen: its stale sums would flag every row, loudly."""
+    each weight; until an optimizer has stepped between two of this clock's ticks (weights
+    updated by hand, say), at every tick. An update outside torch.optim that bumps no version (a
+    write into ``p.data``) in a model an optimizer also steps is not seen: its stale sums would
+    flag every row, loudly."""
 
     count: Tensor
     memo: StepMemo = field(default_factory=StepMemo)  # emptied at every tick, in eager code
     weights: StepMemo = field(default_factory=StepMemo)  # emptied after an optimizer step
-    updates: int = -1  # _UPDATES when ``weights`` was last emptied
+    updates: int = -1  # _UPDATES at the last tick
+    stepped: bool = False  # an optimizer has stepped between two ticks
 
     def __post_init__(self) -> None:
         _count_updates()
@@ -122,9 +124,11 @@ class Clock:
         self.count.add_(1)
         if not torch.compiler.is_compiling():  # (compiled code does not read it)
             self.memo.clear()
-            if _UPDATES[0] == 0 or _UPDATES[0] != self.updates:
+            moved = _UPDATES[0] != self.updates
+            if moved or not self.stepped:
                 self.weights.clear()
-                self.updates = _UPDATES[0]
+            self.stepped |= moved and self.updates >= 0
+            self.updates = _UPDATES[0]
 
 
 @dataclass
