@@ -7,7 +7,7 @@ so an upper bound of the whole step's. Vocabulary 128 (the head out of the way),
 autocast over fp32 weights, eager (host and device overlap) and as a CUDA graph. Arms: the
 default config as CUDA runs it (the SDPA route, the GEMM checks' registered Triton ops) and
 ``all_linear``, each with K / V expanded for GQA (the route's path until the device's flash
-kernel is found to take GQA: ``sdpa_check.probe_gqa``) and with the flash kernel's own GQA.
+kernel is found to take GQA: ``sdpa_backend.probe_gqa``) and with the flash kernel's own GQA.
 
 Then a layer of GPT-2 and BERT at base width with their attention dropout on (the route's
 dropout calls, the eager engine's before).

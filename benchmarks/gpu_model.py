@@ -212,7 +212,7 @@ def markdown(cal: list[dict], tables: list[tuple[str, list[dict]]], one: list[di
         "Arms: `protected_sdpa`, the default config as `auto` runs it on CUDA (the SDPA route, "
         "the GEMM checks as registered Triton ops); `all_linear_sdpa`, the same with "
         '`scope="all_linear"`; `_gqa`: the same if the flash kernel takes K / V of fewer heads '
-        "as they are (the route probes it on the device, `sdpa_check.probe_gqa`; else it "
+        "as they are (the route probes it on the device, `sdpa_backend.probe_gqa`; else it "
         "expands them: two copies forward, two and two group sums backward); `core_sdpa`, "
         "the attention core's checks alone; "
         "`projections_triton`, the projections' checks alone (eager core). A CUDA graph's step "

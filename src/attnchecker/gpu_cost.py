@@ -242,7 +242,7 @@ def traced_step(
     the records drained: plain (``config`` None, SDPA attention) or protected by ``config`` (an
     :class:`~attnchecker.ABFTConfig`; ``backend="sdpa", check_impl="triton"`` is what ``auto``
     runs on CUDA). ``native_gqa``: the flash kernel takes K / V of fewer heads as they are
-    (:data:`attnchecker.kernels.sdpa_check.GQA_NATIVE`, probed on the device; else the route
+    (:data:`attnchecker.kernels.sdpa_backend.GQA_NATIVE`, probed on the device; else the route
     expands them). bf16 autocast over fp32 weights (``autocast``; else bf16 weights). Nothing is
     computed (:class:`~attnchecker.kernels.launches.SkipCompute`, the Triton launches recorded,
     not run, the GPU's path where it differs): seconds at widths this machine could not
@@ -285,10 +285,10 @@ def traced_step(
                 warnings.simplefilter("ignore")
                 handle.drain()
 
-    from attnchecker.kernels import sdpa_check
+    from attnchecker.kernels import sdpa_backend
 
-    saved = dict(sdpa_check.GQA_NATIVE)
-    sdpa_check.GQA_NATIVE["cpu"] = native_gqa  # (the GPU's path is traced on CPU tensors)
+    saved = dict(sdpa_backend.GQA_NATIVE)
+    sdpa_backend.GQA_NATIVE["cpu"] = native_gqa  # (the GPU's path is traced on CPU tensors)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     torch.nn.functional.scaled_dot_product_attention = _as_on_cuda(sdpa)
     try:
@@ -297,8 +297,8 @@ def traced_step(
         step(trace)
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
-        sdpa_check.GQA_NATIVE.clear()
-        sdpa_check.GQA_NATIVE.update(saved)
+        sdpa_backend.GQA_NATIVE.clear()
+        sdpa_backend.GQA_NATIVE.update(saved)
     return trace
 
 
@@ -314,7 +314,7 @@ def _as_on_cuda(sdpa):
         if dropout_p == 0:
             return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa)  # fmt: skip
-        from attnchecker.kernels.sdpa_check import backend_mask, expand_kv
+        from attnchecker.kernels.sdpa_backend import backend_mask, expand_kv
 
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16):

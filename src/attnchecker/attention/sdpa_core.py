@@ -35,19 +35,17 @@ from attnchecker.attention.ops import CORE_GRAD_OPS, OPS, ROUTE_CHECKS, op
 from attnchecker.attention.sites import Sites
 from attnchecker.attention.state import AttentionState
 from attnchecker.kernels.constants import device_constant
-from attnchecker.kernels.sdpa_check import (
-    REFERENCE,
-    SdpaOps,
+from attnchecker.kernels.sdpa_backend import (
     attention_backward,
     attention_forward,
     backend_mask,
     dropout_keep,
     expand_kv,
     group_sum,
-    mask_facts,
     probe_gqa,
     rng_state,
 )
+from attnchecker.kernels.sdpa_check import REFERENCE, SdpaOps, mask_facts
 
 __all__ = ["SdpaPlan", "checked_attention", "self_test"]
 
@@ -214,7 +212,7 @@ def checked_attention(
     broadcast to (B, H, L, Lk); ``causal`` top-left; ``dropout``: the kernel's attention
     dropout, in training) by the backend's kernel, with the checks the state asks for now:
     (B, H, L, d) in q's dtype. A dropout call's repairs read their flags on the host and rerun
-    the backend's draw (:mod:`~attnchecker.kernels.sdpa_check`)."""
+    the backend's draw (:mod:`~attnchecker.kernels.sdpa_backend`)."""
     q, k, v = autocast_operands(q, k, v)  # (RoPE can leave q and k fp32 while v is bf16)
     state.follow(q.device)  # moved without a root forward (a layer alone)
     mask, rowmax = _facts(state, mask, q)

@@ -98,7 +98,7 @@ def test_clean_dropout_calls_raise_no_flag(device, dtype):
             f, b, log, rec = _checks(q, k, v, grad, mask, out, lse, dq, dk, dv)
             assert not bool(f.any()) and not bool(b.any()), (seed, causal)
             assert not bool(log[:, 5].any()) and not bool(rec[:, 5].any())
-            if kernels.available() and seed < 2:
+            if kernels.available() and seed == 0:
                 assert not _kernel_flags(q, k, v, grad, mask, out, lse, dq, dk, dv), (seed, causal)
 
 
