@@ -37,7 +37,7 @@ from torch import Tensor
 
 from _common import environment, parse, write
 from attnchecker.attention.grads import product_check_, product_residual
-from attnchecker.kernels import sdpa_check
+from attnchecker.kernels import sdpa_backend, sdpa_check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRID = [10.0 ** (e / 2) for e in range(-16, 5)]
@@ -129,9 +129,9 @@ def _route_case(dtype: torch.dtype, g: torch.Generator):
     """A causal attention's backward by the CPU flash kernel: (inputs of the checks, grads)."""
     B, H, L, d = 8, 12, 128, 64
     q, k, v = (torch.randn(B, H, L, d, generator=g).to(dtype) for _ in range(3))
-    out, lse, aux = sdpa_check.attention_forward(q, k, v, None, True, d**-0.5)
+    out, lse, aux = sdpa_backend.attention_forward(q, k, v, None, True, d**-0.5)
     grad = (torch.randn(B, H, L, d, generator=g) * 1e-3).to(dtype)
-    dq, dk, dv = sdpa_check.attention_backward(grad, q, k, v, out, lse, None, True, d**-0.5, aux)
+    dq, dk, dv = sdpa_backend.attention_backward(grad, q, k, v, out, lse, None, True, d**-0.5, aux)
     return (q, k, v, lse, grad), [dq, dk, dv]
 
 

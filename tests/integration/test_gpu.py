@@ -543,15 +543,15 @@ def test_the_sdpa_kernels_match_their_reference_on_cuda(dtype):
     clean results, the same flags on corrupted ones, repairs back to the backend's values."""
     import math
 
-    from attnchecker.kernels import sdpa_check as ref
+    from attnchecker.kernels import sdpa_backend as backend
     from attnchecker.kernels import sdpa_kernels as kern
     from attnchecker.kernels import sdpa_kernels_bwd as kb
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 200, 64, generator=g).to("cuda", dtype) for h in (8, 2, 2))
-    out, lse, aux = ref.attention_forward(q, k, v, None, True, 0.125)
+    out, lse, aux = backend.attention_forward(q, k, v, None, True, 0.125)
     grad = torch.randn(out.shape, generator=g).to("cuda", dtype)
-    dq, dk, dv = ref.attention_backward(grad, q, k, v, out, lse, None, True, 0.125, aux)
+    dq, dk, dv = backend.attention_backward(grad, q, k, v, out, lse, None, True, 0.125, aux)
     rowmax, step = torch.zeros(1, 1, 1, device="cuda"), torch.ones(1, device="cuda")
     stats = kern.kv_stats(k, v)
     bad_out = out.clone()
@@ -576,12 +576,12 @@ def test_the_sdpa_kernels_match_their_reference_on_cuda(dtype):
 
 def test_the_flash_kernels_own_gqa_is_used_where_it_agrees():
     """Issue 54: the route expands K / V for GQA unless the flash kernel takes them as they are
-    (``sdpa_check.probe_gqa``, run by the route's self-test): on an H100 / H200 with torch's
+    (``sdpa_backend.probe_gqa``, run by the route's self-test): on an H100 / H200 with torch's
     FlashAttention-2 it should, and then the route's output and gradients equal SDPA's with
     ``enable_gqa`` as before (the self-test passes on that path)."""
     from attnchecker.attention.sdpa_core import self_test
-    from attnchecker.kernels import sdpa_check
+    from attnchecker.kernels import sdpa_backend
 
     assert self_test("cuda") is None
-    print("flash takes GQA natively:", sdpa_check.GQA_NATIVE.get("cuda"))
-    assert sdpa_check.GQA_NATIVE.get("cuda") is not None
+    print("flash takes GQA natively:", sdpa_backend.GQA_NATIVE.get("cuda"))
+    assert sdpa_backend.GQA_NATIVE.get("cuda") is not None

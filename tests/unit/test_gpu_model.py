@@ -162,7 +162,7 @@ def test_a_traced_step_takes_the_gpus_path():
 
 
 def test_with_the_flash_kernels_own_gqa_the_route_copies_nothing():
-    """Where the device's flash kernel takes K / V of fewer heads (``sdpa_check.probe_gqa``),
+    """Where the device's flash kernel takes K / V of fewer heads (``sdpa_backend.probe_gqa``),
     the route passes them as they are: no expansion copies, no group sums of dK and dV."""
     from collections import Counter
 

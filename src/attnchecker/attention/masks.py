@@ -14,7 +14,7 @@ The forms:
 - **bias**: the fp32 additive form of an SDPA mask, -inf where excluded (the SDPA route's
   emulated sites compute S, P and O from it).
 
-(The backend's own kernels take theirs from :func:`attnchecker.kernels.sdpa_check.backend_mask`,
+(The backend's own kernels take theirs from :func:`attnchecker.kernels.sdpa_backend.backend_mask`,
 with the padding the memory-efficient kernel needs.)
 """
 

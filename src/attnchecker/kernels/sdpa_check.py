@@ -69,38 +69,23 @@ from attnchecker.abft.tolerance import underflow_floor
 from attnchecker.kernels import DEAD
 from attnchecker.kernels.launches import as_on_gpu
 from attnchecker.kernels.sdpa_backend import (
-    GQA_NATIVE,
     attention_backward,
     attention_forward,
-    backend_mask,
-    dropout_keep,
     expand_kv,
     group_sum,
-    probe_gqa,
     rewound,
-    rng_state,
 )
 
 __all__ = [
-    "GQA_NATIVE",
     "REFERENCE",
     "SCHEMAS",
     "SdpaOps",
-    "attention_backward",
-    "attention_forward",
-    "backend_mask",
     "bwd_repair",
     "bwd_verify",
-    "dropout_keep",
-    "expand_kv",
     "fwd_repair",
     "fwd_verify",
-    "group_sum",
     "kv_stats",
     "mask_facts",
-    "probe_gqa",
-    "rewound",
-    "rng_state",
 ]
 
 _F32 = torch.float32

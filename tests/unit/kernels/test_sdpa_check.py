@@ -11,9 +11,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from attnchecker.kernels.sdpa_backend import attention_backward, attention_forward
 from attnchecker.kernels.sdpa_check import (
-    attention_backward,
-    attention_forward,
     bwd_repair,
     bwd_verify,
     fwd_repair,

@@ -13,17 +13,19 @@ import torch
 from torch.nn import functional as F
 
 from attnchecker import kernels
-from attnchecker.kernels.sdpa_check import (
+from attnchecker.kernels.sdpa_backend import (
     attention_backward,
     attention_forward,
+    rewound,
+    rng_state,
+)
+from attnchecker.kernels.sdpa_check import (
     bwd_repair,
     bwd_verify,
     fwd_repair,
     fwd_verify,
     kv_stats,
     mask_facts,
-    rewound,
-    rng_state,
 )
 
 B, H, HKV, L, D = 2, 4, 2, 48, 16

@@ -15,6 +15,7 @@ from attnchecker.kernels import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs triton (CUDA or the interpreter)")
 
+from attnchecker.kernels import sdpa_backend as backend  # noqa: E402
 from attnchecker.kernels import sdpa_check as ref  # noqa: E402
 from attnchecker.kernels import sdpa_kernels as kern  # noqa: E402
 from attnchecker.kernels import sdpa_kernels_bwd as kb  # noqa: E402
@@ -37,7 +38,7 @@ def _fwd(q, k, v, m, causal, out, lse, rowmax):
     log = torch.zeros(2, 7, dtype=torch.float64, device=DEVICE)
     stats = kern.kv_stats(k, v)
     flags = kern.fwd_verify(q, k, out, lse, stats, rowmax, SCALE, 1.0)
-    kern.fwd_repair(q, k, v, ref.backend_mask(m, q), out, lse, stats, rowmax, flags, log,
+    kern.fwd_repair(q, k, v, backend.backend_mask(m, q), out, lse, stats, rowmax, flags, log,
                     torch.ones(1, device=DEVICE), (0, 1), causal, SCALE, 1.0)  # fmt: skip
     return log
 
@@ -47,7 +48,7 @@ def _bwd(q, k, v, m, causal, out, lse, grad, dq, dk, dv, rowmax):
     stats = kern.kv_stats(k, v)
     part, flags = kb.bwd_rows(q, k, lse, grad, dq, stats, rowmax, SCALE, 1.0)
     sums = kb.bwd_cols(dk, dv)
-    kb.bwd_repair(q, k, v, ref.backend_mask(m, q), out, lse, grad, dq, dk, dv, stats, rowmax,
+    kb.bwd_repair(q, k, v, backend.backend_mask(m, q), out, lse, grad, dq, dk, dv, stats, rowmax,
                     part, flags, sums, rec, torch.ones(1, device=DEVICE), (0, 1, 2), causal,
                     SCALE, 1.0)  # fmt: skip
     return rec
@@ -109,6 +110,6 @@ def test_an_error_the_operands_imply_is_lost_and_reproduced():
     q, k, v, m, causal, out, lse, *_, rowmax = _case("fp32", None)
     v = v.clone()
     v[0, 1, 3, 0] = math.nan  # O is NaN wherever it attends key 3, and so is the repair
-    out, lse, _ = ref.attention_forward(q, k, v, None, True, SCALE)
+    out, lse, _ = backend.attention_forward(q, k, v, None, True, SCALE)
     log = _fwd(q, k, v, m, causal, out, lse, rowmax)
     assert log[1, [3, 4, 5]].tolist() == [1, 1, 1]
