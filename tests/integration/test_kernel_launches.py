@@ -75,16 +75,22 @@ def test_a_checked_step_adds_at_most_the_target_launches_per_layer(family, scope
     assert handle.drain() == []
 
 
+def _twins(layers: int, scope: str):
+    """(plain llama, a protected copy, its handle, a fused AdamW at lr 3e-2 for each)."""
+    base = build("llama", layers=layers, max_len=64)
+    base.train()
+    base.set_attn_implementation("sdpa")
+    plain, model = copy.deepcopy(base), copy.deepcopy(base)
+    handle = protect_(model, _config(scope))
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-2, fused=True) for m in (plain, model)]
+    return plain, model, handle, opts
+
+
 def test_the_weight_sums_follow_a_fused_optimizer_step_by_step():
     """Ten steps of a fused AdamW at a large learning rate (the weights move a lot) with the
     checks on the registered ops: no false alarm, and the losses equal the plain model's (a
     clean check writes nothing)."""
-    base = build("llama", layers=LAYERS, max_len=64)
-    base.train()
-    base.set_attn_implementation("sdpa")
-    plain, model = copy.deepcopy(base), copy.deepcopy(base)
-    handle = protect_(model, _config("all_linear"))
-    opts = [torch.optim.AdamW(m.parameters(), lr=3e-2, fused=True) for m in (plain, model)]
+    plain, model, handle, opts = _twins(LAYERS, "all_linear")
     g = torch.Generator().manual_seed(1)
     for _ in range(10):
         ids = torch.randint(3, 128, (2, 24), generator=g)
@@ -105,12 +111,7 @@ def test_micro_batches_of_one_optimizer_step_share_the_weight_sums():
     hand-written one's) the weight sums are computed once per weight per step, not per
     micro-batch, and afresh after the step (no false alarm; the losses equal the plain
     model's). One layer, the attention's projections: a count, kept short."""
-    base = build("llama", layers=1, max_len=64)
-    base.train()
-    base.set_attn_implementation("sdpa")
-    plain, model = copy.deepcopy(base), copy.deepcopy(base)
-    handle = protect_(model, _config("attention"))
-    opts = [torch.optim.AdamW(m.parameters(), lr=3e-2, fused=True) for m in (plain, model)]
+    plain, model, handle, opts = _twins(1, "attention")
     g = torch.Generator().manual_seed(2)
     weights = []
     for _ in range(2):

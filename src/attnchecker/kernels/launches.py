@@ -30,8 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["Launch", "SkipCompute", "arg_bytes", "as_on_gpu", "current", "program_order",
-           "recorded"]  # fmt: skip
+__all__ = ["Launch", "SkipCompute", "arg_bytes", "as_on_gpu", "current", "host_flag",
+           "program_order", "recorded"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,15 @@ def current() -> list[Launch] | None:
 def as_on_gpu() -> bool:
     """Whether kernels are being recorded without running (tensors go to them as on a GPU)."""
     return _STATE["log"] is not None and not _STATE["run"]
+
+
+def host_flag(flags: torch.Tensor) -> bool:
+    """Whether any of ``flags`` is set, read on the host (a synchronisation on CUDA). While
+    launches are recorded as on a GPU (:func:`as_on_gpu`: the cost model's trace, values
+    garbage) the read is made, so that it is seen and charged, and False returned: the clean
+    path is the one traced."""
+    hit = bool(flags.any())
+    return hit and not as_on_gpu()
 
 
 def arg_bytes(values) -> int:

@@ -149,17 +149,22 @@ def _math(q, k, v, mask, causal, scale, dropout):
     )
 
 
-def _lse(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
-    """Each row's log-sum-exp of the scaled, masked scores (B, H, L) fp32: what the math backend
-    does not return (a CPU's dropout path; L x L there, as the backend itself)."""
-    H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
-    with torch.autocast(q.device.type, enabled=False):  # (fp32 products under autocast too)
-        z = (q.float() @ expand_kv(k, H).float().mT) * scale
+def _scores(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+    """The scaled, masked scores (B, H, L, Lk) fp32, products in fp32 under autocast too (the
+    math backend's dropout path on a CPU: L x L there, as the backend itself)."""
+    L, Lk = q.shape[2], k.shape[2]
+    with torch.autocast(q.device.type, enabled=False):
+        z = (q.float() @ expand_kv(k, q.shape[1]).float().mT) * scale
     if mask is not None:
         z = z + backend_mask(mask, q).float()
     if causal:
         z = z.masked_fill(torch.ones(L, Lk, dtype=torch.bool, device=q.device).triu(1), -math.inf)
-    return torch.logsumexp(z, -1)
+    return z
+
+
+def _lse(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+    """Each row's log-sum-exp (B, H, L) fp32: what the math backend does not return."""
+    return torch.logsumexp(_scores(q, k, mask, causal, scale), -1)
 
 
 def attention_forward(
@@ -245,14 +250,10 @@ def _math_backward(grad, q, k, v, mask, causal, scale, dropout, rng):
 
 def _math_grads(q, k, v, grad, keep, mask, causal, scale):
     """:func:`_math_backward`'s formulas, fp32, given the draw ``keep`` (scaled)."""
-    H, Hkv, L, Lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    H, Hkv = q.shape[1], k.shape[1]
     qf, kf, vf, g = q.float(), expand_kv(k, H).float(), expand_kv(v, H).float(), grad.float()
-    z = (qf @ kf.mT) * scale
-    if mask is not None:
-        z = z + backend_mask(mask, q).float()
-    if causal:
-        z = z.masked_fill(torch.ones(L, Lk, dtype=torch.bool, device=q.device).triu(1), -math.inf)
-    p = torch.softmax(z, -1).nan_to_num(0.0)  # a row with no key: 0, as the math backend's
+    p = torch.softmax(_scores(q, k, mask, causal, scale), -1)
+    p = p.nan_to_num(0.0)  # a row with no key: 0, as the math backend's
     dv = (p * keep).mT @ g
     dp = (g @ vf.mT) * keep
     ds = p * (dp - (p * dp).sum(-1, keepdim=True))

@@ -67,7 +67,7 @@ from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
 from attnchecker.kernels import DEAD
-from attnchecker.kernels.launches import as_on_gpu
+from attnchecker.kernels.launches import host_flag
 from attnchecker.kernels.sdpa_backend import (
     attention_backward,
     attention_forward,
@@ -201,14 +201,6 @@ def _heads(x: Tensor, b: Tensor, h: Tensor) -> Tensor:
     return x[b, h][None]
 
 
-def _flagged(flags: Tensor) -> bool:
-    """Whether any flag is set, read on the host (the reference's repairs: free on a CPU, a
-    synchronisation on CUDA); while launches are recorded as on a GPU (the cost model's trace,
-    values garbage) the read is made, so it is seen and charged, and the clean path taken."""
-    hit = bool(flags.any())
-    return hit and not as_on_gpu()
-
-
 def fwd_repair(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
     stats: Tensor, flags: Tensor, log: Tensor, rows: tuple[int, int], causal: bool,
@@ -218,7 +210,7 @@ def fwd_repair(
     lost and reproduced in the rows of the checks that flagged them. Nothing on a clean call.
     With ``dropout``, the whole call rerun from ``rng`` (the kernel's draw follows the heads'
     places in the call: a sub-batch would draw other masks)."""
-    if not _flagged(flags):  # (CPU: no device to wait for; CUDA: a synchronisation)
+    if not host_flag(flags):  # (CPU: no device to wait for; CUDA: a synchronisation)
         return
     b, h = flags.nonzero(as_tuple=True)
     rep = q.shape[1] // k.shape[1]
@@ -330,7 +322,7 @@ def bwd_repair(
     group), check them again, and mark the still flagged lost and reproduced. Nothing on a clean
     call. With ``dropout``, the whole call's backward from the forward's draw (``rng``: the
     generator before the forward)."""
-    if not _flagged(flags):
+    if not host_flag(flags):
         return
     b, g = flags.nonzero(as_tuple=True)
     rep = q.shape[1] // k.shape[1]

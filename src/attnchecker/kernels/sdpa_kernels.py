@@ -36,7 +36,7 @@ from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
 from attnchecker.kernels import DEAD, SDPA_BLOCKS, sdpa_check
-from attnchecker.kernels.launches import as_on_gpu
+from attnchecker.kernels.launches import host_flag
 from attnchecker.kernels.sdpa_check import define, reduce_stats
 from attnchecker.kernels.triton_utils import (
     EPS32,
@@ -332,10 +332,8 @@ def fwd_verify(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, stats: Tensor, ro
 
 def flagged(flags: Tensor, d: int) -> bool:
     """Whether :func:`fwd_verify`'s scratch holds a flag, read on the host (a dropout call's
-    repair: a synchronisation on CUDA); the clean path while launches are recorded as on a GPU
-    (the read is made, so the cost model sees it)."""
-    hit = bool(flags[:-4].view(-1, entry_width(d))[:, 0].any())
-    return hit and not as_on_gpu()
+    repair: a synchronisation on CUDA; :func:`~attnchecker.kernels.launches.host_flag`)."""
+    return host_flag(flags[:-4].view(-1, entry_width(d))[:, 0])
 
 
 def fwd_repair(q, k, v, mask, out, lse, stats, rowmax, flags, log, step, rows, causal: bool,

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from attnchecker.abft.tolerance import underflow_floor
 from attnchecker.kernels import DEAD, SDPA_BLOCKS, sdpa_check
-from attnchecker.kernels.launches import as_on_gpu
+from attnchecker.kernels.launches import host_flag
 from attnchecker.kernels.sdpa_check import SdpaOps, define, reduce_stats
 from attnchecker.kernels.sdpa_kernels import fwd_repair_op, fwd_verify_op, kv_stats_op
 from attnchecker.kernels.triton_utils import (
@@ -543,8 +543,7 @@ def _bwd_repair_op(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, qpa
     if dropout > 0:  # the kernel's draw is not the repair kernels': the reference's, on a flag
         _, scr = group_check(q, k, dq, dk, dv, qpart, flags, kvpart, scale, tol, dropout)
         n = scr.numel() - k.shape[0] * k.shape[1]  # (the arrival counters after the entries)
-        hit = bool(scr[:n].any())  # (an entry is all zero but for a flag)
-        if hit and not as_on_gpu():
+        if host_flag(scr[:n]):  # (an entry is all zero but for a flag)
             stats = reduce_stats(stats)
             bad = sdpa_check.bwd_verify(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step,
                                         tuple(rows), scale, tol, dropout)  # fmt: skip
