@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from attnchecker.attention.config import POLICIES, SCOPES
 from attnchecker.cli.common import add_backend, add_command, needs_torchrun, relaunch
@@ -24,7 +25,9 @@ def _train(args: argparse.Namespace) -> int:
 
     outputs: <out>/meta.json, metrics.jsonl (a line per step), events.jsonl (faults, protection
     events, diagnoses, rollbacks), model.safetensors, summary.json (every rank's counts, the
-    outlier rank); rank r > 0 under <out>/rank<r>/
+    outlier rank, the devices named quarantine candidates); rank r > 0 under <out>/rank<r>/; a
+    device whose checks fire at two steps or more (or again in a replay) is named on stderr at
+    exit, with the command that reproduces it
 
     example: attnchecker train --out runs/t --family llama --protect --fault-rate 0.1
     """
@@ -56,8 +59,26 @@ def _train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every, bf16=args.bf16, warmup=args.warmup,
         data=tuple(args.data) if args.data else None, policy=args.policy, compile=args.compile,
     )  # fmt: skip
-    print(json.dumps(train(cfg, args.out, faults=faults), indent=2))
+    summary = train(cfg, args.out, faults=faults)
+    print(json.dumps(summary, indent=2))
+    for q in summary["quarantine"]:  # the exit message: a device to take out of service
+        print(_quarantine(q, args.argv), file=sys.stderr)
     return 0
+
+
+def _quarantine(evidence: dict, argv: list[str]) -> str:
+    """A device named a quarantine candidate (:mod:`attnchecker.recovery.ledger`), with the
+    command that reproduces it: this run again, pinned to that device (the same seed and
+    batches), and the steps its checks fired at."""
+    import shlex
+
+    pin = "" if evidence["index"] is None else f"CUDA_VISIBLE_DEVICES={evidence['index']} "
+    command = f"{pin}attnchecker {shlex.join(argv)}"
+    return (
+        f"attnchecker: {evidence['message']}. Reproduce on host {evidence['host']}: {command} "
+        f"(checks fire again at steps {', '.join(map(str, evidence['steps'][:8]))}; on another "
+        f"device they should not)"
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

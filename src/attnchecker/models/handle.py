@@ -21,6 +21,7 @@ from attnchecker.attention.records import RECORD_FIELDS
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock, SiteHook
 from attnchecker.errors import ConfigError, UncorrectableFaultError
+from attnchecker.recovery.ledger import QUARANTINE, DeviceLedger
 
 if TYPE_CHECKING:
     from attnchecker.models.pending import Pending
@@ -31,7 +32,7 @@ without ``example=``, has run its first forward (:mod:`attnchecker.models.pendin
 
 __all__ = ["Event", "ProtectionHandle", "pattern_of"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: Event.value, and action "quarantine" (recovery.ledger)
 _LOG = logging.getLogger("attnchecker")
 
 
@@ -73,6 +74,9 @@ class Event:
     # recomputing from the operands gave the flagged result again, so they imply it (an
     # overflow upstream: not this GEMM's hardware)
     cause: str = "fault"
+    # the delivered value at the worst flagged position, where finite (None: INF / NaN, a fused
+    # kernel's tile, or an event naming a device: action "quarantine", recovery.ledger)
+    value: float | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, object]:
@@ -148,8 +152,9 @@ def _event(module: str, layer: int, op: str, rec: dict[str, float], *, tile: boo
     kind = "unknown" if tile else kind_of(rec["value"])
     cause = "numerics" if rec["reproduced"] else "fault"
     step = round(rec["step_sum"] / n)
+    value = None if tile or not math.isfinite(rec["value"]) else float(rec["value"])
     return Event(step, module, layer, op, pattern, kind, action, n_rows, n_cols, count=n,
-                 cause=cause)  # fmt: skip
+                 cause=cause, value=value)  # fmt: skip
 
 
 class _Detach:
@@ -186,6 +191,8 @@ class ProtectionHandle:
         self.unprotected = unprotected  # why the model's attention is not checked, or None
         # a model of one's own protected without example=, before its first forward
         self._pending: Pending | None = None
+        # per device, the checks that fired and whether it is a quarantine candidate
+        self.devices = DeviceLedger()
 
     @property
     def modules(self) -> list[str]:
@@ -277,6 +284,7 @@ class ProtectionHandle:
         count, drains = mark
         self._clock.count.copy_(count)
         self.schedule.go_to(drains)
+        self.devices.rewound()  # the next drain is the replay's
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Totals per op since protection (checkpointing replays where they found something the
@@ -329,10 +337,27 @@ class ProtectionHandle:
                     events.append(_event(name, st.layer, op, rec, tile=op in kernel))
         for e in events:
             self._causes[e.cause] = self._causes.get(e.cause, 0) + e.count
+        events += self._name_device(events)
         bad = [e for e in events if e.action == "uncorrectable"]
         if bad:
             self._apply_policy(bad, events)
         return events
+
+    def _name_device(self, events: list[Event]) -> list[Event]:
+        """The ledger fed with this drain's events (:mod:`attnchecker.recovery.ledger`); one
+        event naming this device (``action="quarantine"``, ``count`` 0) where its rule first
+        holds."""
+        from attnchecker.recovery.diagnosis import here
+
+        if not events and self.devices.idle:  # the clean path: no host work
+            return []
+        where = here(self._clock.count.device)
+        named = self.devices.observe(events, where)
+        if named is None:
+            return []
+        _LOG.warning("attnchecker: %s", named.message())
+        return [Event(named.named_at or 0, str(where), -1, "device", "", "", QUARANTINE, 0, 0,
+                      count=0)]  # fmt: skip
 
     def _log_engines(self) -> None:
         """At the first drain, one log line per engine saying which modules it runs and why
@@ -399,6 +424,10 @@ class ProtectionHandle:
             "host": where.host,
             "device": where.device,
             "detections": dict(self._causes),
+            # per device, the checks that fired (where, at what size, at which steps, replays)
+            # and the evidence naming a quarantine candidate (recovery.ledger: the rule)
+            "devices": self.devices.to_dicts(),
+            "quarantine": [r.evidence() for r in self.devices.candidates()],
             # per module: its engine, the ops it checks, those it does not and why, and for an
             # attention module its "core": "checked", or "own" (nothing needs the checked core:
             # the model's own attention runs, untouched)

@@ -48,6 +48,7 @@ __all__ = [
 ]  # fmt: skip
 
 FAULT, NUMERICS = "fault", "numerics"  # as ``Event.cause`` spells them
+QUARANTINE = "quarantine"  # the ``Event.action`` naming a device (recovery.ledger): no check
 VERDICT = {FAULT: "your hardware", NUMERICS: "not your hardware"}
 UNKNOWN = "unknown"
 """The verdict on numerics with a GEMM upstream that no check covers: the operands imply the
@@ -261,6 +262,7 @@ def classify(
     "not your hardware" only when every GEMM upstream was checked; without it the coverage is
     unknown and so is such a verdict (:data:`UNKNOWN`)."""
     where = where or here()
+    events = [e for e in events if e.action != QUARANTINE]
     bad_loss = loss is not None and not math.isfinite(loss)
     spiked = (
         loss is not None
@@ -347,6 +349,8 @@ class RankCounts:
     uncorrectable: int = 0  # of which beyond repair
     numerics: int = 0  # steps diagnosed numerics
     by_op: dict[str, int] = field(default_factory=dict)  # computation faults per op
+    # this rank's devices named quarantine candidates (recovery.ledger: DeviceRecord.evidence)
+    quarantine: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -363,7 +367,7 @@ def tally(counts: RankCounts, events: Iterable, finding: Finding | None) -> None
     """Add one step's events and diagnosis to ``counts``."""
     counts.steps += 1
     for e in events:
-        if e.cause == "fault":
+        if e.cause == "fault" and e.action != QUARANTINE:
             counts.faults += e.count
             counts.uncorrectable += e.count if e.action == "uncorrectable" else 0
             counts.by_op[e.op] = counts.by_op.get(e.op, 0) + e.count

@@ -127,6 +127,25 @@ def demo_report(out: str | Path) -> Path:
     return path
 
 
+def _quarantine(summary: dict[str, Any], *, meta: Path) -> str:
+    """The devices a run named quarantine candidates (recovery.ledger), first: who, why, where
+    the checks fired and at what size, and how to reproduce it."""
+    named = summary.get("quarantine") or []
+    if not named:
+        return ""
+    seed = json.loads(meta.read_text())["config"].get("seed") if meta.exists() else None
+    rows = []
+    for q in named:
+        sites = "; ".join(f"{k}: {v}" for k, v in q["sites"].items())
+        rows.append(
+            f"<li><b>{html.escape(q['message'])}</b><br>sizes: {html.escape(sites)}<br>"
+            f"replays: {html.escape(json.dumps(q['replays']))}<br>reproduce: "
+            f"{html.escape(q['reproduce'])}" + (f" (seed {seed}, config in meta.json)"
+                                                 if seed is not None else "") + "</li>"
+        )  # fmt: skip
+    return f"<h2>Quarantine candidates</h2><ul>{''.join(rows)}</ul>"
+
+
 def _diagnosis(root: Path) -> str:
     """The diagnosis demo's two arms (``root/<arm>/``), step by step, if it ran."""
     arms = (
@@ -286,10 +305,11 @@ def run_report(run: str | Path) -> Path:
     items = "".join(
         f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
         for k, v in summary.items()
+        if k != "quarantine"
     )
     page = f"""<!doctype html><meta charset="utf-8"><title>attnchecker run</title>
 <style>body{{font-family:sans-serif;max-width:50em;margin:2em auto}}td{{padding:.2em .6em;border-bottom:1px solid #ddd}}</style>
-<h1>{html.escape(str(run))}</h1><table>{items}</table>
+<h1>{html.escape(str(run))}</h1>{_quarantine(summary, meta=run / "meta.json")}<table>{items}</table>
 <p>events: {html.escape(json.dumps(kinds))}</p><img src="loss.png" alt="loss">
 """
     path = run / "report.html"

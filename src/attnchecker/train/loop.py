@@ -25,7 +25,8 @@ finite-gradient guard. Two steps in a row skipped as non-finite or reproduced ar
 Every step is diagnosed (:mod:`attnchecker.recovery.diagnosis`): a step with a computation
 fault (your hardware) or numerics (NaN / INF or a spike with every check consistent: not your
 hardware) writes a ``diagnosis`` line to ``events.jsonl``; ``summary.json`` carries every rank's
-counts (``ranks``) and names a rank whose faults stand out (``outlier_ranks``).
+counts (``ranks``), names a rank whose faults stand out (``outlier_ranks``) and every device whose
+faults repeat, with the evidence (``quarantine``: :mod:`attnchecker.recovery.ledger`).
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) the model is wrapped in ``DistributedDataParallel``
 (gloo on CPU, nccl on GPU), each rank trains on its own data, faults hit ``fault_rank`` only,
@@ -519,6 +520,8 @@ def _finish(state: TrainState, log: _RunLog, *, wall: float) -> dict[str, Any]:
     from attnchecker.recovery.checkpoint import save_weights
 
     save_weights(state.model, state.out / "model.safetensors")
+    named = state.handle.devices.candidates() if state.handle is not None else []
+    log.mine.quarantine = [r.evidence() for r in named]  # gathered with the counts
     ranks = gather(log.mine)  # every rank's counts (a collective under a process group)
     if state.owns_group:
         # DDP's reducer holds the group and its last gradient all-reduce: left to the
@@ -540,6 +543,7 @@ def _finish(state: TrainState, log: _RunLog, *, wall: float) -> dict[str, Any]:
         **state.totals,
         "ranks": [r.to_dict() for r in ranks],
         "outlier_ranks": outliers(ranks),
+        "quarantine": [q for r in ranks for q in r.quarantine],
     }
     (state.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
