@@ -67,6 +67,8 @@ def _gemms(o: dict[str, Tensor]):
     return [
         ("dX = dY W", o["dy"] @ o["w"], o["dy"], o["w"], "linear"),
         ("dW = dY^T X", o["dy"].t() @ o["x"], o["dy"].t(), o["x"], "linear"),
+        ("dX (registered ops)", o["dy"] @ o["w"], o["dy"], o["w"], "kernels"),
+        ("dW (registered ops)", o["dy"].t() @ o["x"], o["dy"].t(), o["x"], "kernels"),
         ("dQ = dS K", o["ds"] @ o["k"], o["ds"], o["k"], "heads"),
         ("dV = P^T dO", o["p"].mT @ o["do"], o["p"].mT, o["do"], "heads+"),
     ]
@@ -78,6 +80,12 @@ def _flags(out: Tensor, x: Tensor, y: Tensor, kind: str) -> Tensor:
         from attnchecker.abft.gemm import rows_excess
 
         return ~(rows_excess(out, x, y, scale=1.0) <= 0)
+    if kind == "kernels":  # check_impl="triton" (the CUDA default): the verify kernel's excesses
+        from attnchecker.abft.gemm import limits  # as gemm_check.reference computes them (held
+        from attnchecker.kernels import gemm_check as gc  # equal by test_gemm_check.py)
+
+        floor, a, c, cap, *_ = limits(out, x, y, 1.0)
+        return ~(gc.reference(out, x, y, floor=floor, a=a, c=c, cap=cap)["exc"] <= 0)
     return ~(product_residual(out, x, y, scale=1.0, nonneg=kind == "heads+")[1] <= 0)
 
 

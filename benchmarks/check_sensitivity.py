@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from _common import environment, parse, write
-from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
+from attnchecker.attention.checks import Projection, projection_check_, row_limits
 from attnchecker.attention.handoff import Handoff
 from attnchecker.attention.heads import context_residual, probs_residual, scores_residual
 from attnchecker.kernels import sdpa_check
@@ -49,6 +49,7 @@ DATA = ("normal", "positive", "lognormal", "outlier")
 LAYOUTS = ("gpt2", "bert", "llama")
 CHECKS = (
     "projection",
+    "projection (registered ops)",
     "scores",
     "probs",
     "context (naive)",
@@ -57,16 +58,30 @@ CHECKS = (
     "probs (sdpa route)",
     "context (sdpa route)",
 )
-EAGER = CHECKS[:5]  # the eager engine's; ROUTE, the SDPA route's forward checks
-ROUTE = CHECKS[5:]  # (backend="sdpa"): sensitivity only, its false alarms are measured elsewhere
+EAGER = (CHECKS[0], *CHECKS[2:6])  # the eager engine's; ROUTE, the SDPA route's forward checks
+ROUTE = CHECKS[6:]  # (backend="sdpa"): sensitivity only, its false alarms are measured elsewhere
 MAX_ROWS = 4  # ABFTConfig's default
 
 
 def _check(x: Tensor, pairs: list[tuple[Projection, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
     """projection_check_ as AttentionState._check_group calls it (tolerance_scale 1)."""
-    factor = row_factor(x, pairs, 1.0)
-    floor = row_floor(pairs) / factor
-    return projection_check_(x, pairs, max_rows=MAX_ROWS, factor=factor, floor=floor, bounds=True)
+    return projection_check_(x, pairs, max_rows=MAX_ROWS, bounds=True, **row_limits(x, pairs, 1.0))
+
+
+def _kernel_flags(x: Tensor, proj: Projection, y: Tensor) -> Tensor:
+    """(T, G) rows the registered ops (``check_impl="triton"``, the CUDA default) flag: their
+    verify kernel's excesses as ``projection_check.reference`` computes them (held equal to the
+    kernel's by tests/unit/kernels/test_projection_check.py), weight sums of W as multiplied."""
+    from attnchecker.kernels import projection_check as pc
+
+    lim = row_limits(x, [(proj, y)], 1.0)
+    T = x.shape[0] * x.shape[1]
+    w, b = proj.weight.to(y.dtype), None if proj.bias is None else proj.bias.to(y.dtype)
+    floor = lim["floor"]
+    ref = pc.reference(y.reshape(T, -1), x.reshape(T, -1), w, b, proj.conv1d, proj.groups,
+                       factor=lim["factor"], floor=floor, absf=lim["absf"],
+                       cap=lim["cap"])  # fmt: skip
+    return ~(ref["exc"] <= 0)
 
 
 def _draw(shape: tuple[int, ...], data: str, g: torch.Generator) -> Tensor:
@@ -83,9 +98,8 @@ def _draw(shape: tuple[int, ...], data: str, g: torch.Generator) -> Tensor:
 def _handoff(x: Tensor, pairs, ref: Tensor, bound: Tensor, B: int, L: int, H: int) -> Handoff:
     """What AttentionState._leave hands to the core: V's row sums (the last H of Q|K|V's 3H
     head groups) and their error bound, the projection check's tolerance."""
-    factor = row_factor(x, pairs, 1.0)
     cut = lambda t: t[:, 2 * H : 3 * H].reshape(B, L, H)
-    return Handoff(cut(ref), cut(bound * factor))
+    return Handoff(cut(ref), cut(bound))
 
 
 def _heads(y: Tensor, B: int, L: int, H: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -290,7 +304,9 @@ def sensitivity(
             "context": c.float().abs().sum(-1),
         }
         total["projection"] += T
-        for name in CHECKS[1:]:  # (each route check: the same query rows)
+        total["projection (registered ops)"] += T
+        assert not _kernel_flags(x, proj, y).any(), "false alarm on the clean projection"
+        for name in CHECKS[2:]:  # (each route check: the same query rows)
             total[name] += B * H * L
         # the SDPA route sees S, P and O only through the LSE and O (no mask: every score
         # attended; its false alarms are the clean sweeps' and tests/unit/kernels/test_sdpa_check)
@@ -309,6 +325,8 @@ def sensitivity(
             moved = _one_per_row(sel.to(dtype), r, l1["projection"][torch.arange(T), grp], g)
             yf = y.clone().view(T, 3 * H, d)
             yf[torch.arange(T), grp] = moved
+            kf = _kernel_flags(x, proj, yf.view(B, L, -1))  # (T, 3H), before the eager repair
+            hits["projection (registered ops)"][gi] += int(kf.any(1).sum())
             rec, _, _ = _check(x, [(proj, yf.view(B, L, -1))])
             hits["projection"][gi] += int(rec[:, 0].sum())  # tokens flagged, over Q, K, V
             sf = _one_per_row(s, r, l1["scores"], g)

@@ -173,7 +173,7 @@ def one_gemm() -> list[dict]:
         gemm = t.modelled(H200)
         for arm, kw in (("W's references at hand", {"refs": refs}), ("own references", {})):
             with OpTrace() as t:
-                gc.check_(dx, dy, w, rec, step, floor=0.0, c=-1e-3, **kw)
+                gc.check_(dx, dy, w, rec, step, floor=0.0, a=4e-3, c=-1e-3, cap=48.0, **kw)
             m = t.modelled(H200)
             rows.append({"arm": arm, "shape": [T, N, K], "launches": m.launches,
                          "host_us": m.host * 1e6, "device_us": m.device * 1e6,

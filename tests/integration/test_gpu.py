@@ -357,9 +357,10 @@ def test_triton_gemm_check_kernels_match_the_eager_check_on_cuda(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_projection_check_kernels_compute_the_reference_on_cuda(dtype):
-    """``attnchecker.kernels.projection_check`` compiled for the GPU (bf16 references on the
-    tensor cores): the excesses of the torch reference, no flag on a clean projection, and a
+    """``attnchecker.kernels.projection_check`` compiled for the GPU (bf16 hi + lo references on
+    the tensor cores): the excesses of the torch reference, no flag on a clean projection, and a
     NaN / INF / 1e30 element located, repaired and recorded."""
+    from attnchecker.abft.tolerance import CAP, gemm_terms
     from attnchecker.kernels import projection_check as pc
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -368,8 +369,8 @@ def test_the_projection_check_kernels_compute_the_reference_on_cuda(dtype):
     w = (torch.randn(G * 64, K, device="cuda", generator=g) / K**0.5).to(dtype)
     b = torch.randn(G * 64, device="cuda", generator=g).to(dtype)
     clean = torch.nn.functional.linear(x, w, b)
-    lim = {"factor": {torch.float32: 1e-4, torch.bfloat16: 8e-2, torch.float16: 1e-2}[dtype],
-           "floor": 1e-30}  # fmt: skip
+    f_abs, f_mag = gemm_terms(dtype, x.device, inner=K + 1, length=64)
+    lim = {"factor": 8 * f_mag, "floor": 1e-30, "absf": f_abs, "cap": 8 * CAP}  # row_limits
     sites = (0,) * 12 + (1,) * 12 + (2,) * 12
     ws = pc.proj_weights(w, b, G, False)
     for bad in (None, float("nan"), float("inf"), 1e30):

@@ -1,10 +1,15 @@
 """The check of one GEMM out = x @ y by rows and columns, and its repair, in few passes.
 
 Rows: sum_n out_mn against x_m . (y 1); columns: sum_m out_mn against (1^T x) . y_n. The rounding
-bounds are Cauchy-Schwarz magnitudes times :func:`~attnchecker.abft.tolerance.gemm_factor`:
-||x_m|| sqrt(N) ||y||_F for a row, ||y_:n|| sqrt(M) ||x||_F for a column. Up to ``max_rows`` worst
-rows and the worst column are recomputed from the operands (fixed sizes: nothing synchronises),
-then every row is checked again; what still fails is ``lost``.
+bound is :func:`~attnchecker.abft.tolerance.gemm_terms`'s rounding-tight one (issue 55): f_abs
+times the delivered row's L1 norm (the outputs' own rounding) plus f_mag times a Cauchy-Schwarz
+magnitude, ||x_m|| sqrt(N) ||y||_F for a row, ||y_:n|| sqrt(M) ||x||_F for a column (the
+accumulation's). The references are exact enough for it: y's row sums (x's column sums)
+accumulated in fp64, rounded once to fp32, and the matrix-vector product in fp32 from the
+operands as the GEMM multiplied them (an operand wider than the output rounded to its dtype
+first, as autocast rounds it). Up to ``max_rows`` worst rows and the worst column are
+recomputed from the operands (fixed sizes: nothing synchronises), then every row is checked
+again; what still fails is ``lost``.
 
 Each tensor is read by as few passes as possible, each in the layout it is stored in, with the ops
 measured fastest on a CPU (2 cores, AVX-512, torch 2.13, a (1024, 2304) fp32 operand): a
@@ -23,16 +28,18 @@ import torch
 from torch import Tensor
 
 from attnchecker.abft.tolerance import (
-    gemm_factor,
+    CAP,
+    finite,
+    gemm_terms,
     norm_bound,
     squares_lost,
     underflow_floor,
-    unit_roundoff,
 )
 
 __all__ = ["col_norms", "gemm_check_", "limits", "row_norms", "rows_excess"]
 
 _F32 = torch.float32
+_F64 = torch.float64
 
 
 def row_norms(x: Tensor, rows_contiguous: bool | None = None) -> Tensor:
@@ -68,11 +75,27 @@ def _cpu_half(x: Tensor) -> bool:
 
 
 def _matvec(x: Tensor, v: Tensor) -> Tensor:
-    """x (M, K) @ v (K,): in fp32 when x is :func:`_fp32`'s copy, else in v's
-    dtype; one pass over x."""
-    if x.dtype == _F32:
-        return x @ v.to(_F32)
-    return x.to(v.dtype) @ v
+    """x (M, K) @ v (K,) in fp32, one pass over x (a half-precision x is exact in fp32)."""
+    return x.to(_F32) @ v.to(_F32)
+
+
+def _sums(t: Tensor, dim: int) -> Tensor:
+    """t's sums along ``dim`` in fp32, accumulated in fp64: one rounding each (the references'
+    u_32 m of :func:`~attnchecker.abft.tolerance.gemm_terms`)."""
+    return t.sum(dim, dtype=_F64).to(_F32)
+
+
+def _l1(t: Tensor, dim: int) -> Tensor:
+    """The L1 norms of t along ``dim`` in fp32 (one pass, no |t| copy), 0 where not finite
+    (:func:`~attnchecker.abft.tolerance.finite`)."""
+    return finite(torch.linalg.vector_norm(t, 1, dim=dim, dtype=_F32))
+
+
+def as_multiplied(out: Tensor, *operands: Tensor) -> list[Tensor]:
+    """The operands as the GEMM that gave ``out`` multiplied them: one wider than a half-precision
+    output (an fp32 weight under autocast) rounded to the output's dtype, as autocast rounds it."""
+    half = out.dtype in (torch.bfloat16, torch.float16)
+    return [t.to(out.dtype) if half and t.dtype != out.dtype else t for t in operands]
 
 
 def _column(y: Tensor, col: Tensor, cols_contiguous: bool) -> Tensor:
@@ -102,6 +125,7 @@ def gemm_check_(
     ``attnchecker.kernels.gemm_check`` check the same rows against the same :func:`limits`
     (rows only, every flagged row repaired, columns located on a flag)."""
     M = x.shape[0]
+    x, y = as_multiplied(out, x, y)
     lim = limits(out, x, y, scale)
     # the layouts too, read here: under torch.compile a layout query on a gradient inside
     # autocast(enabled=False) in a backward leaves autocast off for the rest of the traced
@@ -111,38 +135,32 @@ def gemm_check_(
         return _gemm_region(out, x, y, x_rows, y_cols, *layout, min(max_rows, M), *lim)
 
 
-def limits(out: Tensor, x: Tensor, y: Tensor, scale: float, refs_rounding: float = 0.0):
-    """(floor_r, c_r, floor_c, c_c): a row fails where |residual| - floor_r exceeds
-    -c_r ||x_m|| ||y||_F, a column likewise (the constants that depend on sizes are arguments:
-    a compiled region stays size-generic). ``refs_rounding``: the rows' references come from a
-    wider copy of y than the one multiplied (an fp32 parameter autocast rounds to bf16: its unit
-    roundoff, added to the rows' factor)."""
+def limits(out: Tensor, x: Tensor, y: Tensor, scale: float):
+    """(floor_r, a_r, c_r, cap_r, floor_c, a_c, c_c, cap_c): a row fails where |residual| -
+    floor_r - a_r min(A_m, cap_r ||x_m|| ||y||_F) exceeds -c_r ||x_m|| ||y||_F (A_m: the row's L1
+    norm; ||x_m|| sqrt(N) ||y||_F its magnitude bound), a column likewise (the constants that
+    depend on sizes are arguments: a compiled region stays size-generic; the terms of
+    :func:`~attnchecker.abft.tolerance.gemm_terms`, ``scale`` times, and its ``CAP``)."""
     M, K = x.shape
     N = y.shape[1]
-    dt = _reference_dtype(x, y)
-    rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0  # the references are computed in dt
-    f_r = (gemm_factor(out, x, y, inner=K, length=N) + rounding + refs_rounding) * scale
-    f_c = (gemm_factor(out, x, y, inner=K, length=M) + rounding) * scale
+    a_r, f_r = gemm_terms(out.dtype, out.device, inner=K, length=N)
+    a_c, f_c = gemm_terms(out.dtype, out.device, inner=K, length=M)
     return (
-        underflow_floor(out.dtype, length=N, inner=K), -math.sqrt(N) * f_r,
-        underflow_floor(out.dtype, length=M, inner=K), -math.sqrt(M) * f_c,
+        underflow_floor(out.dtype, length=N, inner=K), a_r * scale, -math.sqrt(N) * f_r * scale,
+        CAP * math.sqrt(N),
+        underflow_floor(out.dtype, length=M, inner=K), a_c * scale, -math.sqrt(M) * f_c * scale,
+        CAP * math.sqrt(M),
     )  # fmt: skip
 
 
 def rows_excess(out: Tensor, x: Tensor, y: Tensor, *, scale: float) -> Tensor:
     """(M,) each row's excess over its tolerance in :func:`gemm_check_` (> 0 or NaN: flagged),
     before any repair (for measurements: ``benchmarks/backward_sensitivity.py``)."""
-    floor_r, c_r, _, _ = limits(out, x, y, scale)
-    dt = _reference_dtype(x, y)
+    x, y = as_multiplied(out, x, y)
+    floor_r, a_r, c_r, cap_r, *_ = limits(out, x, y, scale)
     xn, y_fro = row_norms(x), torch.linalg.vector_norm(row_norms(y.t()))
-    res = out.sum(1, dtype=_F32) - _matvec(x, y.sum(1, dtype=_F32).to(dt)).to(_F32)
-    return _rows_excess(res, floor_r, c_r, xn, y_fro)
-
-
-def _reference_dtype(x: Tensor, y: Tensor) -> torch.dtype:
-    """The dtype the references are computed in: the operands' (fp32 for fp16, whose range a
-    row sum can overflow, and for mixed operands)."""
-    return x.dtype if x.dtype == y.dtype and x.dtype != torch.float16 else _F32
+    res = out.sum(1, dtype=_F32) - _matvec(x, _sums(y, 1))
+    return _rows_excess(res, floor_r, a_r, _l1(out, 1), c_r, cap_r, xn, y_fro)
 
 
 def _gemm_region(
@@ -155,32 +173,42 @@ def _gemm_region(
     y_cm: bool,
     R: int,
     floor_r: float,
+    a_r: float,
     c_r: float,
+    cap_r: float,
     floor_c: float,
+    a_c: float,
     c_c: float,
+    cap_c: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`gemm_check_`'s tensor work: a row fails where |residual| - floor_r exceeds
-    -c_r ||x_m|| ||y||_F, a column where |residual| - floor_c exceeds -c_c ||y_:n|| ||x||_F;
-    ``x_rm``: x's rows are contiguous, ``y_cm``: y's columns are."""
-    dt = _reference_dtype(x, y)
+    """:func:`gemm_check_`'s tensor work (:func:`limits`: a row fails where |residual| -
+    floor_r - a_r min(A_m, cap_r ||x_m|| ||y||_F) exceeds -c_r ||x_m|| ||y||_F, a column
+    likewise with ||y_:n|| ||x||_F; A: their L1 norms); ``x_rm``: x's rows are contiguous,
+    ``y_cm``: y's columns are."""
     xn = row_norms(x, x_rm) if x_rows is None else x_rows  # (M,)
     yn = row_norms(y.t(), y_cm) if y_cols is None else y_cols  # (N,)
     x_fro, y_fro = torch.linalg.vector_norm(xn), torch.linalg.vector_norm(yn)
     # the operands of matrix-vector products: transposed half-precision ones in fp32 on a CPU
-    xm = _fp32(x, x_rm) if _cpu_half(x) and not x_rm else x  # read by two of them
+    xm = _fp32(x, x_rm) if x.dtype != _F32 else x  # read by two of them, in fp32
     ym = _fp32(y.t(), y_cm) if _cpu_half(y) and not y_cm else y.t()
-    ref_c = _matvec(ym, x.sum(0, dtype=_F32).to(dt)).to(_F32)  # (N,)
+    ref_c = _matvec(ym, _sums(x, 0))  # (N,)
     res_c = out.sum(0, dtype=_F32) - ref_c
-    exc_c = torch.addcmul(res_c.abs_().sub_(floor_c), yn, x_fro, value=c_c)
-    ref_r = _matvec(xm, y.sum(1, dtype=_F32).to(dt)).to(_F32)  # (M,)
+    exc_c = _rows_excess(res_c, floor_c, a_c, _l1(out, 0), c_c, cap_c, yn, x_fro)
+    ref_r = _matvec(xm, _sums(y, 1))  # (M,)
     res_r = out.sum(1, dtype=_F32) - ref_r
-    exc_r = _rows_excess(res_r, floor_r, c_r, xn, y_fro)
-    return repair_(out, x, xm, y, y_cm, R, floor_r, c_r, xn, y_fro, ref_r, res_r, exc_r, exc_c)
+    exc_r = _rows_excess(res_r, floor_r, a_r, _l1(out, 1), c_r, cap_r, xn, y_fro)
+    return repair_(out, x, xm, y, y_cm, R, floor_r, a_r, c_r, cap_r, xn, y_fro, ref_r, res_r,
+                   exc_r, exc_c)  # fmt: skip
 
 
-def _rows_excess(res: Tensor, floor_r: float, c_r: float, xn: Tensor, y_fro: Tensor) -> Tensor:
-    """(M,): > 0 or NaN where a row is flagged."""
-    return torch.addcmul(res.abs().sub_(floor_r), xn, y_fro, value=c_r)
+def _rows_excess(
+    res: Tensor, floor: float, a: float, l1: Tensor, c: float, cap: float, xn: Tensor, fro
+) -> Tensor:
+    """(M,): > 0 or NaN where a row (or column) is flagged (``l1``: their L1 norms, capped at
+    ``cap`` xn fro)."""
+    mag = xn * fro
+    l1 = torch.minimum(l1, mag * cap)
+    return torch.addcmul(res.abs().sub_(floor).sub_(l1, alpha=a), xn, fro, value=c)
 
 
 def repair_(
@@ -191,7 +219,9 @@ def repair_(
     y_cm: bool,
     R: int,
     floor_r: float,
+    a_r: float,
     c_r: float,
+    cap_r: float,
     xn: Tensor,
     y_fro: Tensor,
     ref_r: Tensor,
@@ -217,7 +247,8 @@ def repair_(
     new_col = new_col.to(out.dtype).view(M, 1)
     out.index_copy_(1, col, torch.where(~(worst <= 0), new_col, out.index_select(1, col)))
     value = res_r.index_select(0, idx[:1]).view(())  # of the worst row (topk's first)
-    still = ~(_rows_excess(out.sum(1, dtype=_F32) - ref_r, floor_r, c_r, xn, y_fro) <= 0)
+    res = out.sum(1, dtype=_F32) - ref_r
+    still = ~(_rows_excess(res, floor_r, a_r, _l1(out, 1), c_r, cap_r, xn, y_fro) <= 0)
     again = (still.index_select(0, idx) & take.view(R)).any()
     rows = (~(exc_r <= 0)).sum(dtype=_F32)
     cols = (~(exc_c <= 0)).sum(dtype=_F32)

@@ -29,6 +29,38 @@ Accumulation is assumed in fp32: true for CPU kernels of every dtype and for CUD
 reduced-precision reductions are enabled for fp16/bf16 (then u_acc is the dtype's own roundoff).
 An fp32 GEMM on CUDA with TF32 allowed rounds both operands to 10 mantissa bits first, which
 adds 2 u_tf32 (u_tf32 = 2^-11) to every product's relative error.
+
+**The GEMM checks' rounding-tight bound** (:func:`gemm_terms`; issue 55). The bound above charges
+the output's rounding u_out to the magnitude m, which exceeds the row's L1 norm
+A = sum_j |y_j| by ~0.8 sqrt(k) on random data (the products cancel): a bf16 check then sees
+only errors of ~0.3 of the row (k = 768) and none below the row itself at k = 4,096. The GEMM
+checks (projections, linear layers' y, dX and dW) split the bound in two terms, each charged to
+what carries it:
+
+    |c - r| <= floor + f_abs A + f_mag m,     A = sum_j |y^_j| (the delivered row, one more
+                                              reduction in the pass that sums it)
+
+- f_abs (deterministic): the rounding of each output to C's dtype, |y^ - y| <= u_out |y| <=
+  u_out / (1 - u_out) |y^|; the recomputed sum, n fp32 terms in any order, n u_32 A; and the
+  GEMM's accumulation where its partial sums move monotonically towards y_j (same-sign data,
+  whose partial sums are bounded by |y_j|, rounded or truncated: 2 k u_32 |y_j|).
+- f_mag (probabilistic): the GEMM's accumulation of signed products, whose rounding errors
+  are independent and mean-zero in the standard model (Higham and Mary, "A new approach to
+  probabilistic rounding error analysis", SISC 2019): the row's error is a sum of n k such
+  errors, each at most u_acc times a partial sum bounded by its element's magnitude m_j, so by
+  Azuma-Hoeffding |error| <= lambda sqrt(k) u_acc sqrt(sum_j m_j^2) <= lambda sqrt(k) u_acc m
+  except with probability 2 exp(-lambda^2 / 2) (lambda = 8: 2.5e-14 a row; the last step,
+  sum_j m_j^2 <= m^2, leaves a further sqrt(n) of margin on rows of n similar elements); the
+  reference's k-term dot product the same in fp32; its sums of y, accumulated in fp64 (or
+  split), rounded once to fp32 (u_32 m); TF32 as above.
+
+The references must be the product of the operands *as the GEMM multiplied them* (autocast's
+bf16 copy of an fp32 weight or input, rounded the same way), in fp32: a reference from the fp32
+weight, or one rounded to bf16, adds u_bf16 m, the very term the split removes. With
+reduced-precision reductions allowed (CUDA, fp16 / bf16), a split-K GEMM rounds its partials to
+the output's dtype: u_acc is then the output's roundoff and f_mag loses the gain (read outside
+traced code, like TF32). For bf16 at k = 4,096 the bound is ~0.004 A + 6e-5 m (~0.008 of the
+row's L1 norm on random data), against ~0.3 of it with the magnitude-only bound.
 """
 
 from __future__ import annotations
@@ -38,7 +70,11 @@ import math
 import torch
 
 __all__ = [
+    "CAP",
+    "LAMBDA",
+    "finite",
     "gemm_factor",
+    "gemm_terms",
     "kernel_factor",
     "magnitude_factor",
     "norm_bound",
@@ -81,6 +117,41 @@ def magnitude_factor(
 
 
 _U_TF32 = 2.0**-11
+_U32 = 2.0**-24
+
+LAMBDA = 8.0
+"""The probabilistic bound's multiple of sqrt(k) u (module docstring): a row's accumulation error
+exceeds it with probability at most 2 exp(-LAMBDA^2 / 2) = 2.5e-14 in the standard model."""
+
+
+CAP = 1 + 2.0**-6
+"""A row's L1 norm A enters :func:`gemm_terms`'s bound as min(A, CAP M), M the magnitude bound
+the check computes from the operands (Cauchy-Schwarz), which no clean row exceeds (|y^_j| <=
+(1 + u_out) sum_k |x_k w_kj|): a fault that scales a whole row cannot widen its own tolerance
+past f_abs CAP M, the operands' prediction (extreme whole-row errors stay seen as before)."""
+
+
+def finite(l1: torch.Tensor) -> torch.Tensor:
+    """A row's L1 norm for :func:`gemm_terms`'s A term, 0 where it is not finite: a
+    row with an INF or NaN output fails by its sum, and an INF tolerance would turn its excess
+    into NaN, which ranks the rows' worst residual wrong (NaN outputs first)."""
+    return torch.where(l1 < math.inf, l1, 0.0)
+
+
+def gemm_terms(
+    out_dtype: torch.dtype, device: torch.device, *, inner: int, length: int
+) -> tuple[float, float]:
+    """(f_abs, f_mag): a checked vector of ``length`` outputs of a GEMM with reduction length
+    ``inner``, whose references are exact sums of the operands as the GEMM multiplied them,
+    differs from its recomputed sum by at most f_abs A + f_mag m (A: the delivered vector's L1
+    norm, m: its magnitude or an upper bound; the module docstring's rounding-tight bound)."""
+    u = unit_roundoff(out_dtype)
+    f_abs = u / (1 - u) + (length + 2 * inner) * _U32
+    u_acc = _accumulation_roundoff(out_dtype, device)
+    f_mag = LAMBDA * math.sqrt(inner) * (u_acc + _U32) + _U32
+    if out_dtype == torch.float32 and device.type == "cuda" and tf32_enabled():
+        f_mag += 2 * _U_TF32
+    return f_abs, f_mag
 
 
 def gemm_factor(out: torch.Tensor, *operands: torch.Tensor, inner: int, length: int) -> float:

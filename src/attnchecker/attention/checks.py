@@ -14,11 +14,14 @@ call for all the projections of one input (Q, K and V share x), their weights st
 projection (a copy of W_q | W_k | W_v per step, so the weight-side sums are one set of ops):
 
 - rows: for every token t and group g, sum_{o in g} y_to against x_t . (sum_{o in g} W_o) +
-  sum_{o in g} b_o, one thin GEMM (T, K) x (K, sum G) for all of them. Bound on the rounding
-  error, by Cauchy-Schwarz on the augmented vectors [x_t, 1] and [W_o, b_o]:
-  sum_{o in g} (sum_k |x_tk W_ok| + |b_o|) <= sqrt(n) (||x_t|| + 1) ||[W_g | b_g]||_F, times the
-  factor of :func:`~attnchecker.abft.tolerance.gemm_factor`. Up to ``max_rows`` worst rows
-  are recomputed (one element, a token row, 2D blocks spanning up to ``max_rows`` tokens).
+  sum_{o in g} b_o, one thin GEMM (T, K) x (K, sum G) in fp32 for all of them, from x and W as
+  the GEMM multiplied them (autocast's rounding) and W's sums accumulated in fp64. The bound is
+  :func:`~attnchecker.abft.tolerance.gemm_terms`'s rounding-tight one (:func:`row_abs` times the
+  row's L1 norm sum_{o in g} |y_to|, plus :func:`row_factor` times the magnitude, by
+  Cauchy-Schwarz on the augmented vectors [x_t, 1] and [W_o, b_o]:
+  sum_{o in g} (sum_k |x_tk W_ok| + |b_o|) <= sqrt(n) (||x_t|| + 1) ||[W_g | b_g]||_F). Up to
+  ``max_rows`` worst rows are recomputed (one element, a token row, 2D blocks spanning up to
+  ``max_rows`` tokens).
 - columns: a range check that needs no reference, |sum_t y_to| <= sum_t (||x_t|| + 1)
   ||[W_o | b_o]|| per output o (Cauchy-Schwarz again; a 1/64 relative slack covers the rounding
   of the sums). The column of each projection furthest past its bound is recomputed over all
@@ -48,11 +51,12 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from attnchecker.abft.tolerance import (
-    gemm_factor,
+    CAP,
+    finite,
+    gemm_terms,
     norm_bound,
     squares_lost,
     underflow_floor,
-    unit_roundoff,
 )
 from attnchecker.attention import regions
 from attnchecker.attention.impl import CheckImpl
@@ -66,8 +70,10 @@ __all__ = [
     "no_autocast",
     "projection_check_",
     "record",
+    "row_abs",
     "row_factor",
     "row_floor",
+    "row_limits",
     "weight_sums",
 ]
 
@@ -201,36 +207,56 @@ def weight_sums(
     added to the norms."""
     G, f32 = groups, torch.float32
     with torch.no_grad(), no_autocast(weight.device):
-        if conv1d:
-            sums = weight.view(weight.shape[0], G, -1).sum(-1, dtype=f32)  # (K, G)
+        if conv1d:  # the sums accumulated in fp64, rounded once (the references' u_32 m)
+            sums = weight.view(weight.shape[0], G, -1).sum(-1, dtype=torch.float64).to(f32)
             # (N,): a norm over dim 0 runs strided, 3x slower than w * w summed (and square()
             # is pow, slower than mul, on CPU)
             w32 = weight.to(f32)
             cols = torch.mul(w32, w32).sum(0).sqrt_()
             cols.add_(squares_lost(weight.shape[0]))
         else:
-            sums = weight.view(G, -1, weight.shape[-1]).sum(1, dtype=f32).t()
+            sums = weight.view(G, -1, weight.shape[-1]).sum(1, dtype=torch.float64).to(f32).t()
             cols = norm_bound(weight, 1)
         bsum = None
         if bias is not None:
             cols = torch.hypot(cols, bias.to(f32))
-            bsum = bias.view(G, -1).sum(-1, dtype=f32)
+            bsum = bias.view(G, -1).sum(-1, dtype=torch.float64).to(f32)
         norms = norm_bound(cols.view(G, -1), 1).add_(floor)
         return WeightSums(sums, bsum, norms, cols.add_(floor))
 
 
 def row_factor(x: Tensor, items: list[tuple[Projection, Tensor]], scale: float) -> float:
-    """The factor c with |reference - row sum| <= c (||x_t|| + 1) ||[W_g | b_g]||_F for every
-    projection y = x W^T + b of ``items`` (the largest over them): sqrt(n) by Cauchy-Schwarz over
-    the n outputs of a group, times the rounding factor of a (K + 1)-term inner product (the bias
-    is the extra term), plus two roundings to x's dtype (the reference is computed in it)."""
+    """The factor c of the magnitude term c (||x_t|| + 1) ||[W_g | b_g]||_F of a row's bound for
+    every projection y = x W^T + b of ``items`` (the largest over them): sqrt(n) by
+    Cauchy-Schwarz over the n outputs of a group, times f_mag of a (K + 1)-term inner product
+    (the bias is the extra term; :func:`~attnchecker.abft.tolerance.gemm_terms`)."""
     K = x.shape[-1]
     return scale * max(
-        gemm_factor(y, x, p.weight, inner=K + 1, length=y.shape[-1] // p.groups)
+        gemm_terms(y.dtype, y.device, inner=K + 1, length=y.shape[-1] // p.groups)[1]
         * math.sqrt(y.shape[-1] // p.groups)
-        + 2 * unit_roundoff(x.dtype)
         for p, y in items
     )
+
+
+def row_abs(x: Tensor, items: list[tuple[Projection, Tensor]], scale: float) -> float:
+    """The factor a of the term a sum_{o in g} |y_to| of a row's bound (the outputs' own
+    rounding: f_abs of :func:`~attnchecker.abft.tolerance.gemm_terms`), the largest over
+    ``items``."""
+    K = x.shape[-1]
+    return scale * max(
+        gemm_terms(y.dtype, y.device, inner=K + 1, length=y.shape[-1] // p.groups)[0]
+        for p, y in items
+    )
+
+
+def row_limits(x: Tensor, items: list[tuple[Projection, Tensor]], scale: float) -> dict:
+    """The keyword constants of a row check of the projections ``items`` of input x:
+    ``factor`` (:func:`row_factor`), ``floor`` (:func:`row_floor` per unit of factor, added to the
+    weight norms) and ``absf`` (:func:`row_abs`)."""
+    factor = row_factor(x, items, scale)
+    n = max(y.shape[-1] // p.groups for p, y in items)
+    return {"factor": factor, "floor": row_floor(items) / factor,
+            "absf": row_abs(x, items, scale), "cap": CAP * math.sqrt(n)}  # fmt: skip
 
 
 def row_floor(items: list[tuple[Projection, Tensor]]) -> float:
@@ -339,19 +365,23 @@ def projection_check_(
     max_rows: int,
     factor: float,
     floor: float,
+    absf: float,
+    cap: float,
     bounds: bool = False,
     how: CheckImpl = CheckImpl.EAGER,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Check and repair in place the outputs y (B, L, N_i) = x (B, L, K) W_i^T + b_i of the
     projections of one input (head groups of one width); see the module docstring.
 
-    ``factor`` (:func:`row_factor`) times the bound is the tolerance of a row sum; ``floor`` is
-    added to the weight norms. Returns the records (one per site, in order), the row references
-    (T, sum G) and, with ``bounds``, the magnitude bounds (T, sum G) = (||x_t|| + 1)
-    ||[W_g | b_g]||_F: what the attention core may take from here (``mode="passing"``).
+    ``factor`` (:func:`row_factor`) times the magnitude bound plus ``absf`` (:func:`row_abs`)
+    times the row's L1 norm is the tolerance of a row sum; ``floor`` is added to the weight
+    norms. Returns the records (one per site, in order), the row references (T, sum G) and,
+    with ``bounds``, the tolerances (T, sum G) of the delivered rows' sums: what the attention
+    core may take from here (``mode="passing"``).
     ``how``: as its aten ops or compiled (:func:`~attnchecker.attention.regions.run`).
     """
-    kw = {"max_rows": max_rows, "factor": factor, "floor": floor, "bounds": bounds}
+    kw = {"max_rows": max_rows, "factor": factor, "floor": floor, "absf": absf, "cap": cap,
+          "bounds": bounds}  # fmt: skip
     # the outputs as .data: written in place behind autograd's back (a compiled region would
     # otherwise write its input, an output of a custom Function, through autograd)
     items = [(p, y.data) for p, y in items]
@@ -365,6 +395,8 @@ def _projection_region(
     max_rows: int,
     factor: float,
     floor: float,
+    absf: float,
+    cap: float,
     bounds: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     B, L, K = x.shape
@@ -378,34 +410,36 @@ def _projection_region(
     widths = tuple(g * (y.shape[-1] // p.groups) for p, y in zip(projs, ys, strict=True)
                    for g in p.counted)  # fmt: skip
     weight, bias = _stacked(projs)
-    ws = weight_sums(weight, bias, conv1d=projs[0].conv1d, groups=G, floor=floor)
+    low = ys[0].dtype  # what the GEMM multiplied: x, W and b rounded to it (autocast)
+    half = low in (torch.bfloat16, torch.float16)
+    wm, bm = (t.to(low) if half and t is not None else t for t in (weight, bias))
+    ws = weight_sums(wm, bm, conv1d=projs[0].conv1d, groups=G, floor=floor)
     cat = (lambda ts, dim: ts[0]) if len(ys) == 1 else torch.cat
     with no_autocast(x.device):
         xn1 = norm_bound(x2, 1, keepdim=True).add_(1)  # (T, 1)
-        # the reference GEMM runs in x's dtype (no copy of x), in fp32 for fp16, whose range
-        # a row sum of n outputs can overflow
-        xf = x2.float() if x.dtype == torch.float16 else x2
-        sums = ws.sums.to(xf.dtype)
-        ref = xf @ sums if ws.bias is None else torch.addmm(ws.bias.to(xf.dtype), xf, sums)
+        # the reference GEMM in fp32 (x as the GEMM multiplied it: exact in fp32)
+        xf = (x2.to(low) if half else x2).float()
+        ref = xf @ ws.sums if ws.bias is None else torch.addmm(ws.bias, xf, ws.sums)
 
-        def rows_check() -> tuple[Tensor, Tensor]:
-            """(residual, excess) (T, G): excess > 0 or NaN where flagged."""
-            rec = cat(
-                [
-                    y.view(T, p.groups, -1).sum(-1, dtype=f32)
-                    for p, y in zip(projs, ys, strict=True)
-                ],
-                1,
-            )
+        def rows_check() -> tuple[Tensor, Tensor, Tensor]:
+            """(residual, excess, tolerance) (T, G): excess > 0 or NaN where flagged."""
+            pairs = zip(projs, ys, strict=True)
+            rec = cat([y.view(T, p.groups, -1).sum(-1, dtype=f32) for p, y in pairs], 1)
+            pairs = zip(projs, ys, strict=True)
+            norm1 = torch.linalg.vector_norm
+            l1 = cat([norm1(y.view(T, p.groups, -1), 1, dim=-1, dtype=f32) for p, y in pairs], 1)
+            mag = xn1 * ws.norms  # the magnitude bound per unit of sqrt(n) (CAP: at most that)
+            l1 = torch.minimum(finite(l1), mag * cap)
             d = rec - ref
-            return d, torch.addcmul(d.abs(), xn1, ws.norms, value=-factor)
+            tol = torch.add(l1.mul_(absf), mag, alpha=factor)
+            return d, d.abs().sub_(tol), tol
 
         order = _site_order(projs, [y.shape[-1] for y in ys], x.device)
 
         def site_major(flags: Tensor, which: int) -> Tensor:
             return flags if order is None else flags.index_select(-1, order[which])
 
-        d, excess = rows_check()
+        d, excess, tol = rows_check()
         n_rows = _per_site(site_major(~(excess <= 0), 0), groups)
         # Columns: |sum_t y_to| <= sum_t (||x_t|| + 1) ||[W_o | b_o]||, with a 1/64 relative
         # slack for the rounding of the sums; the worst column of each projection is the one
@@ -441,5 +475,5 @@ def _projection_region(
         still = ~(rows_check()[1] <= 0)  # (T, G)
         lost = _per_site(site_major(still, 0), groups) > 0
         again = (still.index_select(0, idx) & take).any()  # a recomputed row flagged again
-    bound = xn1 * ws.norms if bounds else None
+    bound = tol if bounds else None
     return record(n_rows, n_cols, value, lost, again.expand(len(groups))), ref, bound

@@ -167,7 +167,7 @@ def _sink_grad(
 
 def _linear_grad_kernels(
     dx: Tensor | None, dw: Tensor | None, dy: Tensor, w: Tensor, a: Tensor, b: Tensor,
-    index: tuple[int, ...], sink: Tensor, clock: Tensor, refs: tuple[Tensor, torch.dtype],
+    index: tuple[int, ...], sink: Tensor, clock: Tensor, refs: Tensor,
     plan: LinearPlan,
 ) -> Tensor | None:  # fmt: skip
     """A linear layer's dX and dW checks (those given) by the registered Triton ops at the
@@ -182,10 +182,7 @@ def _linear_grad_kernels(
     kw = {"max_rows": plan.max_rows, "scale": plan.scale, "step": clock}
     rows = iter(index)
     if dx is not None:
-        refs, wider = refs  # W's sums from the parameter, maybe wider than w (autocast)
-        rounding = unit_roundoff(w.dtype) if wider != w.dtype else 0.0
-        gemm_check(plan.impl, dx, dy, w, rec=recs[next(rows)], refs=refs,
-                   refs_rounding=rounding, **kw)  # fmt: skip
+        gemm_check(plan.impl, dx, dy, w, rec=recs[next(rows)], refs=refs, **kw)
     if dw is not None:
         gemm_check(plan.impl, dw, a, b, rec=recs[next(rows)], **kw)
     return recs if compiling else None
@@ -430,9 +427,7 @@ def checked_linear(
     the operands are cast as autocast casts them for the module's own op. ``impl``: how the
     checks run (the module's :class:`~attnchecker.attention.impl.Impl`); ``refs``: the Triton
     kernels run them (``kernels.gemm_check``), these being W's references (``gemm_refs`` of W
-    as (N, K), from the step's weight sums)."""
-    wider = weight.dtype  # the dtype W's sums (refs) were computed in
+    as (N, K) as the GEMM multiplies it, from the step's weight sums)."""
     x, weight, bias = autocast_operands(x, weight, bias)
-    kernel_refs = None if refs is None else (refs, wider)
     plan = LinearPlan(ops, check, conv1d, max_rows, scale, hook, impl)
-    return _Linear.apply(x, weight, bias, sink, step, plan, kernel_refs)
+    return _Linear.apply(x, weight, bias, sink, step, plan, refs)

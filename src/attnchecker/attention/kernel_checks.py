@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnchecker.abft.gemm import gemm_check_, limits
+from attnchecker.abft.gemm import as_multiplied, gemm_check_, limits
 from attnchecker.attention import regions
 from attnchecker.attention.checks import Projection
 from attnchecker.attention.impl import Impl
@@ -35,15 +35,15 @@ def runs_kernels(impl: Impl) -> bool:
 def gemm_check(
     impl: Impl, out: Tensor, x: Tensor, y: Tensor, *, max_rows: int, scale: float,
     x_rows: Tensor | None = None, y_cols: Tensor | None = None, refs: Tensor | None = None,
-    refs_rounding: float = 0.0, rec: Tensor | None = None, step: Tensor | None = None,
+    rec: Tensor | None = None, step: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
     """:func:`~attnchecker.abft.gemm.gemm_check_` of out = x @ y as ``impl`` runs it: its
     region (eager or compiled), or the registered ops of ``attnchecker.kernels.gemm_check``
     (rows only, every flagged row repaired, no ``max_rows`` budget; columns located on a flag),
     which with ``rec`` (a zeroed (7,) float64 record row) and ``step`` (the clock) write the
     record there and return None, else the same five results. ``refs``: y's references for the
-    kernels (``gemm_refs`` of y), when the caller has them (a weight's, once per step);
-    ``refs_rounding``: see :func:`~attnchecker.abft.gemm.limits`."""
+    kernels (``gemm_refs`` of y as the GEMM multiplied it), when the caller has them (a
+    weight's, once per step)."""
     if not runs_kernels(impl):
         return regions.run(gemm_check_, impl.region(out.dtype), out, x, y, max_rows=max_rows,
                            scale=scale, x_rows=x_rows, y_cols=y_cols)  # fmt: skip
@@ -53,9 +53,10 @@ def gemm_check(
     if own:
         rec = torch.zeros(7, dtype=torch.float64, device=out.device)
         step = torch.zeros(1, dtype=torch.float64, device=out.device)
-    floor, c, _, _ = limits(out, x, y, scale, refs_rounding)
+    x, y = as_multiplied(out, x, y)
+    floor, a, c, cap, *_ = limits(out, x, y, scale)
     with torch.no_grad():
-        check_(out, x, y, rec, step, floor=floor, c=c, x_rows=x_rows, refs=refs)
+        check_(out, x, y, rec, step, floor=floor, a=a, c=c, cap=cap, x_rows=x_rows, refs=refs)
     regions.ran("_gemm_region", "triton", None)
     if not own:
         return None
@@ -63,28 +64,34 @@ def gemm_check(
 
 
 def weight_sums(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,
-                conv1d: bool) -> Tensor:  # fmt: skip
+                conv1d: bool, dtype: torch.dtype | None = None) -> Tensor:  # fmt: skip
     """``proj_weights`` of a projection, once per optimizer step (the clock's ``weights``
-    :class:`StepMemo`: micro-batches share it). The
-    eager and compiled regions compute their weight sums inside the region instead, per call
-    (:func:`~attnchecker.attention.checks.weight_sums`: fused with the check by the compiler)."""
+    :class:`StepMemo`: micro-batches share it), of W and b as the GEMM multiplies them: rounded
+    to ``dtype`` first where it is narrower (autocast's copy; sums of the fp32 parameter would
+    differ from the product's by u_bf16 of its magnitude, the term the rounding-tight bound
+    removes). The eager and compiled regions compute their weight sums inside the region
+    instead, per call (:func:`~attnchecker.attention.checks.weight_sums`: fused with the check
+    by the compiler)."""
     from attnchecker.kernels.projection_check import proj_weights
+
+    dtype = weight.dtype if dtype is None else dtype
 
     def make() -> Tensor:
         with torch.no_grad():
-            return proj_weights(weight.detach(), None if bias is None else bias.detach(), groups,
-                                conv1d)  # fmt: skip
+            w, b = (None if t is None else t.detach().to(dtype) for t in (weight, bias))
+            return proj_weights(w, b, groups, conv1d)
 
-    return clock.weights.get(("proj", groups, conv1d), (weight, bias), make)
+    return clock.weights.get(("proj", groups, conv1d, dtype), (weight, bias), make)
 
 
 def weight_refs(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,
-                conv1d: bool) -> Tensor:  # fmt: skip
-    """W's references for the backward's dX check (``gemm_refs`` of W as (N, K)): part of the
-    step's :func:`weight_sums`, so the forward check and the dX check share one pass."""
+                conv1d: bool, dtype: torch.dtype | None = None) -> Tensor:  # fmt: skip
+    """W's references for the backward's dX check (``gemm_refs`` of W as (N, K), as the GEMM
+    multiplies it in ``dtype``): part of the step's :func:`weight_sums`, so the forward check
+    and the dX check share one pass."""
     from attnchecker.kernels.projection_check import refs_of
 
-    sums = weight_sums(clock, weight, bias, groups, conv1d)
+    sums = weight_sums(clock, weight, bias, groups, conv1d, dtype)
     N, K = (weight.shape[1], weight.shape[0]) if conv1d else weight.shape
     return refs_of(sums, N, K, groups)
 
@@ -103,11 +110,12 @@ def sites_of(p: Projection) -> tuple[int, ...]:
 
 def check_group(
     state: AttentionState, x: Tensor, pairs: list[tuple[Projection, Tensor]],
-    checked: tuple[str, ...], *, factor: float, floor: float, bounds: bool,
+    checked: tuple[str, ...], *, factor: float, floor: float, absf: float, cap: float,
+    bounds: bool,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """Check and repair in place the outputs y (B, L, N_i) of the projections of one input x
     (B, L, K), their records into ``state``'s log rows of the ``checked`` sites; with
-    ``bounds``, returns the row references and the magnitude bounds (T, sum G) as the eager
+    ``bounds``, returns the row references and the tolerances (T, sum G) as the eager
     region does (``mode="passing"``: for the core), else (None, None)."""
     from attnchecker.kernels.projection_check import check_, norms
 
@@ -120,15 +128,18 @@ def check_group(
     with torch.no_grad():
         for p, y in pairs:
             y2 = y.data.view(T, y.shape[-1])
-            ws = weight_sums(state.clock, p.weight, p.bias, p.groups, p.conv1d)
+            ws = weight_sums(state.clock, p.weight, p.bias, p.groups, p.conv1d, y2.dtype)
             rows = [row(s, on=checked.__contains__) for s in p.sites]
             scr = check_(y2, x2, p.weight.detach(), None if p.bias is None else p.bias.detach(),
                          p.conv1d, ws, sites_of(p), log, state.clock.count, rows, factor=factor,
-                         floor=floor)  # fmt: skip
+                         floor=floor, absf=absf, cap=cap)  # fmt: skip
             refs.append(scr[: T * p.groups].view(T, p.groups))
-            if bounds:
+            if bounds:  # the tolerance as the verify kernel computes it
                 xn1 = scr[3 * T * p.groups : 3 * T * p.groups + T].view(T, 1)
-                bound.append(xn1 * norms(ws, y2.shape[1], K, p.groups, floor))
+                l1 = torch.linalg.vector_norm(y2.view(T, p.groups, -1), 1, dim=-1,
+                                              dtype=torch.float32)  # fmt: skip
+                mag = xn1 * norms(ws, y2.shape[1], K, p.groups, floor)
+                bound.append(torch.add(torch.minimum(l1, cap * mag) * absf, mag, alpha=factor))
     if not bounds:  # nothing for the core
         return None, None
     cat = (lambda ts: ts[0]) if len(refs) == 1 else (lambda ts: torch.cat(ts, 1))

@@ -22,8 +22,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from attnchecker.abft.cast import autocast_operands
 from attnchecker.attention import kernel_checks
-from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
+from attnchecker.attention.checks import Projection, projection_check_, row_limits
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.grads import checked_linear
 from attnchecker.attention.handoff import Handoff
@@ -200,21 +201,19 @@ def _check_group(
             _check_group(state, x, [item])
         return
     config = state.config
-    factor = row_factor(x, pairs, config.tolerance_scale)
+    lim = row_limits(x, pairs, config.tolerance_scale)
     sites = tuple(s for p, _ in pairs for s in p.sites)
     passing = config.mode == "passing"
     checked = tuple(s for s in sites if state.checks(s))
     if kernel_checks.runs_kernels(state.impl):  # registered ops, records into the log
         with ranged("+".join(sites)):
-            ref, bound = kernel_checks.check_group(state, x, pairs, checked, factor=factor,
-                                                   floor=row_floor(pairs) / factor,
-                                                   bounds=passing)  # fmt: skip
+            ref, bound = kernel_checks.check_group(state, x, pairs, checked, bounds=passing,
+                                                   **lim)  # fmt: skip
     else:
         with ranged("+".join(sites)):
             rec, ref, bound = projection_check_(
-                x, pairs, max_rows=config.max_rows, factor=factor,
-                floor=row_floor(pairs) / factor, bounds=passing,
-                how=state.impl.region(pairs[0][1].dtype),
+                x, pairs, max_rows=config.max_rows, bounds=passing,
+                how=state.impl.region(pairs[0][1].dtype), **lim,
             )  # fmt: skip
         if checked != sites:
             rec = rec[[sites.index(s) for s in checked]]
@@ -223,7 +222,7 @@ def _check_group(
     if "out" in checked:
         state.commit()  # the last check of the layer
     if passing and not flat:
-        _leave(state, x, pairs, ref, bound * factor)
+        _leave(state, x, pairs, ref, bound)
     elif passing:
         state.handoff = None  # the core computes V's sums itself
 
@@ -261,7 +260,7 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
         x3, y3 = x.reshape(1, -1, x.shape[-1]), y.view(1, -1, y.shape[-1])  # (1, T, K), (1, T, N)
         item = [(Projection(module.weight, module.bias, conv1d, ("y",), 1), y3)]
         config = state.config
-        factor = row_factor(x3, item, config.tolerance_scale)
+        lim = row_limits(x3, item, config.tolerance_scale)
         if kernel_checks.runs_kernels(state.impl):  # registered ops, the record into the log
             with ranged(f"linear.{state.name}"):
                 kernel_checks.check_group(
@@ -269,16 +268,14 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
                     x3,
                     item,
                     ("y",),
-                    factor=factor,
-                    floor=row_floor(item) / factor,
                     bounds=False,
+                    **lim,
                 )
             state.commit()  # (a checkpointing replay's scratch, if any)
             return
         with ranged(f"linear.{state.name}"):
             rec = projection_check_(
-                x3, item, max_rows=config.max_rows, factor=factor,
-                floor=row_floor(item) / factor, how=state.impl.region(y.dtype),
+                x3, item, max_rows=config.max_rows, how=state.impl.region(y.dtype), **lim,
             )[0]  # fmt: skip
         state.note(("y",), rec)
         state.commit()
@@ -326,7 +323,8 @@ def _linear(
     ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
     refs = None  # the registered ops check them (a checkpointing replay too: the same saved
     if any(check) and kernel_checks.runs_kernels(state.impl):  # tensors in both passes)
-        refs = kernel_checks.weight_refs(state.clock, weight, bias, groups, conv1d)
+        wc = autocast_operands(weight)[0]  # as the GEMM will multiply it
+        refs = kernel_checks.weight_refs(state.clock, weight, bias, groups, conv1d, wc.dtype)
     return checked_linear(
         x, weight, bias, sink, state.clock.count, ops=ops, check=check, conv1d=conv1d,
         max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,

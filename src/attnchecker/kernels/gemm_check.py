@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnchecker.abft.tolerance import squares_lost
+from attnchecker.abft.tolerance import finite, squares_lost
 from attnchecker.kernels.triton_utils import (
     as_i64,
     block_product,
@@ -146,23 +146,23 @@ def refs_kernel(Y, PART, REFS, CNT, K, N, NC, sy_k, sy_n, BK: tl.constexpr, BN: 
     r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     R, C = tl.num_programs(0).to(tl.int64), tl.num_programs(1).to(tl.int64)
     rows, rmask = span(r * BK, K, BK)
-    s = tl.zeros([BK], dtype=tl.float32)
+    s = tl.zeros([BK], dtype=tl.float64)  # fp64: the references' sums rounded once
     sq = tl.zeros([BK], dtype=tl.float32)
     for n0 in range(0, NC, BN):
         cols, cmask = span(c * NC + n0, N, BN)
-        t = tile(Y, rows, cols, sy_k, sy_n, rmask, cmask).to(tl.float32)
+        t = tile(Y, rows, cols, sy_k, sy_n, rmask, cmask).to(tl.float64)
         s += tl.sum(t, 1)
-        sq += tl.sum(t * t, 1)
+        sq += tl.sum((t * t).to(tl.float32), 1)
     tl.store(PART + (c * K + rows), s, mask=rmask)
-    tl.store(PART + (C * K + c * R + r), tl.sum(sq, 0))
+    tl.store(PART + (C * K + c * R + r), tl.sum(sq, 0).to(tl.float64))
     if arrive(CNT + r, C):
-        s = tl.zeros([BK], dtype=tl.float32)
-        total = tl.zeros([], dtype=tl.float32)
+        s = tl.zeros([BK], dtype=tl.float64)
+        total = tl.zeros([], dtype=tl.float64)
         for j in range(0, C):
             s += tl.load(PART + (j * K + rows), mask=rmask, other=0.0)
             total += tl.load(PART + (C * K + j * R + r))
-        tl.store(REFS + rows, s, mask=rmask)
-        tl.store(REFS + (K + r), total)
+        tl.store(REFS + rows, s.to(tl.float32), mask=rmask)
+        tl.store(REFS + (K + r), total.to(tl.float32))
 
 
 @triton.jit
@@ -178,19 +178,24 @@ def _fro(REFS, K, P, lost, BP: tl.constexpr):
 
 @triton.jit
 def verify_kernel(OUT, X, REFS, XN, PART, SCR, BITS, REC, STEP, CNT, M, N, K, P, NC, KC, so_m,
-                  so_n, sx_m, sx_k, chunk, lost_x, lost_y, floor, ctol, HAS_XN: tl.constexpr,
+                  so_n, sx_m, sx_k, chunk, lost_x, lost_y, floor, atol, ctol, cap,
+                  HAS_XN: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   BP: tl.constexpr):  # fmt: skip
     """Program (r, c), rows block r over chunk c of out's columns (NC wide) and of x's (KC):
-    the partial row sums, references and squares PART[c] (3, M); and the program's share of
+    the partial row sums, references, squares and L1 norms PART[c] (4, M); and the program's
+    share of
     the column bitmap the repair marks, zeroed. The last of row block r's programs to arrive
     checks its rows (:func:`_verify_rows`)."""
     r, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows, rmask = span(r * BM, M, BM)
     rs = tl.zeros([BM], dtype=tl.float32)
+    l1 = tl.zeros([BM], dtype=tl.float32)
     for n0 in range(0, NC, BN):
         cols, cmask = span(c * NC + n0, N, BN)
-        rs += tl.sum(tile(OUT, rows, cols, so_m, so_n, rmask, cmask).to(tl.float32), 1)
+        t = tile(OUT, rows, cols, so_m, so_n, rmask, cmask).to(tl.float32)
+        rs += tl.sum(t, 1)
+        l1 += tl.sum(tl.abs(t), 1)
     ref = tl.zeros([BM], dtype=tl.float32)
     sq = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, KC, BK):
@@ -199,38 +204,45 @@ def verify_kernel(OUT, X, REFS, XN, PART, SCR, BITS, REC, STEP, CNT, M, N, K, P,
         ref += tl.sum(t * tl.load(REFS + ks, mask=kmask, other=0.0)[None, :], 1)
         if not HAS_XN:
             sq += tl.sum(t * t, 1)
-    at = PART + (c * 3 * M + rows)
+    at = PART + (c * 4 * M + rows)
     tl.store(at, rs, mask=rmask)
     tl.store(at + M, ref, mask=rmask)
     tl.store(at + 2 * M, sq, mask=rmask)
+    tl.store(at + 3 * M, l1, mask=rmask)
     p = r * tl.num_programs(1) + c  # this program's chunk of the bitmap
     for j0 in range(0, chunk, BN):
         js, jmask = span(p * chunk + j0, N, BN)
         tl.store(BITS + js, tl.zeros([BN], dtype=tl.int32), mask=jmask & (js < (p + 1) * chunk))
     if arrive(CNT + r, tl.num_programs(1)):
         _verify_rows(PART, REFS, XN, SCR, REC, STEP, rows, rmask, M, K, P, tl.num_programs(1),
-                     lost_x, lost_y, floor, ctol, HAS_XN, BM, BP)  # fmt: skip
+                     lost_x, lost_y, floor, atol, ctol, cap, HAS_XN, BM, BP)  # fmt: skip
 
 
 @triton.jit
 def _verify_rows(PART, REFS, XN, SCR, REC, STEP, rows, rmask, M, K, P, C, lost_x, lost_y, floor,
-                 c, HAS_XN: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr):  # fmt: skip
+                 a, c, cap, HAS_XN: tl.constexpr, BM: tl.constexpr,
+                 BP: tl.constexpr):  # fmt: skip
     """A rows block's check: its C chunks' partials added in order, each row's reference,
     residual, excess and x norm into SCR (4, M); a flagged row's count into the record."""
     rs = tl.zeros([BM], dtype=tl.float32)
     ref = tl.zeros([BM], dtype=tl.float32)
     sq = tl.zeros([BM], dtype=tl.float32)
+    l1 = tl.zeros([BM], dtype=tl.float32)
     for j in range(0, C):
-        at = PART + (j * 3 * as_i64(M) + rows)
+        at = PART + (j * 4 * as_i64(M) + rows)
         rs += tl.load(at, mask=rmask, other=0.0)
         ref += tl.load(at + M, mask=rmask, other=0.0)
         sq += tl.load(at + 2 * M, mask=rmask, other=0.0)
+        l1 += tl.load(at + 3 * M, mask=rmask, other=0.0)
     if HAS_XN:  # noqa: SIM108 (a static branch)
         xn = tl.load(XN + rows, mask=rmask, other=0.0)
     else:
         xn = tl.sqrt(sq) + lost_x
     res = rs - ref
-    exc = tl.abs(res) - floor + c * xn * _fro(REFS, K, P, lost_y, BP)
+    fro = _fro(REFS, K, P, lost_y, BP)
+    l1 = tl.where(l1 < float("inf"), l1, 0.0)  # non-finite: 0 (tolerance.finite)
+    l1 = tl.minimum(l1, cap * xn * fro)  # at most the magnitude bound (tolerance.CAP)
+    exc = tl.abs(res) - floor - a * l1 + c * xn * fro
     tl.store(SCR + rows, ref, mask=rmask)
     tl.store(SCR + (rows + M), res, mask=rmask)
     tl.store(SCR + (rows + 2 * M), exc, mask=rmask)
@@ -244,7 +256,7 @@ def _verify_rows(PART, REFS, XN, SCR, REC, STEP, rows, rmask, M, K, P, C, lost_x
 
 @triton.jit
 def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, RSUM, CNT, M, N, K, P, NC, so_m, so_n, sx_m,
-                  sx_k, sy_k, sy_n, lost_y, floor, f, ctol,
+                  sx_k, sy_k, sy_n, lost_y, floor, f, atol, ctol, cap,
                   IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   BP: tl.constexpr):  # fmt: skip
     """Program (r, c), on the flag: rows block r's flagged rows recomputed over columns chunk c
@@ -263,41 +275,48 @@ def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, RSUM, CNT, M, N, K, P, NC, so
             xn = tl.load(SCR + (rows + 3 * M), mask=rmask, other=0.0)
             near = 2 * f * xn * _fro(REFS, K, P, lost_y, BP) + floor  # two roundings apart
             sums = tl.zeros([BM], dtype=tl.float32)
+            l1 = tl.zeros([BM], dtype=tl.float32)
             for n0 in range(0, NC, BN):
                 cols, cmask = span(c * NC + n0, N, BN)
                 acc = block_product(X, Y, rows, bad, cols, cmask, K, sx_m, sx_k, sy_k, sy_n, IEEE,
-                                    BM, BN, BK)  # fmt: skip
+                                    BM, BN, BK, 0, 0)  # fmt: skip
                 new = acc.to(OUT.dtype.element_ty)
                 at = OUT + rows[:, None] * so_m + cols[None, :] * so_n
                 both = bad[:, None] & cmask[None, :]
                 old = tl.load(at, mask=both, other=0.0).to(tl.float32)
-                far = ~(tl.abs(old - new.to(tl.float32)) <= near[:, None]) & both
+                new32 = new.to(tl.float32)
+                far = ~(tl.abs(old - new32) <= near[:, None] + 2 * atol * tl.abs(new32)) & both
                 hit = tl.max(far.to(tl.int32), 0) > 0  # (BN,) columns this block locates
                 was = tl.atomic_xchg(BITS + cols, tl.full([BN], 1, tl.int32), mask=hit)
                 fresh = tl.sum((hit & (was == 0)).to(tl.int32), 0)
                 if fresh > 0:
                     tl.atomic_add(REC + 1, fresh.to(tl.float64))
                 tl.store(at, new, mask=both)
-                sums += tl.sum(tl.where(both, new.to(tl.float32), 0.0), 1)
-            tl.store(RSUM + (c * M + rows), sums, mask=bad)
+                sums += tl.sum(tl.where(both, new32, 0.0), 1)
+                l1 += tl.sum(tl.where(both, tl.abs(new32), 0.0), 1)
+            tl.store(RSUM + (c * 2 * M + rows), sums, mask=bad)
+            tl.store(RSUM + (c * 2 * M + M + rows), l1, mask=bad)
             C = tl.num_programs(1)  # every chunk of a flagged block has work: C arrive
             if arrive(CNT + r, C):
                 _recheck_rows(REFS, SCR, REC, RSUM, rows, rmask, bad, M, K, P, C, lost_y, floor,
-                              ctol, BM, BP)  # fmt: skip
+                              atol, ctol, cap, BM, BP)  # fmt: skip
 
 
 @triton.jit
-def _recheck_rows(REFS, SCR, REC, RSUM, rows, rmask, bad, M, K, P, C, lost_y, floor, c,
+def _recheck_rows(REFS, SCR, REC, RSUM, rows, rmask, bad, M, K, P, C, lost_y, floor, a, c, cap,
                   BM: tl.constexpr, BP: tl.constexpr):  # fmt: skip
-    """A rows block's repaired rows (``bad``) checked again from their chunks' sums (added in
-    order); one that still fails is lost and reproduced."""
+    """A rows block's repaired rows (``bad``) checked again from their chunks' sums and L1
+    norms (added in order); one that still fails is lost and reproduced."""
     sums = tl.zeros([BM], dtype=tl.float32)
+    l1 = tl.zeros([BM], dtype=tl.float32)
     for j in range(0, C):
-        sums += tl.load(RSUM + (j * as_i64(M) + rows), mask=bad, other=0.0)
+        sums += tl.load(RSUM + (j * 2 * as_i64(M) + rows), mask=bad, other=0.0)
+        l1 += tl.load(RSUM + (j * 2 * as_i64(M) + M + rows), mask=bad, other=0.0)
     ref = tl.load(SCR + rows, mask=rmask, other=0.0)
     xn = tl.load(SCR + (rows + 3 * M), mask=rmask, other=0.0)
     y_fro = _fro(REFS, K, P, lost_y, BP)
-    again = ~(tl.abs(sums - ref) - floor + c * xn * y_fro <= 0.0) & bad
+    l1 = tl.minimum(tl.where(l1 < float("inf"), l1, 0.0), cap * xn * y_fro)
+    again = ~(tl.abs(sums - ref) - floor - a * l1 + c * xn * y_fro <= 0.0) & bad
     if tl.sum(again.to(tl.int32), 0) > 0:
         tl.store(REC + 3, 1.0)  # lost
         tl.store(REC + 4, 1.0)  # reproduced: recomputing from the operands repeats it
@@ -313,7 +332,7 @@ def gemm_refs(y: Tensor) -> Tensor:
     NC = width(N, C, _BN)
     C = _programs(N, NC)
     refs = torch.empty(K + R, device=y.device, dtype=_F32)
-    part = torch.empty(C * (K + R), device=y.device, dtype=_F32)
+    part = torch.empty(C * (K + R), device=y.device, dtype=torch.float64)
     yr = readable(y)
     cnt = counters(y.device, R)
     with counting(cnt):
@@ -330,7 +349,7 @@ def _(y: Tensor) -> Tensor:
 @torch.library.custom_op("attnchecker::gemm_verify", mutates_args=("rec",))
 def gemm_verify(
     out: Tensor, x: Tensor, refs: Tensor, x_rows: Tensor | None, rec: Tensor, step: Tensor,
-    n_y: int, floor: float, c: float,
+    n_y: int, floor: float, a: float, c: float, cap: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The rows' check of out (M, N) = x (M, K) @ y against ``refs`` (:func:`gemm_refs` of y,
     which has ``n_y`` elements); ``x_rows``: x's row norms when the caller has them. Adds to the
@@ -345,7 +364,7 @@ def gemm_verify(
     C = max(_programs(N, NC), _programs(K, KC))
     scr = torch.empty(4, M, device=out.device, dtype=_F32)
     bits = torch.empty(N, device=out.device, dtype=torch.int32)
-    part = torch.empty(C * 3 * M, device=out.device, dtype=_F32)
+    part = torch.empty(C * 4 * M, device=out.device, dtype=_F32)
     P = refs.shape[0] - K
     o, xr = readable(out), readable(x)
     xn = x_rows.to(_F32).contiguous() if x_rows is not None else scr
@@ -354,13 +373,13 @@ def gemm_verify(
         verify_kernel[(R, C)](o, xr, refs, xn, part, scr, bits, rec, step, cnt, M, N, K, P, NC,
                               KC, o.stride(0), o.stride(1), xr.stride(0), xr.stride(1),
                               triton.cdiv(N, R * C), squares_lost(K), squares_lost(n_y), floor,
-                              c, HAS_XN=x_rows is not None, BM=_BM, BN=_BN, BK=_BK,
+                              a, c, cap, HAS_XN=x_rows is not None, BM=_BM, BN=_BN, BK=_BK,
                               BP=64)  # fmt: skip
     return scr, bits
 
 
 @gemm_verify.register_fake
-def _(out, x, refs, x_rows, rec, step, n_y, floor, c):
+def _(out, x, refs, x_rows, rec, step, n_y, floor, a, c, cap):
     return out.new_empty(4, out.shape[0], dtype=_F32), out.new_empty(
         out.shape[1], dtype=torch.int32
     )
@@ -369,7 +388,7 @@ def _(out, x, refs, x_rows, rec, step, n_y, floor, c):
 @torch.library.custom_op("attnchecker::gemm_repair", mutates_args=("out", "bits", "rec"))
 def gemm_repair(
     out: Tensor, x: Tensor, y: Tensor, refs: Tensor, scr: Tensor, bits: Tensor, rec: Tensor,
-    floor: float, c: float,
+    floor: float, a: float, c: float, cap: float,
 ) -> None:  # fmt: skip
     """Recompute, locate and re-check the rows :func:`gemm_verify` flagged (none on a clean
     product: every program returns at once), into ``out`` and the record row ``rec``. One
@@ -388,41 +407,47 @@ def gemm_repair(
     R = _programs(M, _BM)
     NC = width(N, chunks(R, _nbytes(out, x, y), _programs(N, bn)), bn)
     C = _programs(N, NC)
-    rsum = torch.empty(C * M, device=out.device, dtype=_F32)
+    rsum = torch.empty(C * 2 * M, device=out.device, dtype=_F32)
     cnt = counters(out.device, R)
     with counting(cnt):
         repair_kernel[(R, C)](o, xr, yr, refs, scr, bits, rec, rsum, cnt, M, N, K, P, NC,
                               o.stride(0), o.stride(1), xr.stride(0), xr.stride(1), yr.stride(0),
-                              yr.stride(1), squares_lost(y.numel()), floor, f, c, IEEE=ieee,
+                              yr.stride(1), squares_lost(y.numel()), floor, f, a, c, cap,
+                              IEEE=ieee,
                               BM=_BM, BN=bn, BK=_BK, BP=64)  # fmt: skip
     if o is not out:  # the interpreter's fp32 copy
         out.copy_(o)
 
 
 def check_(
-    out: Tensor, x: Tensor, y: Tensor, rec: Tensor, step: Tensor, *, floor: float, c: float,
-    x_rows: Tensor | None = None, refs: Tensor | None = None,
+    out: Tensor, x: Tensor, y: Tensor, rec: Tensor, step: Tensor, *, floor: float, a: float,
+    c: float, cap: float, x_rows: Tensor | None = None, refs: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Check and repair out = x @ y in place, adding to the zeroed record row ``rec`` (7,)
     float64 at the clock ``step`` (1,): the three ops, or two with ``refs`` (:func:`gemm_refs`
-    of y) at hand. ``floor`` and ``c``: a row's tolerance is floor - c ||x_m|| ||y||_F."""
+    of y) at hand. ``floor``, ``a`` and ``c``: a row's tolerance is
+    floor + a min(A_m, cap ||x_m|| ||y||_F) - c ||x_m|| ||y||_F (A_m: its L1 norm;
+    :func:`~attnchecker.abft.gemm.limits`)."""
     if refs is None:
         refs = gemm_refs(y)
-    scr, bits = gemm_verify(out, x, refs, x_rows, rec, step, y.numel(), floor, c)
-    gemm_repair(out, x, y, refs, scr, bits, rec, floor, c)
+    scr, bits = gemm_verify(out, x, refs, x_rows, rec, step, y.numel(), floor, a, c, cap)
+    gemm_repair(out, x, y, refs, scr, bits, rec, floor, a, c, cap)
 
 
 def reference(
-    out: Tensor, x: Tensor, y: Tensor, *, floor: float, c: float, x_rows: Tensor | None = None
-) -> dict[str, Tensor]:
+    out: Tensor, x: Tensor, y: Tensor, *, floor: float, a: float, c: float, cap: float,
+    x_rows: Tensor | None = None,
+) -> dict[str, Tensor]:  # fmt: skip
     """What the kernels compute before the repair, with torch ops (for the tests): the
     references, residuals, excesses and row norms (M,), ||y||_F and the flagged-row count."""
     y32, x32 = y.to(_F32), x.to(_F32)
     fro = torch.linalg.vector_norm(y32) + squares_lost(y.numel())
-    ref = x32 @ y32.sum(1)
+    ref = x32 @ y.sum(1, dtype=torch.float64).to(_F32)
     res = out.to(_F32).sum(1) - ref
+    l1 = finite(out.to(_F32).abs().sum(1))
     xn = x_rows.to(_F32) if x_rows is not None else (
         torch.linalg.vector_norm(x32, dim=1) + squares_lost(x.shape[1]))  # fmt: skip
-    exc = res.abs() - floor + c * xn * fro
+    l1 = torch.minimum(l1, cap * xn * fro)
+    exc = res.abs() - floor - a * l1 + c * xn * fro
     return {"ref": ref, "res": res, "exc": exc, "xn": xn, "fro": fro,
             "rows": (~(exc <= 0)).sum()}  # fmt: skip

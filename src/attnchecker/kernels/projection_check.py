@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnchecker.abft.tolerance import squares_lost
+from attnchecker.abft.tolerance import finite, squares_lost
 from attnchecker.kernels import interpreting
 from attnchecker.kernels.constants import device_constant
 from attnchecker.kernels.gemm_check import arrive, chunks, counters, counting, width
@@ -55,6 +55,8 @@ from attnchecker.kernels.triton_utils import (
     as_i64,
     block_product,
     readable,
+    round_code,
+    rounded,
     span,
     tile,
     worst_residual,
@@ -79,44 +81,44 @@ def weights_kernel(W, B, PS, PW1, PSQ, OUT, CNT, N, K, G, n, OC, sw_o, sw_k, HAS
     c = tl.program_id(2).to(tl.int64)
     J, C = tl.num_programs(1).to(tl.int64), tl.num_programs(2).to(tl.int64)
     ks, kmask = span(c * BK, K, BK)
-    s = tl.zeros([BK], dtype=tl.float32)
+    s = tl.zeros([BK], dtype=tl.float64)  # the sums in fp64, rounded once at the end
     sq = tl.zeros([BK], dtype=tl.float32)
     for o0 in range(0, OC, BO):
         os, omask = span(j * OC + o0, n, BO)
         t = tile(W, g * n + os, ks, sw_o, sw_k, omask, kmask).to(tl.float32)
-        s += tl.sum(t, 0)
+        s += tl.sum(t.to(tl.float64), 0)
         sq += tl.sum(t * t, 0)
-        tl.store(PW1 + (c * N + g * n + os), tl.sum(t, 1), mask=omask)
+        tl.store(PW1 + (c * N + g * n + os), tl.sum(t.to(tl.float64), 1), mask=omask)
     tl.store(PS + ((j * G + g) * K + ks), s, mask=kmask)
     tl.store(PSQ + ((g * J + j) * C + c), tl.sum(sq, 0))
     base = as_i64(G) * K
     if arrive(CNT + (g * C + c), J):  # S's block (g, c): its J chunks of outputs in order
-        s = tl.zeros([BK], dtype=tl.float32)
+        s = tl.zeros([BK], dtype=tl.float64)
         for q in range(0, J):
             s += tl.load(PS + ((q * G + g) * K + ks), mask=kmask, other=0.0)
-        tl.store(OUT + (g * K + ks), s, mask=kmask)
+        tl.store(OUT + (g * K + ks), s.to(tl.float32), mask=kmask)
     if arrive(CNT + (G * C + g * J + j), C):  # W 1 of chunk (g, j): its C K blocks in order
         for o0 in range(0, OC, BO):
             os, omask = span(j * OC + o0, n, BO)
-            w1 = tl.zeros([BO], dtype=tl.float32)
+            w1 = tl.zeros([BO], dtype=tl.float64)
             for q in range(0, C):
                 w1 += tl.load(PW1 + (q * N + g * n + os), mask=omask, other=0.0)
-            tl.store(OUT + (g * n + os + (base + 2 * G)), w1, mask=omask)
+            tl.store(OUT + (g * n + os + (base + 2 * G)), w1.to(tl.float32), mask=omask)
     if arrive(CNT + (G * C + G * J + g), J * C):  # group g's squares and bias
         wq = tl.zeros([BR], dtype=tl.float32)
         for q0 in range(0, J * C, BR):
             qs, qmask = span(q0, J * C, BR)
             wq += tl.load(PSQ + (g * J * C + qs), mask=qmask, other=0.0)
         tl.store(OUT + (g + (base + 2 * G + N)), tl.sum(wq, 0))
-        bs = tl.zeros([BR], dtype=tl.float32)
+        bs = tl.zeros([BR], dtype=tl.float64)
         bq = tl.zeros([BR], dtype=tl.float32)
         if HAS_B:
             for o0 in range(0, n, BR):
                 bo, bmask = span(o0, n, BR)
                 b = tl.load(B + (g * n + bo), mask=bmask, other=0.0).to(tl.float32)
-                bs += b
+                bs += b.to(tl.float64)
                 bq += b * b
-        tl.store(OUT + (g + base), tl.sum(bs, 0))
+        tl.store(OUT + (g + base), tl.sum(bs, 0).to(tl.float32))
         tl.store(OUT + (g + (base + G)), tl.sum(bq, 0))
 
 
@@ -149,12 +151,13 @@ def _flagged(SCR, T, G, S: tl.constexpr):
 
 @triton.jit
 def verify_kernel(Y, X, WS, SITE, PART, SCR, BITS, CNT, T, N, K, G, n, NC, KC, sy_t, sy_n, sx_t,
-                  sx_k, chunk, lost_x, lost_w, factor, floor, S: tl.constexpr,
-                  BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GP: tl.constexpr):  # fmt: skip
+                  sx_k, chunk, lost_x, lost_w, factor, floor, absf, cap, S: tl.constexpr,
+                  BF16: tl.constexpr, ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, GP: tl.constexpr):  # fmt: skip
     """Program (r, c), tokens block r over chunk c of y's columns (NC wide) and x's (KC): the
-    partial references x_t . S_g, group sums and x's squares PART[c] ([ref | sums] (T, G) |
-    squares (T)); its share of the column bitmap zeroed. The last of block r's programs to
+    partial references x_t . S_g (x as the GEMM multiplied it: ``ROUND``, :func:`rounded`), group
+    sums, group L1 norms and x's squares PART[c] ([ref | sums | L1] (T, G) | squares (T)); its
+    share of the column bitmap zeroed. The last of block r's programs to
     arrive (counter CNT[r]) checks its tokens (:func:`_verify_rows`), counting each site's
     flagged tokens on CNT[R + 1 + s]; the last such block (counter CNT[R]) writes the counts
     into SCR and zeroes the sites' lost flags (for the repair), leaving the counters 0."""
@@ -167,26 +170,33 @@ def verify_kernel(Y, X, WS, SITE, PART, SCR, BITS, CNT, T, N, K, G, n, NC, KC, s
         ks, kmask = span(c * KC + k0, K, BK)
         t = tile(X, rows, ks, sx_t, sx_k, rmask, kmask)
         s = tile(WS, ks, gs, 1, K, kmask, gmask)  # S stored (G, K): read as (BK, GP)
-        if BF16:  # the eager reference's dtype (S rounded to bf16, products exact in fp32)
-            ref += tl.dot(t, s.to(tl.bfloat16))
+        if BF16:  # S split hi + lo in bf16 (~2^-17 of S kept), products exact in fp32
+            hi = rounded(s, 1)
+            ref += tl.dot(t, hi.to(tl.bfloat16))
+            ref += tl.dot(t, (s - hi).to(tl.bfloat16))
         else:
-            ref += tl.dot(t.to(tl.float32), s, input_precision="ieee")
+            ref += tl.dot(rounded(t.to(tl.float32), ROUND), s, input_precision="ieee")
         t = t.to(tl.float32)
         sq += tl.sum(t * t, 1)
     rs = tl.zeros([BM, GP], dtype=tl.float32)
+    l1 = tl.zeros([BM, GP], dtype=tl.float32)
     for j0 in range(0, NC, BN):  # each group's sum of its outputs in the chunk
         start = c * NC + j0
         cols, cmask = span(start, N, BN)
         t = tile(Y, rows, cols, sy_t, sy_n, rmask, cmask).to(tl.float32)
         group = cols // n
         for g in range(start // n, (tl.minimum(start + BN, N) - 1) // n + 1):  # a tile's groups
-            acc = tl.sum(tl.where((group == g)[None, :], t, 0.0), 1)
+            inside = (group == g)[None, :]
+            acc = tl.sum(tl.where(inside, t, 0.0), 1)
             rs += tl.where(gs[None, :] == g, acc[:, None], 0.0)
-    at = PART + (c * (2 * T * G + T) + rows[:, None] * G + gs[None, :])
+            acc = tl.sum(tl.where(inside, tl.abs(t), 0.0), 1)
+            l1 += tl.where(gs[None, :] == g, acc[:, None], 0.0)
+    at = PART + (c * (3 * T * G + T) + rows[:, None] * G + gs[None, :])
     both = rmask[:, None] & gmask[None, :]
     tl.store(at, ref, mask=both)
     tl.store(at + T * G, rs, mask=both)
-    tl.store(PART + (c * (2 * T * G + T) + 2 * T * G + rows), sq, mask=rmask)
+    tl.store(at + 2 * T * G, l1, mask=both)
+    tl.store(PART + (c * (3 * T * G + T) + 3 * T * G + rows), sq, mask=rmask)
     R, C = tl.num_programs(0).to(tl.int64), tl.num_programs(1).to(tl.int64)
     p = r * C + c
     for j0 in range(0, chunk, BN):  # this program's chunk of the column bitmap
@@ -196,7 +206,7 @@ def verify_kernel(Y, X, WS, SITE, PART, SCR, BITS, CNT, T, N, K, G, n, NC, KC, s
         for h in range(0, BM, BM // 4):  # a quarter block at a time: fewer registers a thread
             part_rows, part_mask = span(r * BM + h, T, BM // 4)
             _verify_rows(WS, SITE, PART, SCR, CNT + (R + 1), part_rows, part_mask, T, N, K, G, C,
-                         lost_x, lost_w, factor, floor, S, BM // 4, GP)  # fmt: skip
+                         lost_x, lost_w, factor, floor, absf, cap, S, BM // 4, GP)  # fmt: skip
         if arrive(CNT + R, R):  # every block counted: the sites' counts out, lost flags zeroed
             ss = tl.arange(0, 4)
             counts = tl.atomic_xchg(CNT + (R + 1 + ss), tl.zeros([4], tl.int32), mask=ss < S)
@@ -207,7 +217,8 @@ def verify_kernel(Y, X, WS, SITE, PART, SCR, BITS, CNT, T, N, K, G, n, NC, KC, s
 
 @triton.jit
 def _verify_rows(WS, SITE, PART, SCR, SITES, rows, rmask, T, N, K, G, C, lost_x, lost_w, factor,
-                 floor, S: tl.constexpr, BM: tl.constexpr, GP: tl.constexpr):  # fmt: skip
+                 floor, absf, cap, S: tl.constexpr, BM: tl.constexpr,
+                 GP: tl.constexpr):  # fmt: skip
     """A tokens block's check: its C chunks' partials added in order; references, residuals
     and excesses (T, G), ||x_t|| + 1 (T,) into SCR, and each site's flagged tokens added to its
     counter SITES[s]."""
@@ -216,17 +227,22 @@ def _verify_rows(WS, SITE, PART, SCR, SITES, rows, rmask, T, N, K, G, C, lost_x,
     at = rows[:, None] * G + gs[None, :]
     ref = tl.zeros([BM, GP], dtype=tl.float32)
     rs = tl.zeros([BM, GP], dtype=tl.float32)
+    l1 = tl.zeros([BM, GP], dtype=tl.float32)
     sq = tl.zeros([BM], dtype=tl.float32)
     for j in range(0, C):
-        part = PART + j * (2 * as_i64(T) * G + T)
+        part = PART + j * (3 * as_i64(T) * G + T)
         ref += tl.load(part + at, mask=both, other=0.0)
         rs += tl.load(part + (at + T * G), mask=both, other=0.0)
-        sq += tl.load(part + (rows + 2 * T * G), mask=rmask, other=0.0)
+        l1 += tl.load(part + (at + 2 * T * G), mask=both, other=0.0)
+        sq += tl.load(part + (rows + 3 * T * G), mask=rmask, other=0.0)
     ref += tl.load(WS + (gs + as_i64(G) * K), mask=gmask, other=0.0)[None, :]
     xn1 = tl.sqrt(sq) + lost_x + 1.0
     res = rs - ref
     norms = _norms(WS, gs, gmask, G, K, N, lost_w, floor)
-    exc = tl.abs(res) - factor * xn1[:, None] * norms[None, :]
+    mag = xn1[:, None] * norms[None, :]
+    l1 = tl.where(l1 < float("inf"), l1, 0.0)  # non-finite: 0 (the row fails by its sum)
+    l1 = tl.minimum(l1, cap * mag)  # at most the magnitude bound (tolerance.CAP)
+    exc = tl.abs(res) - absf * l1 - factor * mag
     tl.store(SCR + at, ref, mask=both)
     tl.store(SCR + (at + T * G), res, mask=both)
     tl.store(SCR + (at + 2 * T * G), exc, mask=both)
@@ -241,10 +257,11 @@ def _verify_rows(WS, SITE, PART, SCR, SITES, rows, rmask, T, N, K, G, C, lost_x,
 
 @triton.jit
 def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, RSUM, CNT, T, N, K, G, n, NC, sy_t,
-                  sy_n, sx_t, sx_k, sw_o, sw_k, lost_w, factor, floor, near_f, row0, row1, row2,
-                  S: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
-                  GP: tl.constexpr):  # fmt: skip
+                  sy_n, sx_t, sx_k, sw_o, sw_k, lost_w, factor, floor, absf, cap, near_f, row0,
+                  row1, row2,
+                  S: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, RX: tl.constexpr,
+                  RW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  BP: tl.constexpr, GP: tl.constexpr):  # fmt: skip
     """Program (r, c), on the flag: tokens block r's flagged tokens recomputed over columns
     chunk c (NC wide), bad columns located (each counted once: the bitmap) and written, and
     the chunk's group sums RSUM[c] (T, G); the last of a flagged block's C programs to arrive
@@ -263,13 +280,15 @@ def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, RSUM, CNT, T, N, K
         if tl.sum(bad.to(tl.int32), 0) > 0:
             xn1 = tl.load(SCR + (rows + 3 * T * G), mask=rmask, other=0.0)
             sums = tl.zeros([BM, GP], dtype=tl.float32)
+            l1 = tl.zeros([BM, GP], dtype=tl.float32)
             for n0 in range(0, NC, BN):
                 cols, cmask = span(c * NC + n0, N, BN)
                 # W^T's columns: W (N, K) read as (K, N) through its strides
                 acc = block_product(X, W, rows, bad, cols, cmask, K, sx_t, sx_k, sw_k, sw_o, IEEE,
-                                    BM, BN, BK)  # fmt: skip
+                                    BM, BN, BK, RX, RW)  # fmt: skip
                 if HAS_B:
-                    acc += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+                    bias = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+                    acc += rounded(bias, RW)[None, :]
                 new = acc.to(Y.dtype.element_ty)
                 at = Y + rows[:, None] * sy_t + cols[None, :] * sy_n
                 live = bad[:, None] & cmask[None, :]
@@ -277,8 +296,9 @@ def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, RSUM, CNT, T, N, K
                 group = cols // n  # (BN,)
                 # an element's rounding bound: the group's (||x_t|| + 1) ||[W_g | b_g]|| share
                 cn = _norms(WS, group, cmask, G, K, N, lost_w, 0.0)
-                near = 2 * near_f * xn1[:, None] * cn[None, :] + floor
-                far = ~(tl.abs(old - new.to(tl.float32)) <= near) & live
+                new32 = new.to(tl.float32)
+                near = 2 * (near_f * xn1[:, None] * cn[None, :] + absf * tl.abs(new32)) + floor
+                far = ~(tl.abs(old - new32) <= near) & live
                 hit = tl.max(far.to(tl.int32), 0) > 0
                 was = tl.atomic_xchg(BITS + cols, tl.full([BN], 1, tl.int32), mask=hit)
                 fresh = hit & (was == 0)
@@ -290,22 +310,26 @@ def repair_kernel(Y, X, W, B, WS, SITE, SCR, BITS, LOG, STEP, RSUM, CNT, T, N, K
                         tl.atomic_add(LOG + row * 7 + 1, k.to(tl.float64))
                 tl.store(at, new, mask=live)
                 onehot = ((group[:, None] == gs[None, :]) & cmask[:, None]).to(tl.float32)
-                sums += tl.dot(tl.where(live, new.to(tl.float32), 0.0), onehot,
-                               input_precision="ieee")  # fmt: skip
-            at = RSUM + (c * T * G + rows[:, None] * G + gs[None, :])
+                sums += tl.dot(tl.where(live, new32, 0.0), onehot, input_precision="ieee")
+                start = c * NC + n0  # the L1 norms a group at a time (a second dot spills)
+                for g in range(start // n, (tl.minimum(start + BN, N) - 1) // n + 1):
+                    acc1 = tl.sum(tl.where(live & (group == g)[None, :], tl.abs(new32), 0.0), 1)
+                    l1 += tl.where(gs[None, :] == g, acc1[:, None], 0.0)
+            at = RSUM + (c * 2 * T * G + rows[:, None] * G + gs[None, :])
             tl.store(at, sums, mask=both)  # 0 where not flagged: read only where flagged
+            tl.store(at + T * G, l1, mask=both)
             C = tl.num_programs(1)  # every chunk of a flagged block has work: C arrive
             if arrive(CNT + r, C):
                 for h in range(0, BM, BM // 4):  # a quarter block at a time: fewer registers
                     part_rows, part_mask = span(r * BM + h, T, BM // 4)
                     _recheck_rows(WS, SITE, SCR, LOG, RSUM, part_rows, part_mask, T, N, K, G, C,
-                                  lost_w, factor, floor, row0, row1, row2, S, BM // 4,
+                                  lost_w, factor, floor, absf, cap, row0, row1, row2, S, BM // 4,
                                   GP)  # fmt: skip
 
 
 @triton.jit
 def _recheck_rows(WS, SITE, SCR, LOG, RSUM, rows, rmask, T, N, K, G, C, lost_w, factor, floor,
-                  row0, row1, row2, S: tl.constexpr, BM: tl.constexpr,
+                  absf, cap, row0, row1, row2, S: tl.constexpr, BM: tl.constexpr,
                   GP: tl.constexpr):  # fmt: skip
     """Tokens ``rows``' repaired rows (the flagged ones) checked again from their chunks' sums
     (added in order); a site with one that still fails is lost and reproduced, once a call (its
@@ -317,12 +341,16 @@ def _recheck_rows(WS, SITE, SCR, LOG, RSUM, rows, rmask, T, N, K, G, C, lost_w, 
     bad = tl.max((~(exc <= 0.0) & both).to(tl.int32), 1) > 0
     live = bad[:, None] & both
     sums = tl.zeros([BM, GP], dtype=tl.float32)
+    l1 = tl.zeros([BM, GP], dtype=tl.float32)
     for j in range(0, C):
-        sums += tl.load(RSUM + (j * as_i64(T) * G + at), mask=live, other=0.0)
+        sums += tl.load(RSUM + (j * 2 * as_i64(T) * G + at), mask=live, other=0.0)
+        l1 += tl.load(RSUM + (j * 2 * as_i64(T) * G + T * G + at), mask=live, other=0.0)
     xn1 = tl.load(SCR + (rows + 3 * T * G), mask=rmask, other=0.0)
     norms = _norms(WS, gs, gmask, G, K, N, lost_w, 0.0)  # (GP,)
     ref = tl.load(SCR + at, mask=both, other=0.0)
-    still = ~(tl.abs(sums - ref) - factor * xn1[:, None] * (norms + floor)[None, :] <= 0)
+    mag = xn1[:, None] * (norms + floor)[None, :]
+    l1 = tl.minimum(tl.where(l1 < float("inf"), l1, 0.0), cap * mag)
+    still = ~(tl.abs(sums - ref) - absf * l1 - factor * mag <= 0)
     still = still & live
     site = tl.load(SITE + gs, mask=gmask, other=-1)
     for s in tl.static_range(S):
@@ -374,8 +402,8 @@ def proj_weights(weight: Tensor, bias: Tensor | None, groups: int, conv1d: bool)
     OC = width(n, chunks(groups * C, _nbytes(weight), triton.cdiv(n, _BO)), _BO)
     J = triton.cdiv(n, OC) if n else 1
     out = torch.empty(groups * (K + 3) + N, device=w.device, dtype=_F32)
-    ps = torch.empty(J * groups * K, device=w.device, dtype=_F32)
-    pw1 = torch.empty(C * N, device=w.device, dtype=_F32)
+    ps = torch.empty(J * groups * K, device=w.device, dtype=torch.float64)
+    pw1 = torch.empty(C * N, device=w.device, dtype=torch.float64)
     psq = torch.empty(groups * J * C, device=w.device, dtype=_F32)
     b = readable(bias)
     cnt = counters(w.device, groups * (C + J + 1))
@@ -427,6 +455,7 @@ def _scratch(T: int, G: int, n_sites: int) -> int:
 @torch.library.custom_op("attnchecker::proj_verify", mutates_args=())
 def proj_verify(
     y: Tensor, x: Tensor, ws: Tensor, sites: list[int], n_sites: int, factor: float, floor: float,
+    absf: float, cap: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The rows' check of y (T, N) = x (T, K) W^T + b against ``ws`` (:func:`proj_weights`);
     ``sites`` (G ints): the site each group is counted by (a list, not a tensor: a compiled
@@ -445,20 +474,21 @@ def proj_verify(
     C = max(triton.cdiv(N, NC), triton.cdiv(K, KC))
     scr = torch.empty(_scratch(T, G, n_sites), device=y.device, dtype=_F32)
     bits = torch.empty(N, device=y.device, dtype=torch.int32)
-    part = torch.empty(C * (2 * T * G + T), device=y.device, dtype=_F32)
+    part = torch.empty(C * (3 * T * G + T), device=y.device, dtype=_F32)
     yr, xr = readable(y), readable(x)
     cnt = counters(y.device, R + 1 + n_sites)  # R blocks', the blocks', the sites' counts
     with counting(cnt):
         verify_kernel[(R, C)](yr, xr, ws, site, part, scr, bits, cnt, T, N, K, G, N // G, NC,
                               KC, yr.stride(0), yr.stride(1), xr.stride(0), xr.stride(1),
                               triton.cdiv(N, R * C), squares_lost(K), _lost_w(N, K, G), factor,
-                              floor, S=n_sites, BF16=xr.dtype == torch.bfloat16, BM=_BM, BN=_BN,
-                              BK=_BK, GP=_gp(G))  # fmt: skip
+                              floor, absf, cap, S=n_sites, BF16=xr.dtype == torch.bfloat16,
+                              ROUND=round_code(x.dtype, y.dtype), BM=_BM, BN=_BN, BK=_BK,
+                              GP=_gp(G))  # fmt: skip
     return scr, bits
 
 
 @proj_verify.register_fake
-def _(y, x, ws, sites, n_sites, factor, floor):
+def _(y, x, ws, sites, n_sites, factor, floor, absf, cap):
     T, N = y.shape
     return (y.new_empty(_scratch(T, len(sites), n_sites), dtype=_F32),
             y.new_empty(N, dtype=torch.int32))  # fmt: skip
@@ -475,7 +505,7 @@ def _lost_w(N: int, K: int, G: int) -> float:
 def proj_repair(
     y: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, conv1d: bool, ws: Tensor,
     sites: list[int], scr: Tensor, bits: Tensor, log: Tensor, step: Tensor, rows: list[int],
-    factor: float, floor: float,
+    factor: float, floor: float, absf: float, cap: float,
 ) -> None:  # fmt: skip
     """Record, recompute, locate and re-check what :func:`proj_verify` flagged (nothing on a
     clean call: every program returns at once), into y and the log rows ``rows`` of the sites.
@@ -495,15 +525,19 @@ def proj_repair(
     bn = _BN // 2 if ieee else _BN  # fp32 tiles: half as wide, no spill
     NC = width(N, chunks(R, _nbytes(y, x, weight), triton.cdiv(N, bn)), bn)
     C = triton.cdiv(N, NC) if N else 1
-    rsum = torch.empty(C * T * G, device=y.device, dtype=_F32)
+    rsum = torch.empty(C * 2 * T * G, device=y.device, dtype=_F32)
     r = [*rows, -1, -1][:3]
     cnt = counters(y.device, R)
     with counting(cnt):
         repair_kernel[(R, C)](yr, xr, w, b if b is not None else ws, ws, site, scr, bits, log,
                               step, rsum, cnt, T, N, K, G, N // G, NC, yr.stride(0),
                               yr.stride(1), xr.stride(0), xr.stride(1), w.stride(0), w.stride(1),
-                              _lost_w(N, K, G), factor, floor, factor / math.sqrt(N // G), *r,
-                              S=S, HAS_B=bias is not None, IEEE=ieee, BM=_BM, BN=bn, BK=_BK,
+                              _lost_w(N, K, G), factor, floor, absf, cap,
+                              factor / math.sqrt(N // G),
+                              *r,
+                              S=S, HAS_B=bias is not None, IEEE=ieee,
+                              RX=round_code(x.dtype, y.dtype),
+                              RW=round_code(weight.dtype, y.dtype), BM=_BM, BN=bn, BK=_BK,
                               BP=64, GP=_gp(G))  # fmt: skip
     if yr is not y:  # the interpreter's fp32 copy
         y.copy_(yr)
@@ -512,36 +546,41 @@ def proj_repair(
 def check_(
     y: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, conv1d: bool, ws: Tensor,
     sites: tuple[int, ...], log: Tensor, step: Tensor, rows: list[int], *, factor: float,
-    floor: float,
+    floor: float, absf: float, cap: float,
 ) -> Tensor:  # fmt: skip
     """Check and repair y (T, N) = x (T, K) W^T + b in place, into the log rows ``rows`` of its
     sites (``sites``: the site of each head group, indices into ``rows``); returns the scratch
     (the references (T, G) first; :func:`proj_verify`)."""
-    scr, bits = proj_verify(y, x, ws, list(sites), len(rows), factor, floor)
+    scr, bits = proj_verify(y, x, ws, list(sites), len(rows), factor, floor, absf, cap)
     proj_repair(y, x, weight, bias, conv1d, ws, list(sites), scr, bits, log, step, rows, factor,
-                floor)  # fmt: skip
+                floor, absf, cap)  # fmt: skip
     return scr
 
 
 def reference(
     y: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, conv1d: bool, groups: int, *,
-    factor: float, floor: float,
+    factor: float, floor: float, absf: float, cap: float,
 ) -> dict[str, Tensor]:  # fmt: skip
     """What the verify kernel computes, with torch ops (for the tests): references, residuals
-    and excesses (T, G), ||x_t|| + 1 (T,)."""
+    and excesses (T, G), ||x_t|| + 1 (T,). ``weight``, ``bias``: as the GEMM multiplied them."""
     w = _as_rows(weight, conv1d).to(_F32)
     N, K = w.shape
     T = y.shape[0]
     x32 = x.to(_F32)
-    S = w.reshape(groups, -1, K).sum(1)  # (G, K)
-    if x.dtype == torch.bfloat16 and not interpreting():  # as the kernel: S rounded to bf16
-        S = S.to(torch.bfloat16).to(_F32)
-    ref = x32 @ S.t()
+    S = w.reshape(groups, -1, K).sum(1, dtype=torch.float64).to(_F32)  # (G, K)
+    if x.dtype == torch.bfloat16 and not interpreting():  # as the kernel: S split hi + lo
+        hi = S.to(torch.bfloat16).to(_F32)
+        S = hi + (S - hi).to(torch.bfloat16).to(_F32)
+    ref = (x.to(y.dtype) if round_code(x.dtype, y.dtype) else x).to(_F32) @ S.t()
     wq = (w * w).reshape(groups, -1).sum(1)
     bq = torch.zeros(groups) if bias is None else (bias.to(_F32) ** 2).view(groups, -1).sum(1)
     if bias is not None:
-        ref = ref + bias.to(_F32).view(groups, -1).sum(1)
+        ref = ref + bias.view(groups, -1).sum(1, dtype=torch.float64).to(_F32)
     norms = (wq + bq).sqrt() + _lost_w(N, K, groups) + floor
     xn1 = torch.linalg.vector_norm(x32, dim=1) + squares_lost(K) + 1
-    res = y.to(_F32).view(T, groups, -1).sum(-1) - ref
-    return {"ref": ref, "res": res, "exc": res.abs() - factor * xn1[:, None] * norms, "xn1": xn1}
+    y3 = y.to(_F32).view(T, groups, -1)
+    res = y3.sum(-1) - ref
+    mag = xn1[:, None] * norms
+    l1 = torch.minimum(finite(y3.abs().sum(-1)), cap * mag)
+    exc = res.abs() - absf * l1 - factor * mag
+    return {"ref": ref, "res": res, "exc": exc, "xn1": xn1}

@@ -46,6 +46,21 @@ def tile(P, r, c, s_r, s_c, rmask, cmask):
 
 
 @triton.jit
+def rounded(t, ROUND: tl.constexpr):
+    """fp32 ``t`` rounded as the GEMM's operand was (``ROUND``: 0 none, 1 to bf16, 2 to fp16),
+    back in fp32: bf16 by round-to-nearest-even on the bits (the interpreter's cast truncates,
+    a GPU's rounds to nearest; the bits give both the GPU's and torch's ``.to(bfloat16)``)."""
+    if ROUND == 1:
+        u = t.to(tl.uint32, bitcast=True)
+        u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+        return u.to(tl.float32, bitcast=True)
+    elif ROUND == 2:
+        return t.to(tl.float16).to(tl.float32)
+    else:
+        return t
+
+
+@triton.jit
 def as_i64(v):
     """v as a 64-bit scalar (an int argument may be a constexpr)."""
     return v + tl.zeros([], dtype=tl.int64)
@@ -60,16 +75,21 @@ def span(start, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def block_product(X, Y, rows, rmask, cols, cmask, K, sx_m, sx_k, sy_k, sy_n, IEEE: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RX: tl.constexpr,
+                  RY: tl.constexpr):  # fmt: skip
     """x[rows] @ y[:, cols], (BM, BN) fp32 accumulators (rows outside rmask: 0), fp32 operands
-    in IEEE precision (no TF32: a recomputation must not round more than the GEMM did)."""
+    in IEEE precision (no TF32: a recomputation must not round more than the GEMM did), each
+    operand rounded as the GEMM multiplied it (``RX``, ``RY``: :func:`rounded`'s codes; an fp32
+    weight under bf16 autocast)."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks, kmask = span(k0, K, BK)
         a = tile(X, rows, ks, sx_m, sx_k, rmask, kmask)
         b = tile(Y, ks, cols, sy_k, sy_n, kmask, cmask)
         if IEEE:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            a = rounded(a.to(tl.float32), RX)
+            b = rounded(b.to(tl.float32), RY)
+            acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
     return acc
@@ -184,6 +204,15 @@ def block_scores(q, K, M, rows, cols, rm, cm, ds, dm, sk_l, sk_d, sm_l, sm_k, sc
 
 
 # ------------------------------------------------------------------------------ host side
+
+
+def round_code(operand: torch.dtype, out: torch.dtype) -> int:
+    """:func:`rounded`'s ``ROUND`` for an operand of dtype ``operand`` that a GEMM with outputs
+    of dtype ``out`` multiplied: rounded to a half-precision output's dtype where wider
+    (autocast's cast), else as it is."""
+    if operand == out or out not in (torch.bfloat16, torch.float16):
+        return 0
+    return 1 if out == torch.bfloat16 else 2
 
 
 def readable(t: Tensor | None) -> Tensor | None:

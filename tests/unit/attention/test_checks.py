@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from attnchecker.abft.tolerance import magnitude_factor, unit_roundoff
-from attnchecker.attention.checks import Projection, projection_check_, row_factor, row_floor
+from attnchecker.attention.checks import Projection, projection_check_, row_limits
 from attnchecker.attention.handoff import Handoff
 from attnchecker.attention.heads import (
     context_residual,
@@ -207,11 +207,8 @@ def _projections(
 def _check(case: Case, max_rows: int = MAX_ROWS) -> tuple[Tensor, Tensor, Tensor]:
     """projection_check_ as AttentionState._check_group calls it (tolerance_scale 1)."""
     with _autocast(case.autocast):
-        factor = row_factor(case.x, case.pairs, 1.0)
-        floor = row_floor(case.pairs) / factor
-        return projection_check_(
-            case.x, case.pairs, max_rows=max_rows, factor=factor, floor=floor, bounds=True
-        )
+        lim = row_limits(case.x, case.pairs, 1.0)
+        return projection_check_(case.x, case.pairs, max_rows=max_rows, bounds=True, **lim)
 
 
 projection_shapes = {
@@ -469,10 +466,8 @@ def test_clean_attention_with_the_projections_bounds(dtype, data, log_scale, see
 
 def _handed_over(case: Case, ref: Tensor, bound: Tensor, B: int, L: int, H: int):
     """What AttentionState._leave hands to the core for the V third of a fused projection."""
-    with _autocast(case.autocast):
-        factor = row_factor(case.x, case.pairs, 1.0)
     v_cut = slice(2 * H, 3 * H)
-    handoff = Handoff(ref[:, v_cut].view(B, L, H), (bound * factor)[:, v_cut].view(B, L, H))
+    handoff = Handoff(ref[:, v_cut].view(B, L, H), bound[:, v_cut].view(B, L, H))
     d = case.pairs[0][1].shape[-1] // (3 * H)
     return handoff.for_core(torch.empty(B, H, L, d))
 

@@ -19,8 +19,7 @@ from attnchecker.abft.tolerance import norm_bound
 from attnchecker.attention.checks import (
     Projection,
     projection_check_,
-    row_factor,
-    row_floor,
+    row_limits,
 )
 from attnchecker.attention.grads import checked_linear, checked_matmul, new_records_sink
 from attnchecker.attention.heads import context_residual, scores_residual
@@ -140,8 +139,7 @@ def test_forward_checks_of_tiny_rows_are_never_flagged(dtype, log_scale, frac, s
     w = (torch.randn(3 * d, 32, generator=g) * 0.1).to(dt)
     y = torch.nn.functional.linear(x, w)
     pairs = [(Projection(w, None, False, ("q", "k", "v"), 3, (), False), y)]
-    factor = row_factor(x, pairs, 1.0)
-    rec = projection_check_(x, pairs, max_rows=4, factor=factor, floor=row_floor(pairs) / factor)[0]
+    rec = projection_check_(x, pairs, max_rows=4, **row_limits(x, pairs, 1.0))[0]
     assert (rec[:, :2] == 0).all(), f"false alarm: {rec.tolist()}"
 
 
@@ -158,6 +156,5 @@ def test_a_conv1d_projection_with_tiny_weight_columns_is_never_flagged(dtype, lo
     w = w.to(dt)  # (K, 3d): Conv1D's layout, half its output columns tiny
     y = torch.addmm(torch.zeros(3 * d, dtype=dt), x.view(L, K), w).view(1, L, 3 * d)
     pairs = [(Projection(w, None, True, ("q", "k", "v"), 3, (), False), y)]
-    factor = row_factor(x, pairs, 1.0)
-    rec = projection_check_(x, pairs, max_rows=4, factor=factor, floor=row_floor(pairs) / factor)[0]
+    rec = projection_check_(x, pairs, max_rows=4, **row_limits(x, pairs, 1.0))[0]
     assert (rec[:, :2] == 0).all(), f"false alarm: {rec.tolist()}"

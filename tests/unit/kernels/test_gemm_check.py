@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnchecker import kernels
-from attnchecker.abft.tolerance import gemm_factor, underflow_floor
+from attnchecker.abft.gemm import limits
 from attnchecker.testing import OpCounter
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton (or its interpreter)")
@@ -31,8 +31,8 @@ def _case(M, K, N, dtype, seed, tx=False, ty=False):
     x = torch.randn(K, M, generator=g).t() if tx else torch.randn(M, K, generator=g)
     y = torch.randn(N, K, generator=g).t() if ty else torch.randn(K, N, generator=g)
     x, y = x.to(dtype), (y / K**0.5).to(dtype)
-    f = gemm_factor(x @ y, x, y, inner=K, length=N)
-    return x, y, {"floor": underflow_floor(dtype, length=N, inner=K), "c": -math.sqrt(N) * f}
+    floor, a, c, cap, *_ = limits(x @ y, x, y, 1.0)
+    return x, y, {"floor": floor, "a": a, "c": c, "cap": cap}
 
 
 def _record():
@@ -51,7 +51,8 @@ def test_the_verify_kernel_computes_the_reference_excesses(dtype, tx, ty, given)
     want = gc.reference(out, x, y, x_rows=rows, **lim)
     rec, step = _record()
     refs = gc.gemm_refs(y)
-    scr, bits = gc.gemm_verify(out, x, refs, rows, rec, step, y.numel(), lim["floor"], lim["c"])
+    scr, bits = gc.gemm_verify(out, x, refs, rows, rec, step, y.numel(), lim["floor"], lim["a"],
+                                lim["c"], lim["cap"])  # fmt: skip
     atol = 1e-5 * float(want["xn"].max())
     for i, name in enumerate(("ref", "res", "exc", "xn")):
         torch.testing.assert_close(scr[i], want[name], rtol=1e-5, atol=atol)

@@ -56,8 +56,9 @@ def _gemm(lost: bool) -> dict[str, torch.Tensor]:
     out[60, 100:164] += 1e3  # one row, a column tile
     rec, step = _record()
     refs = gc.gemm_refs(y)
-    scr, bits = gc.gemm_verify(out, x, refs, None, rec, step, y.numel(), lim["floor"], lim["c"])
-    gc.gemm_repair(out, x, y, refs, scr, bits, rec, lim["floor"], lim["c"])
+    f, a, c, cap = lim["floor"], lim["a"], lim["c"], lim["cap"]
+    scr, bits = gc.gemm_verify(out, x, refs, None, rec, step, y.numel(), f, a, c, cap)
+    gc.gemm_repair(out, x, y, refs, scr, bits, rec, f, a, c, cap)
     return {"out": out, "refs": refs, "scr": scr, "bits": bits, "rec": rec}
 
 
@@ -77,8 +78,9 @@ def _projection(lost: bool) -> dict[str, torch.Tensor]:
     log, step = torch.zeros(3, 7, dtype=torch.float64), torch.full((1,), 9.0, dtype=torch.float64)
     ws = pc.proj_weights(w, b, len(SITES), False)
     site = list(SITES)
-    scr, bits = pc.proj_verify(y, x, ws, site, 3, 1e-5, 1e-30)
-    pc.proj_repair(y, x, w, b, False, ws, site, scr, bits, log, step, [0, 1, 2], 1e-5, 1e-30)
+    scr, bits = pc.proj_verify(y, x, ws, site, 3, 1e-5, 1e-30, 1e-6, 8.0)
+    pc.proj_repair(y, x, w, b, False, ws, site, scr, bits, log, step, [0, 1, 2], 1e-5, 1e-30,
+                   1e-6, 8.0)  # fmt: skip
     return {"y": y, "ws": ws, "scr": scr, "bits": bits, "log": log}
 
 
@@ -112,13 +114,13 @@ def test_every_launch_leaves_the_arrival_counters_at_zero(flagged):
             return
         x, y, lim = _case(100, 200, 300, torch.float32, 11)
         rec, step = _record()
-        gc.check_(x @ y, x, y, rec, step, floor=lim["floor"], c=lim["c"])
+        gc.check_(x @ y, x, y, rec, step, **lim)
         assert rec.tolist() == [0.0] * 7
         w = y.t().contiguous()
         log = torch.zeros(3, 7, dtype=torch.float64)
         ws = pc.proj_weights(w, None, 6, False)
         pc.check_(x @ y, x, w, None, False, ws, SITES, log, step, [0, 1, 2], factor=1e-5,
-                  floor=1e-30)  # fmt: skip
+                  floor=1e-30, absf=1e-6, cap=8.0)  # fmt: skip
         assert not log.any()
 
     for how in (None, *ORDERS):

@@ -59,7 +59,8 @@ def _gemm_verify():
     from attnchecker.kernels.gemm_check import gemm_refs
 
     out, x, y, rec, step, lim = _gemm()
-    return out, x, gemm_refs(y), None, rec, step, y.numel(), lim["floor"], lim["c"]
+    f, a, c, cap = lim["floor"], lim["a"], lim["c"], lim["cap"]
+    return out, x, gemm_refs(y), None, rec, step, y.numel(), f, a, c, cap
 
 
 def _gemm_repair():
@@ -67,8 +68,9 @@ def _gemm_repair():
 
     out, x, y, rec, step, lim = _gemm()
     refs = gemm_refs(y)
-    scr, bits = gemm_verify(out, x, refs, None, rec, step, y.numel(), lim["floor"], lim["c"])
-    return out, x, y, refs, scr, bits, rec, lim["floor"], lim["c"]
+    f, a, c, cap = lim["floor"], lim["a"], lim["c"], lim["cap"]
+    scr, bits = gemm_verify(out, x, refs, None, rec, step, y.numel(), f, a, c, cap)
+    return out, x, y, refs, scr, bits, rec, f, a, c, cap
 
 
 # ------------------------------------------------------------------ the projection check's ops
@@ -97,16 +99,16 @@ def _proj_weights():
 
 def _proj_verify():
     y, x, _w, _b, ws, site, log, _step, lim = _proj()
-    return y, x, ws, site, log.shape[0], lim["factor"], lim["floor"]
+    return y, x, ws, site, log.shape[0], lim["factor"], lim["floor"], lim["absf"], lim["cap"]
 
 
 def _proj_repair():
     from attnchecker.kernels.projection_check import proj_verify
 
     y, x, weight, b, ws, site, log, step, lim = _proj()
-    scr, bits = proj_verify(y, x, ws, site, log.shape[0], lim["factor"], lim["floor"])
-    return (y, x, weight, b, True, ws, site, scr, bits, log, step, [0, 1, 2], lim["factor"],
-            lim["floor"])  # fmt: skip
+    f, floor, absf, cap = lim["factor"], lim["floor"], lim["absf"], lim["cap"]
+    scr, bits = proj_verify(y, x, ws, site, log.shape[0], f, floor, absf, cap)
+    return y, x, weight, b, True, ws, site, scr, bits, log, step, [0, 1, 2], f, floor, absf, cap
 
 
 # ------------------------------------------------------------------- the flash kernels' ops

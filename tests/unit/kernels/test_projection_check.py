@@ -14,6 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from attnchecker import kernels
+from attnchecker.abft.tolerance import CAP, gemm_terms
 from attnchecker.attention.checks import Projection
 from attnchecker.testing import OpCounter
 
@@ -37,15 +38,22 @@ def _case(dtype, conv1d=False, bias=True, seed=0):
     w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
     b = torch.randn(N, generator=g).to(dtype) if bias else None
     weight = w.t().contiguous() if conv1d else w  # Conv1D stores (K, N)
-    factor = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
-    return x, weight, b, F.linear(x, w, b), {"factor": factor, "floor": 1e-30}
+    return x, weight, b, F.linear(x, w, b), _limits(dtype)
+
+
+def _limits(dtype):
+    """The row check's constants for outputs of ``dtype`` (as ``checks.row_limits``)."""
+    f_abs, f_mag = gemm_terms(dtype, torch.device("cpu"), inner=K + 1, length=n)
+    return {"factor": math.sqrt(n) * f_mag, "floor": 1e-30, "absf": f_abs,
+            "cap": CAP * math.sqrt(n)}  # fmt: skip
 
 
 def _run(y, x, weight, b, conv1d, lim, rows=(0, 1, 2)):
     pc = _pc()
     log = torch.zeros(3, 7, dtype=torch.float64)
     step = torch.full((1,), 9.0, dtype=torch.float64)
-    ws = pc.proj_weights(weight, b, G, conv1d)
+    # the weight sums of W and b as the GEMM multiplied them (kernel_checks.weight_sums)
+    ws = pc.proj_weights(weight.to(y.dtype), None if b is None else b.to(y.dtype), G, conv1d)
     pc.check_(y, x, weight, b, conv1d, ws, SITES, log, step, list(rows), **lim)
     return log
 
@@ -59,7 +67,8 @@ def test_the_verify_kernel_computes_the_reference_excesses(dtype, conv1d, bias):
     y[4, 20] = 1e3  # a flagged (token, group) beside clean ones
     want = pc.reference(y, x, weight, b, conv1d, G, **lim)
     ws = pc.proj_weights(weight, b, G, conv1d)
-    scr, _ = pc.proj_verify(y, x, ws, list(SITES), 3, lim["factor"], lim["floor"])
+    scr, _ = pc.proj_verify(y, x, ws, list(SITES), 3, lim["factor"], lim["floor"], lim["absf"],
+                            lim["cap"])
     got = {"ref": scr[: T * G], "res": scr[T * G : 2 * T * G], "exc": scr[2 * T * G : 3 * T * G]}
     for name, v in got.items():
         torch.testing.assert_close(v.view(T, G), want[name], rtol=1e-5, atol=1e-4)
@@ -161,7 +170,7 @@ def test_autocasts_mixed_operands_are_repaired_without_a_copy(conv1d):
     as there was: issue 54) and rebuilds the product autocast made, to bf16 rounding."""
     x, weight, b, _, lim = _case(torch.float32, conv1d, seed=3)
     x = x.to(torch.bfloat16)
-    lim = {"factor": 2e-2, "floor": 1e-30}
+    lim = _limits(torch.bfloat16)
     w = weight.t() if conv1d else weight
     with torch.autocast("cpu", dtype=torch.bfloat16):
         clean = F.linear(x, w, b)

@@ -1,0 +1,150 @@
+"""The GEMM checks' rounding-tight bound (issue 55, ``abft.tolerance.gemm_terms``): one element
+moved by 2% of its row's L1 norm is flagged in every row, in bf16 and fp16, by each check that
+carries the bound (the eager GEMM check of a linear layer's dX / dW, the projections' eager
+check, and the registered ops' verify kernels in Triton's interpreter), and a clean product is
+never flagged, autocast's rounded fp32 weights included. With the magnitude-only bound of before
+(0.32 of the row in bf16) or references from the unrounded weight, these fail."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from attnchecker import kernels
+from attnchecker.abft.gemm import limits, rows_excess
+from attnchecker.abft.tolerance import LAMBDA, gemm_terms, unit_roundoff
+from attnchecker.attention.checks import Projection, projection_check_, row_limits
+
+HALF = [torch.bfloat16, torch.float16]
+R = 0.02  # the fault, a fraction of the row's L1 norm: above the bound (~0.005), far below 0.3
+needs_triton = pytest.mark.skipif(not kernels.available(), reason="needs triton or its interpreter")
+
+
+def _moved(out: torch.Tensor, r: float, seed: int) -> torch.Tensor:
+    """A copy of out (M, N) with one element of every row moved by +-r of the row's L1 norm."""
+    g = torch.Generator().manual_seed(seed)
+    rows = out.clone()
+    M, N = rows.shape
+    i, j = torch.arange(M), torch.randint(0, N, (M,), generator=g)
+    sign = torch.where(torch.rand(M, generator=g) < 0.5, -1.0, 1.0)
+    l1 = out.float().abs().sum(1)
+    rows[i, j] = (rows[i, j].float() + sign * r * l1).to(out.dtype)
+    return rows
+
+
+def _linear_case(dtype, seed=0, M=96, K=512, N=384):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    y = (torch.randn(K, N, generator=g) * 0.02).to(dtype)
+    return x, y, x @ y
+
+
+def test_the_terms_are_the_outputs_rounding_plus_a_sqrt_k_accumulation():
+    cpu = torch.device("cpu")
+    f_abs, f_mag = gemm_terms(torch.bfloat16, cpu, inner=4096, length=4096)
+    u = unit_roundoff(torch.bfloat16)
+    assert u < f_abs < u * 1.2  # the delivered outputs' half ulps, then small fp32 terms
+    assert f_mag == pytest.approx(LAMBDA * 64 * 2 * 2.0**-24 + 2.0**-24)
+    assert f_mag < 1e-4  # against (u_bf16 + 2 (K + N) u_32) m = 4.4e-3 m before
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_eager_gemm_check_sees_two_percent_of_a_row(dtype):
+    x, y, out = _linear_case(dtype)
+    assert not (~(rows_excess(out, x, y, scale=1.0) <= 0)).any()  # clean
+    flagged = ~(rows_excess(_moved(out, R, 1), x, y, scale=1.0) <= 0)
+    assert flagged.all(), f"{int(flagged.sum())} / {flagged.numel()} rows"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_gemm_check_kernels_see_two_percent_of_a_row(dtype):
+    from attnchecker.kernels import gemm_check as gc
+
+    x, y, out = _linear_case(dtype, M=64, K=256, N=192)
+    floor, a, c, cap, *_ = limits(out, x, y, 1.0)
+    for faulty, want in ((out, 0), (_moved(out, R, 2), 64)):
+        rec = torch.zeros(7, dtype=torch.float64)
+        step = torch.zeros(1, dtype=torch.float64)
+        scr, _ = gc.gemm_verify(faulty, x, gc.gemm_refs(y), None, rec, step, y.numel(), floor,
+                                a, c, cap)  # fmt: skip
+        assert int((~(scr[2] <= 0)).sum()) == want
+
+
+def _projection(dtype, autocast: bool, seed=0, T=128, K=256, H=6, d=64):
+    """x (1, T, K), a fused Q | K | V of 3 H heads with bias, its output: in ``dtype``, or fp32
+    parameters under ``dtype`` autocast (mixed-precision training)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, T, K, generator=g)
+    w = torch.randn(3 * H * d, K, generator=g) * 0.02
+    b = torch.randn(3 * H * d, generator=g) * 0.02
+    if autocast:
+        with torch.autocast("cpu", dtype=dtype):
+            y = F.linear(x, w, b)
+    else:
+        x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+        y = F.linear(x, w, b)
+    return x, Projection(w, b, False, ("q", "k", "v"), 3 * H), y
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["half", "autocast"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_projection_check_sees_two_percent_of_a_head_group(dtype, autocast):
+    x, proj, y = _projection(dtype, autocast)
+    T, d = y.shape[1], 64
+    lim = row_limits(x, [(proj, y)], 1.0)
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        rec = projection_check_(x, [(proj, y.clone())], max_rows=4, **lim)[0]
+    assert not (rec[:, 0] > 0).any(), rec  # clean: references from W as autocast rounded it
+    groups = y.view(T, -1, d)
+    g = torch.Generator().manual_seed(3)
+    head = torch.randint(0, groups.shape[1], (T,), generator=g)
+    sel = _moved(groups[torch.arange(T), head], R, 4)
+    faulty = groups.clone()
+    faulty[torch.arange(T), head] = sel
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        rec = projection_check_(x, [(proj, faulty.view_as(y))], max_rows=4, **lim)[0]
+    assert int(rec[:, 0].sum()) == T  # every token flagged (in its one faulty head group)
+
+
+@needs_triton
+@pytest.mark.parametrize("autocast", [False, True], ids=["half", "autocast"])
+def test_the_projection_kernels_see_two_percent_of_a_head_group(autocast):
+    from attnchecker.attention.kernel_checks import sites_of
+    from attnchecker.kernels import projection_check as pc
+
+    dtype = torch.bfloat16
+    x, proj, y = _projection(dtype, autocast, T=64, K=128, H=2)
+    T, d = y.shape[1], 64
+    lim = row_limits(x, [(proj, y)], 1.0)
+    x2, y2 = x.view(T, -1), y.view(T, -1)
+    w, b = proj.weight, proj.bias
+    ws = pc.proj_weights(w.to(dtype), b.to(dtype), proj.groups, False)  # as weight_sums rounds
+    faulty = y2.view(T, -1, d).clone()
+    head = torch.arange(T) % proj.groups
+    faulty[torch.arange(T), head] = _moved(faulty[torch.arange(T), head], R, 5)
+    for out, want in ((y2.clone(), 0), (faulty.view(T, -1), T)):
+        scr, _ = pc.proj_verify(out, x2, ws, list(sites_of(proj)), 3, lim["factor"],
+                                lim["floor"], lim["absf"], lim["cap"])  # fmt: skip
+        exc = scr[2 * T * proj.groups : 3 * T * proj.groups].view(T, proj.groups)
+        assert int((~(exc <= 0)).any(1).sum()) == want
+
+
+def test_the_bound_reads_reduced_precision_reductions():
+    """On CUDA a bf16 GEMM that may reduce split-K partials in bf16 gets the wider accumulation
+    term (read from torch's setting, not assumed)."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    m = torch.backends.cuda.matmul
+    was = m.allow_bf16_reduced_precision_reduction
+    try:
+        m.allow_bf16_reduced_precision_reduction = False
+        tight = gemm_terms(torch.bfloat16, cuda, inner=1024, length=64)[1]
+        m.allow_bf16_reduced_precision_reduction = True
+        wide = gemm_terms(torch.bfloat16, cuda, inner=1024, length=64)[1]
+    finally:
+        m.allow_bf16_reduced_precision_reduction = was
+    assert wide > 100 * tight
+    assert math.isclose(tight, gemm_terms(torch.bfloat16, cpu, inner=1024, length=64)[1])
