@@ -7,6 +7,10 @@
 # Stages, each under `timeout` inside an overall budget (GPU_CHECK_BUDGET seconds, 480 by
 # default), run in the order GPU_CHECK_STAGES gives (default: all, most telling first); every
 # stage runs even when an earlier one fails, and the exit status is 0 only when all succeeded:
+# - bounds: benchmarks/gemm_bounds.py, the GEMM checks' rounding-tight bound (issue 55) on
+#   cuBLAS's own GEMMs at base and Llama-8B shapes, bf16 / fp16 / fp32, bf16 split-K reductions
+#   in fp32 and in bf16: each clean row's |residual| / tolerance (the margin the probabilistic
+#   accumulation term leaves; 1 is a false alarm) and the smallest error seen;
 # - step: benchmarks/gpu_step.py, the training step of the plain SDPA model, the core's checks
 #   alone and the default config (both on the SDPA route, backend="auto" on CUDA), the
 #   projections' checks alone and all_linear (the GEMM checks as registered Triton ops:
@@ -37,8 +41,8 @@
 #
 # Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (480), GPU_CHECK_STAGES,
 # GPU_CHECK_WORKERS (16), GPU_CHECK_ALARM_ARMS (all four),
-# GPU_CHECK_{STEP,CALIBRATE,TEST,TUNE,BENCH,GEMM,AUTO,ALARM,KERNEL,COMPILED}_TIMEOUT
-# (240, 90, 150, 150, 70, 40, 100, 100, 75, 60), OUT; GPU_CHECK_TINY=1 runs the step and
+# GPU_CHECK_{BOUNDS,STEP,CALIBRATE,TEST,TUNE,BENCH,GEMM,AUTO,ALARM,KERNEL,COMPILED}_TIMEOUT
+# (60, 240, 90, 150, 150, 70, 40, 100, 100, 75, 60), OUT; GPU_CHECK_TINY=1 runs the step and
 # calibrate stages on the CPU at tiny sizes (tests/integration/test_gpu_stage.py runs them so).
 # Measured on an H200 (2026-12-04): tests 111 s with 16 workers, the alarm sweep ~90 s, the
 # kernels' benchmark ~60 s; the protect_vs_sdpa rows build 4 base-width models each.
@@ -53,6 +57,7 @@ if [[ -z "$PY" ]]; then
     exit 2
 fi
 STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-240}
+BOUNDS_TIMEOUT=${GPU_CHECK_BOUNDS_TIMEOUT:-60}
 CALIBRATE_TIMEOUT=${GPU_CHECK_CALIBRATE_TIMEOUT:-90}
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-150}
 ALARM_TIMEOUT=${GPU_CHECK_ALARM_TIMEOUT:-100}
@@ -162,6 +167,13 @@ run_calibrate() {
         --out "$work/kernel_rows.jsonl" "${tiny[@]}"
 }
 
+# the GEMM checks' rounding-tight bound on the device's GEMMs: margins, alarms, thresholds
+run_bounds() {
+    local tiny=()
+    if [[ -n "${GPU_CHECK_TINY:-}" ]]; then tiny=(--quick --device cpu); fi
+    stage bounds "$BOUNDS_TIMEOUT" "$PY" benchmarks/gemm_bounds.py "${tiny[@]}"
+}
+
 # the gpu tests and the kernels' tests, compiled for the device, with tests/conftest.py as on
 # a CPU (it sets TRITON_INTERPRET only without CUDA; its ATTNCHECKER_CHECK_IMPL=eager is
 # overridden by test_gpu.py, whose checks run the CUDA default, CHECK_IMPL there, asserted by
@@ -250,7 +262,7 @@ run_compiled() {
         triton --reps 5 --tag compiled
 }
 
-for name in ${GPU_CHECK_STAGES:-step calibrate tests gemm benchmark auto alarms kernels tune compiled}; do
+for name in ${GPU_CHECK_STAGES:-bounds step calibrate tests gemm benchmark auto alarms kernels tune compiled}; do
     if ! declare -F "run_$name" >/dev/null; then
         echo "gpu_check: no stage $name"
         status=1

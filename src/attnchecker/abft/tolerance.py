@@ -78,6 +78,7 @@ __all__ = [
     "kernel_factor",
     "magnitude_factor",
     "norm_bound",
+    "reduced_reductions",
     "squares_lost",
     "tf32_enabled",
     "underflow_floor",
@@ -129,6 +130,18 @@ CAP = 1 + 2.0**-6
 the check computes from the operands (Cauchy-Schwarz), which no clean row exceeds (|y^_j| <=
 (1 + u_out) sum_k |x_k w_kj|): a fault that scales a whole row cannot widen its own tolerance
 past f_abs CAP M, the operands' prediction (extreme whole-row errors stay seen as before)."""
+
+
+def reduced_reductions() -> list[str]:
+    """The half dtypes whose CUDA GEMMs may reduce split-K partials in their own precision
+    (torch's ``allow_bf16_reduced_precision_reduction`` / ``..._fp16_...``, bf16's on by default):
+    their checks take u_acc = the dtype's roundoff (:func:`gemm_terms`), which leaves them only
+    extreme errors. Set the flag False for the rounding-tight bound (cuBLAS then reduces in
+    fp32)."""
+    m = torch.backends.cuda.matmul
+    flags = (("bf16", m.allow_bf16_reduced_precision_reduction),
+             ("fp16", m.allow_fp16_reduced_precision_reduction))  # fmt: skip
+    return [name for name, on in flags if on]
 
 
 def finite(l1: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,14 @@ are blocks enough, :func:`chunks`) and to keep each program's share of the opera
 :data:`PROGRAM_BYTES`:
 
 1. ``attnchecker::gemm_refs`` (:func:`refs_kernel`), the references' pass over y, where the
-   caller has no cached one: y's row sums y 1 (K,) and its Frobenius norm (a partial sum of
+   caller has no cached one: y's row sums y 1 (K,), accumulated in fp64 and rounded once, and
+   its Frobenius norm (a partial sum of
    squares per block of :data:`_BK` rows, summed by the verify);
 2. ``attnchecker::gemm_verify`` (:func:`verify_kernel`), one pass over the rows of out and of
    x: each row's sum against its reference x_m . (y 1), and its excess over the tolerance
-   |residual| - floor + c ||x_m|| ||y||_F (c < 0; the constants are
-   :func:`~attnchecker.abft.gemm.gemm_check_`'s, from :mod:`attnchecker.abft.tolerance`). A row
+   |residual| - floor - a min(A_m, cap ||x_m|| ||y||_F) + c ||x_m|| ||y||_F (A_m the row's L1
+   norm, summed in the same pass; c < 0; the constants are
+   :func:`~attnchecker.abft.gemm.limits`', from :mod:`attnchecker.abft.tolerance`). A row
    block with a flagged row adds its count to the record row (an exact integer) and marks it
    detected at the clock's step (the clean path writes nothing but the per-row scratch and its
    row block's counter);

@@ -8,8 +8,12 @@ the counters are the device's, left at 0 by every launch).
 
 The N outputs are G head groups of n; a row is a (token, group) pair, checked against
 x_t . (sum_{o in g} W_o) + sum_{o in g} b_o with the tolerance of the eager check (its
-``factor`` and ``floor``, :func:`~attnchecker.attention.checks.row_factor`):
-factor (||x_t|| + 1) ||[W_g | b_g]||_F.
+``factor``, ``floor``, ``absf`` and ``cap``, :func:`~attnchecker.attention.checks.row_limits`):
+absf min(A_tg, cap M_tg) + factor M_tg, M_tg = (||x_t|| + 1) ||[W_g | b_g]||_F and A_tg the
+group's L1 norm (the rounding-tight bound of :func:`~attnchecker.abft.tolerance.gemm_terms`).
+W's sums are accumulated in fp64 (W as the GEMM multiplied it: autocast's bf16 copy, rounded by
+the caller), x_t . S_g in fp32 from x as the GEMM multiplied it (:func:`rounded`), on the
+tensor cores as a bf16 hi + lo split of S (~2^-17 of S kept).
 
 1. ``attnchecker::proj_weights`` (:func:`weights_kernel` over (group, output chunk, K block)),
    one pass over W once per step (the caller caches it on the

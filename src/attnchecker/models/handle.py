@@ -402,6 +402,7 @@ class ProtectionHandle:
         its detections by cause (computation ``fault`` / ``numerics``: see
         :mod:`attnchecker.recovery.diagnosis`; :func:`~attnchecker.recovery.diagnosis.gather`
         collects them over ranks), as plain data."""
+        from attnchecker.abft.tolerance import reduced_reductions
         from attnchecker.recovery.diagnosis import here
 
         where = here(self._clock.count.device)
@@ -417,6 +418,11 @@ class ProtectionHandle:
             # how the checks run from eager code (attention.regions: the config's choice, and per
             # check region what ran in this process: compiled, eager, a failed compile's eager)
             "check_impl": self.config.check_impl,
+            # the GEMM checks' rounding-tight bound (abft.tolerance.gemm_terms) holds on CUDA for
+            # the half dtypes whose split-K reductions are exact; the others see extreme errors
+            "reduced_precision_reductions": reduced_reductions()
+            if where.device.startswith("cuda")
+            else [],
             "check_regions": regions.describe(),
             "steps": self.step,
             "counters": self.counters(),

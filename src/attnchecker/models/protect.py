@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from attnchecker.abft.tolerance import tf32_enabled
+from attnchecker.abft.tolerance import reduced_reductions, tf32_enabled
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.core import CORE
 from attnchecker.attention.engines import Engine, choose_engine
@@ -147,6 +147,16 @@ def _protect(
         )
     if left is not None:
         warnings.warn(f"attnchecker: {left}", RuntimeWarning, stacklevel=3)
+    loose = reduced_reductions() if _device(model).type == "cuda" else []
+    if loose:
+        warnings.warn(
+            f"attnchecker: cuBLAS may reduce {'/'.join(loose)} GEMMs' split-K partials in "
+            f"their own precision (torch.backends.cuda.matmul.allow_{loose[0]}_reduced_precision_"
+            f"reduction): their checks see extreme errors only; set it False for checks that "
+            f"see errors from ~0.01 of a row (attnchecker.abft.tolerance.gemm_terms)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     if unpatched:
         warnings.warn(
             f"attnchecker: {len(unpatched)} linear layer(s) have a forward of their own (a "
