@@ -86,6 +86,15 @@ class ABFTConfig:
       (:mod:`attnchecker.attention.impl`, resolved once per module at ``protect_``). Same
       tolerances; inside a model the user compiles, the registered ops stay ops (one extern
       call each) and the other checks are traced inline as regions.
+    - ``sampled_rows``: on the SDPA route, query rows per (batch, head) and call recomputed in
+      fp32 and compared per element with the kernel's O and LSE (backward: dQ of those rows,
+      dK and dV of as many key rows per K/V head): what the route's invariants cannot see (a
+      lowered score, an error in P or O inside V's range) is seen in a sampled row, at ~s / L
+      of attention's cost; a given row is sampled with probability s / L per call
+      (:func:`attnchecker.kernels.sdpa_sample.coverage`, ``summary()["per_module"][...]
+      ["sampled"]``). 0 turns it off; calls with attention dropout are not sampled. Default 2
+      (0.05% of attention at L = 4096; a fault that stays on one row is caught in ~L / 2 calls
+      of its layer on average).
     - ``strict``: a model of one's own with attention protect_ cannot route (written by hand,
       ``flex_attention``, ...; :mod:`attnchecker.models.sdpa`) is refused (True), or protected
       at the SDPA calls it has, with a warning and ``summary()["attention"]`` naming the rest
@@ -104,6 +113,7 @@ class ABFTConfig:
     check_impl: str = "auto"
     schedule: tuple[tuple[int, str, int], ...] | None = None
     strict: bool = True
+    sampled_rows: int = 2
 
     @property
     def period(self) -> int:
@@ -136,6 +146,11 @@ class ABFTConfig:
         for name in ("max_rows", "max_heads"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.sampled_rows, int) or self.sampled_rows < 0:
+            raise ConfigError(
+                f"sampled_rows must be a non-negative integer (0 turns the sampled check off), "
+                f"got {self.sampled_rows!r}"
+            )
         if not self.tolerance_scale >= 1.0:
             raise ConfigError(
                 f"tolerance_scale must be >= 1 (the derived tolerance is already a bound on "

@@ -46,6 +46,7 @@ from attnchecker.kernels.sdpa_backend import (
     rng_state,
 )
 from attnchecker.kernels.sdpa_check import REFERENCE, SdpaOps, mask_facts
+from attnchecker.kernels.sdpa_sample import BWD_SAMPLE, FWD_SAMPLE, coverage
 
 __all__ = ["SdpaPlan", "checked_attention", "self_test"]
 
@@ -140,6 +141,8 @@ class SdpaPlan:
     sites: Sites | None  # the forward's sites, where a hook waits at one (emulated faults)
     hook: GradSite | None  # the backward's site runner, or None
     ops: SdpaOps  # the check ops: the Triton kernels' or the torch reference's
+    samples: int = 0  # query (and key) rows recomputed per (batch, head) and call (0: none)
+    salt: int = 0  # the module's part of the sampled rows' draw (its layer)
 
 
 class _Checked(torch.autograd.Function):
@@ -161,6 +164,9 @@ class _Checked(torch.autograd.Function):
             stats = ops.kv_stats(k, v)
             flags = ops.fwd_verify(q, k, out, lse, stats, log, step, rows, plan.scale, rowmax,
                                    plan.tol, p)  # fmt: skip
+            if plan.samples > 0 and p == 0:  # (a dropout call's draw is the kernel's: unsampled)
+                FWD_SAMPLE(q, k, v, mask, out, lse, flags, log, step, rows, plan.causal,
+                           plan.scale, plan.tol, plan.samples, plan.salt, ops is not REFERENCE)
             ops.fwd_repair(q, k, v, mask, out, lse, stats, flags, log, step, rows, plan.causal,
                            plan.scale, rowmax, plan.tol, p, rng)  # fmt: skip
         ctx.save_for_backward(q, k, v, mask, out, lse, stats, step, rowmax, rng, keep)
@@ -186,6 +192,9 @@ class _Checked(torch.autograd.Function):
             rows = list(plan.bwd_rows)
             part, flags = ops.bwd_verify(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec,
                                          step, rows, scale, tol, p)  # fmt: skip
+            if plan.samples > 0 and p == 0 and ops is REFERENCE:  # (flags: (B, Hkv) bits)
+                BWD_SAMPLE(q, k, v, mask, out, lse, grad, dq, dk, dv, rowmax, flags, rec, step,
+                           rows, causal, scale, tol, plan.samples, plan.salt)  # fmt: skip
             sums = ops.bwd_sums(dk, dv)
             ops.bwd_repair(q, k, v, mask, out, lse, grad, dq, dk, dv, stats, rowmax, part, flags,
                            sums, rec, step, rows, causal, scale, tol, p, rng)  # fmt: skip
@@ -225,8 +234,10 @@ def checked_attention(
         fwd_rows, any(state.checks(o) for o in _FWD_SITES),
         bwd_rows, any(state.checks(o) for o in CORE_GRAD_OPS), len(state.records.grad_ops),
         float(dropout), state.sites if hooked else None, state.sites.grad_hook(CORE_GRAD_OPS),
-        _ops(state.impl.kernels),
+        _ops(state.impl.kernels), int(state.config.sampled_rows), state.layer,
     )  # fmt: skip
+    if not torch.compiler.is_compiling():  # (what summary() says of the draw)
+        state.coverage.sampled = coverage(plan.samples, q.shape[2], dropout=plan.dropout)
     sink = state.grads
     if sink is None or not torch.is_grad_enabled():
         sink = torch.zeros(0, device=q.device)  # (no backward records: an inert input)

@@ -144,6 +144,8 @@ class Coverage:
     note: str = ""
     fallbacks: set[str] = field(default_factory=set)
     missing: dict[str, str] = field(default_factory=dict)
+    # the SDPA route's sampled rows at its last call (kernels.sdpa_sample.coverage), or None
+    sampled: dict[str, object] | None = None
 
     @property
     def engine_name(self) -> str:

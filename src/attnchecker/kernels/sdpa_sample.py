@@ -25,7 +25,9 @@ epsilon, u = eps32; A_if = sum_j p_ij |v_jf|; r_ij = |scale| sum_f |q_if k_jf|; 
 
 - the scores, kernel and reference, each accumulate d exact products in fp32: |dz_ij| <=
   (d + 2) u r_ij, so delta_i = 2 (d + 2) u max_j r_ij (both sides) bounds each score's error;
-  exp / exp2 and the scale's rounding add a few u relative to |z| (8 u |LSE_i| and the + 8 below);
+  exp / exp2 and the scale's rounding add a few u relative to |z| (8 u |LSE_i| and the + 8
+  below); with half-precision operands a CPU's flash kernel adds 2^-13 (1 + |z|) per score
+  (measured, :data:`_HALF_Z`: into delta_i and the LSE bound);
 - LSE_i (fp32 in both): first order, dLSE = sum_j p_ij dz_ij, plus the normaliser's fp32 sum
   over Lk terms (Lk u) and the log: t_lse = 2 (sum_j p_ij r_ij (d + 2) u + (Lk + 8) u + 8 u
   |LSE_i|);
@@ -63,7 +65,9 @@ from attnchecker.kernels import DEAD, SDPA_BLOCKS
 from attnchecker.kernels.sdpa_backend import group_sum
 
 __all__ = [
+    "BWD_SAMPLE",
     "DEFAULT_SAMPLES",
+    "FWD_SAMPLE",
     "bwd_sample",
     "coverage",
     "fwd_sample",
@@ -77,6 +81,10 @@ DEFAULT_SAMPLES = 2
 
 _F32 = torch.float32
 _U = torch.finfo(_F32).eps
+# A CPU flash kernel's scores with half-precision operands carry more than fp32's rounding
+# (measured: |dLSE| up to ~4e-5 (1 + |LSE|), the same in bf16 and fp16: its vectorised exp /
+# reduced-precision intermediates); 2^-13 (1 + |z|) per score covers it with 3x to spare.
+_HALF_Z = 2.0**-13
 _M = 2147483647  # 2^31 - 1: the hash's modulus (products stay below 2^47 in int64)
 
 
@@ -108,7 +116,7 @@ def coverage(samples: int, L: int, *, dropout: float = 0.0, calls: int = 1) -> d
     (and the steps for 99%) to catch a fault that stays on the same row every step (a geometric
     wait). Dropout calls are not sampled."""
     if dropout > 0 or samples <= 0 or L <= 0:
-        why = "off (samples=0)" if samples <= 0 else "off with attention dropout (the kernel's draw)"
+        why = "off (samples=0)" if samples <= 0 else "off with attention dropout (its draw)"
         return {"rows": 0, "per_call": 0.0, "per_step": 0.0, "expected_steps": math.inf,
                 "steps_99": math.inf, "note": why}  # fmt: skip
     p = min(samples, L) / L
@@ -122,7 +130,7 @@ def coverage(samples: int, L: int, *, dropout: float = 0.0, calls: int = 1) -> d
 def _gather_rows(t: Tensor, idx: Tensor) -> Tensor:
     """t (B | 1, H | 1, L | 1, ...) at rows idx (B, H, n) -> (B, H, n, ...)."""
     B, H, n = idx.shape
-    t = t.expand(B, H, *t.shape[2:]) if t.dim() > 2 else t.expand(B, H, t.shape[-1])
+    t = t.expand(B, H, *t.shape[2:])
     if t.shape[2] == 1:  # a broadcast row: every row
         return t.expand(B, H, n, *t.shape[3:])
     at = idx.view(B, H, n, *([1] * (t.dim() - 3))).expand(B, H, n, *t.shape[3:])
@@ -173,13 +181,19 @@ def fwd_sample_flags(q, k, v, mask, out, lse, causal, scale, tol, idx):
     p, o, lse_ref, a, r, live = _row_math(q, k, v, mask, causal, scale, idx)
     eps = torch.finfo(out.dtype).eps
     rl = torch.where(p > 0, r, 0.0)
+    half = _HALF_Z if q.dtype in (torch.float16, torch.bfloat16) else 0.0
     delta = 2 * (d + 2) * _U * rl.amax(-1, keepdim=True)  # (B, H, n, 1)
+    delta = delta + half * (1 + lse_ref.abs()[..., None] + rl.amax(-1, keepdim=True))
     lse_got = _gather_rows(lse.float(), idx)
-    t_lse = tol * 2 * ((p * rl).sum(-1) * (d + 2) * _U + (Lk + 8) * _U + 8 * _U * lse_ref.abs())
+    t_lse = tol * (2 * ((p * rl).sum(-1) * (d + 2) * _U + (Lk + 8) * _U + 8 * _U * lse_ref.abs())
+                   + half * (1 + lse_ref.abs()))  # fmt: skip
     lse_ex = (lse_got - lse_ref).abs() - t_lse
     lse_bad = ~(lse_ex <= 0) & live
     o_got = _gather_rows(out, idx).float()
+    tiny = torch.finfo(out.dtype).smallest_normal * eps  # (P underflowing for the MMA)
     t_o = tol * (eps / 2 * (o.abs() + a) + 2 * (Lk + 4) * _U * a + delta * (a + o.abs())
+                 + tiny * _by_head(_by_group(torch.ones_like(p), k.shape[1])
+                                   @ v.float().abs(), q.shape[1])
                  + underflow_floor(out.dtype, length=1, inner=Lk))  # fmt: skip
     o_ex = (o_got - o).abs() - t_o
     o_bad = ~(o_ex <= 0) & live[..., None]
@@ -213,11 +227,14 @@ def fwd_sample(
         return
     from attnchecker.kernels.sdpa_check import _record
 
+    # one record a check and call: where the invariants already recorded this call, not again
+    lse_new = lse_bad & ~(flags & 1).any()
+    o_new = o_bad & ~(flags & 2).any()
     if rows[0] >= 0:
-        _record(log, rows[0], lse_bad, torch.zeros(()), _worst(lse_got, lse_ex), step)
+        _record(log, rows[0], lse_new, torch.zeros(()), _worst(lse_got, lse_ex), step)
     if rows[1] >= 0:
-        n_cols = o_bad.flatten(0, 2).any(0).sum()
-        _record(log, rows[1], o_rows, n_cols, _worst(o_got, o_ex), step)
+        n_cols = o_new.flatten(0, 2).any(0).sum()
+        _record(log, rows[1], o_new.any(-1), n_cols, _worst(o_got, o_ex), step)
     flags |= lse_bad.any(-1).int() | (o_rows.any(-1).int() << 1)
 
 
@@ -230,7 +247,7 @@ def _merge_blocks(flags, idx, lse_bad, o_bad, lse_ex, o_ex, lse_got, o_got, H, L
     counts, 2 (excess, value) pairs as fp32 bits, a word per 16 features: see
     :func:`attnchecker.kernels.sdpa_kernels.entry_width`): a block whose entry the verify left
     clean takes the sampled rows' worst excess and value. Fixed-size scatters, no host read."""
-    B, _, n = idx.shape
+    B = idx.shape[0]
     BM, BD = SDPA_BLOCKS[1], _block_d(d)
     nM, FW = -(-L // BM), 7 + BD // 16
     ent = flags[:-4].view(-1, FW)
@@ -238,8 +255,8 @@ def _merge_blocks(flags, idx, lse_bad, o_bad, lse_ex, o_ex, lse_got, o_got, H, L
     o_rows = o_bad.any(-1).reshape(-1)
     lb = lse_bad.reshape(-1)
     old = ent[:, 0].clone()
-    bits = torch.zeros_like(old).scatter_reduce(0, e, lb.int() | (o_rows.int() << 1), "amax")
-    bits = bits | torch.zeros_like(old).scatter_reduce(0, e, lb.int(), "amax")
+    bits = torch.zeros_like(old).scatter_reduce(0, e, lb.int(), "amax") | (
+        torch.zeros_like(old).scatter_reduce(0, e, o_rows.int(), "amax") << 1)
     ent[:, 1].index_add_(0, e, lb.int())
     ent[:, 2].index_add_(0, e, o_rows.int())
     # the worst excess (NaN first) and its delivered value, where the verify had none
@@ -264,3 +281,165 @@ def _merge_blocks(flags, idx, lse_bad, o_bad, lse_ex, o_ex, lse_got, o_got, H, L
     words = (cols.view(-1, BD // 16, 16) << torch.arange(16, device=idx.device)).sum(-1)
     ent[:, 7:] |= words.int()
     ent[:, 0] = old | bits
+
+
+# ------------------------------------------------------------------------------- the backward
+
+
+def _bwd_sample_flags(q, k, v, mask, out, lse, grad, dq, dk, dv, rowmax, causal, scale, tol,
+                      iq, ik):  # fmt: skip
+    """(dq_bad (B, H, n, d), dk_bad (B, Hkv, n, d), dv_bad (B, Hkv, n, d), excesses) of the query
+    rows ``iq`` (B, H, n) and the key rows ``ik`` (B, Hkv, n).
+
+    The reference takes what the backward kernel reads: P_ij = exp(z_ij - LSE_i) with the
+    forward's LSE, dP_ij = dO_i . v_j, D_i = dO_i . O_i from the delivered O, dS = P o (dP - D),
+    dQ_i = scale sum_j dS_ij k_j, dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i (dK / dV
+    summed over the K/V head's query heads). Per element, in the kernel and the reference (so
+    twice each): p_ij relative error e_ij = (d + 2) u r_ij + 4 u (|z_ij| + |LSE_i|) (the score's
+    fp32 sum, exp, the LSE's subtraction); dP_ij and D_i fp32 sums over d: (d + 2) u |dO_i| .
+    |v_j| and (d + 2) u |dO_i| . |O_i|; so |err dS_ij| <= 2 p_ij (e_ij |dP_ij - D_i| + (d + 2) u
+    (|dO_i| . |v_j| + |dO_i| . |O_i|)) + eps / 2 |dS_ij| (dS rounded to the operands' dtype for
+    the MMA). dQ_if: scale sum_j (err dS_ij) |k_jf| + 2 (Lk + 4) u scale sum_j |dS_ij| |k_jf|
+    (fp32 accumulation) + eps / 2 |dQ_if| (the output's half ulp) + a subnormal floor; dK
+    likewise over the queries (rep L terms); each dS_ij and p_ij rounded for an MMA also loses
+    up to a subnormal spacing where it underflows (fp16), added per term; dV_jf: (eps / 2 +
+    2 e_ij + 2 (rep L + 4) u) sum_i p_ij |dO_if| + eps / 2 |dV_jf| + floor. Query rows that
+    attend no key (``rowmax`` DEAD: the kernels' P there is theirs: 0, or 1 where a finite mask
+    minimum absorbs the scores) add their worst case to dK and dV (P <= 1) and are not checked
+    in dQ."""
+    B, H, L, d = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    eps = torch.finfo(dq.dtype).eps
+    c = (d + 2) * _U
+    dead_all = (rowmax.to(q.device) <= DEAD).expand(B, H, L)
+    with torch.autocast(q.device.type, enabled=False):
+        qf, kf, vf, g, o = (t.float() for t in (q, k, v, grad, out))
+        lse_f = lse.float()
+        big = torch.where(dead_all, 0.0, lse_f).nan_to_num(0.0, 0.0, 0.0)
+        # --- dQ rows of the sampled queries
+        qs, gs, os_ = (_by_group(_gather_rows(t, iq), Hkv) for t in (qf, g, o))  # (B,Hkv,rn,d)
+        ls = _gather_rows(big, iq)[..., None]  # (B, H, n, 1)
+        dead = _gather_rows(dead_all, iq)
+        z = _by_head(qs @ kf.mT, H) * scale  # (B, H, n, Lk)
+        r = _by_head(qs.abs() @ kf.abs().mT, H) * abs(scale)
+        if mask is not None:
+            z = z + _gather_rows(mask, iq).float()
+        if causal:
+            z = z.masked_fill(torch.arange(Lk, device=q.device) > iq[..., None], -math.inf)
+        p = torch.where(dead[..., None], 0.0, torch.exp(z - ls))
+        dp = _by_head(gs @ vf.mT, H)  # (B, H, n, Lk)
+        dpa = _by_head(gs.abs() @ vf.abs().mT, H)
+        dd = _by_head((gs * os_).sum(-1, keepdim=True), H)  # (B, H, n, 1)
+        dda = _by_head((gs.abs() * os_.abs()).sum(-1, keepdim=True), H)
+        ds = p * (dp - dd)
+        half = _HALF_Z if q.dtype in (torch.float16, torch.bfloat16) else 0.0
+        e = c * r + (4 * _U + half) * (z.abs().nan_to_num(0.0, 0.0, 0.0) + ls.abs()) + half
+        # (+ tiny: each dS_ij rounded for the MMA loses up to a subnormal spacing where it
+        # underflows, fp16 without a loss scale)
+        tiny = torch.finfo(dq.dtype).smallest_normal * eps
+        err = 2 * p * (e * (dp - dd).abs() + c * (dpa + dda)) + (
+            eps / 2 + 2 * (Lk + 4) * _U) * ds.abs() + tiny  # fmt: skip
+        dq_ref = _by_head(_by_group(ds, Hkv) @ kf, H) * scale
+        t_q = tol * (eps / 2 * dq_ref.abs()
+                     + abs(scale) * _by_head(_by_group(err, Hkv) @ kf.abs(), H)
+                     + underflow_floor(dq.dtype, length=1, inner=Lk))  # fmt: skip
+        q_ex = (_gather_rows(dq, iq).float() - dq_ref).abs() - t_q
+        q_bad = ~(q_ex <= 0) & ~dead[..., None]
+        # --- dK / dV rows of the sampled keys (B, Hkv, n)
+        ks, vs = _gather_rows(kf, ik), _gather_rows(vf, ik)  # (B, Hkv, n, d)
+        qg, gg, og = (_by_group(t, Hkv) for t in (qf, g, o))  # (B, Hkv, rep L, d)
+        dead_g = _by_group(dead_all, Hkv)[..., None]  # (B, Hkv, rep L, 1)
+        lg = _by_group(big, Hkv)[..., None]
+        zc = (qg @ ks.mT) * scale  # (B, Hkv, rep L, n)
+        rc = (qg.abs() @ ks.abs().mT) * abs(scale)
+        if mask is not None:
+            ikh = ik.repeat_interleave(H // Hkv, 1)  # (B, H, n): each query head's keys
+            m = mask.expand(B, H, L, Lk).gather(3, ikh[:, :, None, :].expand(B, H, L, -1))
+            zc = zc + _by_group(m, Hkv).float()
+        if causal:
+            rows = torch.arange(L, device=q.device).repeat(H // Hkv)[:, None]  # (rep L, 1)
+            zc = zc.masked_fill(ik[:, :, None, :] > rows, -math.inf)
+        pc = torch.where(dead_g, 0.0, torch.exp(zc - lg))
+        dpc = gg @ vs.mT  # (B, Hkv, rep L, n)
+        dpca = gg.abs() @ vs.abs().mT
+        ddg = (gg * og).sum(-1, keepdim=True)
+        ddga = (gg.abs() * og.abs()).sum(-1, keepdim=True)
+        dsc = pc * (dpc - ddg)
+        ec = c * rc + (4 * _U + half) * (zc.abs().nan_to_num(0.0, 0.0, 0.0) + lg.abs()) + half
+        n_q = (H // Hkv) * L
+        errc = 2 * pc * (ec * (dpc - ddg).abs() + c * (dpca + ddga)) + (
+            eps / 2 + 2 * (n_q + 4) * _U) * dsc.abs() + tiny  # fmt: skip
+        deadf = dead_g.float()
+        dk_ref = (dsc.mT @ qg) * scale  # (B, Hkv, n, d)
+        t_k = tol * (eps / 2 * dk_ref.abs() + abs(scale) * (errc.mT @ qg.abs())
+                     + abs(scale) * ((dpca + ddga) * deadf).mT @ qg.abs()
+                     + underflow_floor(dk.dtype, length=1, inner=n_q))  # fmt: skip
+        dv_ref = pc.mT @ gg
+        w = (eps / 2 + 2 * (n_q + 4) * _U) * pc + 4 * pc * ec + tiny
+        t_v = tol * (eps / 2 * dv_ref.abs() + (w + deadf).mT @ gg.abs()
+                     + underflow_floor(dv.dtype, length=1, inner=n_q))  # fmt: skip
+        k_ex = (_gather_rows(dk, ik).float() - dk_ref).abs() - t_k
+        v_ex = (_gather_rows(dv, ik).float() - dv_ref).abs() - t_v
+    return q_bad, ~(k_ex <= 0), ~(v_ex <= 0), q_ex, k_ex, v_ex
+
+
+def bwd_sample(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
+    grad: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, rowmax: Tensor, flags: Tensor,
+    rec: Tensor, step: Tensor, rows: tuple[int, int, int], causal: bool, scale: float,
+    tol: float, samples: int, salt: int,
+) -> None:  # fmt: skip
+    """The backward's sampled check of one call: dQ of the forward's sampled query rows, dK and
+    dV of ``samples`` key rows per (batch, K/V head), recomputed and compared; records added
+    to ``rec`` rows ``rows`` (dq, dk, dv; -1: not recorded) and the flags joined into
+    ``flags``, (B, Hkv) bits 1, 2, 4 (dq, dk, dv), which the backward's repair reads."""
+    B, H, L = q.shape[:3]
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if samples <= 0 or L == 0 or Lk == 0:
+        return
+    from attnchecker.kernels.sdpa_check import _record
+
+    iq = sample_rows(step, salt, B, H, L, samples)
+    ik = sample_rows(step, salt, B, Hkv, Lk, samples, stream=1)
+    q_bad, k_bad, v_bad, q_ex, k_ex, v_ex = _bwd_sample_flags(
+        q, k, v, mask, out, lse, grad, dq, dk, dv, rowmax, causal, scale, tol, iq, ik)  # fmt: skip
+    for row, bad, ex, t, idx in ((rows[0], q_bad, q_ex, dq, iq), (rows[1], k_bad, k_ex, dk, ik),
+                                 (rows[2], v_bad, v_ex, dv, ik)):  # fmt: skip
+        if row >= 0:
+            _record(rec, row, bad.any(-1), bad.flatten(0, 2).any(0).sum(),
+                    _worst(_gather_rows(t, idx), ex), step)  # fmt: skip
+    q_group = group_sum(q_bad.any((-1, -2)).int(), Hkv) > 0
+    flags |= q_group.int() | (k_bad.any((-1, -2)).int() << 1) | (v_bad.any((-1, -2)).int() << 2)
+
+
+# ------------------------------------------------------------------------ the registered ops
+# One op a pass (what a CPU counts as one launch; opaque to torch.compile), the torch reference
+# above as its kernel on every device (s rows: a few small GEMMs).
+
+
+def _fwd_sample_op(q, k, v, mask, out, lse, flags, log, step, rows, causal, scale, tol, samples,
+                   salt, blocks):  # fmt: skip
+    fwd_sample(q, k, v, mask, out, lse, flags, log, step, tuple(rows), causal, scale, tol,
+               samples, salt, blocks)  # fmt: skip
+
+
+def _bwd_sample_op(q, k, v, mask, out, lse, grad, dq, dk, dv, rowmax, flags, rec, step, rows,
+                   causal, scale, tol, samples, salt):  # fmt: skip
+    bwd_sample(q, k, v, mask, out, lse, grad, dq, dk, dv, rowmax, flags, rec, step, tuple(rows),
+               causal, scale, tol, samples, salt)  # fmt: skip
+
+
+FWD_SAMPLE = torch.library.custom_op(
+    "attnchecker::sdpa_fwd_sample", _fwd_sample_op, mutates_args=("flags", "log"),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor lse, "
+    "Tensor(a!) flags, Tensor(b!) log, Tensor step, int[] rows, bool causal, float scale, "
+    "float tol, int samples, int salt, bool blocks) -> ()",
+)  # fmt: skip
+FWD_SAMPLE.register_fake(lambda *args: None)
+BWD_SAMPLE = torch.library.custom_op(
+    "attnchecker::sdpa_bwd_sample", _bwd_sample_op, mutates_args=("flags", "rec"),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor lse, Tensor grad, "
+    "Tensor dq, Tensor dk, Tensor dv, Tensor rowmax, Tensor(a!) flags, Tensor(b!) rec, "
+    "Tensor step, int[] rows, bool causal, float scale, float tol, int samples, int salt) -> ()",
+)  # fmt: skip
+BWD_SAMPLE.register_fake(lambda *args: None)

@@ -125,6 +125,8 @@ def _coverage(st: AttentionState) -> dict[str, object]:
     }
     if "scores" in st.hooks:  # an attention module: whose attention runs now
         out["core"] = "checked" if st.needs_core() else "own"
+    if cov.sampled is not None:  # the SDPA route's sampled rows (kernels.sdpa_sample.coverage)
+        out["sampled"] = cov.sampled
     return out
 
 
