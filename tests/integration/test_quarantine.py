@@ -44,7 +44,7 @@ def _run(model, handle, steps: int, *, fp16: bool = False) -> list[list]:
 
 
 def _named(events) -> list:
-    return [e for e in events if e.action == "quarantine"]
+    return [e for e in events if e.quarantine]
 
 
 def test_a_fault_at_every_step_names_the_device_at_its_second_step():
@@ -183,7 +183,7 @@ def test_attnchecker_train_names_the_device_in_its_summary_report_and_exit_messa
     assert (q["device"], q["steps"], list(q["sites"])) == ("cpu", [1, 2, 3], ["layer 0 scores"])
     assert summary["ranks"][0]["quarantine"] == summary["quarantine"]  # gathered per rank
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e.get("action") == "quarantine"] == [2]
+    assert [e["step"] for e in events if e.get("quarantine")] == [2]
     assert cli.main(["report", str(run)]) == 0
     page = (run / "report.html").read_text()
     assert "Quarantine candidates" in page and "(seed 5, config in meta.json)" in page

@@ -72,7 +72,6 @@ import torch
 __all__ = [
     "CAP",
     "LAMBDA",
-    "finite",
     "gemm_factor",
     "gemm_terms",
     "kernel_factor",
@@ -129,7 +128,8 @@ CAP = 1 + 2.0**-6
 """A row's L1 norm A enters :func:`gemm_terms`'s bound as min(A, CAP M), M the magnitude bound
 the check computes from the operands (Cauchy-Schwarz), which no clean row exceeds (|y^_j| <=
 (1 + u_out) sum_k |x_k w_kj|): a fault that scales a whole row cannot widen its own tolerance
-past f_abs CAP M, the operands' prediction (extreme whole-row errors stay seen as before)."""
+past f_abs CAP M, the operands' prediction (extreme whole-row errors stay seen as before), and
+an INF in a row leaves its tolerance finite (the row fails by its sum; a NaN row by its NaN)."""
 
 
 def reduced_reductions() -> list[str]:
@@ -142,13 +142,6 @@ def reduced_reductions() -> list[str]:
     flags = (("bf16", m.allow_bf16_reduced_precision_reduction),
              ("fp16", m.allow_fp16_reduced_precision_reduction))  # fmt: skip
     return [name for name, on in flags if on]
-
-
-def finite(l1: torch.Tensor) -> torch.Tensor:
-    """A row's L1 norm for :func:`gemm_terms`'s A term, 0 where it is not finite: a
-    row with an INF or NaN output fails by its sum, and an INF tolerance would turn its excess
-    into NaN, which ranks the rows' worst residual wrong (NaN outputs first)."""
-    return torch.where(l1 < math.inf, l1, 0.0)
 
 
 def gemm_terms(

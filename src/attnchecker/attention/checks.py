@@ -52,7 +52,6 @@ from torch.nn import functional as F
 
 from attnchecker.abft.tolerance import (
     CAP,
-    finite,
     gemm_terms,
     norm_bound,
     squares_lost,
@@ -429,7 +428,7 @@ def _projection_region(
             norm1 = torch.linalg.vector_norm
             l1 = cat([norm1(y.view(T, p.groups, -1), 1, dim=-1, dtype=f32) for p, y in pairs], 1)
             mag = xn1 * ws.norms  # the magnitude bound per unit of sqrt(n) (CAP: at most that)
-            l1 = torch.minimum(finite(l1), mag * cap)
+            l1 = torch.minimum(l1, mag * cap)
             d = rec - ref
             tol = torch.add(l1.mul_(absf), mag, alpha=factor)
             return d, d.abs().sub_(tol), tol

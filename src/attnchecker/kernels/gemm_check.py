@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnchecker.abft.tolerance import finite, squares_lost
+from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels.triton_utils import (
     as_i64,
     block_product,
@@ -242,7 +242,6 @@ def _verify_rows(PART, REFS, XN, SCR, REC, STEP, rows, rmask, M, K, P, C, lost_x
         xn = tl.sqrt(sq) + lost_x
     res = rs - ref
     fro = _fro(REFS, K, P, lost_y, BP)
-    l1 = tl.where(l1 < float("inf"), l1, 0.0)  # non-finite: 0 (tolerance.finite)
     l1 = tl.minimum(l1, cap * xn * fro)  # at most the magnitude bound (tolerance.CAP)
     exc = tl.abs(res) - floor - a * l1 + c * xn * fro
     tl.store(SCR + rows, ref, mask=rmask)
@@ -317,7 +316,7 @@ def _recheck_rows(REFS, SCR, REC, RSUM, rows, rmask, bad, M, K, P, C, lost_y, fl
     ref = tl.load(SCR + rows, mask=rmask, other=0.0)
     xn = tl.load(SCR + (rows + 3 * M), mask=rmask, other=0.0)
     y_fro = _fro(REFS, K, P, lost_y, BP)
-    l1 = tl.minimum(tl.where(l1 < float("inf"), l1, 0.0), cap * xn * y_fro)
+    l1 = tl.minimum(l1, cap * xn * y_fro)
     again = ~(tl.abs(sums - ref) - floor - a * l1 + c * xn * y_fro <= 0.0) & bad
     if tl.sum(again.to(tl.int32), 0) > 0:
         tl.store(REC + 3, 1.0)  # lost
@@ -446,7 +445,7 @@ def reference(
     fro = torch.linalg.vector_norm(y32) + squares_lost(y.numel())
     ref = x32 @ y.sum(1, dtype=torch.float64).to(_F32)
     res = out.to(_F32).sum(1) - ref
-    l1 = finite(out.to(_F32).abs().sum(1))
+    l1 = out.to(_F32).abs().sum(1)
     xn = x_rows.to(_F32) if x_rows is not None else (
         torch.linalg.vector_norm(x32, dim=1) + squares_lost(x.shape[1]))  # fmt: skip
     l1 = torch.minimum(l1, cap * xn * fro)

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnchecker.abft.tolerance import finite, squares_lost
+from attnchecker.abft.tolerance import squares_lost
 from attnchecker.kernels import interpreting
 from attnchecker.kernels.constants import device_constant
 from attnchecker.kernels.gemm_check import arrive, chunks, counters, counting, width
@@ -244,7 +244,6 @@ def _verify_rows(WS, SITE, PART, SCR, SITES, rows, rmask, T, N, K, G, C, lost_x,
     res = rs - ref
     norms = _norms(WS, gs, gmask, G, K, N, lost_w, floor)
     mag = xn1[:, None] * norms[None, :]
-    l1 = tl.where(l1 < float("inf"), l1, 0.0)  # non-finite: 0 (the row fails by its sum)
     l1 = tl.minimum(l1, cap * mag)  # at most the magnitude bound (tolerance.CAP)
     exc = tl.abs(res) - absf * l1 - factor * mag
     tl.store(SCR + at, ref, mask=both)
@@ -353,7 +352,7 @@ def _recheck_rows(WS, SITE, SCR, LOG, RSUM, rows, rmask, T, N, K, G, C, lost_w, 
     norms = _norms(WS, gs, gmask, G, K, N, lost_w, 0.0)  # (GP,)
     ref = tl.load(SCR + at, mask=both, other=0.0)
     mag = xn1[:, None] * (norms + floor)[None, :]
-    l1 = tl.minimum(tl.where(l1 < float("inf"), l1, 0.0), cap * mag)
+    l1 = tl.minimum(l1, cap * mag)
     still = ~(tl.abs(sums - ref) - absf * l1 - factor * mag <= 0)
     still = still & live
     site = tl.load(SITE + gs, mask=gmask, other=-1)
@@ -585,6 +584,6 @@ def reference(
     y3 = y.to(_F32).view(T, groups, -1)
     res = y3.sum(-1) - ref
     mag = xn1[:, None] * norms
-    l1 = torch.minimum(finite(y3.abs().sum(-1)), cap * mag)
+    l1 = torch.minimum(y3.abs().sum(-1), cap * mag)
     exc = res.abs() - absf * l1 - factor * mag
     return {"ref": ref, "res": res, "exc": exc, "xn1": xn1}

@@ -6,7 +6,7 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +21,7 @@ from attnchecker.attention.records import RECORD_FIELDS
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock, SiteHook
 from attnchecker.errors import ConfigError, UncorrectableFaultError
-from attnchecker.recovery.ledger import QUARANTINE, DeviceLedger
+from attnchecker.recovery.ledger import DeviceLedger
 
 if TYPE_CHECKING:
     from attnchecker.models.pending import Pending
@@ -32,7 +32,7 @@ without ``example=``, has run its first forward (:mod:`attnchecker.models.pendin
 
 __all__ = ["Event", "ProtectionHandle", "pattern_of"]
 
-SCHEMA_VERSION = 3  # 3: Event.value, and action "quarantine" (recovery.ledger)
+SCHEMA_VERSION = 3  # 3: Event.value and Event.quarantine (recovery.ledger)
 _LOG = logging.getLogger("attnchecker")
 
 
@@ -75,8 +75,11 @@ class Event:
     # overflow upstream: not this GEMM's hardware)
     cause: str = "fault"
     # the delivered value at the worst flagged position, where finite (None: INF / NaN, a fused
-    # kernel's tile, or an event naming a device: action "quarantine", recovery.ledger)
+    # kernel's tile)
     value: float | None = None
+    # True on the computation faults of the drain that names this device a quarantine candidate
+    # (recovery.ledger: its rule and evidence, in summary()["quarantine"])
+    quarantine: bool = False
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, object]:
@@ -339,27 +342,27 @@ class ProtectionHandle:
                     events.append(_event(name, st.layer, op, rec, tile=op in kernel))
         for e in events:
             self._causes[e.cause] = self._causes.get(e.cause, 0) + e.count
-        events += self._name_device(events)
+        events = self._name_device(events)
         bad = [e for e in events if e.action == "uncorrectable"]
         if bad:
             self._apply_policy(bad, events)
         return events
 
     def _name_device(self, events: list[Event]) -> list[Event]:
-        """The ledger fed with this drain's events (:mod:`attnchecker.recovery.ledger`); one
-        event naming this device (``action="quarantine"``, ``count`` 0) where its rule first
-        holds."""
+        """The ledger fed with this drain's events (:mod:`attnchecker.recovery.ledger`); the
+        events, their computation faults marked ``quarantine`` where its rule first holds (no
+        event of its own: a drain returns one event per op that found something)."""
         from attnchecker.recovery.diagnosis import here
 
         if not events and self.devices.idle:  # the clean path: no host work
-            return []
+            return events
         where = here(self._clock.count.device)
         named = self.devices.observe(events, where)
         if named is None:
-            return []
+            return events
         _LOG.warning("attnchecker: %s", named.message())
-        return [Event(named.named_at or 0, str(where), -1, "device", "", "", QUARANTINE, 0, 0,
-                      count=0)]  # fmt: skip
+        return [replace(e, quarantine=True) if e.cause == "fault" else e
+                for e in events]  # fmt: skip
 
     def _log_engines(self) -> None:
         """At the first drain, one log line per engine saying which modules it runs and why

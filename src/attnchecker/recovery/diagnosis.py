@@ -48,7 +48,6 @@ __all__ = [
 ]  # fmt: skip
 
 FAULT, NUMERICS = "fault", "numerics"  # as ``Event.cause`` spells them
-QUARANTINE = "quarantine"  # the ``Event.action`` naming a device (recovery.ledger): no check
 VERDICT = {FAULT: "your hardware", NUMERICS: "not your hardware"}
 UNKNOWN = "unknown"
 """The verdict on numerics with a GEMM upstream that no check covers: the operands imply the
@@ -262,7 +261,6 @@ def classify(
     "not your hardware" only when every GEMM upstream was checked; without it the coverage is
     unknown and so is such a verdict (:data:`UNKNOWN`)."""
     where = where or here()
-    events = [e for e in events if e.action != QUARANTINE]
     bad_loss = loss is not None and not math.isfinite(loss)
     spiked = (
         loss is not None
@@ -367,7 +365,7 @@ def tally(counts: RankCounts, events: Iterable, finding: Finding | None) -> None
     """Add one step's events and diagnosis to ``counts``."""
     counts.steps += 1
     for e in events:
-        if e.cause == "fault" and e.action != QUARANTINE:
+        if e.cause == "fault":
             counts.faults += e.count
             counts.uncorrectable += e.count if e.action == "uncorrectable" else 0
             counts.by_op[e.op] = counts.by_op.get(e.op, 0) + e.count

@@ -33,9 +33,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from attnchecker.recovery.diagnosis import FAULT, NUMERICS, QUARANTINE, Here
+from attnchecker.recovery.diagnosis import FAULT, NUMERICS, Here
 
-__all__ = ["QUARANTINE", "REPEATS", "WINDOW", "DeviceLedger", "DeviceRecord", "repeats"]
+__all__ = ["REPEATS", "WINDOW", "DeviceLedger", "DeviceRecord", "repeats"]
 
 SCHEMA_VERSION = 1
 REPEATS = 2  # computation faults at this many distinct steps ...
@@ -174,7 +174,6 @@ class DeviceLedger:
     def observe(self, events: Iterable[Any], where: Here) -> DeviceRecord | None:
         """Add one drain's events on ``where``; the record if this drain names it."""
         replay, self._replaying = self._replaying, False
-        events = [e for e in events if e.action != QUARANTINE]
         faults = [e for e in events if e.cause == FAULT]
         rec = self.records.get(where)
         if rec is None and not events:
