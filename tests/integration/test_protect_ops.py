@@ -13,7 +13,11 @@ gives rather than every bit of it: on an AVX-512 CPU a per-head GEMM rounds the 
 differently, and an overflow was diagnosed as a hardware fault) and about 60 to the backward
 (the same, and the folded copies that make the backward's GEMMs bitwise autograd's).
 Issue 23 made the core's checks one check region, which takes its operands' ``.data``: +3..5
-ops per layer, all of them views (launching ops unchanged or fewer).
+ops per layer, all of them views (launching ops unchanged or fewer). Issue 55's rounding-tight
+bound added about 40 per layer to the forward and 60 (gpt2) to 125 (bert, llama) to the backward
+on this eager path: each checked row's and column's L1 norm capped at its magnitude bound, W's
+sums in fp64 rounded once, the references in fp32 from the operands as multiplied (the
+registered ops, CUDA's default, launch as many kernels as before).
 """
 
 from __future__ import annotations
@@ -34,40 +38,41 @@ from .helpers import batch
 LAYERS = 2
 FORWARD = ABFTConfig(ops=OPS)  # the forward's checks (the backward's are counted below)
 CEILING = {  # extra ops per layer per training step: (all ops, launching ops)
-    "bert": (420, 285),
-    "roberta": (420, 285),
-    "gpt2": (370, 255),
-    "gpt_neo": (415, 280),
-    "llama": (445, 295),
-    "mistral": (450, 295),
-    "qwen2": (450, 300),
-    "qwen3": (570, 380),  # q_norm / k_norm: Q, K and V checked one by one
-    "olmo2": (570, 380),
-    "gemma2": (430, 295),
-    "phi3": (395, 260),
-    "distilbert": (420, 285),
-    "gpt_neox": (400, 265),  # interleaved Q|K|V: the per-site counts are reordered
-    "opt": (520, 345),  # q_proj(x) * scaling: Q checked alone, K and V together
-    "bart": (485, 320),  # decoder cross-attention: Q and K|V of different inputs
+    "bert": (470, 320),
+    "roberta": (470, 320),
+    "gpt2": (410, 285),
+    "gpt_neo": (465, 315),
+    "llama": (495, 325),
+    "mistral": (500, 330),
+    "qwen2": (500, 330),
+    "qwen3": (635, 435),  # q_norm / k_norm: Q, K and V checked one by one
+    "olmo2": (635, 435),
+    "gemma2": (475, 325),
+    "phi3": (430, 285),
+    "distilbert": (470, 320),
+    "gpt_neox": (440, 290),  # interleaved Q|K|V: the per-site counts are reordered
+    "opt": (585, 395),  # q_proj(x) * scaling: Q checked alone, K and V together
+    "bart": (535, 355),  # decoder cross-attention: Q and K|V of different inputs
 }
 
 BACKWARD_CEILING = {  # launching ops per layer the backward's checks add (measured with issue 23's
-    # one-GEMM check of dX / dW: bert 807, gpt2 531, llama 805; the others are not parametrized)
-    "bert": 815,
-    "roberta": 820,
-    "distilbert": 820,
-    "gpt2": 540,
-    "gpt_neo": 820,
-    "gpt_neox": 545,
-    "opt": 820,
-    "bart": 820,
-    "llama": 815,
-    "mistral": 820,
-    "qwen2": 820,
-    "qwen3": 820,
-    "olmo2": 820,
-    "phi3": 545,
-    "gemma2": 820,
+    # one-GEMM check of dX / dW: bert 807, gpt2 531, llama 805; with issue 55's tight bound 931 /
+    # 591 / 929; the others are not parametrized)
+    "bert": 940,
+    "roberta": 945,
+    "distilbert": 945,
+    "gpt2": 600,
+    "gpt_neo": 945,
+    "gpt_neox": 605,
+    "opt": 945,
+    "bart": 945,
+    "llama": 940,
+    "mistral": 945,
+    "qwen2": 945,
+    "qwen3": 945,
+    "olmo2": 945,
+    "phi3": 605,
+    "gemma2": 945,
 }
 
 
@@ -110,8 +115,8 @@ def test_extra_ops_per_layer_stay_within_budget(family):
     first = {"bert": 727, "roberta": 727, "gpt2": 551, "gpt_neo": 739, "llama": 805}
     # the first engine's counts: the rebuilt one was under 0.55x, under 0.6x since issue 12's
     # test of whether a repair reproduced the fault (numerics) added about 15 per layer, under
-    # 0.7x since issue 21's (see the docstring)
-    assert family not in first or total < 0.7 * first[family]
+    # 0.7x since issue 21's, under 0.75x with issue 55's tight bound (see the docstring)
+    assert family not in first or total < 0.75 * first[family]
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])  # separate and fused Q|K|V

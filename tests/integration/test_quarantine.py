@@ -61,10 +61,11 @@ def test_a_fault_at_every_step_names_the_device_at_its_second_step():
     drains = _run(model, handle, 4)
     assert [len(_named(d)) for d in drains] == [0, 1, 0, 0]
     [named] = _named(drains[1])
+    # the naming marks the drain's fault (no event of its own): the diagnosis and the tallies
+    # see the fault alone
     assert (named.step, named.module, named.op, named.count, named.cause) == (
-        2, WHERE, "device", 0, "fault"
+        2, "model.layers.0.self_attn", "v", 1, "fault"
     )  # fmt: skip
-    # the naming is no check: the diagnosis and the tallies see the fault alone
     f = classify(drains[1], step=2)
     assert f.ops == ("layer 0 v",) and "1 corrected" in f.message
     counts = RankCounts(0, "node7", "cpu")

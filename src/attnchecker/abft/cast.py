@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["autocast_operands"]
+__all__ = ["autocast_operands", "round_as"]
+
+_DROP = {torch.bfloat16: 16, torch.float16: 13}  # fp32 mantissa bits each dtype drops
 
 
 def autocast_operands(*ts: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -28,3 +30,21 @@ def autocast_operands(*ts: Tensor | None) -> tuple[Tensor | None, ...]:
         else t
         for t in ts
     )
+
+
+def round_as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t's values rounded to ``dtype`` (bf16 / fp16) as ``t.to(dtype)`` rounds them (to nearest,
+    ties to even), as an fp32 tensor, by integer arithmetic on t's fp32 bits: inductor elides
+    a ``.to(bf16).float()`` round trip inside a fused kernel (unless it emulates precision
+    casts, which a user's ``torch.compile`` does not), and a check that compared the GEMM's
+    product of the rounded operand with a reference of the unrounded one would raise false
+    alarms (issue 55's tight bound). fp16: the normal range (a value fp16 holds only as a
+    subnormal keeps more bits here, at most its 2^-24 spacing off; one beyond its range
+    overflows the GEMM itself). A dtype it does not round (fp32, fp64) returns t as it is."""
+    drop = _DROP.get(dtype)
+    if drop is None or t.dtype == dtype:
+        return t
+    bits = t.to(torch.float32).view(torch.int32)
+    half = (1 << (drop - 1)) - 1
+    bits = (bits + (half + ((bits >> drop) & 1))) & -(1 << drop)
+    return bits.view(torch.float32)

@@ -27,6 +27,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnchecker.abft.cast import round_as
 from attnchecker.abft.tolerance import (
     CAP,
     gemm_terms,
@@ -90,10 +91,14 @@ def _l1(t: Tensor, dim: int) -> Tensor:
     return torch.linalg.vector_norm(t, 1, dim=dim, dtype=_F32)
 
 
-def as_multiplied(out: Tensor, *operands: Tensor) -> list[Tensor]:
+def as_multiplied(out: Tensor, *operands: Tensor, exact: bool = False) -> list[Tensor]:
     """The operands as the GEMM that gave ``out`` multiplied them: one wider than a half-precision
-    output (an fp32 weight under autocast) rounded to the output's dtype, as autocast rounds it."""
+    output (an fp32 weight under autocast) rounded to the output's dtype, as autocast rounds it
+    (``exact``: its values in fp32 by :func:`~attnchecker.abft.cast.round_as`, which a compiler
+    cannot elide; else a copy in the output's dtype, for the registered ops)."""
     half = out.dtype in (torch.bfloat16, torch.float16)
+    if exact:
+        return [round_as(t, out.dtype) if half and t.dtype != out.dtype else t for t in operands]
     return [t.to(out.dtype) if half and t.dtype != out.dtype else t for t in operands]
 
 
@@ -124,7 +129,7 @@ def gemm_check_(
     ``attnchecker.kernels.gemm_check`` check the same rows against the same :func:`limits`
     (rows only, every flagged row repaired, columns located on a flag)."""
     M = x.shape[0]
-    x, y = as_multiplied(out, x, y)
+    x, y = as_multiplied(out, x, y, exact=True)
     lim = limits(out, x, y, scale)
     # the layouts too, read here: under torch.compile a layout query on a gradient inside
     # autocast(enabled=False) in a backward leaves autocast off for the rest of the traced
@@ -155,7 +160,7 @@ def limits(out: Tensor, x: Tensor, y: Tensor, scale: float):
 def rows_excess(out: Tensor, x: Tensor, y: Tensor, *, scale: float) -> Tensor:
     """(M,) each row's excess over its tolerance in :func:`gemm_check_` (> 0 or NaN: flagged),
     before any repair (for measurements: ``benchmarks/backward_sensitivity.py``)."""
-    x, y = as_multiplied(out, x, y)
+    x, y = as_multiplied(out, x, y, exact=True)
     floor_r, a_r, c_r, cap_r, *_ = limits(out, x, y, scale)
     xn, y_fro = row_norms(x), torch.linalg.vector_norm(row_norms(y.t()))
     res = out.sum(1, dtype=_F32) - _matvec(x, _sums(y, 1))

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from attnchecker.abft.cast import round_as
 from attnchecker.abft.tolerance import (
     CAP,
     gemm_terms,
@@ -409,15 +410,14 @@ def _projection_region(
     widths = tuple(g * (y.shape[-1] // p.groups) for p, y in zip(projs, ys, strict=True)
                    for g in p.counted)  # fmt: skip
     weight, bias = _stacked(projs)
-    low = ys[0].dtype  # what the GEMM multiplied: x, W and b rounded to it (autocast)
-    half = low in (torch.bfloat16, torch.float16)
-    wm, bm = (t.to(low) if half and t is not None else t for t in (weight, bias))
+    low = ys[0].dtype  # what the GEMM multiplied: x, W and b rounded to it (autocast), in fp32
+    wm, bm = (None if t is None else round_as(t, low) for t in (weight, bias))
     ws = weight_sums(wm, bm, conv1d=projs[0].conv1d, groups=G, floor=floor)
     cat = (lambda ts, dim: ts[0]) if len(ys) == 1 else torch.cat
     with no_autocast(x.device):
         xn1 = norm_bound(x2, 1, keepdim=True).add_(1)  # (T, 1)
         # the reference GEMM in fp32 (x as the GEMM multiplied it: exact in fp32)
-        xf = (x2.to(low) if half else x2).float()
+        xf = round_as(x2, low).float()
         ref = xf @ ws.sums if ws.bias is None else torch.addmm(ws.bias, xf, ws.sums)
 
         def rows_check() -> tuple[Tensor, Tensor, Tensor]:

@@ -213,6 +213,26 @@ def _sdpa_rows(family: str) -> list[Row]:
     return [Row(f"attnchecker::sdpa_{name}{suffix}", fn) for name, fn in builders.items()]
 
 
+def _sample_rows() -> list[Row]:
+    """The SDPA route's sampled-row checks (kernels.sdpa_sample) on the reference's flags."""
+
+    def fwd():
+        ops, q, k, v, m, out, lse, stats, log, step, rowmax, *_ = _sdpa("reference")
+        flags = ops.fwd_verify(q, k, out, lse, stats, log, step, [0, 1], 0.25, rowmax, 1.0)
+        return q, k, v, m, out, lse, flags, log, step, [0, 1], True, 0.25, 1.0, 2, 0, False
+
+    def bwd():
+        ops, q, k, v, m, out, lse, stats, _log, step, rowmax, grad, dq, dk, dv, rec = _sdpa(
+            "reference"
+        )
+        _part, flags = ops.bwd_verify(q, k, v, lse, grad, dq, dk, dv, stats, rowmax, rec, step,
+                                      [0, 1, 2], 0.25, 1.0)  # fmt: skip
+        return (q, k, v, m, out, lse, grad, dq, dk, dv, rowmax, flags, rec, step, [0, 1, 2],
+                True, 0.25, 1.0, 2, 0)  # fmt: skip
+
+    return [Row("attnchecker::sdpa_fwd_sample", fwd), Row("attnchecker::sdpa_bwd_sample", bwd)]
+
+
 ROWS = [
     Row("attnchecker::gemm_refs", _gemm_refs),
     Row("attnchecker::gemm_verify", _gemm_verify),
@@ -224,10 +244,11 @@ ROWS = [
     Row("attnchecker::flash_bwd", _flash_bwd),
     *_sdpa_rows("reference"),
     *_sdpa_rows("triton"),
+    *_sample_rows(),
 ]
 
 MODULES = ("gemm_check", "projection_check", "ops", "sdpa_check", "sdpa_kernels",
-           "sdpa_kernels_bwd")  # fmt: skip
+           "sdpa_kernels_bwd", "sdpa_sample")  # fmt: skip
 """The kernels' modules that register ops (importing one registers them)."""
 
 
