@@ -30,8 +30,9 @@ FACTOR = 1 + 2.0**-4
 SITES = ("q", "v", "out", "dx.q", "dw.v")  # forward projections and backward GEMMs
 
 
-def run(blocks, family: str, site: str, seed: int, steps: int) -> dict:
-    model = build(family, vocab_size=blocks.vocab_size, max_len=SEQ_LEN, seed=seed)
+def run(blocks, family: str, site: str, seed: int, steps: int, size: str = "tiny") -> dict:
+    model = build(family, size, vocab_size=blocks.vocab_size, max_len=SEQ_LEN, seed=seed,
+                  num_hidden_layers=1)  # fmt: skip
     model.train()
     handle = protect_(model, ABFTConfig(policy="warn"))
     g = torch.Generator().manual_seed(1000 + seed)
@@ -61,8 +62,8 @@ def run(blocks, family: str, site: str, seed: int, steps: int) -> dict:
             named = step
         if named is not None:
             break
-    return {"family": family, "site": site, "seed": seed, "first_detected": first,
-            "named": named}  # fmt: skip
+    return {"family": family, "size": size, "site": site, "seed": seed,
+            "first_detected": first, "named": named}  # fmt: skip
 
 
 def main() -> None:
@@ -71,16 +72,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--sites", nargs="+", default=list(SITES))
+    ap.add_argument("--sizes", nargs="+", default=["tiny"], help="tiny (head dim 8), small, base")
     args = parse(ap, quick={"steps": 4, "seeds": 1, "sites": ["q"]})
     t0 = time.perf_counter()
     corpus = load_corpus()
     blocks = TokenBlocks.build(corpus, tokenizer_for(corpus, 512), SEQ_LEN)
     rows = []
-    for site in args.sites:
-        for seed in range(args.seeds):
-            row = run(blocks, args.family, site, seed, args.steps)
-            print(row, flush=True)
-            rows.append(row)
+    for size in args.sizes:
+        for site in args.sites:
+            for seed in range(args.seeds):
+                row = run(blocks, args.family, site, seed, args.steps, size)
+                print(row, flush=True)
+                rows.append(row)
     env = environment()
     cell = lambda v: "-" if v is None else str(v)
     lines = [
@@ -88,15 +91,15 @@ def main() -> None:
         "",
         f"`{command()}`; {env['date']}, torch {env['torch']}, {time.perf_counter() - t0:.0f} s. "
         f"One element of one site of layer 0 x (1 + 2^-4) at every step (a random element each "
-        f"step), {args.family} (tiny), bf16 autocast, AdamW lr 1e-3, L {SEQ_LEN}, batch {BATCH}, "
+        f"step), {args.family} ({'/'.join(args.sizes)}, 1 layer), bf16 autocast, AdamW lr 1e-3, L {SEQ_LEN}, batch {BATCH}, "
         f"`ABFTConfig(policy='warn')` (the CPU default: the eager engine). '-': not within "
         f"{args.steps} steps.",
         "",
-        "| site | seed | first detected at step | device named at step |",
-        "|---|---:|---:|---:|",
+        "| size | site | seed | first detected at step | device named at step |",
+        "|---|---|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['site']} | {r['seed']} | {cell(r['first_detected'])} | "
+        lines.append(f"| {r['size']} | {r['site']} | {r['seed']} | {cell(r['first_detected'])} | "
                      f"{cell(r['named'])} |")  # fmt: skip
     write("persistent_fault", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
 

@@ -1,0 +1,141 @@
+"""Single bit flips in GEMM outputs: which move the step's gradient, and which pass unseen.
+
+Production's silent corruptions are mostly small (``../shared/spec/detection-power.md`` sec. 3):
+a check of extreme values sees the few flips that matter most and misses the rest. Per trial,
+one bit drawn uniformly over the width of one element (16 bits of a bf16 output, 32 of an fp32
+one) of one site's output, drawn uniformly over the sites of layer 0 (the projections' outputs,
+the eager core's scores / probabilities / context, and the backward's dX / dW and core
+gradients), flipped in one training step of a protected model; the step's gradient (after the
+checks' repairs) is compared with the same step without the flip. Classified by the relative
+change of the whole gradient (``||g - g_clean|| / ||g_clean||``: below 1e-3 masked, 1e-3 .. 1e-2
+small, above 1e-2 matters) and by what ``drain()`` said (corrected / recomputed, uncorrectable,
+nothing: silent).
+
+    python benchmarks/bit_flips.py [--trials 400] [--size small] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+
+from _common import command, environment, parse, write
+from attnchecker import ABFTConfig, protect_
+from attnchecker.models.tiny import build
+from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
+
+SEQ_LEN, BATCH = 64, 4
+INT = {2: torch.int16, 4: torch.int32}
+
+
+def _grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1).float() for p in model.parameters() if p.grad is not None])
+
+
+def _step(model, ids) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+    loss.backward()
+    return _grads(model)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=400)
+    ap.add_argument("--family", default="llama")
+    ap.add_argument("--size", default="small", help="tiny (head dim 8), small (64), base (64)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = parse(ap, quick={"trials": 6, "size": "tiny"})
+    t0 = time.perf_counter()
+    corpus = load_corpus()
+    blocks = TokenBlocks.build(corpus, tokenizer_for(corpus, 512), SEQ_LEN)
+    model = build(args.family, args.size, vocab_size=blocks.vocab_size, max_len=SEQ_LEN,
+                  seed=args.seed, num_hidden_layers=1)  # fmt: skip
+    model.train()
+    handle = protect_(model, ABFTConfig(policy="warn"))
+    ids, _ = blocks.batch(0, BATCH, args.seed)
+    clean = _step(model, ids)
+    assert not handle.drain(), "a false alarm on the clean step"
+    sites = sorted({s for st in handle._states.values() for s in st.hooks})
+    g = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for _ in range(args.trials):
+        site = sites[int(torch.randint(0, len(sites), (), generator=g))]
+        hit: dict = {}
+
+        def flip(call, site=site, hit=hit):
+            if hit or call.layer != 0 or call.replay:
+                return
+            t = call.tensor
+            bits = INT.get(t.element_size())
+            if bits is None or not t.is_contiguous():
+                return
+            flat = t.view(-1).view(bits)  # the element's bits (a contiguous site tensor)
+            i = int(torch.randint(0, flat.numel(), (), generator=g))
+            b = int(torch.randint(0, 8 * t.element_size(), (), generator=g))
+            mask = torch.tensor(1 << b if b < 8 * t.element_size() - 1 else -(1 << b), dtype=bits)
+            hit.update(bit=b, dtype=str(t.dtype).removeprefix("torch."),
+                       before=float(t.view(-1)[i]))  # fmt: skip
+            flat[i] ^= mask
+            hit["after"] = float(t.view(-1)[i])
+
+        det = handle.attach(flip, sites=[site])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            grads = _step(model, ids)
+            events = handle.drain()
+        det.remove()
+        if not hit:  # the site did not run in layer 0 this step (or not contiguous)
+            continue
+        rel = float((grads - clean).norm() / clean.norm())
+        if rel != rel:  # NaN
+            rel = float("inf")
+        actions = sorted({e.action for e in events})
+        outcome = "silent" if not events else (
+            "uncorrectable" if "uncorrectable" in actions else "corrected")  # fmt: skip
+        rows.append({"site": site, **hit, "rel": rel, "outcome": outcome, "actions": actions})
+    env = environment()
+
+    def cls(r):
+        return "masked" if r["rel"] < 1e-3 else "small" if r["rel"] < 1e-2 else "matters"
+
+    counts: dict[tuple[str, str], int] = {}
+    for r in rows:
+        counts[cls(r), r["outcome"]] = counts.get((cls(r), r["outcome"]), 0) + 1
+    moved = [r for r in rows if r["rel"] >= 1e-3]
+    unseen = [r for r in moved if r["outcome"] == "silent"]
+    big_unseen = [r for r in unseen if r["rel"] >= 1e-2]
+    lines = [
+        "# Single bit flips in GEMM outputs: effect on the step's gradient and what was seen",
+        "",
+        f"`{command()}`; {env['date']}, torch {env['torch']}, {time.perf_counter() - t0:.0f} s. "
+        f"{args.family} ({args.size}, 1 layer), bf16 autocast, L {SEQ_LEN}, batch {BATCH}, "
+        f"`ABFTConfig(policy='warn')` (the CPU default: the eager engine); one bit uniform over "
+        f"the element's width at a uniform element of a uniform site of layer 0 "
+        f"({len(sites)} sites), one step; {len(rows)} trials with a flip.",
+        "",
+        f"**Flips that moved the gradient by >= 0.1% and passed unseen: {len(unseen)} of "
+        f"{len(moved)}; above 1%: {len(big_unseen)}.**",
+        "",
+        "| effect on the gradient | corrected | uncorrectable | silent |",
+        "|---|---:|---:|---:|",
+    ]
+    for c in ("masked", "small", "matters"):
+        lines.append(f"| {c} | {counts.get((c, 'corrected'), 0)} | "
+                     f"{counts.get((c, 'uncorrectable'), 0)} | {counts.get((c, 'silent'), 0)} |")  # fmt: skip
+    if unseen:
+        lines += ["", "Unseen flips that moved the gradient (site, dtype, bit, value before -> "
+                  "after, relative change):", ""]  # fmt: skip
+        for r in sorted(unseen, key=lambda r: -r["rel"])[:20]:
+            lines.append(f"- {r['site']} {r['dtype']} bit {r['bit']}: {r['before']:.4g} -> "
+                         f"{r['after']:.4g}, {r['rel']:.2e}")  # fmt: skip
+    print("\n".join(lines))
+    write(f"bit_flips_{args.size}", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
