@@ -199,7 +199,7 @@ def test_a_lowered_score_is_seen_by_the_backward_and_reported_lost():
     decides: skip the step)."""
     base, _ = models("llama", dropout=False, layers=1)
     model = copy.deepcopy(base)
-    # (sampled_rows=0: with the sampled rows on, the forward sees it and corrects it: below)
+    # (sampled_rows=0, the default: with the sampled rows on, the forward corrects it: below)
     handle = protect_(model, SDPA.replace(policy="warn", sampled_rows=0))
     hook = fire_once("scores", "1C", "-inf")
     handle.attach(hook)
@@ -214,11 +214,11 @@ def test_a_lowered_score_is_seen_by_the_backward_and_reported_lost():
 
 
 def test_a_lowered_score_is_corrected_in_the_forward_by_the_sampled_rows():
-    """The same lowered key column with the sampled rows on (the default): a sampled row's LSE
-    and O differ from their fp32 recomputation, the head is recomputed: corrected."""
+    """The same lowered key column with the sampled rows on: a sampled row's LSE and O differ
+    from their fp32 recomputation, the head is recomputed: corrected."""
     base, _ = models("llama", dropout=False, layers=1)
     model = copy.deepcopy(base)
-    handle = protect_(model, SDPA.replace(policy="warn"))
+    handle = protect_(model, SDPA.replace(policy="warn", sampled_rows=2))
     hook = fire_once("scores", "1C", "-inf")
     handle.attach(hook)
     train_step(model, batch("llama"))

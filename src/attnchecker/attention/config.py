@@ -92,9 +92,11 @@ class ABFTConfig:
       lowered score, an error in P or O inside V's range) is seen in a sampled row, at ~s / L
       of attention's cost; a given row is sampled with probability s / L per call
       (:func:`attnchecker.kernels.sdpa_sample.coverage`, ``summary()["per_module"][...]
-      ["sampled"]``). 0 turns it off; calls with attention dropout are not sampled. Default 2
-      (0.05% of attention at L = 4096; a fault that stays on one row is caught in ~L / 2 calls
-      of its layer on average).
+      ["sampled"]``). Calls with attention dropout are not sampled. Default 0 (off): 2 is
+      0.05% of attention's FLOPs at L = 4096 (a fault that stays on one row is caught in ~L / 2
+      calls of its layer on average), but on CUDA the check runs as ~200 small torch ops a
+      layer until it has a kernel of its own: +5.3 points modelled at Llama-8B widths
+      (``benchmarks/gpu_layer_model.py``, issue 55).
     - ``strict``: a model of one's own with attention protect_ cannot route (written by hand,
       ``flex_attention``, ...; :mod:`attnchecker.models.sdpa`) is refused (True), or protected
       at the SDPA calls it has, with a warning and ``summary()["attention"]`` naming the rest
@@ -113,7 +115,7 @@ class ABFTConfig:
     check_impl: str = "auto"
     schedule: tuple[tuple[int, str, int], ...] | None = None
     strict: bool = True
-    sampled_rows: int = 2
+    sampled_rows: int = 0
 
     @property
     def period(self) -> int:

@@ -73,13 +73,14 @@ def weight_sums(clock: Clock, weight: Tensor, bias: Tensor | None, groups: int,
     instead, per call (:func:`~attnchecker.attention.checks.weight_sums`: fused with the check
     by the compiler)."""
     from attnchecker.kernels.projection_check import proj_weights
+    from attnchecker.kernels.triton_utils import round_code
 
     dtype = weight.dtype if dtype is None else dtype
 
     def make() -> Tensor:
-        with torch.no_grad():
-            w, b = (None if t is None else t.detach().to(dtype) for t in (weight, bias))
-            return proj_weights(w, b, groups, conv1d)
+        with torch.no_grad():  # rounded in the kernel (no copy of W: issue 55's first version
+            w, b = (None if t is None else t.detach() for t in (weight, bias))  # cast it, 0.1
+            return proj_weights(w, b, groups, conv1d, round_code(w.dtype, dtype))  # ms at 8B)
 
     return clock.weights.get(("proj", groups, conv1d, dtype), (weight, bias), make)
 

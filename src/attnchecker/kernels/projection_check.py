@@ -74,7 +74,8 @@ _F32 = torch.float32
 
 @triton.jit
 def weights_kernel(W, B, PS, PW1, PSQ, OUT, CNT, N, K, G, n, OC, sw_o, sw_k, HAS_B: tl.constexpr,
-                   BO: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+                   ROUND: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
+                   BR: tl.constexpr):  # fmt: skip
     """Program (g, j, c), group g's outputs chunk j (OC of them) over K block c: S's partial
     over the chunk PS[j, g, block] (J, G, K), the outputs' partial row sums PW1[c, outputs]
     (C, N) and the partial sum of squares PSQ[g, j, c]. Each sum's last program to arrive adds
@@ -89,7 +90,7 @@ def weights_kernel(W, B, PS, PW1, PSQ, OUT, CNT, N, K, G, n, OC, sw_o, sw_k, HAS
     sq = tl.zeros([BK], dtype=tl.float32)
     for o0 in range(0, OC, BO):
         os, omask = span(j * OC + o0, n, BO)
-        t = tile(W, g * n + os, ks, sw_o, sw_k, omask, kmask).to(tl.float32)
+        t = rounded(tile(W, g * n + os, ks, sw_o, sw_k, omask, kmask).to(tl.float32), ROUND)
         s += tl.sum(t.to(tl.float64), 0)
         sq += tl.sum(t * t, 0)
         tl.store(PW1 + (c * N + g * n + os), tl.sum(t.to(tl.float64), 1), mask=omask)
@@ -119,7 +120,8 @@ def weights_kernel(W, B, PS, PW1, PSQ, OUT, CNT, N, K, G, n, OC, sw_o, sw_k, HAS
         if HAS_B:
             for o0 in range(0, n, BR):
                 bo, bmask = span(o0, n, BR)
-                b = tl.load(B + (g * n + bo), mask=bmask, other=0.0).to(tl.float32)
+                b = rounded(tl.load(B + (g * n + bo), mask=bmask, other=0.0).to(tl.float32),
+                            ROUND)  # fmt: skip
                 bs += b.to(tl.float64)
                 bq += b * b
         tl.store(OUT + (g + base), tl.sum(bs, 0).to(tl.float32))
@@ -394,10 +396,14 @@ def _nbytes(*ts: Tensor | None) -> int:
 
 
 @torch.library.custom_op("attnchecker::proj_weights", mutates_args=())
-def proj_weights(weight: Tensor, bias: Tensor | None, groups: int, conv1d: bool) -> Tensor:
+def proj_weights(
+    weight: Tensor, bias: Tensor | None, groups: int, conv1d: bool, round_to: int = 0
+) -> Tensor:
     """The packed weight-side sums of a projection of ``groups`` head groups (see
-    :func:`weights_kernel`), fp32. One launch: partials over (group, output chunk, K block),
-    each sum added in order by its last program to arrive."""
+    :func:`weights_kernel`), fp32, of W and b rounded as the GEMM multiplies them
+    (``round_to``: :func:`~attnchecker.kernels.triton_utils.round_code`; autocast's bf16 copy of
+    fp32 weights, rounded in the kernel: no copy of W). One launch: partials over (group,
+    output chunk, K block), each sum added in order by its last program to arrive."""
     w = readable(_as_rows(weight, conv1d))
     N, K = w.shape
     n = N // groups
@@ -413,13 +419,13 @@ def proj_weights(weight: Tensor, bias: Tensor | None, groups: int, conv1d: bool)
     with counting(cnt):
         weights_kernel[(groups, J, C)](w, b if b is not None else out, ps, pw1, psq, out, cnt, N,
                                        K, groups, n, OC, w.stride(0), w.stride(1),
-                                       HAS_B=bias is not None, BO=_BO, BK=_BK,
+                                       HAS_B=bias is not None, ROUND=round_to, BO=_BO, BK=_BK,
                                        BR=_BR)  # fmt: skip
     return out
 
 
 @proj_weights.register_fake
-def _(weight, bias, groups, conv1d):
+def _(weight, bias, groups, conv1d, round_to=0):
     N, K = _as_rows(weight, conv1d).shape
     return weight.new_empty(groups * (K + 3) + N, dtype=_F32)
 
