@@ -11,9 +11,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["autocast_operands", "round_as"]
+__all__ = ["autocast_dtype", "autocast_operands", "round_as"]
 
 _DROP = {torch.bfloat16: 16, torch.float16: 13}  # fp32 mantissa bits each dtype drops
+
+
+def autocast_dtype(t: Tensor) -> torch.dtype:
+    """The dtype autocast casts ``t`` to for a lower-precision op (its own where it casts
+    nothing), without casting it."""
+    dev = t.device.type
+    if not torch.is_autocast_enabled(dev) or not t.is_floating_point() or t.dtype == torch.float64:
+        return t.dtype
+    return torch.get_autocast_dtype(dev)
 
 
 def autocast_operands(*ts: Tensor | None) -> tuple[Tensor | None, ...]:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from attnchecker.abft.cast import autocast_operands
+from attnchecker.abft.cast import autocast_dtype
 from attnchecker.attention import kernel_checks
 from attnchecker.attention.checks import Projection, projection_check_, row_limits
 from attnchecker.attention.config import ABFTConfig
@@ -323,8 +323,8 @@ def _linear(
     ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
     refs = None  # the registered ops check them (a checkpointing replay too: the same saved
     if any(check) and kernel_checks.runs_kernels(state.impl):  # tensors in both passes)
-        wc = autocast_operands(weight)[0]  # as the GEMM will multiply it
-        refs = kernel_checks.weight_refs(state.clock, weight, bias, groups, conv1d, wc.dtype)
+        dtype = autocast_dtype(weight)  # as the GEMM will multiply it (no cast here)
+        refs = kernel_checks.weight_refs(state.clock, weight, bias, groups, conv1d, dtype)
     return checked_linear(
         x, weight, bias, sink, state.clock.count, ops=ops, check=check, conv1d=conv1d,
         max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,
