@@ -212,7 +212,7 @@ def _rows_excess(
     ``cap`` xn fro)."""
     mag = xn * fro
     l1 = torch.minimum(l1, mag * cap)
-    return torch.addcmul(res.abs().sub_(floor).sub_(l1, alpha=a), xn, fro, value=c)
+    return res.abs().sub_(floor).sub_(l1, alpha=a).add_(mag, alpha=c)
 
 
 def repair_(

@@ -20,8 +20,8 @@ A single transient upset (one step; a replay that comes out clean is counted as 
 evidence, not as a repeat) names nothing. Numerics (an event of cause ``"numerics"``: the
 operands imply the flagged result, an overflow or underflow upstream) are counted apart and
 never make a device a candidate. The handle names a device once, in the drain where the rule
-first holds (an :class:`~attnchecker.models.handle.Event` with ``action="quarantine"``,
-``op="device"``, ``module`` the device, ``count`` 0), and keeps it in ``summary()``
+first holds (the computation faults of that drain carry
+:attr:`~attnchecker.models.handle.Event.quarantine` = True), and keeps it in ``summary()``
 (``"devices"``, ``"quarantine"``); the training loop gathers every rank's candidates
 (:func:`~attnchecker.recovery.diagnosis.gather`) into ``summary.json``.
 """
