@@ -72,6 +72,7 @@ import torch
 __all__ = [
     "CAP",
     "LAMBDA",
+    "accumulator_terms",
     "gemm_factor",
     "gemm_terms",
     "kernel_factor",
@@ -158,6 +159,44 @@ def gemm_terms(
     if out_dtype == torch.float32 and device.type == "cuda" and tf32_enabled():
         f_mag += 2 * _U_TF32
     return f_abs, f_mag
+
+
+def accumulator_terms(
+    operand: torch.dtype, *, inner: int, length: int, block_n: int, block_k: int
+) -> tuple[float, float, float]:
+    """(f_sum, f_ref, f_acc) of a row checked on a GEMM's fp32 accumulator
+    (:mod:`attnchecker.kernels.acc_gemm`): the row's accumulated values acc_j (j < ``length``,
+    each a sum of ``inner`` exact products of ``operand``s) summed in the kernel's own order,
+    against x . s (s = y 1, accumulated in fp64 and rounded once to fp32), differ by at most
+    f_sum A + f_ref Q + f_acc ||x|| ||y||_F, where
+
+    - A = sum_j |acc_j| (the accumulator row's L1 norm): the recomputed sum, a tree over each
+      tile of ``block_n`` columns (ceil(log2 block_n) roundings deep) then one add a tile in
+      order, deterministic: (ceil(log2 block_n) + ceil(length / block_n) + 1) u_32 (the +1: the
+      bias added to each element);
+    - Q = sum_k |x_k| |s_k|: the reference, s rounded once (u_32), each product rounded, a tree
+      over each ``block_k`` tile and one add a tile: (ceil(log2 block_k) + ceil(inner /
+      block_k) + 2) u_32;
+    - ||x|| ||y||_F: the GEMM's own accumulation of signed products, probabilistic as in
+      :func:`gemm_terms` (LAMBDA sqrt(inner), Azuma-Hoeffding over the row's length x inner
+      rounding errors, each at most 2 u_32 of a partial sum bounded by its element's magnitude
+      m_j: matrix units may truncate, not round, as they accumulate; sqrt(sum_j m_j^2) <= ||x||
+      ||y||_F by Cauchy-Schwarz, no further sqrt(length)). Truncation is biased towards zero
+      per element; over a row of signed elements the biases cancel like the errors, and the
+      GPU stage (``benchmarks/gemm_bounds.py``) measures how much of this term a device uses.
+      fp32 operands are multiplied in IEEE fp32 (the kernel never uses TF32): u_32 per product
+      more, inside the same term.
+
+    No rounding to the output's dtype enters: the check reads the accumulator. For bf16 at
+    inner = length = 4,096 the bound is ~8e-5 of the row's L1 norm on random data (~0.008 for
+    the delivered-output check, :func:`gemm_terms`)."""
+    depth_n = math.ceil(math.log2(max(block_n, 2)))
+    depth_k = math.ceil(math.log2(max(block_k, 2)))
+    f_sum = (depth_n + math.ceil(length / block_n) + 1) * _U32
+    f_ref = (depth_k + math.ceil(inner / block_k) + 2) * _U32
+    per_product = 2 * _U32 + (_U32 if operand == torch.float32 else 0.0)
+    f_acc = LAMBDA * math.sqrt(inner) * per_product
+    return f_sum, f_ref, f_acc
 
 
 def gemm_factor(out: torch.Tensor, *operands: torch.Tensor, inner: int, length: int) -> float:

@@ -242,10 +242,11 @@ def compile_case(case: Case) -> list[Report]:
 GEMM_KERNELS = ("gemm_refs", "gemm_verify", "gemm_repair", "proj_weights", "proj_verify",
                 "proj_repair", "sdpa_kv_stats", "sdpa_fwd_verify", "sdpa_fwd_repair",
                 "sdpa_bwd_q", "sdpa_bwd_kv", "sdpa_bwd_check", "sdpa_bwd_repair_q",
-                "sdpa_bwd_repair_kv")  # fmt: skip
+                "sdpa_bwd_repair_kv", "acc_mm")  # fmt: skip
 """The Triton kernels of the GEMM checks (:mod:`attnchecker.kernels.gemm_check`,
-:mod:`attnchecker.kernels.projection_check`) and of the SDPA route's checks
-(:mod:`attnchecker.kernels.sdpa_kernels`)."""
+:mod:`attnchecker.kernels.projection_check`), of the SDPA route's checks
+(:mod:`attnchecker.kernels.sdpa_kernels`) and the accumulator GEMM
+(:mod:`attnchecker.kernels.acc_gemm`)."""
 
 
 def gemm_cases() -> list[Case]:
@@ -260,6 +261,7 @@ def compile_gemm_case(case: Case) -> list[Report]:
     :func:`attnchecker.kernels.projection_check.check_` (a fused Q | K | V of 36 heads of 64)."""
     import torch
 
+    from attnchecker.kernels import acc_gemm as ag
     from attnchecker.kernels import gemm_check as gc
     from attnchecker.kernels import projection_check as pc
     from attnchecker.kernels import sdpa_kernels as sk
@@ -268,7 +270,7 @@ def compile_gemm_case(case: Case) -> list[Report]:
     kernels = (gc.refs_kernel, gc.verify_kernel, gc.repair_kernel, pc.weights_kernel,
                pc.verify_kernel, pc.repair_kernel, sk.kv_stats_kernel, sk.fwd_verify_kernel,
                sk.fwd_repair_kernel, sb.bwd_q_kernel, sb.bwd_kv_kernel, sb.bwd_check_kernel,
-               sb.bwd_repair_q_kernel, sb.bwd_repair_kv_kernel)  # fmt: skip
+               sb.bwd_repair_q_kernel, sb.bwd_repair_kv_kernel, ag.mm_kernel)  # fmt: skip
     fns = dict(zip(GEMM_KERNELS, kernels, strict=True))
     seen: dict[str, tuple] = {}
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
@@ -284,6 +286,9 @@ def compile_gemm_case(case: Case) -> list[Report]:
                   torch.zeros(3, 7, dtype=torch.float64), step, [0, 1, 2], factor=1e-3,
                   floor=0.0, absf=4e-3, cap=8.0)  # fmt: skip
         _sdpa_launches(sk, sb, dtype, step)
+        # the accumulator GEMM with a bias (its repair, gemm_repair's bias variant, replaces
+        # the plain one captured above: the same kernel with the bias's add)
+        ag.checked_mm(x, y, torch.zeros(2304, dtype=dtype), rec, step)
     return [_compile(case, kernel, *seen[kernel]) for kernel in GEMM_KERNELS]
 
 

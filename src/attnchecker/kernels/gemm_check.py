@@ -256,9 +256,9 @@ def _verify_rows(PART, REFS, XN, SCR, REC, STEP, rows, rmask, M, K, P, C, lost_x
 
 
 @triton.jit
-def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, RSUM, CNT, M, N, K, P, NC, so_m, so_n, sx_m,
-                  sx_k, sy_k, sy_n, lost_y, floor, f, atol, ctol, cap,
-                  IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def repair_kernel(OUT, X, Y, B, REFS, SCR, BITS, REC, RSUM, CNT, M, N, K, P, NC, so_m, so_n,
+                  sx_m, sx_k, sy_k, sy_n, lost_y, floor, f, atol, ctol, cap,
+                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   BP: tl.constexpr):  # fmt: skip
     """Program (r, c), on the flag: rows block r's flagged rows recomputed over columns chunk c
     (NC wide), bad columns located (each counted once: the bitmap), written, and their sums
@@ -281,6 +281,8 @@ def repair_kernel(OUT, X, Y, REFS, SCR, BITS, REC, RSUM, CNT, M, N, K, P, NC, so
                 cols, cmask = span(c * NC + n0, N, BN)
                 acc = block_product(X, Y, rows, bad, cols, cmask, K, sx_m, sx_k, sy_k, sy_n, IEEE,
                                     BM, BN, BK, 0, 0)  # fmt: skip
+                if HAS_BIAS:  # (the accumulator GEMM's output: kernels.acc_gemm)
+                    acc += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
                 new = acc.to(OUT.dtype.element_ty)
                 at = OUT + rows[:, None] * so_m + cols[None, :] * so_n
                 both = bad[:, None] & cmask[None, :]
@@ -389,9 +391,10 @@ def _(out, x, refs, x_rows, rec, step, n_y, floor, a, c, cap):
 @torch.library.custom_op("attnchecker::gemm_repair", mutates_args=("out", "bits", "rec"))
 def gemm_repair(
     out: Tensor, x: Tensor, y: Tensor, refs: Tensor, scr: Tensor, bits: Tensor, rec: Tensor,
-    floor: float, a: float, c: float, cap: float,
+    floor: float, a: float, c: float, cap: float, bias: Tensor | None = None,
 ) -> None:  # fmt: skip
-    """Recompute, locate and re-check the rows :func:`gemm_verify` flagged (none on a clean
+    """Recompute, locate and re-check the rows :func:`gemm_verify` (or the accumulator GEMM,
+    :mod:`~attnchecker.kernels.acc_gemm`, whose output adds ``bias``) flagged (none on a clean
     product: every program returns at once), into ``out`` and the record row ``rec``. One
     launch of (row block, column chunk) programs; a flagged block's last to arrive re-checks
     it."""
@@ -411,10 +414,11 @@ def gemm_repair(
     rsum = torch.empty(C * 2 * M, device=out.device, dtype=_F32)
     cnt = counters(out.device, R)
     with counting(cnt):
-        repair_kernel[(R, C)](o, xr, yr, refs, scr, bits, rec, rsum, cnt, M, N, K, P, NC,
+        repair_kernel[(R, C)](o, xr, yr, readable(bias), refs, scr, bits, rec, rsum, cnt, M, N,
+                              K, P, NC,
                               o.stride(0), o.stride(1), xr.stride(0), xr.stride(1), yr.stride(0),
                               yr.stride(1), squares_lost(y.numel()), floor, f, a, c, cap,
-                              IEEE=ieee,
+                              HAS_BIAS=bias is not None, IEEE=ieee,
                               BM=_BM, BN=bn, BK=_BK, BP=64)  # fmt: skip
     if o is not out:  # the interpreter's fp32 copy
         out.copy_(o)

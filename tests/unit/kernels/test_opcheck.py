@@ -73,6 +73,32 @@ def _gemm_repair():
     return out, x, y, refs, scr, bits, rec, f, a, c, cap
 
 
+def _acc_mm():
+    from attnchecker.kernels.acc_gemm import terms
+    from attnchecker.kernels.gemm_check import gemm_refs
+
+    _out, x, y, rec, step, _lim = _gemm(flagged=False)
+    delta = torch.zeros(x.shape[0], y.shape[1])
+    delta[3, 4] = 1e4  # one row flagged
+    return (x, y, torch.randn(y.shape[1]), gemm_refs(y), delta, rec, step, torch.float32,
+            *terms(x, y))  # fmt: skip
+
+
+def _gemm_repair_bias():
+    *args, lim = _acc_mm_repair_args()
+    return (*args, *lim)
+
+
+def _acc_mm_repair_args():
+    """gemm_repair's arguments after a flagged acc_mm with a bias (its delivered limits)."""
+    from attnchecker.abft.gemm import limits
+    from attnchecker.kernels.acc_gemm import acc_mm
+
+    x, y, b, refs, delta, rec, step, dt, *t = _acc_mm()
+    out, scr, bits = acc_mm(x, y, b, refs, delta, rec, step, dt, *t)
+    return out, x, y, refs, scr, bits, rec, (*limits(out, x, y, 1.0)[:4], b)
+
+
 # ------------------------------------------------------------------ the projection check's ops
 
 
@@ -237,6 +263,8 @@ ROWS = [
     Row("attnchecker::gemm_refs", _gemm_refs),
     Row("attnchecker::gemm_verify", _gemm_verify),
     Row("attnchecker::gemm_repair", _gemm_repair),
+    Row("attnchecker::gemm_repair", _gemm_repair_bias),
+    Row("attnchecker::acc_mm", _acc_mm),
     Row("attnchecker::proj_weights", _proj_weights),
     Row("attnchecker::proj_verify", _proj_verify),
     Row("attnchecker::proj_repair", _proj_repair),
@@ -247,7 +275,7 @@ ROWS = [
     *_sample_rows(),
 ]
 
-MODULES = ("gemm_check", "projection_check", "ops", "sdpa_check", "sdpa_kernels",
+MODULES = ("acc_gemm", "gemm_check", "projection_check", "ops", "sdpa_check", "sdpa_kernels",
            "sdpa_kernels_bwd", "sdpa_sample")  # fmt: skip
 """The kernels' modules that register ops (importing one registers them)."""
 
