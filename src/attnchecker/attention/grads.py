@@ -355,13 +355,21 @@ class LinearPlan:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, sink, step, plan: LinearPlan, refs):
+    def forward(ctx, x, weight, bias, sink, step, plan: LinearPlan, refs, fwd_rec, fwd_refs,
+                fwd_delta):  # fmt: skip
         # the Triton kernels (refs: W's sums for them, or None) read the clock itself in the
         # backward and add into sink.grad; the eager ops return records at the forward's step
-        kernels = refs is not None
+        kernels = refs is not None or fwd_refs is not None
         ctx.save_for_backward(x, weight, step.clone() if any(plan.check) and not kernels else None)
         ctx.sink_shape, ctx.plan, ctx.has_bias = sink.shape, plan, bias is not None
         ctx.kernel_args = (sink, step, refs) if kernels else None
+        if fwd_refs is not None:  # the accumulator GEMM, its record into the log's row
+            from attnchecker.kernels.acc_gemm import checked_mm
+
+            y = weight if plan.conv1d else weight.t()  # (K, N)
+            out = checked_mm(x.reshape(-1, x.shape[-1]), y, bias, fwd_rec, step, refs=fwd_refs,
+                             delta=fwd_delta, scale=plan.scale)  # fmt: skip
+            return out.view(*x.shape[:-1], y.shape[1])
         if plan.conv1d:  # transformers' Conv1D
             out = x.view(-1, x.shape[-1])
             out = out @ weight if bias is None else torch.addmm(bias, out, weight)
@@ -379,6 +387,8 @@ class _Linear(torch.autograd.Function):
         w = weight.t() if conv1d else weight  # (N, K)
         # dW (N, K) = dY^T X; Conv1D's (K, N) = X^T dY
         a, b = (x2.t(), dy2) if conv1d else (dy2.t(), x2)
+        if plan.impl.accumulator and ctx.kernel_args is not None and any(plan.check):
+            return _accumulator_backward(ctx, dy2, x2, w, a, b, x.shape)
         if ctx.needs_input_grad[0]:
             dx2 = dy2.mm(w)  # (T, K)
             _site(plan.hook, op_x[1], dx2)
@@ -403,7 +413,57 @@ class _Linear(torch.autograd.Function):
                         plan.max_rows, plan.scale)  # fmt: skip
                 how = plan.impl.region(dy2.dtype)
                 grad_sink = regions.run(_linear_grad_region, how, *args)
-        return dx, dw, db, grad_sink, None, None, None
+        return dx, dw, db, grad_sink, None, None, None, None, None, None
+
+
+def _accumulator_backward(ctx, dy2: Tensor, x2: Tensor, w: Tensor, a: Tensor, b: Tensor,
+                          shape: torch.Size) -> tuple:  # fmt: skip
+    """:class:`_Linear`'s backward where the accumulator GEMM computes the checked gradients
+    (``check_impl="accumulator"``): dX = dY W against W's references, dW = a @ b, each checked
+    on its accumulator as it is computed, records added into ``sink.grad`` (or, in a graph
+    being compiled, a fresh records tensor returned as its gradient)."""
+    from attnchecker.kernels.acc_gemm import checked_mm
+
+    plan: LinearPlan = ctx.plan
+    (op_x, op_w) = plan.ops
+    sink, clock, refs = ctx.kernel_args
+    compiling = torch.compiler.is_compiling()
+    recs = sink.new_zeros(sink.shape) if compiling else grad_of(sink)  # (n ops, 7)
+
+    def product(op: tuple[int, str], check: bool, p: Tensor, q: Tensor, r: Tensor | None):
+        if not check:
+            out = p.mm(q)
+            _site(plan.hook, op[1], out)
+            return out
+        delta = _site_delta(plan.hook, op[1], lambda: p.mm(q))
+        return checked_mm(p, q, None, recs[op[0]], clock, refs=r, delta=delta, scale=plan.scale)
+
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:
+        dx = product(op_x, plan.check[0], dy2, w, refs).view(shape)
+    if ctx.needs_input_grad[1]:
+        dw = product(op_w, plan.check[1], a, b, None)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = dy2.sum(0)
+    regions.ran(_linear_grad_region.__qualname__, "accumulator", None)
+    return dx, dw, db, recs if compiling else None, None, None, None, None, None, None
+
+
+def _site_delta(hook: GradSite | None, op: str, product: Callable[[], Tensor]) -> Tensor | None:
+    """A fault site's injection as an error of the accumulator GEMM's accumulator (fp32, the
+    product's shape), or None where no hook edits it: the hook runs on a copy of the plain
+    ``product()``, whose difference from the copy (INF and NaN as they came) the kernel adds
+    before its epilogue, as a faulty tensor core would. Only while an injector is attached
+    (tests, campaigns): the clean path runs no second GEMM."""
+    if hook is None or torch.compiler.is_compiling():
+        return None
+    with torch.no_grad():
+        probe = product()
+        hit = probe.clone()
+        hook(op, hit)
+        if torch.equal(hit, probe):
+            return None
+        return torch.where(hit == probe, 0.0, hit.float() - probe.float())
 
 
 def checked_linear(
@@ -421,13 +481,17 @@ def checked_linear(
     hook: GradSite | None = None,
     impl: Impl = EAGER,
     refs: Tensor | None = None,
+    forward: tuple[Tensor, Tensor, Tensor | None] | None = None,
 ) -> Tensor:
     """The module's y = x W^T + b (``conv1d``: x W + b) whose backward checks and repairs dX and
     dW as ``check`` selects; ``ops`` = ((row of ``sink``, site name) of dX, of dW). Under autocast
     the operands are cast as autocast casts them for the module's own op. ``impl``: how the
     checks run (the module's :class:`~attnchecker.attention.impl.Impl`); ``refs``: the Triton
     kernels run them (``kernels.gemm_check``), these being W's references (``gemm_refs`` of W
-    as (N, K) as the GEMM multiplies it, from the step's weight sums)."""
+    as (N, K) as the GEMM multiplies it, from the step's weight sums). ``forward``: y itself
+    by the accumulator GEMM (:mod:`attnchecker.kernels.acc_gemm`), (its record row (7,), W^T's
+    ``gemm_refs`` as multiplied, an emulated accumulator error or None)."""
     x, weight, bias = autocast_operands(x, weight, bias)
     plan = LinearPlan(ops, check, conv1d, max_rows, scale, hook, impl)
-    return _Linear.apply(x, weight, bias, sink, step, plan, refs)
+    rec, wrefs, delta = (None, None, None) if forward is None else forward
+    return _Linear.apply(x, weight, bias, sink, step, plan, refs, rec, wrefs, delta)

@@ -1,6 +1,7 @@
 """How a protected module's checks run, chosen once and held as a value.
 
-``ABFTConfig.check_impl`` names a wish (``"auto"``, ``"compiled"``, ``"eager"``, ``"triton"``);
+``ABFTConfig.check_impl`` names a wish (``"auto"``, ``"compiled"``, ``"eager"``, ``"triton"``,
+``"accumulator"``);
 :func:`resolve` turns it, for the device the module is on, into an :class:`Impl`: whether the
 GEMM checks and the SDPA route's check ops run their registered Triton ops (``kernels``), and
 how every other check region runs (:class:`CheckImpl`, per output precision). It runs at
@@ -16,6 +17,12 @@ The choices:
 - ``"triton"``: the GEMM checks (a projection's forward check, a linear layer's dX and dW) and
   the SDPA route's checks as registered Triton ops (two or three launches a check), on CUDA or
   in Triton's interpreter; every other region as measured (:data:`AUTO`);
+- ``"accumulator"`` (opt-in): as ``"triton"``, and the checked linear layers' GEMMs (with
+  ``scope="all_linear"`` their forward y; every checked dX and dW) computed by the accumulator
+  GEMM (:mod:`attnchecker.kernels.acc_gemm`), which checks each row on its fp32 accumulator
+  (~1e-4 of the row, against ~0.01 for a check of bf16 outputs) instead of cuBLAS's product
+  checked after it; where the kernels cannot run (a CPU without Triton's interpreter) the
+  same as ``"triton"`` there (``protect_`` warns);
 - ``"auto"``: :data:`ENV` when it is set, else ``"triton"`` on CUDA where triton imports, and
   elsewhere compiled where it measured faster (:data:`AUTO`) and inductor builds, else eager.
 """
@@ -38,7 +45,7 @@ ENV = "ATTNCHECKER_CHECK_IMPL"
 """The environment variable that ``check_impl="auto"`` defers to (``eager`` where compiling is
 not worth its seconds: short jobs, test suites)."""
 
-IMPLS = ("auto", "compiled", "eager", "triton")
+IMPLS = ("auto", "compiled", "eager", "triton", "accumulator")
 """The names ``check_impl`` and :data:`ENV` take."""
 
 
@@ -83,11 +90,13 @@ def _can_compile(device_type: str) -> bool:
 class Impl:
     """The resolved implementation of one module's checks on one device: ``name``, what
     ``check_impl`` resolved to; ``kernels``, the GEMM checks and the SDPA route's check ops run
-    their registered Triton ops; ``half`` / ``fp32``, how every other check region runs for a
-    checked tensor in half precision (bf16, fp16) or not."""
+    their registered Triton ops; ``accumulator``, the checked linear layers' GEMMs are the
+    accumulator GEMM's (:mod:`attnchecker.kernels.acc_gemm`); ``half`` / ``fp32``, how every
+    other check region runs for a checked tensor in half precision (bf16, fp16) or not."""
 
     name: str
     kernels: bool = False
+    accumulator: bool = False
     half: CheckImpl = CheckImpl.EAGER
     fp32: CheckImpl = CheckImpl.EAGER
 
@@ -122,7 +131,9 @@ def resolve(check_impl: str, device: torch.device) -> Impl:
         how = CheckImpl(name)
         return Impl(name, half=how, fp32=how)
     half, fp32 = _measured(device)
-    kernels = name == "triton" and _kernels_run(device)
+    kernels = name in ("triton", "accumulator") and _kernels_run(device)
+    if name == "accumulator":
+        return Impl(name, kernels=kernels, accumulator=kernels, half=half, fp32=fp32)
     return Impl(name if name == "triton" else "auto", kernels=kernels, half=half, fp32=fp32)
 
 

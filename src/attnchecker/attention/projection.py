@@ -253,6 +253,10 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
     rows (tokens) against x . sum_o W_o + sum_o b_o, columns by range, repaired in place."""
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
+        if state.acc_out is y:  # checked (and its site run) by the accumulator GEMM
+            state.acc_out = None
+            state.commit()
+            return
         state.site("y", y)
         x = args[0]
         if not state.checks("y") or x.dim() < 2 or not y.is_contiguous():
@@ -317,19 +321,50 @@ def _linear(
     hook = state.grad_hook()
     check = (state.checks(dx), state.checks(dw))  # per call: the schedule switches them
     sink = state.grads
-    if sink is None or not torch.is_grad_enabled() or not (any(check) or hook):
+    # a linear layer's y by the accumulator GEMM (check_impl="accumulator"), checked inside it
+    acc = state.impl.accumulator and "y" in state.ops and state.checks("y") and x.dim() >= 2
+    if sink is None or not torch.is_grad_enabled() or not (any(check) or hook or acc):
         return plain()
     config = state.config
     ops = ((state.grad_ops.index(dx), dx), (state.grad_ops.index(dw), dw))
     refs = None  # the registered ops check them (a checkpointing replay too: the same saved
+    dtype = autocast_dtype(weight)  # as the GEMM will multiply it (no cast here)
     if any(check) and kernel_checks.runs_kernels(state.impl):  # tensors in both passes)
-        dtype = autocast_dtype(weight)  # as the GEMM will multiply it (no cast here)
         refs = kernel_checks.weight_refs(state.clock, weight, bias, groups, conv1d, dtype)
-    return checked_linear(
+    forward = _accumulator_forward(state, weight, conv1d, dtype, plain) if acc else None
+    y = checked_linear(
         x, weight, bias, sink, state.clock.count, ops=ops, check=check, conv1d=conv1d,
         max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,
-        impl=state.impl, refs=refs,
+        impl=state.impl, refs=refs, forward=forward,
     )  # fmt: skip
+    state.acc_out = y if acc else None
+    return y
+
+
+def _accumulator_forward(
+    state: AttentionState, weight: Tensor, conv1d: bool, dtype: torch.dtype,
+    plain: Callable[[], Tensor],
+) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """What :func:`checked_linear` needs to compute a linear layer's y by the accumulator GEMM:
+    the record row of op ``y`` (the log's, or a scratch where the schedule does not record it),
+    W^T's references as the GEMM multiplies it (once per step), and the ``y`` site's injection
+    as an accumulator error (:func:`~attnchecker.attention.grads._site_delta`; the site then
+    does not run again on the output: :func:`linear_hook`)."""
+    from attnchecker.attention.grads import _site_delta
+    from attnchecker.kernels.gemm_check import gemm_refs
+
+    state.follow(weight.device)
+    log, row = state.records.direct_log(), state.records.direct_row("y", on=state.checks)
+    rec = log[row] if row >= 0 else log.new_zeros(7)
+
+    def make() -> Tensor:
+        with torch.no_grad():
+            w = weight.detach().to(dtype)
+            return gemm_refs(w if conv1d else w.t())
+
+    wrefs = state.clock.weights.get(("acc", conv1d, dtype), (weight,), make)
+    runs = (lambda _op, t: state.site("y", t)) if state.hooks.get("y") else None
+    return rec, wrefs, _site_delta(runs, "y", plain)
 
 
 # ------------------------------------------------------------------------------------- wiring

@@ -199,6 +199,7 @@ class AttentionState:
         self.records = Records(ops, grad_ops, log, backward=backward,
                                kernel_checks=kernel_checks)  # fmt: skip
         self.pending: list = []  # projection checks waiting for their group
+        self.acc_out: object = None  # a linear layer's y checked by the accumulator GEMM
         self.handoff: object | None = None  # what the projection checks leave for the core
         # projections the module's attention function computes itself (projection.project:
         # nn.MultiheadAttention's in_proj_weight), as ProjectionSpecs

@@ -1,0 +1,114 @@
+"""``check_impl="accumulator"``: the checked linear layers' GEMMs computed by the accumulator GEMM
+(``attnchecker.kernels.acc_gemm``, in Triton's interpreter here), each checked on its fp32
+accumulator. A clean step equals the plain model's (fp32: within 1e-6 of the loss, 1e-5 of each
+gradient: the kernel adds its products in another order than torch), a fault at every linear
+site (forward y, dX, dW; the projections' dX, dW) is corrected in the same step, and a small
+fault that a check of the bf16 outputs cannot see (5e-4 of its row's L1 norm, on one element)
+is seen and corrected under autocast."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from attnchecker import ABFTConfig, kernels, protect_
+from attnchecker.attention.impl import resolve
+
+from .helpers import PATTERNS, batch, fire_once, max_diff, models, train_step, update_excess
+
+pytestmark = pytest.mark.skipif(
+    not (kernels.available() and kernels.interpreting()), reason="needs Triton's interpreter"
+)
+
+ACC = ABFTConfig(scope="all_linear", check_impl="accumulator")
+
+
+def test_it_resolves_to_the_kernels_and_the_accumulator():
+    impl = resolve("accumulator", torch.device("cpu"))
+    assert impl.kernels and impl.accumulator
+    assert not resolve("triton", torch.device("cpu")).accumulator
+
+
+def test_clean_steps_equal_the_plain_model_and_every_linear_fault_is_corrected():
+    base, ref = models("llama", layers=1)
+    inputs = batch("llama")
+    want = train_step(ref, inputs)
+    handle = protect_(base, ACC)
+    snapshot = copy.deepcopy(base.state_dict())
+    got = train_step(base, inputs)
+    assert handle.drain() == []
+    assert torch.allclose(got[0], want[0], rtol=1e-6, atol=0)
+    assert max_diff(got[1], want[1]) <= 1e-5 and update_excess(got, want) <= 1e-5
+    kinds = itertools.cycle(("nan", "inf", "1e10", "-inf"))
+    cases = [*itertools.product(["model.layers.0.mlp.down_proj", "lm_head"], ("y", "dx", "dw"),
+                                PATTERNS),
+             *(("model.layers.0.self_attn", s, p) for s in ("dx.q", "dw.out") for p in PATTERNS)]
+    failures = []
+    for module, site, pattern in cases:
+        base.load_state_dict(snapshot)
+        base.zero_grad(set_to_none=True)
+        hook = fire_once(site, pattern, next(kinds), layer=None, module=module)
+        detach = handle.attach(hook, sites=[site], modules=[module])
+        got = train_step(base, inputs)
+        detach.remove()
+        events = handle.drain()
+        ok = (
+            bool(hook.fired)
+            and torch.allclose(got[0], want[0], rtol=1e-6, atol=0)
+            and max_diff(got[1], want[1]) <= 1e-5
+            and [(e.module, e.op) for e in events] == [(module, site)]
+            and events[0].action in ("corrected", "recomputed")
+        )
+        if not ok:
+            failures.append((module, site, pattern, [(e.op, e.action) for e in events]))
+    assert not failures, failures[:5]
+    assert handle.summary()["check_regions"]["_linear_grad_region"] == "accumulator"
+
+
+SMALL = 5e-4
+
+
+def _small(site: str, module: str):
+    """An error of :data:`SMALL` of its row's L1 norm added to the largest element of row 5 of
+    ``site``'s output (a few of its bf16 ulps), once."""
+    fired = []
+
+    def hook(call):
+        if call.site != site or call.module != module or call.replay or fired:
+            return
+        t = call.tensor.view(-1, call.tensor.shape[-1])
+        j = int(t[5].float().abs().argmax())
+        l1 = float(t[5].float().abs().sum())
+        was = t[5, j].clone()
+        t[5, j] = t[5, j] + (SMALL * l1 if t[5, j] >= 0 else -SMALL * l1)
+        fired.append(float((t[5, j].float() - was.float()).abs()) / l1)  # as rounded
+
+    hook.fired = fired
+    return hook
+
+
+@pytest.mark.parametrize(("module", "site"), [("model.layers.0.mlp.down_proj", "y"),
+                                              ("model.layers.0.mlp.up_proj", "dw"),
+                                              ("model.layers.0.self_attn", "dx.q")])  # fmt: skip
+def test_a_small_fault_unseen_on_bf16_outputs_is_seen_on_the_accumulator(module, site):
+    """The same fault under ``check_impl="triton"`` (the delivered bf16 outputs' check) passes
+    unseen: it is below the outputs' rounding bound; the accumulator's check corrects it."""
+    seen = {}
+    for impl in ("triton", "accumulator"):
+        base, _ = models("llama", layers=1)
+        handle = protect_(base, ABFTConfig(scope="all_linear", check_impl=impl))
+        inputs = batch("llama")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            train_step(base, inputs)  # clean
+        assert handle.drain() == []
+        hook = _small(site, module)
+        handle.attach(hook, sites=[site], modules=[module])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            train_step(base, inputs)
+        assert hook.fired and 2e-4 < hook.fired[0] < 1e-3  # far below the outputs' rounding
+        seen[impl] = [(e.op, e.action) for e in handle.drain()]
+    assert seen["triton"] == []
+    assert seen["accumulator"] == [(site, "corrected")]
