@@ -248,3 +248,34 @@ def test_compiled_registered_ops_correct_every_projection_fault(family):
     handle = protect_(model, ABFTConfig(backend="sdpa", check_impl="triton"))
     compiled = torch.compile(model, fullgraph=True)
     _every_fault_corrected(model, compiled, handle, batch(family), ("q", "k", "v", "out"))
+
+
+def test_a_compiled_model_runs_the_accumulator_gemms():
+    """``check_impl="accumulator"`` inside a model the user compiles: the accumulator GEMMs stay
+    registered ops (one graph, no break), a clean step flags nothing, and a clean compiled
+    step's loss equals the eager protected one's."""
+    from attnchecker import ABFTConfig, kernels
+    from attnchecker.kernels.launches import recorded
+
+    if not (kernels.available() and kernels.interpreting()):
+        pytest.skip("needs Triton's interpreter")
+    torch._dynamo.reset()
+    counters.clear()
+    model = build("llama", layers=1)
+    model.train()
+    model.set_attn_implementation("sdpa")
+    inputs = batch("llama")
+    handle = protect_(model, ABFTConfig(backend="sdpa", scope="all_linear",
+                                        check_impl="accumulator"))  # fmt: skip
+    snapshot = copy.deepcopy(model.state_dict())
+    want = _compiled_step(model, model, inputs)  # eager, protected
+    model.load_state_dict(snapshot)
+    compiled = torch.compile(model, fullgraph=True)
+    with recorded() as launches:
+        got = _compiled_step(model, compiled, inputs)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    # the MLP's three and the LM head: y, dX and dW each; the projections' (q, k, v, o) dX, dW
+    assert sum(la.kernel == "mm_kernel" for la in launches) == 4 * 3 + 4 * 2
+    assert handle.drain() == []
+    assert torch.allclose(got[0], want[0], rtol=1e-5)
+    assert max_diff(got[1], want[1]) <= 1e-4

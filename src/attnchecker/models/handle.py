@@ -429,6 +429,9 @@ class ProtectionHandle:
             if where.device.startswith("cuda")
             else [],
             "check_regions": regions.describe(),
+            # check_impl="accumulator": which GEMMs are checked on their fp32 accumulator, which
+            # on their delivered outputs, and what neither sees (None: not asked for)
+            "accumulator": _accumulator(self.config, self._states),
             "steps": self.step,
             "counters": self.counters(),
             "rank": where.rank,
@@ -451,3 +454,19 @@ class ProtectionHandle:
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+
+
+def _accumulator(config, states) -> dict[str, object] | None:
+    """``summary()["accumulator"]``: what ``check_impl="accumulator"`` covers in this process."""
+    if config.check_impl != "accumulator":
+        return None
+    on = any(st.impl.accumulator for st in states.values())
+    return {
+        "running": on,  # False: the kernels cannot run here (no CUDA, no interpreter)
+        "on_the_accumulator": ["y (all_linear)", "dx", "dw"] if on else [],
+        "on_delivered_outputs": ["q", "k", "v", "out (the projections' forward)", "the core"]
+        if on
+        else ["every GEMM check"],
+        "unseen": "an error after a GEMM's epilogue (its store, memory): its checksums were "
+        "taken from the accumulator, and the next GEMM's checksums follow their operands",
+    }

@@ -147,6 +147,14 @@ def _protect(
         )
     if left is not None:
         warnings.warn(f"attnchecker: {left}", RuntimeWarning, stacklevel=3)
+    if config.check_impl == "accumulator" and not any(st.impl.accumulator for st in states.values()):
+        warnings.warn(
+            "attnchecker: check_impl='accumulator' needs the Triton kernels (CUDA, or Triton's "
+            "interpreter): the GEMM checks run on the delivered outputs instead "
+            "(summary()['accumulator'])",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     loose = reduced_reductions() if _device(model).type == "cuda" else []
     if loose:
         warnings.warn(

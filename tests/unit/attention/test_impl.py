@@ -51,3 +51,33 @@ def test_a_state_holds_its_resolution_and_resolves_again_when_it_moves(monkeypat
     meta = torch.device("meta")  # a move: records and resolution follow it
     state.follow(meta)
     assert state.records.log.device == meta and state.impl.name == "compiled"
+
+
+def test_accumulator_without_the_kernels_warns_and_says_so(monkeypatch):
+    """Where the kernels cannot run (a CPU without Triton's interpreter), "accumulator" is the
+    delivered-output checks; protect_ warns and summary() names it."""
+    from attnchecker import protect_
+    from attnchecker.models.tiny import build
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    how = resolve("accumulator", CPU)
+    assert how.name == "accumulator" and not how.accumulator and not how.kernels
+    model = build("llama", size="tiny")
+    with pytest.warns(RuntimeWarning, match="accumulator"):
+        handle = protect_(model, ABFTConfig(scope="all_linear", check_impl="accumulator"))
+    acc = handle.summary()["accumulator"]
+    assert acc["running"] is False and acc["on_the_accumulator"] == []
+    assert handle.summary()["check_impl"] == "accumulator"
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs triton (CUDA or its interpreter)")
+def test_accumulator_summary_names_what_it_covers(monkeypatch):
+    from attnchecker import protect_
+    from attnchecker.models.tiny import build
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    handle = protect_(build("llama", size="tiny"), ABFTConfig(check_impl="accumulator"))
+    acc = handle.summary()["accumulator"]
+    assert acc["running"] is True and "dw" in acc["on_the_accumulator"]
+    assert "epilogue" in acc["unseen"]
+    assert ABFTConfig().check_impl == "auto"  # opt-in
