@@ -2,7 +2,8 @@
 (``attnchecker.kernels.acc_gemm``, in Triton's interpreter here), each checked on its fp32
 accumulator. A clean step equals the plain model's (fp32: within 1e-6 of the loss, 1e-5 of each
 gradient: the kernel adds its products in another order than torch), a fault at every linear
-site (forward y, dX, dW; the projections' dX, dW) is corrected in the same step, and a small
+site (forward y, dX, dW; the projections' forward, dX, dW; a fused projection's sites each) is
+corrected in the same step, and a small
 fault that a check of the bf16 outputs cannot see (5e-4 of its row's L1 norm, on one element)
 is seen and corrected under autocast."""
 
@@ -45,7 +46,8 @@ def test_clean_steps_equal_the_plain_model_and_every_linear_fault_is_corrected()
     kinds = itertools.cycle(("nan", "inf", "1e10", "-inf"))
     cases = [*itertools.product(["model.layers.0.mlp.down_proj", "lm_head"], ("y", "dx", "dw"),
                                 PATTERNS),
-             *(("model.layers.0.self_attn", s, p) for s in ("dx.q", "dw.out") for p in PATTERNS)]
+             *(("model.layers.0.self_attn", s, p) for s in ("q", "v", "out", "dx.q", "dw.out")
+               for p in PATTERNS)]  # fmt: skip
     failures = []
     for module, site, pattern in cases:
         base.load_state_dict(snapshot)
@@ -71,6 +73,27 @@ def test_clean_steps_equal_the_plain_model_and_every_linear_fault_is_corrected()
 SMALL = 5e-4
 
 
+def test_a_fused_projection_records_each_site_of_its_columns():
+    """GPT-2's c_attn (one Conv1D, Q | K | V): the accumulator GEMM runs a call a site, so a
+    fault in K's columns is K's record, corrected."""
+    base, ref = models("gpt2", layers=1)
+    inputs = batch("gpt2")
+    want = train_step(ref, inputs)
+    handle = protect_(base, ACC)
+    snapshot = copy.deepcopy(base.state_dict())
+    for site, kind in (("q", "nan"), ("k", "1e10"), ("v", "-inf")):
+        base.load_state_dict(snapshot)
+        base.zero_grad(set_to_none=True)
+        hook = fire_once(site, "1R", kind, layer=0)
+        detach = handle.attach(hook, sites=[site])
+        got = train_step(base, inputs)
+        detach.remove()
+        events = handle.drain()
+        assert hook.fired and [(e.op, e.action) for e in events] == [(site, "corrected")]
+        assert torch.allclose(got[0], want[0], rtol=1e-6, atol=0)
+        assert max_diff(got[1], want[1]) <= 1e-5
+
+
 def _small(site: str, module: str):
     """An error of :data:`SMALL` of its row's L1 norm added to the largest element of row 5 of
     ``site``'s output (a few of its bf16 ulps), once."""
@@ -92,6 +115,7 @@ def _small(site: str, module: str):
 
 @pytest.mark.parametrize(("module", "site"), [("model.layers.0.mlp.down_proj", "y"),
                                               ("model.layers.0.mlp.up_proj", "dw"),
+                                              ("model.layers.0.self_attn", "q"),
                                               ("model.layers.0.self_attn", "dx.q")])  # fmt: skip
 def test_a_small_fault_unseen_on_bf16_outputs_is_seen_on_the_accumulator(module, site):
     """The same fault under ``check_impl="triton"`` (the delivered bf16 outputs' check) passes

@@ -355,21 +355,15 @@ class LinearPlan:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, sink, step, plan: LinearPlan, refs, fwd_rec, fwd_refs,
-                fwd_delta):  # fmt: skip
+    def forward(ctx, x, weight, bias, sink, step, plan: LinearPlan, refs, segments):
         # the Triton kernels (refs: W's sums for them, or None) read the clock itself in the
         # backward and add into sink.grad; the eager ops return records at the forward's step
-        kernels = refs is not None or fwd_refs is not None
+        kernels = refs is not None or segments is not None
         ctx.save_for_backward(x, weight, step.clone() if any(plan.check) and not kernels else None)
         ctx.sink_shape, ctx.plan, ctx.has_bias = sink.shape, plan, bias is not None
         ctx.kernel_args = (sink, step, refs) if kernels else None
-        if fwd_refs is not None:  # the accumulator GEMM, its record into the log's row
-            from attnchecker.kernels.acc_gemm import checked_mm
-
-            y = weight if plan.conv1d else weight.t()  # (K, N)
-            out = checked_mm(x.reshape(-1, x.shape[-1]), y, bias, fwd_rec, step, refs=fwd_refs,
-                             delta=fwd_delta, scale=plan.scale)  # fmt: skip
-            return out.view(*x.shape[:-1], y.shape[1])
+        if segments is not None:  # the accumulator GEMM, a call a column range (site)
+            return _accumulator_forward(x, weight, bias, step, plan, segments)
         if plan.conv1d:  # transformers' Conv1D
             out = x.view(-1, x.shape[-1])
             out = out @ weight if bias is None else torch.addmm(bias, out, weight)
@@ -413,7 +407,30 @@ class _Linear(torch.autograd.Function):
                         plan.max_rows, plan.scale)  # fmt: skip
                 how = plan.impl.region(dy2.dtype)
                 grad_sink = regions.run(_linear_grad_region, how, *args)
-        return dx, dw, db, grad_sink, None, None, None, None, None, None
+        return dx, dw, db, grad_sink, None, None, None, None
+
+
+Segment = tuple[int, int, Tensor, Tensor, "Tensor | None"]
+"""A column range [start, stop) of a linear layer's output computed by the accumulator GEMM
+(one site: a fused projection has three), its record row (7,), the references of its columns
+of W as multiplied (``gemm_refs``), and an emulated accumulator error (or None)."""
+
+
+def _accumulator_forward(x: Tensor, weight: Tensor, bias: Tensor | None, step: Tensor,
+                         plan: LinearPlan, segments: tuple[Segment, ...]) -> Tensor:  # fmt: skip
+    """y = x W^T + b by the accumulator GEMM (:mod:`attnchecker.kernels.acc_gemm`), one call
+    per segment and its record, their outputs side by side."""
+    from attnchecker.kernels.acc_gemm import checked_mm
+
+    y = weight if plan.conv1d else weight.t()  # (K, N)
+    x2 = x.reshape(-1, x.shape[-1])
+    parts = []
+    for start, stop, rec, wrefs, delta in segments:
+        cut = slice(start, stop)
+        parts.append(checked_mm(x2, y[:, cut], None if bias is None else bias[cut], rec, step,
+                                refs=wrefs, delta=delta, scale=plan.scale))  # fmt: skip
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, 1)  # (a fused projection: a copy)
+    return out.view(*x.shape[:-1], y.shape[1])
 
 
 def _accumulator_backward(ctx, dy2: Tensor, x2: Tensor, w: Tensor, a: Tensor, b: Tensor,
@@ -446,7 +463,7 @@ def _accumulator_backward(ctx, dy2: Tensor, x2: Tensor, w: Tensor, a: Tensor, b:
     if ctx.has_bias and ctx.needs_input_grad[2]:
         db = dy2.sum(0)
     regions.ran(_linear_grad_region.__qualname__, "accumulator", None)
-    return dx, dw, db, recs if compiling else None, None, None, None, None, None, None
+    return dx, dw, db, recs if compiling else None, None, None, None, None
 
 
 def _site_delta(hook: GradSite | None, op: str, product: Callable[[], Tensor]) -> Tensor | None:
@@ -481,17 +498,16 @@ def checked_linear(
     hook: GradSite | None = None,
     impl: Impl = EAGER,
     refs: Tensor | None = None,
-    forward: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    segments: tuple[Segment, ...] | None = None,
 ) -> Tensor:
     """The module's y = x W^T + b (``conv1d``: x W + b) whose backward checks and repairs dX and
     dW as ``check`` selects; ``ops`` = ((row of ``sink``, site name) of dX, of dW). Under autocast
     the operands are cast as autocast casts them for the module's own op. ``impl``: how the
     checks run (the module's :class:`~attnchecker.attention.impl.Impl`); ``refs``: the Triton
     kernels run them (``kernels.gemm_check``), these being W's references (``gemm_refs`` of W
-    as (N, K) as the GEMM multiplies it, from the step's weight sums). ``forward``: y itself
-    by the accumulator GEMM (:mod:`attnchecker.kernels.acc_gemm`), (its record row (7,), W^T's
-    ``gemm_refs`` as multiplied, an emulated accumulator error or None)."""
+    as (N, K) as the GEMM multiplies it, from the step's weight sums). ``segments``: y itself
+    by the accumulator GEMM (:mod:`attnchecker.kernels.acc_gemm`), a call per :data:`Segment`
+    (the columns of each site), checked as it is computed."""
     x, weight, bias = autocast_operands(x, weight, bias)
     plan = LinearPlan(ops, check, conv1d, max_rows, scale, hook, impl)
-    rec, wrefs, delta = (None, None, None) if forward is None else forward
-    return _Linear.apply(x, weight, bias, sink, step, plan, refs, rec, wrefs, delta)
+    return _Linear.apply(x, weight, bias, sink, step, plan, refs, segments)

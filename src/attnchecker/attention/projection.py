@@ -51,6 +51,9 @@ __all__ = [
 ]
 
 Undo = Callable[[], None]
+Spans = Callable[[int], tuple[tuple[str, int, int], ...]]
+"""(site, start, stop) of each site's columns of a layer's n outputs: what the accumulator GEMM
+computes and records a call each (:func:`_segments`)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,12 @@ def _sites_and_check(
     state: AttentionState, spec: ProjectionSpec, proj: Projection, x: Tensor, y: Tensor
 ) -> None:
     """Run the sites of projection output y (..., N) = proj(x), then queue its check."""
+    if state.acc_out is y:  # computed and checked, its sites run, by the accumulator GEMM
+        state.acc_out = None
+        if state.config.mode == "passing":
+            state.handoff = None  # no delivered-output sums: the core computes V's itself
+        state.commit()
+        return
     body = y  # the sites' outputs
     if proj.lead or proj.trail:
         w = y.shape[-1] // proj.groups
@@ -291,11 +300,13 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
 
 
 def patch_backward(
-    module: nn.Module, conv1d: bool, state: AttentionState, dx: str, dw: str, groups: int = 1
-) -> Undo | None:
+    module: nn.Module, conv1d: bool, state: AttentionState, dx: str, dw: str, groups: int = 1,
+    spans: Spans | None = None,
+) -> Undo | None:  # fmt: skip
     """Route a Linear / Conv1D's forward through :func:`checked_linear`, whose backward checks
     dX (op ``dx``) and dW (op ``dw``) where the schedule checks them, and runs their sites either
-    way; returns the undo, or None for a module of another kind (its forward is left alone)."""
+    way; ``spans``: its sites' columns, for the accumulator GEMM (:func:`_spans`); returns the
+    undo, or None for a module of another kind (its forward is left alone)."""
     from transformers.pytorch_utils import Conv1D
 
     kind = Conv1D if conv1d else nn.Linear
@@ -304,7 +315,7 @@ def patch_backward(
 
     def forward(x: Tensor) -> Tensor:
         return _linear(state, x, module.weight, module.bias, conv1d, dx, dw,
-                       lambda: kind.forward(module, x), groups)  # fmt: skip
+                       lambda: kind.forward(module, x), groups, spans)  # fmt: skip
 
     module.forward = forward
     return lambda: delattr(module, "forward")
@@ -312,7 +323,7 @@ def patch_backward(
 
 def _linear(
     state: AttentionState, x: Tensor, weight: Tensor, bias: Tensor | None, conv1d: bool,
-    dx: str, dw: str, plain: Callable[[], Tensor], groups: int = 1,
+    dx: str, dw: str, plain: Callable[[], Tensor], groups: int = 1, spans: Spans | None = None,
 ) -> Tensor:  # fmt: skip
     """y = x W^T + b (``conv1d``: x W + b) by :func:`checked_linear` where the schedule checks
     its dX (op ``dx``) or dW (op ``dw``) or a hook waits at their sites, else by ``plain()``;
@@ -321,8 +332,10 @@ def _linear(
     hook = state.grad_hook()
     check = (state.checks(dx), state.checks(dw))  # per call: the schedule switches them
     sink = state.grads
-    # a linear layer's y by the accumulator GEMM (check_impl="accumulator"), checked inside it
-    acc = state.impl.accumulator and "y" in state.ops and state.checks("y") and x.dim() >= 2
+    # y by the accumulator GEMM (check_impl="accumulator"), each site's columns checked in it
+    n = weight.shape[-1] if conv1d else weight.shape[0]
+    sites = spans(n) if spans is not None and state.impl.accumulator and x.dim() >= 2 else ()
+    acc = any(state.checks(s) for s, _, _ in sites)
     if sink is None or not torch.is_grad_enabled() or not (any(check) or hook or acc):
         return plain()
     config = state.config
@@ -331,40 +344,71 @@ def _linear(
     dtype = autocast_dtype(weight)  # as the GEMM will multiply it (no cast here)
     if any(check) and kernel_checks.runs_kernels(state.impl):  # tensors in both passes)
         refs = kernel_checks.weight_refs(state.clock, weight, bias, groups, conv1d, dtype)
-    forward = _accumulator_forward(state, weight, conv1d, dtype, plain) if acc else None
+    segments = _segments(state, weight, conv1d, dtype, plain, sites) if acc else None
     y = checked_linear(
         x, weight, bias, sink, state.clock.count, ops=ops, check=check, conv1d=conv1d,
         max_rows=config.max_rows, scale=config.tolerance_scale, hook=hook,
-        impl=state.impl, refs=refs, forward=forward,
+        impl=state.impl, refs=refs, segments=segments,
     )  # fmt: skip
     state.acc_out = y if acc else None
     return y
 
 
-def _accumulator_forward(
+def _spans(spec: ProjectionSpec | None) -> Spans | None:
+    """A projection's sites as column ranges, or None where they are not (interleaved heads,
+    groups before or after them, a packed Parameter): its forward stays checked on its
+    delivered output; a linear layer's (``spec`` None): one site, ``y``, over every column."""
+    if spec is None:
+        return lambda n: (("y", 0, n),)
+    if spec.interleaved or spec.lead or spec.trail or spec.params:
+        return None
+
+    def spans(n: int) -> tuple[tuple[str, int, int], ...]:
+        out, start = [], 0
+        for site, width in zip(spec.sites, spec.projection().site_widths(n), strict=True):
+            out.append((site, start, start + width))
+            start += width
+        return tuple(out)
+
+    return spans
+
+
+def _segments(
     state: AttentionState, weight: Tensor, conv1d: bool, dtype: torch.dtype,
-    plain: Callable[[], Tensor],
-) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """What :func:`checked_linear` needs to compute a linear layer's y by the accumulator GEMM:
-    the record row of op ``y`` (the log's, or a scratch where the schedule does not record it),
-    W^T's references as the GEMM multiplies it (once per step), and the ``y`` site's injection
-    as an accumulator error (:func:`~attnchecker.attention.grads._site_delta`; the site then
-    does not run again on the output: :func:`linear_hook`)."""
+    plain: Callable[[], Tensor], sites: tuple[tuple[str, int, int], ...],
+) -> tuple:  # fmt: skip
+    """What :func:`checked_linear` needs to compute y by the accumulator GEMM, per site (its
+    columns): its record row (the log's, or a scratch where the schedule does not record it
+    now), its columns' references of W as the GEMM multiplies it (once per step), and the
+    site's injection as an accumulator error (:func:`~attnchecker.attention.grads._site_delta`
+    on a plain product; the sites then do not run again on the output: the forward hooks)."""
     from attnchecker.attention.grads import _site_delta
     from attnchecker.kernels.gemm_check import gemm_refs
 
     state.follow(weight.device)
-    log, row = state.records.direct_log(), state.records.direct_row("y", on=state.checks)
-    rec = log[row] if row >= 0 else log.new_zeros(7)
-
-    def make() -> Tensor:
+    log = state.records.direct_log()
+    hooked = [s for s, _, _ in sites if state.hooks.get(s)]
+    probe = None
+    if hooked and not torch.compiler.is_compiling():
         with torch.no_grad():
-            w = weight.detach().to(dtype)
-            return gemm_refs(w if conv1d else w.t())
+            probe = plain()
+    out = []
+    for site, start, stop in sites:
+        row = state.records.direct_row(site, on=state.checks)
+        rec = log[row] if row >= 0 else log.new_zeros(7)
 
-    wrefs = state.clock.weights.get(("acc", conv1d, dtype), (weight,), make)
-    runs = (lambda _op, t: state.site("y", t)) if state.hooks.get("y") else None
-    return rec, wrefs, _site_delta(runs, "y", plain)
+        def make(start=start, stop=stop) -> Tensor:
+            with torch.no_grad():
+                w = weight.detach().to(dtype)
+                return gemm_refs((w if conv1d else w.t())[:, start:stop])
+
+        wrefs = state.clock.weights.get(("acc", conv1d, dtype, start, stop), (weight,), make)
+        delta = None
+        if probe is not None and site in hooked:
+            runs = lambda _op, t, site=site: state.site(site, t)  # noqa: E731
+            delta = _site_delta(runs, site, lambda a=start, b=stop: probe[..., a:b])
+        out.append((start, stop, rec, wrefs, delta))
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------- wiring
@@ -413,7 +457,7 @@ def protect_attention(
             wired.update(ops)
             continue
         undo += [p.module.register_forward_hook(projection_hook(st, p)).remove]
-        patched = patch_backward(p.module, p.conv1d, st, *ops, p.groups)
+        patched = patch_backward(p.module, p.conv1d, st, *ops, p.groups, _spans(p))
         if patched is not None:
             undo.append(patched)
             wired.update(ops)
@@ -483,7 +527,7 @@ def protect_linears(
                             role=named, backward=True)  # fmt: skip
         states[name] = st
         undo.append(m.register_forward_hook(linear_hook(st, conv1d)).remove)
-        patched = patch_backward(m, conv1d, st, *grad_ops)
+        patched = patch_backward(m, conv1d, st, *grad_ops, spans=_spans(None))
         if patched is not None:
             undo.append(patched)
             continue

@@ -463,8 +463,12 @@ def _accumulator(config, states) -> dict[str, object] | None:
     on = any(st.impl.accumulator for st in states.values())
     return {
         "running": on,  # False: the kernels cannot run here (no CUDA, no interpreter)
-        "on_the_accumulator": ["y (all_linear)", "dx", "dw"] if on else [],
-        "on_delivered_outputs": ["q", "k", "v", "out (the projections' forward)", "the core"]
+        "on_the_accumulator": ["q", "k", "v", "out", "y (all_linear)", "dx", "dw"] if on else [],
+        "on_delivered_outputs": [
+            "projections whose sites interleave, or that are a packed Parameter "
+            "(nn.MultiheadAttention's in_proj)",
+            "the attention core's checks",
+        ]
         if on
         else ["every GEMM check"],
         "unseen": "an error after a GEMM's epilogue (its store, memory): its checksums were "

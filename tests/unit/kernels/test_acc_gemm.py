@@ -54,7 +54,7 @@ def test_the_output_is_the_product_and_the_check_is_the_references(dtype, ty):
     rec, step = _record()
     refs = kernels_gemm_refs(y)
     floor, f_sum, f_ref, f_acc = ag.terms(x, y)
-    out, scr, _bits = ag.acc_mm(x, y, b, refs, None, rec, step, dtype, floor, f_sum, f_ref, f_acc)
+    out, scr, _bits = ag.acc_mm(x, y, b, refs, None, rec, step, floor, f_sum, f_ref, f_acc)
     r = ag.reference(x, y, b)
     # the accumulator rounded once (its fp32 sums in another order than torch's: an fp32
     # output differs in its last bits, a rounded one by at most one rounding)

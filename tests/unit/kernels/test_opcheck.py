@@ -80,8 +80,7 @@ def _acc_mm():
     _out, x, y, rec, step, _lim = _gemm(flagged=False)
     delta = torch.zeros(x.shape[0], y.shape[1])
     delta[3, 4] = 1e4  # one row flagged
-    return (x, y, torch.randn(y.shape[1]), gemm_refs(y), delta, rec, step, torch.float32,
-            *terms(x, y))  # fmt: skip
+    return x, y, torch.randn(y.shape[1]), gemm_refs(y), delta, rec, step, *terms(x, y)
 
 
 def _gemm_repair_bias():
@@ -94,8 +93,8 @@ def _acc_mm_repair_args():
     from attnchecker.abft.gemm import limits
     from attnchecker.kernels.acc_gemm import acc_mm
 
-    x, y, b, refs, delta, rec, step, dt, *t = _acc_mm()
-    out, scr, bits = acc_mm(x, y, b, refs, delta, rec, step, dt, *t)
+    x, y, b, refs, delta, rec, step, *t = _acc_mm()
+    out, scr, bits = acc_mm(x, y, b, refs, delta, rec, step, *t)
     return out, x, y, refs, scr, bits, rec, (*limits(out, x, y, 1.0)[:4], b)
 
 
