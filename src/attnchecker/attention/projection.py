@@ -405,7 +405,7 @@ def _segments(
         wrefs = state.clock.weights.get(("acc", conv1d, dtype, start, stop), (weight,), make)
         delta = None
         if probe is not None and site in hooked:
-            runs = lambda _op, t, site=site: state.site(site, t)  # noqa: E731
+            runs = lambda _op, t, site=site: state.site(site, t)
             delta = _site_delta(runs, site, lambda a=start, b=stop: probe[..., a:b])
         out.append((start, stop, rec, wrefs, delta))
     return tuple(out)

@@ -182,7 +182,7 @@ def terms(x: Tensor, y: Tensor, scale: float = 1.0) -> tuple[float, float, float
     """(floor, f_sum, f_ref, f_acc) of :func:`mm_kernel`'s check of x (M, K) @ y (K, N) at the
     tiles this process launches (:func:`~attnchecker.abft.tolerance.accumulator_terms`),
     ``scale`` times."""
-    (M, K), N = x.shape, y.shape[1]
+    K, N = x.shape[1], y.shape[1]
     _, BN, BK, _, _ = blocks(x.dtype)
     f_sum, f_ref, f_acc = accumulator_terms(x.dtype, inner=K, length=N, block_n=BN, block_k=BK)
     return underflow_floor(_F32, length=N, inner=K), f_sum * scale, f_ref * scale, f_acc * scale

@@ -258,8 +258,8 @@ def _verify_rows(PART, REFS, XN, SCR, REC, STEP, rows, rmask, M, K, P, C, lost_x
 @triton.jit
 def repair_kernel(OUT, X, Y, B, REFS, SCR, BITS, REC, RSUM, CNT, M, N, K, P, NC, so_m, so_n,
                   sx_m, sx_k, sy_k, sy_n, lost_y, floor, f, atol, ctol, cap,
-                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  BP: tl.constexpr):  # fmt: skip
+                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr):  # fmt: skip
     """Program (r, c), on the flag: rows block r's flagged rows recomputed over columns chunk c
     (NC wide), bad columns located (each counted once: the bitmap), written, and their sums
     RSUM[c] (M,); the last of a flagged block's C programs to arrive re-checks its rows

@@ -147,7 +147,8 @@ def _protect(
         )
     if left is not None:
         warnings.warn(f"attnchecker: {left}", RuntimeWarning, stacklevel=3)
-    if config.check_impl == "accumulator" and not any(st.impl.accumulator for st in states.values()):
+    running = any(st.impl.accumulator for st in states.values())
+    if config.check_impl == "accumulator" and not running:
         warnings.warn(
             "attnchecker: check_impl='accumulator' needs the Triton kernels (CUDA, or Triton's "
             "interpreter): the GEMM checks run on the delivered outputs instead "
