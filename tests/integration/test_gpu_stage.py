@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_gpu_check_step_stage_runs_and_archives_its_rows(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable,
-           "GPU_CHECK_STAGES": "bounds accumulator step calibrate", "GPU_CHECK_TINY": "1", "OUT": str(tmp_path), "ATTNCHECKER_CHECK_IMPL": "eager",
+           "GPU_CHECK_STAGES": "bounds accumulator step calibrate", "GPU_CHECK_TINY": "1",
+           "OUT": str(tmp_path), "ATTNCHECKER_CHECK_IMPL": "eager",
            "GPU_CHECK_BUDGET": "200"}  # fmt: skip
     r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=280)  # fmt: skip
