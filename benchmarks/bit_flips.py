@@ -17,10 +17,15 @@ nothing: silent).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 import warnings
 
 import torch
+
+if "--check-impl" in sys.argv and not torch.cuda.is_available():  # the registered ops run in
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's interpreter (set before import)
 
 from _common import command, environment, parse, write
 from attnchecker import ABFTConfig, protect_
@@ -49,6 +54,8 @@ def main() -> None:
     ap.add_argument("--family", default="llama")
     ap.add_argument("--size", default="small", help="tiny (head dim 8), small (64), base (64)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check-impl", default="auto", help="ABFTConfig.check_impl (accumulator: "
+                    "the projections on the accumulator GEMM)")  # fmt: skip
     args = parse(ap, quick={"trials": 6, "size": "tiny"})
     t0 = time.perf_counter()
     corpus = load_corpus()
@@ -56,7 +63,7 @@ def main() -> None:
     model = build(args.family, args.size, vocab_size=blocks.vocab_size, max_len=SEQ_LEN,
                   seed=args.seed, num_hidden_layers=1)  # fmt: skip
     model.train()
-    handle = protect_(model, ABFTConfig(policy="warn"))
+    handle = protect_(model, ABFTConfig(policy="warn", check_impl=args.check_impl))
     ids, _ = blocks.batch(0, BATCH, args.seed)
     clean = _step(model, ids)
     assert not handle.drain(), "a false alarm on the clean step"
@@ -114,7 +121,8 @@ def main() -> None:
         "",
         f"`{command()}`; {env['date']}, torch {env['torch']}, {time.perf_counter() - t0:.0f} s. "
         f"{args.family} ({args.size}, 1 layer), bf16 autocast, L {SEQ_LEN}, batch {BATCH}, "
-        f"`ABFTConfig(policy='warn')` (the CPU default: the eager engine); one bit uniform over "
+        f"`ABFTConfig(policy='warn', check_impl={args.check_impl!r})` "
+        f"({_what(args.check_impl)}); one bit uniform over "
         f"the element's width at a uniform element of a uniform site of layer 0 "
         f"({len(sites)} sites), one step; {len(rows)} trials with a flip.",
         "",
@@ -134,7 +142,22 @@ def main() -> None:
             lines.append(f"- {r['site']} {r['dtype']} bit {r['bit']}: {r['before']:.4g} -> "
                          f"{r['after']:.4g}, {r['rel']:.2e}")  # fmt: skip
     print("\n".join(lines))
-    write(f"bit_flips_{args.size}", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
+    write(f"bit_flips_{args.size}{_tag(args.check_impl)}", {"environment": env, "rows": rows},
+          "\n".join(lines) + "\n")  # fmt: skip
+
+
+def _tag(check_impl: str) -> str:
+    """The result file's suffix: none for the default."""
+    return "" if check_impl == "auto" else f"_{check_impl}"
+
+
+def _what(check_impl: str) -> str:
+    if check_impl == "auto":
+        return "the CPU default: the eager engine"
+    if check_impl == "accumulator":
+        return ("the eager core; the projections' GEMMs, forward and backward, by the "
+                "accumulator GEMM in Triton's interpreter")
+    return f"check_impl={check_impl!r}"
 
 
 if __name__ == "__main__":

@@ -15,10 +15,15 @@ happens within ``--steps``.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 import warnings
 
 import torch
+
+if "--check-impl" in sys.argv and not torch.cuda.is_available():  # the registered ops run in
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's interpreter (set before import)
 
 from _common import command, environment, parse, write
 from attnchecker import ABFTConfig, protect_
@@ -30,11 +35,12 @@ FACTOR = 1 + 2.0**-4
 SITES = ("q", "v", "out", "dx.q", "dw.v")  # forward projections and backward GEMMs
 
 
-def run(blocks, family: str, site: str, seed: int, steps: int, size: str = "tiny") -> dict:
+def run(blocks, family: str, site: str, seed: int, steps: int, size: str = "tiny",
+        check_impl: str = "auto") -> dict:  # fmt: skip
     model = build(family, size, vocab_size=blocks.vocab_size, max_len=SEQ_LEN, seed=seed,
                   num_hidden_layers=1)  # fmt: skip
     model.train()
-    handle = protect_(model, ABFTConfig(policy="warn"))
+    handle = protect_(model, ABFTConfig(policy="warn", check_impl=check_impl))
     g = torch.Generator().manual_seed(1000 + seed)
 
     def stuck(call):  # layer 0, a random element, every call of the step's first pass
@@ -73,6 +79,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--sites", nargs="+", default=list(SITES))
     ap.add_argument("--sizes", nargs="+", default=["tiny"], help="tiny (head dim 8), small, base")
+    ap.add_argument("--check-impl", default="auto", help="ABFTConfig.check_impl (accumulator: "
+                    "the projections on the accumulator GEMM)")  # fmt: skip
     args = parse(ap, quick={"steps": 4, "seeds": 1, "sites": ["q"]})
     t0 = time.perf_counter()
     corpus = load_corpus()
@@ -81,7 +89,7 @@ def main() -> None:
     for size in args.sizes:
         for site in args.sites:
             for seed in range(args.seeds):
-                row = run(blocks, args.family, site, seed, args.steps, size)
+                row = run(blocks, args.family, site, seed, args.steps, size, args.check_impl)
                 print(row, flush=True)
                 rows.append(row)
     env = environment()
@@ -92,7 +100,8 @@ def main() -> None:
         f"`{command()}`; {env['date']}, torch {env['torch']}, {time.perf_counter() - t0:.0f} s. "
         f"One element of one site of layer 0 x (1 + 2^-4) at every step (a random element each "
         f"step), {args.family} ({'/'.join(args.sizes)}, 1 layer), bf16 autocast, AdamW lr 1e-3, L {SEQ_LEN}, batch {BATCH}, "
-        f"`ABFTConfig(policy='warn')` (the CPU default: the eager engine). '-': not within "
+        f"`ABFTConfig(policy='warn', check_impl={args.check_impl!r})` "
+        f"({_what(args.check_impl)}). '-': not within "
         f"{args.steps} steps.",
         "",
         "| size | site | seed | first detected at step | device named at step |",
@@ -101,7 +110,22 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['size']} | {r['site']} | {r['seed']} | {cell(r['first_detected'])} | "
                      f"{cell(r['named'])} |")  # fmt: skip
-    write("persistent_fault", {"environment": env, "rows": rows}, "\n".join(lines) + "\n")
+    write(f"persistent_fault{_tag(args.check_impl)}", {"environment": env, "rows": rows},
+          "\n".join(lines) + "\n")  # fmt: skip
+
+
+def _tag(check_impl: str) -> str:
+    """The result file's suffix: none for the default."""
+    return "" if check_impl == "auto" else f"_{check_impl}"
+
+
+def _what(check_impl: str) -> str:
+    if check_impl == "auto":
+        return "the CPU default: the eager engine"
+    if check_impl == "accumulator":
+        return ("the eager core; the projections' GEMMs, forward and backward, by the "
+                "accumulator GEMM in Triton's interpreter")
+    return f"check_impl={check_impl!r}"
 
 
 if __name__ == "__main__":
