@@ -136,3 +136,25 @@ def test_a_small_fault_unseen_on_bf16_outputs_is_seen_on_the_accumulator(module,
         seen[impl] = [(e.op, e.action) for e in handle.drain()]
     assert seen["triton"] == []
     assert seen["accumulator"] == [(site, "corrected")]
+
+
+CLEAN = [*((f, torch.bfloat16) for f in ("gpt2", "llama", "bert", "qwen2", "bart", "phi3")),
+         ("llama", torch.float16), ("gpt2", torch.float16)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "dtype"), CLEAN)
+def test_no_false_alarm_in_clean_steps(family, dtype):
+    """Clean training steps under autocast, every linear layer on the accumulator GEMM: no
+    record (the sweep over every family and dtype: benchmarks/clean_false_alarms.py with
+    ATTNCHECKER_CHECK_IMPL=accumulator)."""
+    base, _ = models(family, layers=1)
+    handle = protect_(base, ACC)
+    inputs = batch(family)
+    opt = torch.optim.AdamW(base.parameters(), lr=1e-2)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=dtype):
+            loss = base(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert handle.drain() == []
