@@ -5,12 +5,20 @@ Heads, t (B, H, L, M) of the scores, probabilities and context: every query row 
 (batch, head) matrices with the most flagged rows over all three checks, which repairs any
 pattern inside them:
 
-- scores s = alpha q k^T: sum_j s_ij = alpha q_i . sum_j k_j; bound |alpha| ||q_i|| sum_j ||k_j||.
+- scores s = alpha q k^T: sum_j s_ij = alpha q_i . sum_j k_j; magnitude bound
+  M_i = |alpha| ||q_i|| sum_j ||k_j||.
 - probabilities: every row sums to 1; each element carries a few roundings relative to itself
   (exp, normalisation: 8 u_fp32) and one to p's dtype, the fp32 sum adds Lk u_fp32.
 - context c = p v: sum_f c_if = sum_j p_ij (sum_f v_jf); p >= 0 is its own magnitude, so one
-  thin GEMM p [v-bar, |v|-bar] gives the reference and its bound (and, with no dropout between
-  them, p [1] the probabilities' row sums in the same GEMM).
+  thin GEMM p [v-bar, |v|-bar] gives the reference and its exact magnitude M_i (and, with no
+  dropout between them, p [1] the probabilities' row sums in the same GEMM).
+
+The scores' and the context's tolerance is the GEMM checks' rounding-tight bound (issue 55,
+:func:`~attnchecker.abft.tolerance.gemm_terms`): floor + f_abs min(A_i, CAP M_i) + f_mag M_i,
+A_i the delivered row's L1 norm (the outputs' own rounding, charged to what they are, not to
+the magnitude: ~10x tighter at d 64), f_mag the probabilistic accumulation term; an operand the
+GEMM rounded first (autocast's bf16 copy of fp32 probabilities) adds its dtype's roundoff to
+f_mag, and a scaling inside the GEMM (GPT-2's folded alpha) one more rounding to f_abs.
 
 Each check returns (residual, excess) per query row; :func:`heads_repair_` writes the records
 (:func:`~attnchecker.attention.checks.record`).
@@ -23,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from attnchecker.abft.tolerance import gemm_factor, norm_bound, underflow_floor, unit_roundoff
+from attnchecker.abft.tolerance import CAP, gemm_terms, norm_bound, underflow_floor, unit_roundoff
 from attnchecker.attention.checks import no_autocast, record
 
 __all__ = ["context_residual", "heads_repair_", "probs_residual", "scores_residual"]
@@ -50,9 +58,26 @@ def scores_residual(
         qn = norm_bound(q, -1)  # (B, H, L)
         kn = norm_bound(k, -1).sum(-1, keepdim=True)  # (B, H, 1)
         res = s.sum(-1, dtype=torch.float32) - (ref if alpha == 1.0 else ref * alpha)
-        tol = gemm_factor(s, q, k, inner=d, length=Lk) * scale * abs(alpha)
-        floor = underflow_floor(s.dtype, length=Lk, inner=d)
-        return res, torch.addcmul(res.abs() - floor, qn, kn, value=-tol)
+        mag = qn * kn * abs(alpha)  # >= sum_j |alpha| sum_f |q_if k_jf| (Cauchy-Schwarz)
+        return res, _excess(res, s, (q, k), mag, inner=d, length=Lk, scale=scale,
+                            scaled=alpha != 1.0)  # fmt: skip
+
+
+def _excess(
+    res: Tensor, out: Tensor, operands: tuple[Tensor, ...], mag: Tensor, *, inner: int,
+    length: int, scale: float, scaled: bool = False,
+) -> Tensor:  # fmt: skip
+    """|res| less the rounding-tight tolerance of rows of ``out`` (..., length), a GEMM of
+    ``operands`` with reduction length ``inner`` whose rows' magnitudes are at most ``mag``
+    (module docstring): floor + scale (f_abs min(A, CAP mag) + f_mag mag)."""
+    f_abs, f_mag = gemm_terms(out.dtype, out.device, inner=inner, length=length)
+    u = unit_roundoff(out.dtype)
+    f_mag += sum(op.dtype != out.dtype for op in operands) * u  # rounded before the GEMM
+    if scaled:  # a scaling of the product, rounded once more
+        f_abs += u / (1 - u)
+    l1 = torch.linalg.vector_norm(out, 1, dim=-1, dtype=torch.float32)  # A: one pass, no copy
+    tol = torch.minimum(l1, mag * CAP).mul_(f_abs * scale).add_(mag, alpha=f_mag * scale)
+    return res.abs() - underflow_floor(out.dtype, length=length, inner=inner) - tol
 
 
 def _probs_tol(p: Tensor, scale: float) -> float:
@@ -93,9 +118,7 @@ def context_residual(
             cols.append(torch.ones_like(cols[1]))
         both = p.to(f32) @ torch.stack(cols, -1)  # (B, H, L, 2..4): ref, bound, [error], [sum p]
         res = c.sum(-1, dtype=f32) - both[..., 0]
-        tol = gemm_factor(c, p, v, inner=Lk, length=d) * scale
-        floor = underflow_floor(c.dtype, length=d, inner=Lk)
-        excess = torch.sub(res.abs() - floor, both[..., 1], alpha=tol)
+        excess = _excess(res, c, (p, v), both[..., 1], inner=Lk, length=d, scale=scale)
         out: tuple[Tensor, ...] = (res, excess if v_sums is None else excess - both[..., 2])
         if with_probs:
             res_p = both[..., -1] - 1

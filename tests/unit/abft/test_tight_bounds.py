@@ -148,3 +148,28 @@ def test_the_bound_reads_reduced_precision_reductions():
         m.allow_bf16_reduced_precision_reduction = was
     assert wide > 100 * tight
     assert math.isclose(tight, gemm_terms(torch.bfloat16, cpu, inner=1024, length=64)[1])
+
+
+def _heads_case(dtype, seed=0, B=2, H=3, L=96, Lk=128, d=64):
+    """Eager attention's q k^T and softmax(.) v of random heads, as the core computes them."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, d, generator=g).to(dtype) for n in (L, Lk, Lk))
+    s = q @ k.transpose(-1, -2)
+    p = torch.softmax(s.float() * d**-0.5, -1).to(dtype)
+    return q, k, v, s, p, p @ v
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_cores_scores_and_context_checks_see_two_percent_of_a_row(dtype):
+    """The eager core's scores and context checks (``attention.heads``) carry the bound too:
+    2% of a row flagged in every row (the magnitude bound of before needed ~6% (bf16) of a
+    scores row, where ||q|| sum ||k|| is ~10x the row's L1 norm at d 64), a clean one never."""
+    from attnchecker.attention.heads import context_residual, scores_residual
+
+    q, k, v, s, p, c = _heads_case(dtype)
+    assert (scores_residual(s, q, k)[1] <= 0).all() and (context_residual(c, p, v)[1] <= 0).all()
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    s2 = _moved(flat(s), R, 1).view_as(s)
+    c2 = _moved(flat(c), R, 2).view_as(c)
+    assert (~(scores_residual(s2, q, k)[1] <= 0)).all()
+    assert (~(context_residual(c2, p, v)[1] <= 0)).all()
