@@ -168,7 +168,7 @@ def test_the_cores_scores_and_context_checks_see_two_percent_of_a_row(dtype):
 
     q, k, v, s, p, c = _heads_case(dtype)
     assert (scores_residual(s, q, k)[1] <= 0).all() and (context_residual(c, p, v)[1] <= 0).all()
-    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    flat = lambda t: t.reshape(-1, t.shape[-1])
     s2 = _moved(flat(s), R, 1).view_as(s)
     c2 = _moved(flat(c), R, 2).view_as(c)
     assert (~(scores_residual(s2, q, k)[1] <= 0)).all()
