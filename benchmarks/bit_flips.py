@@ -70,7 +70,9 @@ def main() -> None:
     sites = sorted({s for st in handle._states.values() for s in st.hooks})
     g = torch.Generator().manual_seed(args.seed)
     rows = []
-    for _ in range(args.trials):
+    for trial in range(args.trials):
+        if trial and trial % 25 == 0:
+            print(f"[{trial}/{args.trials} {time.perf_counter() - t0:.0f} s]", flush=True)
         site = sites[int(torch.randint(0, len(sites), (), generator=g))]
         hit: dict = {}
 

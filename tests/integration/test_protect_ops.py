@@ -37,22 +37,24 @@ from .helpers import batch
 
 LAYERS = 2
 FORWARD = ABFTConfig(ops=OPS)  # the forward's checks (the backward's are counted below)
-CEILING = {  # extra ops per layer per training step: (all ops, launching ops)
+# extra ops per layer per training step: (all ops, launching ops); issue 55's tight bound for the
+# core's scores and context checks (the rows' L1 norms and their cap) added ~3 launching ops
+CEILING = {
     "bert": (470, 320),
     "roberta": (470, 320),
-    "gpt2": (410, 285),
-    "gpt_neo": (465, 315),
-    "llama": (495, 325),
-    "mistral": (500, 330),
-    "qwen2": (500, 330),
-    "qwen3": (635, 435),  # q_norm / k_norm: Q, K and V checked one by one
-    "olmo2": (635, 435),
-    "gemma2": (475, 325),
-    "phi3": (430, 285),
+    "gpt2": (410, 290),
+    "gpt_neo": (465, 320),
+    "llama": (495, 330),
+    "mistral": (500, 335),
+    "qwen2": (500, 335),
+    "qwen3": (640, 435),  # q_norm / k_norm: Q, K and V checked one by one
+    "olmo2": (640, 435),
+    "gemma2": (480, 330),
+    "phi3": (435, 290),
     "distilbert": (470, 320),
-    "gpt_neox": (440, 290),  # interleaved Q|K|V: the per-site counts are reordered
+    "gpt_neox": (445, 295),  # interleaved Q|K|V: the per-site counts are reordered
     "opt": (585, 395),  # q_proj(x) * scaling: Q checked alone, K and V together
-    "bart": (535, 355),  # decoder cross-attention: Q and K|V of different inputs
+    "bart": (540, 360),  # decoder cross-attention: Q and K|V of different inputs
 }
 
 BACKWARD_CEILING = {  # launching ops per layer the backward's checks add (measured with issue 23's

@@ -58,7 +58,9 @@ def scores_residual(
         qn = norm_bound(q, -1)  # (B, H, L)
         kn = norm_bound(k, -1).sum(-1, keepdim=True)  # (B, H, 1)
         res = s.sum(-1, dtype=torch.float32) - (ref if alpha == 1.0 else ref * alpha)
-        mag = qn * kn * abs(alpha)  # >= sum_j |alpha| sum_f |q_if k_jf| (Cauchy-Schwarz)
+        mag = qn * kn  # >= sum_j sum_f |q_if k_jf| (Cauchy-Schwarz)
+        if alpha != 1.0:
+            mag = mag * abs(alpha)
         return res, _excess(res, s, (q, k), mag, inner=d, length=Lk, scale=scale,
                             scaled=alpha != 1.0)  # fmt: skip
 
@@ -76,8 +78,9 @@ def _excess(
     if scaled:  # a scaling of the product, rounded once more
         f_abs += u / (1 - u)
     l1 = torch.linalg.vector_norm(out, 1, dim=-1, dtype=torch.float32)  # A: one pass, no copy
-    tol = torch.minimum(l1, mag * CAP).mul_(f_abs * scale).add_(mag, alpha=f_mag * scale)
-    return res.abs() - underflow_floor(out.dtype, length=length, inner=inner) - tol
+    excess = torch.sub(res.abs(), torch.minimum(l1, mag * CAP), alpha=f_abs * scale)
+    floor = underflow_floor(out.dtype, length=length, inner=inner)
+    return excess.sub_(mag, alpha=f_mag * scale).sub_(floor)
 
 
 def _probs_tol(p: Tensor, scale: float) -> float:
