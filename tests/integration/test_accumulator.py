@@ -47,7 +47,7 @@ def test_clean_steps_equal_the_plain_model_and_every_linear_fault_is_corrected()
     cases = [*itertools.product(["model.layers.0.mlp.down_proj", "lm_head"], ("y", "dx", "dw"),
                                 PATTERNS),
              *(("model.layers.0.self_attn", s, p) for s in ("q", "v", "out", "dx.q", "dw.out")
-               for p in PATTERNS)]  # fmt: skip
+               for p in ("1R", "2D"))]  # fmt: skip
     failures = []
     for module, site, pattern in cases:
         base.load_state_dict(snapshot)
@@ -138,15 +138,15 @@ def test_a_small_fault_unseen_on_bf16_outputs_is_seen_on_the_accumulator(module,
     assert seen["accumulator"] == [(site, "corrected")]
 
 
-CLEAN = [*((f, torch.bfloat16) for f in ("gpt2", "llama", "bert", "qwen2", "bart", "phi3")),
-         ("llama", torch.float16), ("gpt2", torch.float16)]  # fmt: skip
+CLEAN = [*((f, torch.bfloat16) for f in ("gpt2", "llama", "bert", "bart")),
+         ("llama", torch.float16)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "dtype"), CLEAN)
 def test_no_false_alarm_in_clean_steps(family, dtype):
     """Clean training steps under autocast, every linear layer on the accumulator GEMM: no
-    record (the sweep over every family and dtype: benchmarks/clean_false_alarms.py with
-    ATTNCHECKER_CHECK_IMPL=accumulator)."""
+    record (four families bf16, one fp16; qwen2 and phi3 bf16 and gpt2 fp16 also passed when
+    this was written, left out of the default run for its time)."""
     base, _ = models(family, layers=1)
     handle = protect_(base, ACC)
     inputs = batch(family)
