@@ -124,3 +124,18 @@ def alternate(
 
 def median_ms(xs: list[float]) -> float:
     return 1e3 * statistics.median(xs)
+
+
+def impl_tag(check_impl: str) -> str:
+    """A result file's suffix for a run with ``ABFTConfig.check_impl`` (none for the default)."""
+    return "" if check_impl == "auto" else f"_{check_impl}"
+
+
+def impl_words(check_impl: str) -> str:
+    """What a run with ``check_impl`` checks how, for a report's first lines."""
+    if check_impl == "auto":
+        return "the CPU default: the eager engine"
+    if check_impl == "accumulator":
+        return ("the eager core; the projections' GEMMs, forward and backward, by the "
+                "accumulator GEMM in Triton's interpreter")
+    return f"check_impl={check_impl!r}"

@@ -35,6 +35,7 @@ if not torch.cuda.is_available():  # the kernels run in Triton's interpreter (se
 from _common import environment, parse, write
 from attnchecker.kernels import acc_gemm as ag
 from attnchecker.kernels.gemm_check import gemm_refs
+from gemm_bounds import _operands  # the same operands as the delivered bound's stage
 
 SHAPES = {  # (T, K, N): a projection's y, its dX (K = N_out), its dW (K = T)
     "base qkv y": (4096, 768, 2304),
@@ -48,16 +49,6 @@ CPU = {"base qkv y (256 rows)": (256, 768, 2304), "base dX (256 rows)": (256, 23
 TINY = {"tiny y": (64, 96, 80), "tiny dX": (64, 80, 96)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GRID = [10.0 ** (e / 8) for e in range(-56, 1)]  # 1e-7 .. 1
-
-
-def _operands(T, K, N, dtype, data, device, g):
-    x = torch.randn(T, K, generator=g, device=device)
-    if data == "positive":
-        x = x.abs()
-    elif data == "outlier":
-        x[:, :3] = 100 * (x[:, :3].abs() + 1)
-    y = torch.randn(K, N, generator=g, device=device) * K**-0.5
-    return x.to(dtype), y.to(dtype)
 
 
 def _check(x, y, refs, delta=None) -> tuple[int, torch.Tensor]:

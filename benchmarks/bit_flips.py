@@ -27,7 +27,7 @@ import torch
 if "--check-impl" in sys.argv and not torch.cuda.is_available():  # the registered ops run in
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's interpreter (set before import)
 
-from _common import command, environment, parse, write
+from _common import command, environment, impl_tag, impl_words, parse, write
 from attnchecker import ABFTConfig, protect_
 from attnchecker.models.tiny import build
 from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
@@ -124,7 +124,7 @@ def main() -> None:
         f"`{command()}`; {env['date']}, torch {env['torch']}, {time.perf_counter() - t0:.0f} s. "
         f"{args.family} ({args.size}, 1 layer), bf16 autocast, L {SEQ_LEN}, batch {BATCH}, "
         f"`ABFTConfig(policy='warn', check_impl={args.check_impl!r})` "
-        f"({_what(args.check_impl)}); one bit uniform over "
+        f"({impl_words(args.check_impl)}); one bit uniform over "
         f"the element's width at a uniform element of a uniform site of layer 0 "
         f"({len(sites)} sites), one step; {len(rows)} trials with a flip.",
         "",
@@ -144,22 +144,8 @@ def main() -> None:
             lines.append(f"- {r['site']} {r['dtype']} bit {r['bit']}: {r['before']:.4g} -> "
                          f"{r['after']:.4g}, {r['rel']:.2e}")  # fmt: skip
     print("\n".join(lines))
-    write(f"bit_flips_{args.size}{_tag(args.check_impl)}", {"environment": env, "rows": rows},
+    write(f"bit_flips_{args.size}{impl_tag(args.check_impl)}", {"environment": env, "rows": rows},
           "\n".join(lines) + "\n")  # fmt: skip
-
-
-def _tag(check_impl: str) -> str:
-    """The result file's suffix: none for the default."""
-    return "" if check_impl == "auto" else f"_{check_impl}"
-
-
-def _what(check_impl: str) -> str:
-    if check_impl == "auto":
-        return "the CPU default: the eager engine"
-    if check_impl == "accumulator":
-        return ("the eager core; the projections' GEMMs, forward and backward, by the "
-                "accumulator GEMM in Triton's interpreter")
-    return f"check_impl={check_impl!r}"
 
 
 if __name__ == "__main__":

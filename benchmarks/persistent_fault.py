@@ -25,7 +25,7 @@ import torch
 if "--check-impl" in sys.argv and not torch.cuda.is_available():  # the registered ops run in
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's interpreter (set before import)
 
-from _common import command, environment, parse, write
+from _common import command, environment, impl_tag, impl_words, parse, write
 from attnchecker import ABFTConfig, protect_
 from attnchecker.models.tiny import build
 from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
@@ -101,7 +101,7 @@ def main() -> None:
         f"One element of one site of layer 0 x (1 + 2^-4) at every step (a random element each "
         f"step), {args.family} ({'/'.join(args.sizes)}, 1 layer), bf16 autocast, AdamW lr 1e-3, L {SEQ_LEN}, batch {BATCH}, "
         f"`ABFTConfig(policy='warn', check_impl={args.check_impl!r})` "
-        f"({_what(args.check_impl)}). '-': not within "
+        f"({impl_words(args.check_impl)}). '-': not within "
         f"{args.steps} steps.",
         "",
         "| size | site | seed | first detected at step | device named at step |",
@@ -110,22 +110,8 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['size']} | {r['site']} | {r['seed']} | {cell(r['first_detected'])} | "
                      f"{cell(r['named'])} |")  # fmt: skip
-    write(f"persistent_fault{_tag(args.check_impl)}", {"environment": env, "rows": rows},
+    write(f"persistent_fault{impl_tag(args.check_impl)}", {"environment": env, "rows": rows},
           "\n".join(lines) + "\n")  # fmt: skip
-
-
-def _tag(check_impl: str) -> str:
-    """The result file's suffix: none for the default."""
-    return "" if check_impl == "auto" else f"_{check_impl}"
-
-
-def _what(check_impl: str) -> str:
-    if check_impl == "auto":
-        return "the CPU default: the eager engine"
-    if check_impl == "accumulator":
-        return ("the eager core; the projections' GEMMs, forward and backward, by the "
-                "accumulator GEMM in Triton's interpreter")
-    return f"check_impl={check_impl!r}"
 
 
 if __name__ == "__main__":

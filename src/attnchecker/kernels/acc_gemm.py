@@ -56,6 +56,7 @@ from attnchecker.kernels.gemm_check import (
     arrive,
     counters,
     counting,
+    flag_rows,
     gemm_refs,
     gemm_repair,
 )
@@ -167,15 +168,7 @@ def _check_rows(B, PART, REFS, SCR, REC, STEP, rows, rmask, M, N, K, P, C, lost_
         floor += 2 * f_sum * tl.sum(ba, 0).to(tl.float32)
     res = rs - ref
     exc = tl.abs(res) - floor - f_sum * l1 - f_ref * mag - f_acc * xn * _fro(REFS, K, P, lost_y, BP)
-    tl.store(SCR + rows, ref, mask=rmask)
-    tl.store(SCR + (rows + M), res, mask=rmask)
-    tl.store(SCR + (rows + 2 * M), exc, mask=rmask)
-    tl.store(SCR + (rows + 3 * M), xn, mask=rmask)
-    flagged = tl.sum((~(exc <= 0.0) & rmask).to(tl.int32), 0)  # NaN compares False: flagged
-    if flagged > 0:
-        tl.atomic_add(REC, flagged.to(tl.float64))
-        tl.store(REC + 5, 1.0)  # detected (every flagged program writes the same values)
-        tl.store(REC + 6, tl.load(STEP))
+    flag_rows(SCR, REC, STEP, rows, rmask, M, ref, res, exc, xn)
 
 
 def terms(x: Tensor, y: Tensor, scale: float = 1.0) -> tuple[float, float, float, float]:

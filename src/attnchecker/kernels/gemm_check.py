@@ -65,8 +65,8 @@ from attnchecker.kernels.triton_utils import (
     worst_residual,
 )
 
-__all__ = ["PROGRAM_BYTES", "arrive", "check_", "chunks", "counters", "counting", "gemm_refs",
-           "gemm_repair", "gemm_verify", "reference", "width"]  # fmt: skip
+__all__ = ["PROGRAM_BYTES", "arrive", "check_", "chunks", "counters", "counting", "flag_rows",
+           "gemm_refs", "gemm_repair", "gemm_verify", "reference", "width"]  # fmt: skip
 
 _BM, _BN, _BK = 32, 64, 64  # a program's rows; the tiles it loops over
 _F32 = torch.float32
@@ -244,6 +244,14 @@ def _verify_rows(PART, REFS, XN, SCR, REC, STEP, rows, rmask, M, K, P, C, lost_x
     fro = _fro(REFS, K, P, lost_y, BP)
     l1 = tl.minimum(l1, cap * xn * fro)  # at most the magnitude bound (tolerance.CAP)
     exc = tl.abs(res) - floor - a * l1 + c * xn * fro
+    flag_rows(SCR, REC, STEP, rows, rmask, M, ref, res, exc, xn)
+
+
+@triton.jit
+def flag_rows(SCR, REC, STEP, rows, rmask, M, ref, res, exc, xn):
+    """A row block's check results into SCR (4, M) (reference, residual, excess, x's row norm:
+    what :func:`repair_kernel` reads) and its flagged rows' count into the record, marked
+    detected at the clock's step (nothing written to it on a clean block)."""
     tl.store(SCR + rows, ref, mask=rmask)
     tl.store(SCR + (rows + M), res, mask=rmask)
     tl.store(SCR + (rows + 2 * M), exc, mask=rmask)
