@@ -22,7 +22,9 @@ The SDPA route's backward checks (``backend="sdpa"``, ``attnchecker.kernels.sdpa
 the backend's own backward (the CPU flash kernel, causal, B 8, H 12, L 128, d 64, q / k / v ~
 N(0, 1), dO ~ N(0, 1e-3^2)): dV's and dK's exact column sums per head and dQ's bound. One element
 of one row of each (batch, head) matrix moved by r x that row's L1 norm; reported: the smallest r
-from which every head is flagged, and false alarms over the clean cases.
+from which every head is flagged, and false alarms over the clean cases. The same faults against
+the sampled rows' per-element checks (``sampled_rows``, ``attnchecker.kernels.sdpa_sample``)
+with every query and key row sampled: what a call sees in the rows it samples.
 
     python benchmarks/backward_sensitivity.py [--clean 500] [--quick]
 """
@@ -37,7 +39,7 @@ from torch import Tensor
 
 from _common import environment, parse, write
 from attnchecker.attention.grads import product_check_, product_residual
-from attnchecker.kernels import sdpa_backend, sdpa_check
+from attnchecker.kernels import sdpa_backend, sdpa_check, sdpa_sample
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRID = [10.0 ** (e / 2) for e in range(-16, 5)]
@@ -131,6 +133,7 @@ def _sensitivity(dtype: torch.dtype) -> dict[str, float | None]:
 
 
 ROUTE = ("dQ (sdpa route)", "dK (sdpa route)", "dV (sdpa route)")
+SAMPLED = ("dQ (sampled row)", "dK (sampled row)", "dV (sampled row)")
 
 
 def _route_case(dtype: torch.dtype, g: torch.Generator):
@@ -140,23 +143,32 @@ def _route_case(dtype: torch.dtype, g: torch.Generator):
     out, lse, aux = sdpa_backend.attention_forward(q, k, v, None, True, d**-0.5)
     grad = (torch.randn(B, H, L, d, generator=g) * 1e-3).to(dtype)
     dq, dk, dv = sdpa_backend.attention_backward(grad, q, k, v, out, lse, None, True, d**-0.5, aux)
-    return (q, k, v, lse, grad), [dq, dk, dv]
+    return (q, k, v, lse, grad, out), [dq, dk, dv]
 
 
-def _route_flags(ins, grads) -> tuple[Tensor, Tensor, Tensor]:
-    """(B, H) flags of dQ's bound, dK's sum and dV's sum."""
-    q, k, v, lse, grad = ins
+def _route_flags(ins, grads, sampled: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(B, H) flags of dQ's bound, dK's sum and dV's sum; ``sampled``: of the sampled rows'
+    per-element checks (``sampled_rows``), every query and key row sampled: what the check sees
+    in a row it samples."""
+    q, k, v, lse, grad, out = ins
+    if sampled:
+        B, H, L, d = q.shape
+        every = torch.arange(L).expand(B, H, L)
+        bad = sdpa_sample._bwd_sample_flags(q, k, v, None, out, lse, grad, *grads,
+                                            torch.zeros(1, 1, 1), True, d**-0.5, 1.0, every,
+                                            every)  # fmt: skip
+        return tuple(b.flatten(2).any(-1) for b in bad[:3])
     stats = sdpa_check.kv_stats(k, v)
     bad = sdpa_check._bwd_flags(q, k, v, lse, grad, *grads, stats, torch.zeros(1, 1, 1),
                                 q.shape[-1] ** -0.5, 1.0)  # fmt: skip
     return bad[0].flatten(2).any(-1), bad[1].any(-1), bad[2].any(-1)
 
 
-def _route_sensitivity(dtype: torch.dtype) -> dict[str, float | None]:
+def _route_sensitivity(dtype: torch.dtype, sampled: bool = False) -> dict[str, float | None]:
     g = torch.Generator().manual_seed(1234)
     ins, grads = _route_case(dtype, g)
     found: dict[str, float | None] = {}
-    for i, name in enumerate(ROUTE):
+    for i, name in enumerate(SAMPLED if sampled else ROUTE):
         t = grads[i]
         B, H, L, d = t.shape
         rows = torch.randint(0, L, (B, H), generator=g)
@@ -170,20 +182,22 @@ def _route_sensitivity(dtype: torch.dtype) -> dict[str, float | None]:
             was = t[b, h, rows, cols]
             faulty[i][b, h, rows, cols] = (was.float() + sign * r * l1).to(dtype)
             changed = faulty[i][b, h, rows, cols] != was
-            if bool(changed.all()) and bool(_route_flags(ins, faulty)[i].all()):
+            if bool(changed.all()) and bool(_route_flags(ins, faulty, sampled)[i].all()):
                 found[name] = r
                 break
     return found
 
 
 def _route_clean(n: int) -> dict[str, dict[str, int]]:
-    """Clean backward passes whose route checks flag a head, per dtype and check."""
-    alarms = {d: dict.fromkeys(ROUTE, 0) for d in DTYPES}
+    """Clean backward passes whose route checks (and sampled rows, every row) flag a head, per
+    dtype and check."""
+    alarms = {d: dict.fromkeys(ROUTE + SAMPLED, 0) for d in DTYPES}
     for seed in range(n):
         for dname, dtype in DTYPES.items():
             ins, grads = _route_case(dtype, torch.Generator().manual_seed(seed))
-            for name, flags in zip(ROUTE, _route_flags(ins, grads), strict=True):
-                alarms[dname][name] += bool(flags.any())
+            for names, sampled in ((ROUTE, False), (SAMPLED, True)):
+                for name, flags in zip(names, _route_flags(ins, grads, sampled), strict=True):
+                    alarms[dname][name] += bool(flags.any())
     return alarms
 
 
@@ -193,7 +207,8 @@ def main() -> None:
     args = parse(ap, quick={"clean": 2})
     env = environment()
     t0 = time.perf_counter()
-    rows = {dname: {"smallest": _sensitivity(dtype) | _route_sensitivity(dtype)}
+    rows = {dname: {"smallest": _sensitivity(dtype) | _route_sensitivity(dtype)
+                    | _route_sensitivity(dtype, sampled=True)}
             for dname, dtype in DTYPES.items()}  # fmt: skip
     route = _route_clean(max(1, args.clean // 10))
     for dname, alarms in _clean(args.clean).items():
@@ -210,7 +225,9 @@ def main() -> None:
         f"norm) from which every faulty row is flagged, and false alarms in {args.clean} clean "
         "products per GEMM and dtype. The SDPA route's rows: a head flagged, one fault per "
         f"(batch, head) matrix, false alarms in {max(1, args.clean // 10)} clean backward "
-        "passes (96 heads each).",
+        "passes (96 heads each). The sampled rows' (`sampled_rows=s`, opt-in): the same faults "
+        "seen by the per-element check of a sampled row, every row sampled (a call samples s "
+        "of L per head: a fault is seen in the call with probability s / L).",
         "",
         "| GEMM | " + " | ".join(f"{d} smallest r | {d} false alarms" for d in DTYPES) + " |",
         "|---|" + "---|---|" * len(DTYPES),
@@ -219,7 +236,7 @@ def main() -> None:
         cells = []
         for d in DTYPES:
             r = rows[d]["smallest"][name]
-            n = max(1, args.clean // 10) if name in ROUTE else args.clean
+            n = max(1, args.clean // 10) if name in ROUTE + SAMPLED else args.clean
             cells += ["not within 1e2" if r is None else f"{r:.1e}",
                       f"{rows[d]['false_alarms'][name]} / {n}"]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -56,6 +56,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-impl", default="auto", help="ABFTConfig.check_impl (accumulator: "
                     "the projections on the accumulator GEMM)")  # fmt: skip
+    ap.add_argument("--backend", default="auto", help="ABFTConfig.backend (sdpa: the CUDA "
+                    "default's route, its checks by their torch references on a CPU)")  # fmt: skip
+    ap.add_argument("--sampled-rows", type=int, default=0, help="ABFTConfig.sampled_rows (the "
+                    "route's sampled per-element check of the core)")  # fmt: skip
     args = parse(ap, quick={"trials": 6, "size": "tiny"})
     t0 = time.perf_counter()
     corpus = load_corpus()
@@ -63,7 +67,9 @@ def main() -> None:
     model = build(args.family, args.size, vocab_size=blocks.vocab_size, max_len=SEQ_LEN,
                   seed=args.seed, num_hidden_layers=1)  # fmt: skip
     model.train()
-    handle = protect_(model, ABFTConfig(policy="warn", check_impl=args.check_impl))
+    config = ABFTConfig(policy="warn", check_impl=args.check_impl, backend=args.backend,
+                        sampled_rows=args.sampled_rows)  # fmt: skip
+    handle = protect_(model, config)
     ids, _ = blocks.batch(0, BATCH, args.seed)
     clean = _step(model, ids)
     assert not handle.drain(), "a false alarm on the clean step"
@@ -108,6 +114,11 @@ def main() -> None:
             "uncorrectable" if "uncorrectable" in actions else "corrected")  # fmt: skip
         rows.append({"site": site, **hit, "rel": rel, "outcome": outcome, "actions": actions})
     env = environment()
+    route_words = impl_words(args.check_impl)
+    if args.backend == "sdpa":
+        route_words = ("the SDPA route, the CUDA default's checks (their torch references on a "
+                       "CPU)" + (f", {args.sampled_rows} sampled rows a head and call"
+                                 if args.sampled_rows else ""))  # fmt: skip
 
     def cls(r):
         return "masked" if r["rel"] < 1e-3 else "small" if r["rel"] < 1e-2 else "matters"
@@ -123,8 +134,9 @@ def main() -> None:
         "",
         f"`{command()}`; {env['date']}, torch {env['torch']}, {time.perf_counter() - t0:.0f} s. "
         f"{args.family} ({args.size}, 1 layer), bf16 autocast, L {SEQ_LEN}, batch {BATCH}, "
-        f"`ABFTConfig(policy='warn', check_impl={args.check_impl!r})` "
-        f"({impl_words(args.check_impl)}); one bit uniform over "
+        f"`ABFTConfig(policy='warn', check_impl={args.check_impl!r}, backend="
+        f"{args.backend!r}, sampled_rows={args.sampled_rows})` ({route_words}); one bit "
+        "uniform over "
         f"the element's width at a uniform element of a uniform site of layer 0 "
         f"({len(sites)} sites), one step; {len(rows)} trials with a flip.",
         "",
@@ -144,7 +156,9 @@ def main() -> None:
             lines.append(f"- {r['site']} {r['dtype']} bit {r['bit']}: {r['before']:.4g} -> "
                          f"{r['after']:.4g}, {r['rel']:.2e}")  # fmt: skip
     print("\n".join(lines))
-    write(f"bit_flips_{args.size}{impl_tag(args.check_impl)}", {"environment": env, "rows": rows},
+    tag = impl_tag(args.check_impl) + ("_sdpa" if args.backend == "sdpa" else "")
+    tag += f"_s{args.sampled_rows}" if args.sampled_rows else ""
+    write(f"bit_flips_{args.size}{tag}", {"environment": env, "rows": rows},
           "\n".join(lines) + "\n")  # fmt: skip
 
 

@@ -42,7 +42,7 @@ from _common import environment, parse, write
 from attnchecker.attention.checks import Projection, projection_check_, row_limits
 from attnchecker.attention.handoff import Handoff
 from attnchecker.attention.heads import context_residual, probs_residual, scores_residual
-from attnchecker.kernels import sdpa_check
+from attnchecker.kernels import sdpa_check, sdpa_sample
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DATA = ("normal", "positive", "lognormal", "outlier")
@@ -57,9 +57,13 @@ CHECKS = (
     "scores (sdpa route)",
     "probs (sdpa route)",
     "context (sdpa route)",
+    "scores (sampled row)",
+    "probs (sampled row)",
+    "context (sampled row)",
 )
 EAGER = (CHECKS[0], *CHECKS[2:6])  # the eager engine's; ROUTE, the SDPA route's forward checks
 ROUTE = CHECKS[6:]  # (backend="sdpa"): sensitivity only, its false alarms are measured elsewhere
+# (the sampled rows' too: tests/unit/kernels/test_sdpa_sample.py, the clean sweeps)
 MAX_ROWS = 4  # ABFTConfig's default
 
 
@@ -260,17 +264,24 @@ def _one_per_row(t: Tensor, r: float, l1: Tensor, g: torch.Generator) -> Tensor:
     return rows.view(t.shape)
 
 
-def _route(q, k, v, s, stats, scale, *, z=None, p=None, o=None) -> int:
+def _route(q, k, v, s, stats, scale, *, z=None, p=None, o=None, sampled=False) -> int:
     """Rows the SDPA route's forward checks flag when the kernel delivers the LSE and O of a
-    faulty S (scaled, ``z``), the O of a faulty P, or a faulty O (``s``: the clean scores)."""
+    faulty S (scaled, ``z``), the O of a faulty P, or a faulty O (``s``: the clean scores);
+    ``sampled``: rows the sampled rows' per-element check flags, every row sampled."""
     if z is not None:
         lse, p = torch.logsumexp(z, -1), torch.softmax(z, -1)
     else:
         lse = torch.logsumexp(s * scale, -1)
     if o is None:
         o = p.to(v.dtype) @ v
-    lse_bad, o_bad, _, _ = sdpa_check._fwd_flags(q, k, o, lse, stats, scale,
-                                                  torch.zeros(1, 1, 1), 1.0)  # fmt: skip
+    if sampled:
+        B, H, L = q.shape[:3]
+        every = torch.arange(L).expand(B, H, L)
+        lse_bad, o_bad = sdpa_sample.fwd_sample_flags(q, k, v, None, o, lse, False, scale, 1.0,
+                                                      every)[:2]  # fmt: skip
+    else:
+        lse_bad, o_bad, _, _ = sdpa_check._fwd_flags(q, k, o, lse, stats, scale,
+                                                      torch.zeros(1, 1, 1), 1.0)  # fmt: skip
     return int((lse_bad | o_bad.any(-1)).sum())
 
 
@@ -344,6 +355,11 @@ def sensitivity(
             hits["scores (sdpa route)"][gi] += _route(*ops, z=_one_per_row(rs, r, s1, g) * scale)
             hits["probs (sdpa route)"][gi] += _route(*ops, p=_one_per_row(rp, r, p1, g))
             hits["context (sdpa route)"][gi] += _route(*ops, o=_one_per_row(rc, r, c1, g))
+            for name, fault in (("scores", "z"), ("probs", "p"), ("context", "o")):
+                t, l1_, mult = {"z": (rs, s1, scale), "p": (rp, p1, 1.0), "o": (rc, c1, 1.0)}[fault]
+                hits[f"{name} (sampled row)"][gi] += _route(
+                    *ops, **{fault: _one_per_row(t, r, l1_, g) * mult}, sampled=True
+                )
     out = {}
     for name in CHECKS:
         rates = [h / total[name] for h in hits[name]]
@@ -451,7 +467,10 @@ def main() -> None:
         'The SDPA route\'s rows (`backend="sdpa"`): the same faults in S, P and O as the '
         "backend's kernel would deliver them (the LSE and O of a faulty S; O of a faulty P), "
         "seen through the LSE bound and V's range only, without a mask; '-' where some faulty "
-        "rows are never flagged (a lowered score: the bound sees only raised ones).",
+        "rows are never flagged (a lowered score: the bound sees only raised ones). The sampled "
+        "rows' (`sampled_rows=s`, opt-in): the same faults against the per-element check of a "
+        "sampled row (every row sampled here; a call samples s of L a head, so a fault is seen "
+        "in a call with probability s / L).",
         "",
         *_table(
             lambda s: f"{_g(s['always_detected_rel_l1'])} ({_g(s['half_detected_rel_l1'])})",

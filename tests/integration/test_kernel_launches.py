@@ -87,12 +87,13 @@ def _twins(layers: int, scope: str):
 
 
 def test_the_weight_sums_follow_a_fused_optimizer_step_by_step():
-    """Ten steps of a fused AdamW at a large learning rate (the weights move a lot) with the
+    """Five steps of a fused AdamW at a large learning rate (the weights move a lot) with the
     checks on the registered ops: no false alarm, and the losses equal the plain model's (a
-    clean check writes nothing)."""
+    clean check writes nothing; ten steps also passed when this was written, halved for the
+    suite's time)."""
     plain, model, handle, opts = _twins(LAYERS, "all_linear")
     g = torch.Generator().manual_seed(1)
-    for _ in range(10):
+    for _ in range(5):
         ids = torch.randint(3, 128, (2, 24), generator=g)
         losses = []
         for m, opt in zip((plain, model), opts, strict=True):

@@ -71,12 +71,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "    per_product = 6 * _U32 + (_U32 if",
            "the accumulator GEMM's bound three times too wide: it sees 1e-4 of a row no more",
            tests=("tests/unit/kernels/test_acc_gemm.py", "-k", "1e_4")),
-    Mutant("attention/heads.py", "    f_abs, f_mag = gemm_terms(out.dtype, out.device, inner=inner, length=length)",
+    Mutant("abft/tolerance.py", "    f_abs, f_mag = gemm_terms(out.dtype, out.device, inner=inner, length=length)",
            "    f_abs, f_mag = gemm_terms(out.dtype, out.device, inner=inner, length=length)\n"
            "    f_abs, f_mag = f_abs, f_mag + unit_roundoff(out.dtype)",
            "the core's scores and context bound charged the outputs' rounding on the magnitude "
            "again (the bound of before issue 55)",
            tests=("tests/unit/abft/test_tight_bounds.py", "-k", "core")),
+    Mutant("attention/grads.py", "            ref = (xf @ ysum.unsqueeze(-1)).squeeze(-1)  # (..., M)",
+           "            ref = (x @ ysum.unsqueeze(-1).to(x.dtype)).squeeze(-1).float()",
+           "the core's backward reference back in the operands' dtype (bf16): 2 u of the "
+           "magnitude in the residual, which the tight bound does not allow",
+           tests=("tests/unit/abft/test_tight_bounds.py", "-k", "backward")),
     # ------------------------------------------------------------------ abft/gemm.py
     Mutant("abft/gemm.py", "a_r * scale, -math.sqrt(N) * f_r * scale,",
            "0.0, -math.sqrt(N) * f_r * scale,",

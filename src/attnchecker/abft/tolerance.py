@@ -81,6 +81,7 @@ __all__ = [
     "reduced_reductions",
     "squares_lost",
     "tf32_enabled",
+    "tight_excess",
     "underflow_floor",
     "unit_roundoff",
 ]
@@ -159,6 +160,30 @@ def gemm_terms(
     if out_dtype == torch.float32 and device.type == "cuda" and tf32_enabled():
         f_mag += 2 * _U_TF32
     return f_abs, f_mag
+
+
+def tight_excess(
+    res: torch.Tensor, out: torch.Tensor, operands: tuple[torch.Tensor, ...], mag: torch.Tensor,
+    *, inner: int, length: int, scale: float, scaled: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """|res| less the rounding-tight tolerance of the rows of ``out`` (..., ``length``), a GEMM of
+    ``operands`` with reduction length ``inner``, whose rows' magnitudes are at most ``mag``
+    (...) and whose residuals are ``res`` (...) against fp32 references of the operands as the
+    GEMM multiplied them: floor + scale (f_abs min(A, CAP mag) + f_mag mag) (:func:`gemm_terms`,
+    A the delivered row's L1 norm: one pass, no copy). An operand whose dtype is not the
+    output's was rounded to it before the GEMM (autocast): its roundoff joins f_mag; ``scaled``:
+    a scaling inside the GEMM (a folded alpha), rounded once more, joins f_abs. > 0 (or NaN)
+    where a row is flagged. The eager checks of the attention core (forward and backward) use it;
+    the projections' and linear layers' checks compute the same terms in their own passes."""
+    f_abs, f_mag = gemm_terms(out.dtype, out.device, inner=inner, length=length)
+    u = unit_roundoff(out.dtype)
+    f_mag += sum(op.dtype != out.dtype for op in operands) * u
+    if scaled:
+        f_abs += u / (1 - u)
+    l1 = torch.linalg.vector_norm(out, 1, dim=-1, dtype=torch.float32)
+    excess = torch.sub(res.abs(), torch.minimum(l1, mag * CAP), alpha=f_abs * scale)
+    floor = underflow_floor(out.dtype, length=length, inner=inner)
+    return excess.sub_(mag, alpha=f_mag * scale).sub_(floor)
 
 
 def accumulator_terms(

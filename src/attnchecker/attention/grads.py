@@ -17,9 +17,11 @@ model, bitwise on CPU), then check each gradient and recompute what fails:
   ``lost``). The bias gradient is a reduction, not a GEMM, and is not checked.
 
 The check of a product out = x @ y (rows i, inner k, n columns) compares the recomputed row sum
-with x_i . (y 1), and flags it when they differ by more than the rounding bound
-f * sum_k |x_ik| sum_n |y_kn| <= f ||x_i|| ||(sum_n |y_kn|)_k|| (Cauchy-Schwarz; exact when x >= 0,
-as the probabilities are), f from :func:`~attnchecker.abft.tolerance.gemm_factor`.
+with x_i . (y 1), and flags it when they differ by more than the rounding bound: the core's
+rows by :func:`product_residual`'s rounding-tight bound (the delivered row's rounding on its L1
+norm, the accumulation's on the magnitude sum_k |x_ik| sum_n |y_kn|, exact when x >= 0 as the
+probabilities are, else a Cauchy-Schwarz bound), the linear layers' by
+:func:`~attnchecker.abft.gemm.gemm_check_`'s.
 
 The records leave the backward as the *gradient of* a small leaf tensor that requires grad (one
 per protected module, (n ops, 7) float64 records of
@@ -44,10 +46,8 @@ from torch.nn import functional as F
 from attnchecker.abft.cast import autocast_operands
 from attnchecker.abft.gemm import col_norms, gemm_check_, row_norms
 from attnchecker.abft.tolerance import (
-    gemm_factor,
     norm_bound,
-    underflow_floor,
-    unit_roundoff,
+    tight_excess,
 )
 from attnchecker.attention import regions
 from attnchecker.attention.checks import detected, index_constant, log_rows, record
@@ -93,33 +93,34 @@ def product_residual(
     GEMM gives the reference and an exact magnitude; ``norms``: (||x||_F, ||y||_F) already at
     hand.
 
-    The reference is one GEMV in the operands' dtype (fp32 for fp16, whose range a row sum can
-    overflow), in few passes over the large operands; the magnitude bound is
+    The tolerance is the rounding-tight bound of
+    :func:`~attnchecker.abft.tolerance.tight_excess` (issue 55): the delivered row's own rounding
+    charged to its L1 norm, the accumulation's to the magnitude. It needs a reference free of
+    the operands' rounding: y's row sums accumulated in fp64 and rounded once to fp32, and the
+    GEMV x . (y 1) in fp32 (an fp32 copy of a half-precision x: its reference in x's dtype would
+    cost 2 u of the magnitude, the term the tight bound removes). The magnitude is
     sum_k |x_ik| sum_n |y_kn| <= ||x_i|| sqrt(N) ||y||_F (Cauchy-Schwarz twice, no |x| pass),
-    with the row norms ||x_i|| where x's rows are contiguous (one fast pass) and ||x||_F in
-    their place where they are not (a strided pass would cost more than the GEMV)."""
+    with the row norms ||x_i|| where x's rows are contiguous (one fast pass) and ||x||_F in their
+    place where they are not (a strided pass would cost more than the GEMV); exact when x >= 0."""
     rows_contiguous = x.stride(-1) == 1  # read outside autocast(enabled=False): see gemm_check_
     K, N = y.shape[-2], y.shape[-1]
     with torch.autocast(out.device.type, enabled=False):
-        dt = x.dtype if x.dtype == y.dtype and x.dtype != torch.float16 else _F32
-        rounding = 2 * unit_roundoff(dt) if dt != _F32 else 0.0  # x and the sums in dt
-        ysum = y.sum(-1, dtype=_F32)  # (..., K)
+        xf = x.to(_F32)
+        ysum = y.sum(-1, dtype=torch.float64).to(_F32)  # (..., K)
         if nonneg:
             yabs = y.abs().sum(-1, dtype=_F32)  # y is the small operand here (dO)
-            both = x.to(dt) @ torch.stack([ysum, yabs], -1).to(dt)  # (..., M, 2)
-            ref, mag = both[..., 0].to(_F32), both[..., 1].to(_F32)
+            both = xf @ torch.stack([ysum, yabs], -1)  # (..., M, 2)
+            ref, mag = both[..., 0], both[..., 1]
         else:
-            ref = (x.to(dt) @ ysum.to(dt).unsqueeze(-1)).squeeze(-1).to(_F32)  # (..., M)
+            ref = (xf @ ysum.unsqueeze(-1)).squeeze(-1)  # (..., M)
             yn = _norm(y) if norms is None else norms[1]  # (...)
             if rows_contiguous:  # (..., M)
                 xn = norm_bound(x, -1)
             else:  # (..., 1)
                 xn = (_norm(x) if norms is None else norms[0]).unsqueeze(-1)
             mag = xn * (yn * math.sqrt(N)).unsqueeze(-1)
-        tol = (gemm_factor(out, x, y, inner=K, length=N) + rounding) * scale
-        tol = (mag * tol).add_(underflow_floor(out.dtype, length=N, inner=K))
         res = out.sum(-1, dtype=_F32) - ref
-        return res, res.abs() - tol
+        return res, tight_excess(res, out, (x, y), mag, inner=K, length=N, scale=scale)
 
 
 def product_check_(out: Tensor, x: Tensor, y: Tensor, **kw) -> Tensor:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from attnchecker.abft.tolerance import CAP, gemm_terms, norm_bound, underflow_floor, unit_roundoff
+from attnchecker.abft.tolerance import norm_bound, tight_excess, unit_roundoff
 from attnchecker.attention.checks import no_autocast, record
 
 __all__ = ["context_residual", "heads_repair_", "probs_residual", "scores_residual"]
@@ -61,26 +61,8 @@ def scores_residual(
         mag = qn * kn  # >= sum_j sum_f |q_if k_jf| (Cauchy-Schwarz)
         if alpha != 1.0:
             mag = mag * abs(alpha)
-        return res, _excess(res, s, (q, k), mag, inner=d, length=Lk, scale=scale,
+        return res, tight_excess(res, s, (q, k), mag, inner=d, length=Lk, scale=scale,
                             scaled=alpha != 1.0)  # fmt: skip
-
-
-def _excess(
-    res: Tensor, out: Tensor, operands: tuple[Tensor, ...], mag: Tensor, *, inner: int,
-    length: int, scale: float, scaled: bool = False,
-) -> Tensor:  # fmt: skip
-    """|res| less the rounding-tight tolerance of rows of ``out`` (..., length), a GEMM of
-    ``operands`` with reduction length ``inner`` whose rows' magnitudes are at most ``mag``
-    (module docstring): floor + scale (f_abs min(A, CAP mag) + f_mag mag)."""
-    f_abs, f_mag = gemm_terms(out.dtype, out.device, inner=inner, length=length)
-    u = unit_roundoff(out.dtype)
-    f_mag += sum(op.dtype != out.dtype for op in operands) * u  # rounded before the GEMM
-    if scaled:  # a scaling of the product, rounded once more
-        f_abs += u / (1 - u)
-    l1 = torch.linalg.vector_norm(out, 1, dim=-1, dtype=torch.float32)  # A: one pass, no copy
-    excess = torch.sub(res.abs(), torch.minimum(l1, mag * CAP), alpha=f_abs * scale)
-    floor = underflow_floor(out.dtype, length=length, inner=inner)
-    return excess.sub_(mag, alpha=f_mag * scale).sub_(floor)
 
 
 def _probs_tol(p: Tensor, scale: float) -> float:
@@ -121,7 +103,7 @@ def context_residual(
             cols.append(torch.ones_like(cols[1]))
         both = p.to(f32) @ torch.stack(cols, -1)  # (B, H, L, 2..4): ref, bound, [error], [sum p]
         res = c.sum(-1, dtype=f32) - both[..., 0]
-        excess = _excess(res, c, (p, v), both[..., 1], inner=Lk, length=d, scale=scale)
+        excess = tight_excess(res, c, (p, v), both[..., 1], inner=Lk, length=d, scale=scale)
         out: tuple[Tensor, ...] = (res, excess if v_sums is None else excess - both[..., 2])
         if with_probs:
             res_p = both[..., -1] - 1

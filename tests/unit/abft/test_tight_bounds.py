@@ -173,3 +173,30 @@ def test_the_cores_scores_and_context_checks_see_two_percent_of_a_row(dtype):
     c2 = _moved(flat(c), R, 2).view_as(c)
     assert (~(scores_residual(s2, q, k)[1] <= 0)).all()
     assert (~(context_residual(c2, p, v)[1] <= 0)).all()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_cores_backward_checks_see_two_percent_of_a_row(dtype):
+    """The eager core's backward checks (``grads.product_residual``: dQ = dS K with dS signed,
+    dV = P^T dO with P >= 0) carry the bound too, on an fp32 reference (a reference in bf16
+    alone costs 2 u of the magnitude: ~30% of a row was needed before): 2% of a row flagged in
+    every row, a clean one never."""
+    from attnchecker.attention.grads import product_residual
+
+    _, k, v, _, p, c = _heads_case(dtype)
+    g = torch.Generator().manual_seed(3)
+    do = (torch.randn(c.shape, generator=g) * 1e-3).to(dtype)
+    dp = do @ v.mT
+    ds = (p.float() * (dp.float() - (p.float() * dp.float()).sum(-1, keepdim=True))).to(dtype)
+    dq, dv = ds @ k, p.mT @ do
+    for out, x, y, nonneg in ((dq, ds, k, False), (dv, p.mT, do, True)):
+        res, excess = product_residual(out, x, y, scale=1.0, nonneg=nonneg)
+        assert (excess <= 0).all()
+        # the reference is fp32's: the residual is the delivered outputs' rounding alone
+        ysum = y.double().sum(-1, keepdim=True)
+        exact = out.double().sum(-1) - (x.double() @ ysum).squeeze(-1)
+        q_mag = (x.double().abs() @ ysum.abs()).squeeze(-1)
+        assert ((res.double() - exact).abs() <= 1e-5 * q_mag).all()
+        moved = _moved(out.reshape(-1, out.shape[-1]), R, 4).view_as(out)
+        flagged = ~(product_residual(moved, x, y, scale=1.0, nonneg=nonneg)[1] <= 0)
+        assert flagged.all(), f"{int(flagged.sum())} / {flagged.numel()} rows"
