@@ -16,9 +16,11 @@ they see).
 
 Faults at the core's named sites (scores, probs, context; dp, dv, dq, dk) are emulated: with a
 hook attached, the call also computes S, P and O (and dP, dV, dS, dQ, dK) in eager math, runs the
-hooks on them and, for the (batch, head) pairs a hook changed, replaces what the kernel returned
-by what the corrupted tensor gives, before the checks. So a campaign measures what this route
-detects; nothing of the kind runs without a hook.
+hooks on them and, for the (batch, head) pairs a hook changed, moves what the kernel returned by
+what the corruption changed in the eager math (the corrupted result less the clean one: the
+fault's effect alone, not the eager math's rounding against the kernel's, which a small fault's
+campaign would otherwise count as its effect), before the checks. So a campaign measures what
+this route detects; nothing of the kind runs without a hook.
 """
 
 from __future__ import annotations
@@ -65,19 +67,27 @@ def _emulate_forward(sites, q, k, v, mask, causal, scale, out, lse, keep=None) -
     H, L, Lk = q.shape[1], q.shape[2], k.shape[2]
     if sites.hooks.get("scores") or sites.hooks.get("probs"):
         ke, ve = expand_kv(k, H), expand_kv(v, H)
+        bias = bias_from_sdpa(mask, causal, L, Lk, q.device)
         s = q @ ke.mT  # (B, H, L, Lk)
-        before = s.clone()
+        s0 = s.clone()
         sites.run("scores", s)
-        hit = _changed(before, s)
-        z = s.float() * scale + bias_from_sdpa(mask, causal, L, Lk, q.device)
-        p = torch.softmax(z, -1).nan_to_num(0.0).to(q.dtype)  # a row with no key: 0
+        hit = _changed(s0, s)
+        z, z0 = (t.float() * scale + bias for t in (s, s0))
+        p, p0 = (torch.softmax(t, -1).nan_to_num(0.0).to(q.dtype) for t in (z, z0))  # no key: 0
         before = p.clone()
         sites.run("probs", p)
         heads = hit | _changed(before, p)
-        o = ((p if keep is None else (p * keep).to(p.dtype)) @ ve).to(out.dtype)
-        out.copy_(torch.where(heads[..., None, None], o, out))
-        lse.copy_(torch.where(hit[..., None], torch.logsumexp(z, -1), lse))
+        o, o0 = (((t if keep is None else (t * keep).to(t.dtype)) @ ve).float() for t in (p, p0))
+        out.copy_(torch.where(heads[..., None, None], _moved(out, o - o0), out))
+        moved = lse + (torch.logsumexp(z, -1) - torch.logsumexp(z0, -1))
+        lse.copy_(torch.where(hit[..., None], moved, lse))
     sites.run("context", out)
+
+
+def _moved(t: Tensor, delta: Tensor) -> Tensor:
+    """What the kernel's ``t`` becomes under a fault whose eager emulation moved it by ``delta``
+    (fp32): the fault's effect alone, not the eager math's own rounding against the kernel's."""
+    return (t.float() + delta).to(t.dtype)
 
 
 def _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv,
@@ -90,29 +100,31 @@ def _emulate_backward(hook, q, k, v, mask, causal, scale, out, grad, dq, dk, dv,
     ke, ve = expand_kv(k, H), expand_kv(v, H)
     z = (q @ ke.mT).float() * scale + bias_from_sdpa(mask, causal, L, Lk, q.device)
     p = torch.softmax(z, -1).nan_to_num(0.0)  # (B, H, L, Lk) fp32
-    found = {}
+    found, clean = {}, {}
     dp = grad @ ve.mT  # (B, H, L, Lk)
     w = p if keep is None else p * keep
     if keep is not None:
         dp = (dp * keep).to(dp.dtype)
     dvf = w.to(q.dtype).mT @ grad  # (B, H, Lk, d)
     for site, t in (("dp", dp), ("dv", dvf)):
-        before = t.clone()
+        clean[site] = t.clone()
         hook(site, t)
-        found[site] = _changed(before, t)
-    ds = p * (dp.float() - (grad.float() * out.float()).sum(-1, keepdim=True))
-    ds = ds.to(q.dtype)
+        found[site] = _changed(clean[site], t)
+    dsum = (grad.float() * out.float()).sum(-1, keepdim=True)
+    ds, ds0 = ((p * (t.float() - dsum)).to(q.dtype) for t in (dp, clean["dp"]))
+    dq0, dk0 = (ds0 @ ke) * scale, (ds0.mT @ q) * scale
     dqf, dkf = (ds @ ke) * scale, (ds.mT @ q) * scale
     for site, t in (("dq", dqf), ("dk", dkf)):
         before = t.clone()
         hook(site, t)
         found[site] = _changed(before, t)
+    # each gradient moved by what the emulated fault changed (the kernel's own rounding kept)
     heads = found["dp"] | found["dq"]
-    dq.copy_(torch.where(heads[..., None, None], dqf.to(dq.dtype), dq))
+    dq.copy_(torch.where(heads[..., None, None], _moved(dq, dqf.float() - dq0.float()), dq))
     changed = (found["dp"] | found["dk"] | found["dv"]).float()
     groups = (group_sum(changed, Hkv) > 0)[..., None, None]
-    dk.copy_(torch.where(groups, group_sum(dkf.float(), Hkv).to(dk.dtype), dk))
-    dv.copy_(torch.where(groups, group_sum(dvf.float(), Hkv).to(dv.dtype), dv))
+    for t, new, old in ((dk, dkf, dk0), (dv, dvf, clean["dv"])):
+        t.copy_(torch.where(groups, _moved(t, group_sum(new.float() - old.float(), Hkv)), t))
 
 
 def _ops(kernels: bool) -> SdpaOps:

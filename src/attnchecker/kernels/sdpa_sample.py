@@ -85,6 +85,12 @@ _U = torch.finfo(_F32).eps
 # (measured: |dLSE| up to ~4e-5 (1 + |LSE|), the same in bf16 and fp16: its vectorised exp /
 # reduced-precision intermediates); 2^-13 (1 + |z|) per score covers it with 3x to spare.
 _HALF_Z = 2.0**-13
+_CPU_BLOCK = 32
+"""The CPU flash kernel's backward adds each block of (at least) 32 query rows into dK and dV in
+their own dtype (half precision: measured, the kernel's dK equals that emulation bitwise where
+an fp32 accumulation was two ulps away): one rounding of the partial sum per block, which
+:func:`_bwd_sample_flags` adds to those bounds on a CPU. CUDA's flash kernels accumulate dK and
+dV in fp32 registers over every query block."""
 _M = 2147483647  # 2^31 - 1: the hash's modulus (products stay below 2^47 in int64)
 
 
@@ -306,7 +312,8 @@ def _bwd_sample_flags(q, k, v, mask, out, lse, grad, dq, dk, dv, rowmax, causal,
     2 e_ij + 2 (rep L + 4) u) sum_i p_ij |dO_if| + eps / 2 |dV_jf| + floor. Query rows that
     attend no key (``rowmax`` DEAD: the kernels' P there is theirs: 0, or 1 where a finite mask
     minimum absorbs the scores) add their worst case to dK and dV (P <= 1) and are not checked
-    in dQ."""
+    in dQ. On a CPU, half-precision dK and dV are summed a block of query rows at a time in
+    their dtype (:data:`_CPU_BLOCK`): ceil(rep L / 32) eps / 2 of their terms' magnitudes more."""
     B, H, L, d = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     eps = torch.finfo(dq.dtype).eps
@@ -370,14 +377,20 @@ def _bwd_sample_flags(q, k, v, mask, out, lse, grad, dq, dk, dv, rowmax, causal,
         errc = 2 * pc * (ec * (dpc - ddg).abs() + c * (dpca + ddga)) + (
             eps / 2 + 2 * (n_q + 4) * _U) * dsc.abs() + tiny  # fmt: skip
         deadf = dead_g.float()
+        # a CPU kernel's half-precision partial sums of dK and dV, one rounding a query block
+        # (_CPU_BLOCK), each at most eps / 2 of the sum of the terms' magnitudes
+        blocked = dk.device.type == "cpu" and dk.dtype in (torch.float16, torch.bfloat16)
+        acc = math.ceil(n_q / _CPU_BLOCK) * eps / 2 if blocked else 0.0
         dk_ref = (dsc.mT @ qg) * scale  # (B, Hkv, n, d)
         t_k = tol * (eps / 2 * dk_ref.abs() + abs(scale) * (errc.mT @ qg.abs())
                      + abs(scale) * ((dpca + ddga) * deadf).mT @ qg.abs()
                      + underflow_floor(dk.dtype, length=1, inner=n_q))  # fmt: skip
         dv_ref = pc.mT @ gg
-        w = (eps / 2 + 2 * (n_q + 4) * _U) * pc + 4 * pc * ec + tiny
+        w = (eps / 2 + 2 * (n_q + 4) * _U + acc) * pc + 4 * pc * ec + tiny
         t_v = tol * (eps / 2 * dv_ref.abs() + (w + deadf).mT @ gg.abs()
                      + underflow_floor(dv.dtype, length=1, inner=n_q))  # fmt: skip
+        if blocked:
+            t_k = t_k + tol * acc * abs(scale) * (dsc.abs().mT @ qg.abs())
         k_ex = (_gather_rows(dk, ik).float() - dk_ref).abs() - t_k
         v_ex = (_gather_rows(dv, ik).float() - dv_ref).abs() - t_v
     return q_bad, ~(k_ex <= 0), ~(v_ex <= 0), q_ex, k_ex, v_ex

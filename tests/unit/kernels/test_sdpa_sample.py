@@ -194,3 +194,21 @@ def test_the_draw_is_stratified_deterministic_and_reads_no_generator():
     cov = coverage(4, L)
     assert cov["per_call"] == 4 / L and cov["expected_steps"] == pytest.approx(L / 4)
     assert coverage(4, L, dropout=0.1)["rows"] == 0
+
+
+@pytest.mark.parametrize("seed", [12, 18])
+def test_the_cpu_kernels_half_precision_dk_partial_sums_raise_no_flag(seed):
+    """The CPU flash kernel adds dK and dV a block of 32 query rows at a time in bf16
+    (``_CPU_BLOCK``): at L 128 its dK is a few ulps from an fp32 accumulation. Two draws (of
+    ``benchmarks/backward_sensitivity.py``'s clean cases) whose dK a bound without those
+    roundings flagged, clean."""
+    g = torch.Generator().manual_seed(seed)
+    Bs, Hs, Ls, d = 8, 12, 128, 64
+    q, k, v = (torch.randn(Bs, Hs, Ls, d, generator=g).to(torch.bfloat16) for _ in range(3))
+    out, lse, aux = attention_forward(q, k, v, None, True, d**-0.5)
+    grad = (torch.randn(Bs, Hs, Ls, d, generator=g) * 1e-3).to(torch.bfloat16)
+    dq, dk, dv = attention_backward(grad, q, k, v, out, lse, None, True, d**-0.5, aux)
+    every = torch.arange(Ls).expand(Bs, Hs, Ls)
+    bad = _bwd_sample_flags(q, k, v, None, out, lse, grad, dq, dk, dv, torch.zeros(1, 1, 1),
+                            True, d**-0.5, 1.0, every, every)[:3]  # fmt: skip
+    assert not any(b.any() for b in bad)
