@@ -54,6 +54,9 @@ def scores_residual(
     """
     d, Lk = q.shape[-1], k.shape[-2]
     with no_autocast(s.device):
+        # q and k wider than s (fp32 after a rotary embedding, under autocast) were rounded to
+        # s's dtype for the GEMM: the reference takes them so (as :func:`context_residual` p)
+        q, k = (t.to(s.dtype) if t.element_size() > s.element_size() else t for t in (q, k))
         ref = (q * k.sum(-2, keepdim=True, dtype=torch.float32)).sum(-1)  # (B, H, L)
         qn = norm_bound(q, -1)  # (B, H, L)
         kn = norm_bound(k, -1).sum(-1, keepdim=True)  # (B, H, 1)
@@ -92,21 +95,28 @@ def context_residual(
     The bound sum_f |v_jf| always comes from v (p >= 0 is its own magnitude).
 
     ``with_probs``: p is the softmax output itself (no dropout between): the same thin GEMM
-    also sums p's rows, and the probabilities' (residual, excess) follow the context's."""
+    also sums p's rows, and the probabilities' (residual, excess) follow the context's.
+
+    A p wider than c (fp32 probabilities under autocast) was rounded to c's dtype for the GEMM:
+    the reference takes p so rounded, as the GEMM multiplied it (from the fp32 p it would differ
+    by up to u sum_j p_ij |v-bar_j|, ~2% of a bf16 row where V's features cancel: measured in a
+    llama layer), and p's row sums come from p itself in one more pass."""
     Lk, d = v.shape[-2], v.shape[-1]
     with no_autocast(c.device):
         f32 = torch.float32
+        rounded = p.dtype != c.dtype and p.element_size() > c.element_size()
+        pg = p.to(c.dtype) if rounded else p  # what the GEMM multiplied
         cols = [v.sum(-1, dtype=f32) if v_sums is None else v_sums[0], v.abs().sum(-1, dtype=f32)]
         if v_sums is not None:
             cols.append(v_sums[1])
-        if with_probs:
+        if with_probs and not rounded:
             cols.append(torch.ones_like(cols[1]))
-        both = p.to(f32) @ torch.stack(cols, -1)  # (B, H, L, 2..4): ref, bound, [error], [sum p]
+        both = pg.to(f32) @ torch.stack(cols, -1)  # (B, H, L, 2..4): ref, bound, [error], [sum p]
         res = c.sum(-1, dtype=f32) - both[..., 0]
-        excess = tight_excess(res, c, (p, v), both[..., 1], inner=Lk, length=d, scale=scale)
+        excess = tight_excess(res, c, (pg, v), both[..., 1], inner=Lk, length=d, scale=scale)
         out: tuple[Tensor, ...] = (res, excess if v_sums is None else excess - both[..., 2])
         if with_probs:
-            res_p = both[..., -1] - 1
+            res_p = (p.sum(-1, dtype=f32) if rounded else both[..., -1]) - 1
             out += (res_p, res_p.abs() - _probs_tol(p, scale))
         return out
 
