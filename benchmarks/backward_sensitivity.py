@@ -26,7 +26,11 @@ from which every head is flagged, and false alarms over the clean cases. The sam
 the sampled rows' per-element checks (``sampled_rows``, ``attnchecker.kernels.sdpa_sample``)
 with every query and key row sampled: what a call sees in the rows it samples.
 
-    python benchmarks/backward_sensitivity.py [--clean 500] [--quick]
+    python benchmarks/backward_sensitivity.py [--clean 500] [--device cuda] [--quick]
+
+On a GPU (``--device cuda``, ``scripts/gpu_check.sh``'s ``backward`` stage) the same rows come
+from the device's own GEMMs and SDPA kernels: the margins the CPU cannot show (cuBLAS's and the
+flash kernel's accumulation orders, the sampled rows' bounds against CUDA's dK / dV sums).
 """
 
 from __future__ import annotations
@@ -37,18 +41,20 @@ import time
 import torch
 from torch import Tensor
 
-from _common import environment, parse, write
+from _common import command, environment, parse, write
 from attnchecker.attention.grads import product_check_, product_residual
 from attnchecker.kernels import sdpa_backend, sdpa_check, sdpa_sample
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEVICE = torch.device("cpu")  # --device: where the GEMMs and the SDPA kernels run
+SHAPES = {"T": 1024, "K": 768, "N": 768, "B": 8, "H": 12, "L": 128, "d": 64}  # --quick: TINY
+TINY = {"T": 64, "K": 64, "N": 64, "B": 1, "H": 2, "L": 64, "d": 16}
 GRID = [10.0 ** (e / 2) for e in range(-16, 5)]
 
 
 def _draw(g: torch.Generator) -> dict[str, Tensor]:
     """The operands in fp32 (each dtype's case is their rounding: one draw serves all three)."""
-    T, K, N = 1024, 768, 768
-    B, H, L, d = 8, 12, 128, 64
+    T, K, N, B, H, L, d = (SHAPES[n] for n in "TKNBHLd")
     x = torch.randn(T, K, generator=g)
     w = torch.randn(N, K, generator=g) * 0.02
     dy = torch.randn(T, N, generator=g) * 1e-3
@@ -57,7 +63,8 @@ def _draw(g: torch.Generator) -> dict[str, Tensor]:
     ds = p * (dp - (p * dp).sum(-1, keepdim=True))
     k = torch.randn(B, H, L, d, generator=g)
     do = torch.randn(B, H, L, d, generator=g) * 1e-3
-    return {"x": x, "w": w, "dy": dy, "p": p, "ds": ds, "k": k, "do": do}
+    drawn = {"x": x, "w": w, "dy": dy, "p": p, "ds": ds, "k": k, "do": do}
+    return {n: t.to(DEVICE) for n, t in drawn.items()}
 
 
 def _operands(dtype: torch.dtype, g: torch.Generator) -> dict[str, Tensor]:
@@ -117,7 +124,7 @@ def _sensitivity(dtype: torch.dtype) -> dict[str, float | None]:
         rows = out.reshape(-1, out.shape[-1])
         n = rows.shape[0]
         cols = torch.randint(0, rows.shape[1], (n,), generator=g)
-        sign = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+        sign = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(DEVICE)
         l1 = rows.float().abs().sum(-1)
         found[name] = None
         for r in GRID:
@@ -138,10 +145,10 @@ SAMPLED = ("dQ (sampled row)", "dK (sampled row)", "dV (sampled row)")
 
 def _route_case(dtype: torch.dtype, g: torch.Generator):
     """A causal attention's backward by the CPU flash kernel: (inputs of the checks, grads)."""
-    B, H, L, d = 8, 12, 128, 64
-    q, k, v = (torch.randn(B, H, L, d, generator=g).to(dtype) for _ in range(3))
+    B, H, L, d = (SHAPES[n] for n in "BHLd")
+    q, k, v = (torch.randn(B, H, L, d, generator=g).to(DEVICE, dtype) for _ in range(3))
     out, lse, aux = sdpa_backend.attention_forward(q, k, v, None, True, d**-0.5)
-    grad = (torch.randn(B, H, L, d, generator=g) * 1e-3).to(dtype)
+    grad = (torch.randn(B, H, L, d, generator=g) * 1e-3).to(DEVICE, dtype)
     dq, dk, dv = sdpa_backend.attention_backward(grad, q, k, v, out, lse, None, True, d**-0.5, aux)
     return (q, k, v, lse, grad, out), [dq, dk, dv]
 
@@ -153,13 +160,15 @@ def _route_flags(ins, grads, sampled: bool = False) -> tuple[Tensor, Tensor, Ten
     q, k, v, lse, grad, out = ins
     if sampled:
         B, H, L, d = q.shape
-        every = torch.arange(L).expand(B, H, L)
+        every = torch.arange(L, device=DEVICE).expand(B, H, L)
         bad = sdpa_sample._bwd_sample_flags(q, k, v, None, out, lse, grad, *grads,
-                                            torch.zeros(1, 1, 1), True, d**-0.5, 1.0, every,
+                                            torch.zeros(1, 1, 1, device=DEVICE), True,
+                                            d**-0.5, 1.0, every,
                                             every)  # fmt: skip
         return tuple(b.flatten(2).any(-1) for b in bad[:3])
     stats = sdpa_check.kv_stats(k, v)
-    bad = sdpa_check._bwd_flags(q, k, v, lse, grad, *grads, stats, torch.zeros(1, 1, 1),
+    bad = sdpa_check._bwd_flags(q, k, v, lse, grad, *grads, stats,
+                                torch.zeros(1, 1, 1, device=DEVICE),
                                 q.shape[-1] ** -0.5, 1.0)  # fmt: skip
     return bad[0].flatten(2).any(-1), bad[1].any(-1), bad[2].any(-1)
 
@@ -173,7 +182,7 @@ def _route_sensitivity(dtype: torch.dtype, sampled: bool = False) -> dict[str, f
         B, H, L, d = t.shape
         rows = torch.randint(0, L, (B, H), generator=g)
         cols = torch.randint(0, d, (B, H), generator=g)
-        sign = torch.randint(0, 2, (B, H), generator=g) * 2 - 1
+        sign = (torch.randint(0, 2, (B, H), generator=g) * 2 - 1).to(DEVICE)
         b, h = torch.meshgrid(torch.arange(B), torch.arange(H), indexing="ij")
         l1 = t[b, h, rows].float().abs().sum(-1)  # (B, H): the faulty rows' L1 norms
         found[name] = None
@@ -204,7 +213,13 @@ def _route_clean(n: int) -> dict[str, dict[str, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clean", type=int, default=500, help="clean cases per GEMM and dtype")
+    ap.add_argument("--device", default="cpu", help="where the GEMMs and the SDPA kernels run "
+                    "(cuda: the device's own GEMMs and flash / memory-efficient kernels)")  # fmt: skip
     args = parse(ap, quick={"clean": 2})
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if args.quick:  # a smoke run of every path (gpu_check.sh's tiny stage): small shapes
+        SHAPES.update(TINY)
     env = environment()
     t0 = time.perf_counter()
     rows = {dname: {"smallest": _sensitivity(dtype) | _route_sensitivity(dtype)
@@ -219,13 +234,15 @@ def main() -> None:
     lines = [
         "# The backward's checks: false alarms and smallest detected error",
         "",
-        f"`python benchmarks/backward_sensitivity.py --clean {args.clean}`; torch {env['torch']}, {env['threads']} threads, {env['date']}, "
+        f"`{command()}`; torch {env['torch']}, {env['threads']} threads, on {DEVICE.type}, "
+        f"{env['date']}, "
         f"{elapsed:.0f} s. The checks as `ABFTConfig()` (the default) runs them "
         "(tolerance_scale 1, max_rows 4). Smallest r (one element changed by r x its row's L1 "
         f"norm) from which every faulty row is flagged, and false alarms in {args.clean} clean "
         "products per GEMM and dtype. The SDPA route's rows: a head flagged, one fault per "
         f"(batch, head) matrix, false alarms in {max(1, args.clean // 10)} clean backward "
-        "passes (96 heads each). The sampled rows' (`sampled_rows=s`, opt-in): the same faults "
+        f"passes ({SHAPES['B'] * SHAPES['H']} heads each). The sampled rows' (`sampled_rows=s`, "
+        "opt-in): the same faults "
         "seen by the per-element check of a sampled row, every row sampled (a call samples s "
         "of L per head: a fault is seen in the call with probability s / L).",
         "",

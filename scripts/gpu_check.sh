@@ -14,6 +14,9 @@
 # - accumulator: benchmarks/acc_gemm.py, the accumulator GEMM (check_impl="accumulator", opt-in
 #   until this stage has timed it): its bound's margin on the device's matrix units, the
 #   smallest accumulator error it sees, and its time against cuBLAS at base and Llama-8B shapes;
+# - backward: benchmarks/backward_sensitivity.py --device cuda, the backward's checks on the
+#   device's own GEMMs and SDPA kernels (the eager core's dQ / dV, the route's sums, the sampled
+#   rows' per-element bounds): thresholds and false alarms in clean products;
 # - step: benchmarks/gpu_step.py, the training step of the plain SDPA model, the core's checks
 #   alone and the default config (both on the SDPA route, backend="auto" on CUDA), the
 #   projections' checks alone and all_linear (the GEMM checks as registered Triton ops:
@@ -44,8 +47,8 @@
 #
 # Environment: PYTHON (default: python3 on PATH), GPU_CHECK_BUDGET (480), GPU_CHECK_STAGES,
 # GPU_CHECK_WORKERS (16), GPU_CHECK_ALARM_ARMS (all four),
-# GPU_CHECK_{BOUNDS,ACC,STEP,CALIBRATE,TEST,TUNE,BENCH,GEMM,AUTO,ALARM,KERNEL,COMPILED}_TIMEOUT
-# (60, 60, 240, 90, 150, 150, 70, 40, 100, 100, 75, 60), OUT; GPU_CHECK_TINY=1 runs the step and
+# GPU_CHECK_{BOUNDS,ACC,BACKWARD,STEP,CALIBRATE,TEST,TUNE,BENCH,GEMM,AUTO,ALARM,KERNEL,COMPILED}_TIMEOUT
+# (60, 60, 60, 240, 90, 150, 150, 70, 40, 100, 100, 75, 60), OUT; GPU_CHECK_TINY=1 runs the step and
 # calibrate stages on the CPU at tiny sizes (tests/integration/test_gpu_stage.py runs them so).
 # Measured on an H200 (2026-12-04): tests 111 s with 16 workers, the alarm sweep ~90 s, the
 # kernels' benchmark ~60 s; the protect_vs_sdpa rows build 4 base-width models each.
@@ -62,6 +65,7 @@ fi
 STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-240}
 BOUNDS_TIMEOUT=${GPU_CHECK_BOUNDS_TIMEOUT:-60}
 ACC_TIMEOUT=${GPU_CHECK_ACC_TIMEOUT:-60}
+BACKWARD_TIMEOUT=${GPU_CHECK_BACKWARD_TIMEOUT:-60}
 CALIBRATE_TIMEOUT=${GPU_CHECK_CALIBRATE_TIMEOUT:-90}
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-150}
 ALARM_TIMEOUT=${GPU_CHECK_ALARM_TIMEOUT:-100}
@@ -185,6 +189,13 @@ run_accumulator() {
     stage accumulator "$ACC_TIMEOUT" "$PY" benchmarks/acc_gemm.py "${tiny[@]}"
 }
 
+# the backward's checks on the device's GEMMs and SDPA kernels: thresholds, false alarms
+run_backward() {
+    local args=(--device cuda --clean 40)
+    if [[ -n "${GPU_CHECK_TINY:-}" ]]; then args=(--quick --device cpu); fi
+    stage backward "$BACKWARD_TIMEOUT" "$PY" benchmarks/backward_sensitivity.py "${args[@]}"
+}
+
 # the gpu tests and the kernels' tests, compiled for the device, with tests/conftest.py as on
 # a CPU (it sets TRITON_INTERPRET only without CUDA; its ATTNCHECKER_CHECK_IMPL=eager is
 # overridden by test_gpu.py, whose checks run the CUDA default, CHECK_IMPL there, asserted by
@@ -273,7 +284,7 @@ run_compiled() {
         triton --reps 5 --tag compiled
 }
 
-for name in ${GPU_CHECK_STAGES:-bounds accumulator step calibrate tests gemm benchmark auto alarms kernels tune compiled}; do
+for name in ${GPU_CHECK_STAGES:-bounds accumulator backward step calibrate tests gemm benchmark auto alarms kernels tune compiled}; do
     if ! declare -F "run_$name" >/dev/null; then
         echo "gpu_check: no stage $name"
         status=1

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_gpu_check_step_stage_runs_and_archives_its_rows(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable,
-           "GPU_CHECK_STAGES": "bounds accumulator step calibrate", "GPU_CHECK_TINY": "1",
+           "GPU_CHECK_STAGES": "bounds accumulator backward step calibrate", "GPU_CHECK_TINY": "1",
            "OUT": str(tmp_path), "ATTNCHECKER_CHECK_IMPL": "eager",
            "GPU_CHECK_BUDGET": "200"}  # fmt: skip
     r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
@@ -28,6 +28,7 @@ def test_the_gpu_check_step_stage_runs_and_archives_its_rows(tmp_path):
     assert "step: rc 0" in r.stdout and "calibrate: rc 0" in r.stdout
     assert "bounds: rc 0" in r.stdout  # benchmarks/gemm_bounds.py, a smoke run here
     assert "accumulator: rc 0" in r.stdout  # benchmarks/acc_gemm.py, likewise
+    assert "backward: rc 0" in r.stdout  # benchmarks/backward_sensitivity.py, likewise
     with tarfile.open(tmp_path / "gpu_check.tgz") as tar:
         text = tar.extractfile("gpu_check/step_rows.jsonl").read().decode()
         rows = [json.loads(line) for line in text.splitlines()]
