@@ -130,12 +130,14 @@ def test_the_guard_alone_replays_a_non_finite_gradient(tmp_path, data):
     assert (s["skipped"], s["non_trainable"], s["steps_done"]) == (2, True, 4)
 
 
+@pytest.mark.slow
 def test_replay_under_torch_compile(tmp_path, data):
     """A transient NaN gradient in a compiled protected model: the replay ends where the
     fault-free compiled run does. The fault is at a gradient (a hook outside the compiled
     graph): the injector's hooks at attention sites are traced into the graph and recompile it
     every step. Within float32 rounding, not bitwise: the replayed backward runs a graph
-    compiled again (measured: 1.4e-7 at most)."""
+    compiled again (measured: 1.4e-7 at most). Two compiled trainings, 76-106 s on 2 cores:
+    in ``make test-all``, for the suite's time."""
     cfg = _cfg(data, protect=True, abft=LOST, compile=True, steps=4)
     clean = train(cfg, tmp_path / "clean", faults=_nan_grad(99), progress=False)
     s = train(cfg, tmp_path / "faulty", faults=_nan_grad(2), progress=False)
