@@ -77,10 +77,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "the core's scores and context bound charged the outputs' rounding on the magnitude "
            "again (the bound of before issue 55)",
            tests=("tests/unit/abft/test_tight_bounds.py", "-k", "core")),
-    Mutant("attention/heads.py", "        rounded = p.dtype != c.dtype and p.element_size() > c.element_size()",
-           "        rounded = False",
-           "the context's reference from autocast's fp32 probabilities, not the bf16 ones the "
-           "GEMM multiplied: their rounding charged to the magnitude (~2-4% of a row)",
+    Mutant("attention/heads.py", "    wide = [half and t.element_size() > out.element_size() for t in ops]",
+           "    wide = [False for t in ops]",
+           "the core's references from autocast's fp32 operands, not the bf16 ones the GEMM "
+           "multiplied: their rounding charged to the magnitude (~2-4% of a row)",
            tests=("tests/unit/abft/test_tight_bounds.py", "-k", "autocasts")),
     Mutant("attention/grads.py", "            ref = (xf @ ysum.unsqueeze(-1)).squeeze(-1)  # (..., M)",
            "            ref = (x @ ysum.unsqueeze(-1).to(x.dtype)).squeeze(-1).float()",

@@ -163,21 +163,22 @@ def gemm_terms(
 
 
 def tight_excess(
-    res: torch.Tensor, out: torch.Tensor, operands: tuple[torch.Tensor, ...], mag: torch.Tensor,
-    *, inner: int, length: int, scale: float, scaled: bool = False,
+    res: torch.Tensor, out: torch.Tensor, mag: torch.Tensor, *, inner: int, length: int,
+    scale: float, rounded: int = 0, scaled: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """|res| less the rounding-tight tolerance of the rows of ``out`` (..., ``length``), a GEMM of
     ``operands`` with reduction length ``inner``, whose rows' magnitudes are at most ``mag``
     (...) and whose residuals are ``res`` (...) against fp32 references of the operands as the
     GEMM multiplied them: floor + scale (f_abs min(A, CAP mag) + f_mag mag) (:func:`gemm_terms`,
-    A the delivered row's L1 norm: one pass, no copy). An operand whose dtype is not the
-    output's was rounded to it before the GEMM (autocast): its roundoff joins f_mag; ``scaled``:
-    a scaling inside the GEMM (a folded alpha), rounded once more, joins f_abs. > 0 (or NaN)
+    A the delivered row's L1 norm: one pass, no copy). ``rounded``: how many operands the GEMM
+    rounded to the output's dtype (autocast) that the reference took unrounded: each one's
+    roundoff joins f_mag; ``scaled``: a scaling inside the GEMM (a folded alpha), rounded once
+    more, joins f_abs. > 0 (or NaN)
     where a row is flagged. The eager checks of the attention core (forward and backward) use it;
     the projections' and linear layers' checks compute the same terms in their own passes."""
     f_abs, f_mag = gemm_terms(out.dtype, out.device, inner=inner, length=length)
     u = unit_roundoff(out.dtype)
-    f_mag += sum(op.dtype != out.dtype for op in operands) * u
+    f_mag += rounded * u
     if scaled:
         f_abs += u / (1 - u)
     l1 = torch.linalg.vector_norm(out, 1, dim=-1, dtype=torch.float32)

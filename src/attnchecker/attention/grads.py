@@ -120,7 +120,8 @@ def product_residual(
                 xn = (_norm(x) if norms is None else norms[0]).unsqueeze(-1)
             mag = xn * (yn * math.sqrt(N)).unsqueeze(-1)
         res = out.sum(-1, dtype=_F32) - ref
-        return res, tight_excess(res, out, (x, y), mag, inner=K, length=N, scale=scale)
+        rounded = sum(t.dtype != out.dtype for t in (x, y))
+        return res, tight_excess(res, out, mag, inner=K, length=N, scale=scale, rounded=rounded)
 
 
 def product_check_(out: Tensor, x: Tensor, y: Tensor, **kw) -> Tensor:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from attnchecker.abft.cast import round_as
 from attnchecker.abft.tolerance import norm_bound, tight_excess, unit_roundoff
 from attnchecker.attention.checks import no_autocast, record
 
@@ -54,9 +55,7 @@ def scores_residual(
     """
     d, Lk = q.shape[-1], k.shape[-2]
     with no_autocast(s.device):
-        # q and k wider than s (fp32 after a rotary embedding, under autocast) were rounded to
-        # s's dtype for the GEMM: the reference takes them so (as :func:`context_residual` p)
-        q, k = (t.to(s.dtype) if t.element_size() > s.element_size() else t for t in (q, k))
+        (q, k), rounded = _as_multiplied(s, q, k)
         ref = (q * k.sum(-2, keepdim=True, dtype=torch.float32)).sum(-1)  # (B, H, L)
         qn = norm_bound(q, -1)  # (B, H, L)
         kn = norm_bound(k, -1).sum(-1, keepdim=True)  # (B, H, 1)
@@ -64,8 +63,21 @@ def scores_residual(
         mag = qn * kn  # >= sum_j sum_f |q_if k_jf| (Cauchy-Schwarz)
         if alpha != 1.0:
             mag = mag * abs(alpha)
-        return res, tight_excess(res, s, (q, k), mag, inner=d, length=Lk, scale=scale,
-                            scaled=alpha != 1.0)  # fmt: skip
+        return res, tight_excess(res, s, mag, inner=d, length=Lk, scale=scale, rounded=rounded,
+                                 scaled=alpha != 1.0)  # fmt: skip
+
+
+def _as_multiplied(out: Tensor, *ops: Tensor) -> tuple[list[Tensor], int]:
+    """The operands of the GEMM that gave ``out`` as it multiplied them, and how many others
+    differ from out's dtype (their rounding stays in the bound): an operand wider than a half
+    precision out (fp32 q and k after a rotary embedding, fp32 probabilities, under autocast)
+    was rounded to it, so the reference takes it so rounded (:func:`round_as`: fp32 values,
+    a round trip a user's ``torch.compile`` keeps), not charging that rounding to the
+    magnitude (~2% of a bf16 row where V's features cancel: measured in a llama layer)."""
+    half = out.dtype in (torch.float16, torch.bfloat16)
+    wide = [half and t.element_size() > out.element_size() for t in ops]
+    got = [round_as(t, out.dtype) if w else t for t, w in zip(ops, wide, strict=True)]
+    return got, sum(t.dtype != out.dtype and not w for t, w in zip(ops, wide, strict=True))
 
 
 def _probs_tol(p: Tensor, scale: float) -> float:
@@ -97,26 +109,26 @@ def context_residual(
     ``with_probs``: p is the softmax output itself (no dropout between): the same thin GEMM
     also sums p's rows, and the probabilities' (residual, excess) follow the context's.
 
-    A p wider than c (fp32 probabilities under autocast) was rounded to c's dtype for the GEMM:
-    the reference takes p so rounded, as the GEMM multiplied it (from the fp32 p it would differ
-    by up to u sum_j p_ij |v-bar_j|, ~2% of a bf16 row where V's features cancel: measured in a
-    llama layer), and p's row sums come from p itself in one more pass."""
+    The reference takes p as the GEMM multiplied it (:func:`_as_multiplied`); where p was
+    rounded so, p's row sums come from p itself in one more pass."""
     Lk, d = v.shape[-2], v.shape[-1]
     with no_autocast(c.device):
         f32 = torch.float32
-        rounded = p.dtype != c.dtype and p.element_size() > c.element_size()
-        pg = p.to(c.dtype) if rounded else p  # what the GEMM multiplied
+        (pg,), rounded = _as_multiplied(c, p)  # (v's sums come from v as delivered)
+        rounded += v.dtype != c.dtype
+        wide = pg is not p  # p rounded for the reference: its row sums in their own pass
         cols = [v.sum(-1, dtype=f32) if v_sums is None else v_sums[0], v.abs().sum(-1, dtype=f32)]
         if v_sums is not None:
             cols.append(v_sums[1])
-        if with_probs and not rounded:
+        if with_probs and not wide:
             cols.append(torch.ones_like(cols[1]))
         both = pg.to(f32) @ torch.stack(cols, -1)  # (B, H, L, 2..4): ref, bound, [error], [sum p]
         res = c.sum(-1, dtype=f32) - both[..., 0]
-        excess = tight_excess(res, c, (pg, v), both[..., 1], inner=Lk, length=d, scale=scale)
+        excess = tight_excess(res, c, both[..., 1], inner=Lk, length=d, scale=scale,
+                              rounded=rounded)
         out: tuple[Tensor, ...] = (res, excess if v_sums is None else excess - both[..., 2])
         if with_probs:
-            res_p = (p.sum(-1, dtype=f32) if rounded else both[..., -1]) - 1
+            res_p = (p.sum(-1, dtype=f32) if wide else both[..., -1]) - 1
             out += (res_p, res_p.abs() - _probs_tol(p, scale))
         return out
 
