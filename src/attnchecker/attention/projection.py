@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from attnchecker.abft.cast import autocast_dtype
-from attnchecker.attention import kernel_checks
+from attnchecker.attention import kernel_checks, sharded
 from attnchecker.attention.checks import Projection, projection_check_, row_limits
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.grads import checked_linear
@@ -93,11 +93,22 @@ class ProjectionSpec:
         m = self.module
         names = self.params or ("weight", "bias")
         weight, bias = getattr(m, names[0]), getattr(m, names[1])
+        groups = self.groups
+        if sharded.is_sharded(weight):  # tensor parallel: this rank's shard (attention.sharded)
+            if self.params or self.conv1d or self.site_groups or self.lead or self.trail or (
+                self.interleaved or len(self.sites) > 1
+            ):
+                raise UnsupportedModelError(
+                    f"{'|'.join(self.sites)}: a tensor-parallel projection that is not one "
+                    f"site's (N, K) Linear is not checked by attnchecker"
+                )
+            groups = sharded.local_groups(weight, groups, self.sites[0])
+            weight, bias = sharded.local(weight), None if bias is None else sharded.local(bias)
         if self.params and len(self.sites) < 3:  # the sites' rows of a packed Q | K | V
             n, first = weight.shape[0] // 3, "qkv".index(self.sites[0])
             rows = slice(first * n, (first + len(self.sites)) * n)
             weight, bias = weight[rows], None if bias is None else bias[rows]
-        return Projection(weight, bias, self.conv1d, self.sites, self.groups, self.site_groups,
+        return Projection(weight, bias, self.conv1d, self.sites, groups, self.site_groups,
                           self.interleaved, self.lead, self.trail)  # fmt: skip
 
 
@@ -115,7 +126,8 @@ def projection_hook(state: AttentionState, spec: ProjectionSpec) -> Callable[...
     """The forward hook of a projection: its sites on the output, then its check queued."""
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], y: Tensor) -> None:
-        _sites_and_check(state, spec, spec.projection(), args[0], y)
+        x, y = sharded.local(args[0]), sharded.local(y)  # (tensor parallel: this rank's GEMM)
+        _sites_and_check(state, spec, spec.projection(), x, y)
 
     return hook
 
@@ -266,12 +278,14 @@ def linear_hook(state: AttentionState, conv1d: bool) -> Callable[..., None]:
             state.acc_out = None
             state.commit()
             return
+        x, y = sharded.local(args[0]), sharded.local(y)  # (tensor parallel: this rank's GEMM)
         state.site("y", y)
-        x = args[0]
         if not state.checks("y") or x.dim() < 2 or not y.is_contiguous():
             return
         x3, y3 = x.reshape(1, -1, x.shape[-1]), y.view(1, -1, y.shape[-1])  # (1, T, K), (1, T, N)
-        item = [(Projection(module.weight, module.bias, conv1d, ("y",), 1), y3)]
+        weight, bias = module.weight, module.bias
+        bias = None if bias is None else sharded.local(bias)
+        item = [(Projection(sharded.local(weight), bias, conv1d, ("y",), 1), y3)]
         config = state.config
         lim = row_limits(x3, item, config.tolerance_scale)
         if kernel_checks.runs_kernels(state.impl):  # registered ops, the record into the log
@@ -314,7 +328,16 @@ def patch_backward(
         return None
 
     def forward(x: Tensor) -> Tensor:
-        return _linear(state, x, module.weight, module.bias, conv1d, dx, dw,
+        weight, bias = module.weight, module.bias
+        if sharded.is_sharded(weight) and not conv1d:  # tensor parallel: each rank's GEMM
+
+            def local(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+                g = sharded.local_groups(weight, groups, dx)
+                return _linear(state, x, w, b, False, dx, dw, lambda: F.linear(x, w, b), g,
+                               spans)  # fmt: skip
+
+            return sharded.linear(x, weight, bias, local, state.name)
+        return _linear(state, x, weight, bias, conv1d, dx, dw,
                        lambda: kind.forward(module, x), groups, spans)  # fmt: skip
 
     module.forward = forward
@@ -513,7 +536,8 @@ def protect_linears(
     for name, m, layer, role in linears:
         conv1d = is_conv1d(m)
         p = next(m.parameters(), None)
-        dev = p.device if p is not None else clock.count.device
+        dev = p.device if p is not None and not p.is_meta else clock.count.device  # (meta:
+        # built there, materialized where the clock is: models.protect._device)
         if schedule.entries is None:  # as the config's ops say of attention: forward, backward
             backward = any(op in config.ops for op in GRAD_OPS)
             forward = any(op in config.ops for op in OPS)

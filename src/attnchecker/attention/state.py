@@ -65,9 +65,13 @@ class StepMemo:
         self._memo.clear()
 
 
-def _identity(t: Tensor) -> tuple[int, int, int]:
-    ptr = 0 if isinstance(t, FakeTensor) else t.data_ptr()  # (a shapes-only trace)
-    return id(t), ptr, t._version
+def _identity(t: Tensor) -> tuple:
+    """What a tensor is for the memo: its memory, layout and version (two views of one shard
+    are one: a DTensor's ``to_local()`` is a fresh view each call); a shapes-only trace's fake
+    tensors have no memory and are told apart by object."""
+    if isinstance(t, FakeTensor):
+        return id(t), t._version
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version
 
 
 _UPDATES = [0]

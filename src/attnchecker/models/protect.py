@@ -271,8 +271,15 @@ def _scheduled(linears: list, schedule) -> list:
 
 
 def _device(module: nn.Module, default: torch.device | None = None) -> torch.device:
+    """Where ``module``'s parameters are; a model built on the meta device (torchtitan builds
+    it there, protects it, then materializes it on its accelerator) is placed where it will
+    be materialized: the current CUDA device when there is one, else the CPU."""
     p = next(module.parameters(), None)
-    return p.device if p is not None else (default or torch.device("cpu"))
+    device = p.device if p is not None else (default or torch.device("cpu"))
+    if device.type == "meta":
+        cuda = torch.cuda.is_available()
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return device
 
 
 def unprotect_(model: nn.Module) -> None:
