@@ -61,16 +61,19 @@ FF = "feed_forward"
 LINEAR = ((f"{FF}.w1", "y"), (f"{FF}.w2", "y"), (f"{FF}.w3", "dx"), (f"{FF}.w2", "dw"),
           (f"{FF}.w1", "dw"), (f"{FF}.w2", "dx"))  # fmt: skip
 KINDS = (math.inf, math.nan, -math.inf, 1e10)
+ROUTE_REPORTED = {"probs": ("context",), "dp": ("dq", "dk")}  # (test_protect_sdpa_route)
 
 
-def _job(tmp: str, converters: bool):
+def _job(tmp: str, converters: bool, *args: str):
+    """The job from :data:`TOML` (without the converter: the unprotected run), and ``args``
+    as torchtitan's command line would override it."""
     from torchtitan.config import ConfigManager
 
     path = os.path.join(tmp, f"job{int(converters)}.toml")
     if not os.path.exists(path):
         with open(path, "w") as f:
             f.write(TOML if converters else TOML.replace('["attnchecker"]', "[]"))
-    return ConfigManager().parse_args(["--job.config_file", path])
+    return ConfigManager().parse_args(["--job.config_file", path, *args])
 
 
 def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +127,8 @@ def _run(job, dims, steps: int, faults: dict, record: tuple[int, ...]):
             events[step] = conv.events[seen:]
         if step in record:
             params[step] = {
-                n: p.full_tensor().detach().clone() for n, p in model.named_parameters()
+                n.replace("._checkpoint_wrapped_module", ""): p.full_tensor().detach().clone()
+                for n, p in model.named_parameters()
             }
     return losses, events, params, conv
 
@@ -171,10 +175,16 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             faults[last] = [("layers.1.attention.inner_attention", "scores", _beyond)]
         clean = _run(job, dims, STEPS_CLEAN, {}, (COMPARE_AT, step, last))
         faulty = _run(job, dims, last, faults, (step, last))
+        # the SDPA route (the CUDA default; on the CPU's flash kernel here), under full
+        # activation checkpointing: the same faults, corrected
+        route_job = _job(out, True, "--attnchecker.backend", "sdpa",
+                         "--activation_checkpoint.mode", "full")  # fmt: skip
+        route = _run(route_job, dims, step, faults, (step,))
         result = {
             "plain": (plain[0], plain[2]),
             "clean": (clean[0], clean[1], clean[2]),
             "faulty": (faulty[0], faulty[1], faulty[2], faulty[3].skipped_steps),
+            "route": (route[0], route[1], route[2], route[3].handle.summary()),
             "sites": {s: f for s, f in faults.items() if s != last},
             "last": last,
             "guarded": len(faulty[3].guarded),
@@ -235,6 +245,23 @@ def test_every_site_on_every_rank_is_corrected_in_its_step(ranks):
         done = r["last"] - 1
         for n, p in r["clean"][2][done].items():
             torch.testing.assert_close(r["faulty"][2][done][n], p, rtol=1e-5, atol=1e-6)
+
+
+def test_the_sdpa_route_under_full_checkpointing_corrects_them_too(ranks):
+    for rank, r in enumerate(ranks):
+        summary = r["route"][3]["per_module"]["layers.0.attention.inner_attention"]
+        assert summary["engine"] == "sdpa", summary  # the route ran, not the eager engine
+        events = r["route"][1]
+        for step, sites in r["sites"].items():
+            assert {e["module"] for e in events[step]} == {n for n, _ in sites}, (rank, step)
+            for n, s in sites:  # the route reports P's fault in O, dP's in dQ / dK
+                ops = {e["op"] for e in events[step] if e["module"] == n}
+                assert ops and ops <= set(ROUTE_REPORTED.get(s, (s,))), (rank, step, s, ops)
+            assert all(e["action"] != "uncorrectable" for e in events[step]), (rank, step)
+            assert {e["rank"] for e in events[step]} == {rank}
+        done = r["last"] - 1
+        for n, p in r["clean"][2][done].items():
+            torch.testing.assert_close(r["route"][2][done][n], p, rtol=1e-5, atol=1e-6)
 
 
 def test_an_uncorrectable_fault_on_one_rank_skips_the_step_on_all(ranks):

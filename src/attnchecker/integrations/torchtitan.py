@@ -74,11 +74,18 @@ class AttnChecker:
     """rows (tokens) a check repairs; more is uncorrectable"""
     max_heads: int = 2
     """heads of the core a check recomputes; more is uncorrectable"""
+    report_every: int = 0
+    """every this many steps, rank 0 logs the ranks whose faults stand out (one all-gather of
+    each rank's counts); 0: torchtitan's metrics.log_freq"""
 
     def abft_config(self) -> ABFTConfig:
         """The :class:`ABFTConfig` this section asks for (its errors name the TOML key)."""
+        fields = dataclasses.asdict(self)
+        every = fields.pop("report_every")
+        if every < 0:
+            raise ConfigError(f"[attnchecker] report_every must be >= 0, got {every}")
         try:
-            return ABFTConfig(**dataclasses.asdict(self))
+            return ABFTConfig(**fields)
         except ConfigError as e:
             raise ConfigError(f"[attnchecker] in the torchtitan job: {e}") from e
 
@@ -88,6 +95,35 @@ class JobConfig:
     """What torchtitan merges into its ``JobConfig`` (``job.custom_config_module``)."""
 
     attnchecker: AttnChecker = field(default_factory=AttnChecker)
+
+
+def _refuse_unsupported(job: Any, dims: Any) -> None:
+    """What the converter cannot protect yet, refused by name before anything is built."""
+    why = []
+    ac = getattr(job, "activation_checkpoint", None)
+    mode = getattr(ac, "mode", "none")
+    compiled = getattr(job, "compile", None)
+    compiled = bool(getattr(compiled, "enable", False)) and "model" in compiled.components
+    if mode == "selective" and getattr(ac, "selective_ac_option", "") == "op":
+        why.append(
+            "op-level selective activation checkpointing (the checks' own ops make the "
+            "recomputed forward's op sequence differ from the first: use mode 'full' or a "
+            "layer count, selective_ac_option = '2')"
+        )
+    elif mode != "none" and compiled:
+        why.append(
+            f"activation checkpointing ({mode}) with per-block compile (the checks keep their "
+            f"records outside the checkpointed region, a side effect torch.compile's checkpoint "
+            f"operator refuses: turn one of them off)"
+        )
+    for name, what in (("cp", "context parallelism"), ("pp", "pipeline parallelism")):
+        if getattr(dims, name, 1) > 1:
+            why.append(f"{what} ({name} = {getattr(dims, name)})")
+    if why:
+        raise ConfigError(
+            f"attnchecker's torchtitan converter does not support {'; '.join(why)}; "
+            f"docs/torchtitan.md says what is checked under each parallelism"
+        )
 
 
 def _coordinates(parallel_dims: Any) -> dict[str, int]:
@@ -113,6 +149,9 @@ class AttnCheckerConverter:
         if isinstance(section, dict):  # (a JobConfig without this module's dataclass)
             section = AttnChecker(**section)
         self.config = section.abft_config()
+        _refuse_unsupported(job_config, parallel_dims)
+        metrics = getattr(job_config, "metrics", None)
+        self.report_every = section.report_every or getattr(metrics, "log_freq", 10)
         training = job_config.training
         self.batch = (training.local_batch_size, training.seq_len)
         self.parallel_dims = parallel_dims
@@ -125,6 +164,8 @@ class AttnCheckerConverter:
         self._rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self._where: dict[str, int] | None = None
         self._inner: set[int] = set()  # ids of the optimizers a container steps
+        self.counts: Any = None  # this rank's RankCounts (recovery.diagnosis), from the first step
+        self.outliers: list[str] = []  # the last report's ranks that stand out (on every rank)
 
     # -- the protocol
 
@@ -209,9 +250,28 @@ class AttnCheckerConverter:
             guarded.skipped = flag.new_ones(())
 
     def _drain(self) -> None:
+        from attnchecker.recovery.diagnosis import (
+            RankCounts,
+            classify,
+            gather,
+            here,
+            outliers,
+            tally,
+        )
+
         if self._where is None:
             self._where = _coordinates(self.parallel_dims)
-        for e in self.handle.drain():
+            at = here(self.handle._clock.count.device)
+            self.counts = RankCounts(at.rank, at.host, at.device)
+        events = self.handle.drain()
+        step = self.counts.steps + 1
+        tally(self.counts, events, classify(events, step=step, config=self.config))
+        if step % self.report_every == 0:  # one all-gather of small dicts, every N steps
+            self.outliers = outliers(gather(self.counts))
+            if self._rank == 0 and self.outliers:
+                _LOG.warning("attnchecker: step %d: ranks that stand out: %s", step,
+                             "; ".join(self.outliers))  # fmt: skip
+        for e in events:
             record = {**e.to_dict(), "rank": self._rank, "mesh": dict(self._where)}
             self.events.append(record)
             mesh = " ".join(f"{k} {v}" for k, v in self._where.items())
