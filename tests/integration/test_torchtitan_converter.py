@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("torchtitan.models.llama3.infra.parallelize")
 
-from attnchecker.errors import ConfigError  # noqa: E402
-from attnchecker.integrations import torchtitan as converter  # noqa: E402
+from attnchecker.errors import ConfigError
+from attnchecker.integrations import torchtitan as converter
 
 TOML = """
 [job]
