@@ -76,8 +76,9 @@ def test_a_bad_value_names_the_section(tmp_path):
 @pytest.mark.parametrize(
     ("args", "dims", "named"),
     [
-        (("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-          "op"), {}, "op-level selective activation checkpointing"),
+        (("--activation_checkpoint.mode", "selective",
+          "--activation_checkpoint.selective_ac_option", "op"), {},
+         "op-level selective activation checkpointing"),
         (("--activation_checkpoint.mode", "full", "--compile.enable"), {},
          r"activation checkpointing \(full\) with per-block compile"),
         ((), {"cp": 2}, r"context parallelism \(cp = 2\)"),
