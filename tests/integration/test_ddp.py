@@ -1,5 +1,8 @@
 """Two real processes under torchrun (gloo): a fault on one rank is repaired before the gradient
-all-reduce, so both ranks end with the same parameters as a fault-free two-rank run."""
+all-reduce, so both ranks end with the same parameters as a fault-free two-rank run. The faulty
+run takes the SDPA route (``--backend sdpa``, the CUDA default; the CPU's flash kernel here),
+the clean one the CPU default (the eager engine): the route under DDP ends where the fault-free
+run does."""
 
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ def test_two_ranks_stay_identical_and_equal_to_fault_free(tmp_path, monkeypatch)
                 str(tmp_path / "plan.json"),
                 "--fault-rank",
                 "1",
+                "--backend",
+                "sdpa",
             ]
         )
         == 0
@@ -102,6 +107,8 @@ def test_two_ranks_roll_back_together(tmp_path, monkeypatch):
                 str(tmp_path / "plan.json"),
                 "--fault-rank",
                 "1",
+                "--backend",
+                "sdpa",
             ]
         )
         == 0
