@@ -248,5 +248,14 @@ MUTANTS: tuple[Mutant, ...] = (
            "the baselines' bisection inverted"),
     Mutant("adaptive/validate.py", "        half = _T975.get(len(d) - 1, 1.96) * sd / math.sqrt(len(d))",
            "        half = 1.96 * sd / math.sqrt(len(d))", "the gains' interval too narrow for 5 seeds"),
+    # ------------------------------------------------------- tensor parallel, torchtitan
+    Mutant("attention/sharded.py", "        grad_x = (Partial(),)  # each rank's dX is a partial sum",
+           "        grad_x = (Replicate(),)  # each rank's dX is a partial sum",
+           "a column-split layer's dX taken as whole on each rank: not summed over the ranks",
+           tests=("tests/integration/test_torchtitan_parallel.py",)),
+    Mutant("integrations/torchtitan.py", "                self._reroute(o)\n",
+           "                pass\n",
+           "torchtitan's optimizers left unguarded: an uncorrectable step is taken",
+           tests=("tests/integration/test_torchtitan_parallel.py",)),
 )
 # fmt: on
