@@ -22,6 +22,7 @@ was rerouted to.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import socket
@@ -35,6 +36,7 @@ pytest.importorskip("torchtitan.models.llama3.infra.parallelize")
 DP, TP = 2, 2
 STEPS_CLEAN = 50
 COMPARE_AT = 4  # the unprotected run's steps
+PROFILED = 2  # the step whose collectives are counted (after the first: the guard rerouted)
 TOML = """
 [job]
 custom_config_module = "attnchecker.integrations.torchtitan"
@@ -85,7 +87,8 @@ def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _run(job, dims, steps: int, faults: dict, record: tuple[int, ...]):
     """Train ``steps`` steps as torchtitan's trainer would; ``faults``: step -> (module name,
     site, edit) injected on this rank. Returns (losses, events by step, params at ``record``
-    steps, the converter)."""
+    steps and the profiled step's collectives, the converter, its summary before it is
+    closed)."""
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.models.llama3.infra.parallelize import parallelize_llama
     from torchtitan.models.llama3.model.args import TransformerModelArgs
@@ -108,8 +111,11 @@ def _run(job, dims, steps: int, faults: dict, record: tuple[int, ...]):
     ours = [c for c in converters.converters if hasattr(c, "handle")]
     conv = ours[0] if ours else None
     dp_rank = dims.get_mesh("fsdp").get_local_rank()
-    losses, events, params = [], {}, {}
+    losses, events, params = [], {}, {"collectives": collections.Counter()}
     for step in range(1, steps + 1):
+        profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        if step == PROFILED:  # the step's collectives, as gloo records them
+            profile.__enter__()
         detach = None
         detach = [conv.handle.attach(edit, sites=(site,), modules=(name,))
                   for name, site, edit in faults.get(step, ())]  # fmt: skip
@@ -122,6 +128,10 @@ def _run(job, dims, steps: int, faults: dict, record: tuple[int, ...]):
         seen = len(conv.events) if conv else 0
         optimizers.step()
         optimizers.zero_grad()
+        if step == PROFILED:
+            profile.__exit__(None, None, None)
+            names = [e.name for e in profile.events() if e.name.startswith("gloo:")]
+            params["collectives"].update(names)
         losses.append(float(loss))
         if conv is not None:
             events[step] = conv.events[seen:]
@@ -130,7 +140,11 @@ def _run(job, dims, steps: int, faults: dict, record: tuple[int, ...]):
                 n.replace("._checkpoint_wrapped_module", ""): p.full_tensor().detach().clone()
                 for n, p in model.named_parameters()
             }
-    return losses, events, params, conv
+    summary = None
+    if conv is not None:  # its optimizer hook and protection removed, as a run ends
+        summary = conv.handle.summary()
+        conv.close()
+    return losses, events, params, conv, summary
 
 
 def _edit(value: float):
@@ -182,9 +196,10 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         route = _run(route_job, dims, step, faults, (step,))
         result = {
             "plain": (plain[0], plain[2]),
+            "collectives": (plain[2]["collectives"], clean[2]["collectives"]),
             "clean": (clean[0], clean[1], clean[2]),
             "faulty": (faulty[0], faulty[1], faulty[2], faulty[3].skipped_steps),
-            "route": (route[0], route[1], route[2], route[3].handle.summary()),
+            "route": (route[0], route[1], route[2], route[4]),
             "sites": {s: f for s, f in faults.items() if s != last},
             "last": last,
             "guarded": len(faulty[3].guarded),
@@ -223,6 +238,20 @@ def test_protected_clean_steps_equal_the_unprotected_run(ranks):
         torch.testing.assert_close(clean_loss[:COMPARE_AT], plain_loss, rtol=1e-5, atol=1e-6)
         for n, p in plain_params[COMPARE_AT].items():
             torch.testing.assert_close(clean_params[COMPARE_AT][n], p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_clean_step_adds_one_collective_the_guards_flag(ranks):
+    """The collectives of one step, as gloo records them (the profiler): the protected step
+    has the unprotected one's (FSDP's all-gathers and reduce-scatters, the tensor-parallel
+    reductions: 41 on each rank here) and one all-reduce more, of the guard's flag. The checks
+    add none."""
+    for r in ranks:
+        plain, protected = r["collectives"]
+        assert plain["gloo:all_gather"] > 0  # FSDP2's (its reduce-scatter is an all-reduce
+        assert plain["gloo:all_reduce"] > 1  # on gloo) and the tensor-parallel reductions
+        added = protected - plain
+        assert added == collections.Counter({"gloo:all_reduce": 1}), (plain, protected)
+        assert not plain - protected
 
 
 def test_fifty_clean_steps_report_nothing(ranks):

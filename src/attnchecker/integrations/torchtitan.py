@@ -39,6 +39,7 @@ checked under each parallelism.
 # dataclasses' field types in torchtitan's namespace, where strings would not name them)
 import dataclasses
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,7 +189,14 @@ class AttnCheckerConverter:
             )
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        self._hook = register_optimizer_step_pre_hook(self._before_step)
+        me = weakref.ref(self)  # (the process's hook must not keep a finished run alive)
+
+        def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            converter = me()
+            if converter is not None:
+                converter._before_step(optimizer, args, kwargs)
+
+        self._hook = register_optimizer_step_pre_hook(before_step)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """After each optimizer step: under ``skip_step`` the events are drained here (the
