@@ -15,6 +15,7 @@ pytest.importorskip("torchtitan.models.llama3.infra.parallelize")
 from attnchecker.errors import ConfigError
 from attnchecker.integrations import torchtitan as converter
 
+NAME = "layers.0.attention.inner_attention"
 TOML = """
 [job]
 custom_config_module = "attnchecker.integrations.torchtitan"
@@ -116,25 +117,37 @@ def test_per_block_compile_on_the_route_equals_eager_and_does_not_recompile(tmp_
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses, graphs = [], []
         try:
-            for step in range(3):
+            for step in range(4):
+                detach = None
+                if step == 3:  # a fault in a compiled block: corrected in its step
+
+                    def nan(call) -> None:
+                        call.tensor[0, 1, 2] = float("nan")
+
+                    detach = conv.handle.attach(nan, sites=("q",), modules=(NAME,))
                 x = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(step))
                 logits = model(x[:, :-1])
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
                 loss.backward()
+                if detach is not None:
+                    detach.remove()
                 opt.step()  # (rerouted through the guard at its first step)
                 opt.zero_grad()
                 conv.post_optimizer_hook(model)
                 losses.append(float(loss))
                 graphs.append(counters["stats"]["unique_graphs"])
-            summary = conv.handle.summary()["per_module"]["layers.0.attention.inner_attention"]
+            summary = conv.handle.summary()["per_module"][NAME]
             assert summary["engine"] == "sdpa"
             return losses, graphs, conv.events
         finally:
             conv.close()
 
     counters.clear()
-    eager, _, _ = run()
+    eager, _, eager_events = run()
     compiled, graphs, events = run("--compile.enable", "--compile.backend", "eager")
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
-    assert events == []
-    assert graphs[0] >= 2 and graphs[-1] == graphs[0]  # one graph a block, no recompilation
+    for got in (eager_events, events):
+        assert [(e["step"], e["module"], e["op"], e["action"]) for e in got] == [
+            (4, NAME, "q", "corrected")]  # fmt: skip
+    assert graphs[0] >= 2 and graphs[2] == graphs[0]  # one graph a block, no recompilation
+    # (the injector's hook, attached at the fourth step, is a guard: a recompilation then)
