@@ -71,7 +71,10 @@ def _identity(t: Tensor) -> tuple:
     tensors have no memory and are told apart by object."""
     if isinstance(t, FakeTensor):
         return id(t), t._version
-    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version
+    try:
+        return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version
+    except RuntimeError:  # a wrapper subclass without storage of its own
+        return id(t), t._version
 
 
 _UPDATES = [0]
