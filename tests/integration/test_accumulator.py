@@ -33,6 +33,7 @@ def test_it_resolves_to_the_kernels_and_the_accumulator():
     assert not resolve("triton", torch.device("cpu")).accumulator
 
 
+@pytest.mark.slow  # 150 s; the default run: a small fault's y and dW, llama's clean steps
 def test_clean_steps_equal_the_plain_model_and_every_linear_fault_is_corrected():
     base, ref = models("llama", layers=1)
     inputs = batch("llama")
@@ -114,7 +115,7 @@ def _small(site: str, module: str):
 
 
 @pytest.mark.parametrize(("module", "site"), [
-    ("model.layers.0.mlp.down_proj", "y"),
+    pytest.param("model.layers.0.mlp.down_proj", "y", marks=pytest.mark.slow),
     ("model.layers.0.mlp.up_proj", "dw"),
     pytest.param("model.layers.0.self_attn", "q", marks=pytest.mark.slow),
     pytest.param("model.layers.0.self_attn", "dx.q", marks=pytest.mark.slow),
@@ -143,8 +144,10 @@ def test_a_small_fault_unseen_on_bf16_outputs_is_seen_on_the_accumulator(module,
     assert seen["accumulator"] == [(site, "corrected")]
 
 
-CLEAN = [*((f, torch.bfloat16) for f in ("gpt2", "llama", "bert", "bart")),
-         ("llama", torch.float16)]  # fmt: skip
+CLEAN = [("llama", torch.bfloat16),  # the default run; the rest in the slow set (~100 s)
+         *(pytest.param(f, torch.bfloat16, marks=pytest.mark.slow)
+           for f in ("gpt2", "bert", "bart")),
+         pytest.param("llama", torch.float16, marks=pytest.mark.slow)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "dtype"), CLEAN)

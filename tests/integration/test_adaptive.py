@@ -102,6 +102,7 @@ def _validate(vuln, cost, budgets, **kw):
 RATE = FaultRate(1.0, "step", {"nan": 1.0})  # ~0.15 faults per step at the profiled sites
 
 
+@pytest.mark.slow  # 55 s; the calibration itself: tests/unit/adaptive/test_validate.py
 def test_validation_counts_fall_in_their_predictive_intervals(flow, tmp_path):
     """The right model: no check and everything checked, three seeds each (their own fault
     plans), a baseline and a held-out row (Shakespeare text, row and block patterns); the

@@ -212,6 +212,7 @@ def test_compiled_regions_launch_a_fraction_of_the_eager_ops(family):
     assert handle.drain() == []
 
 
+@pytest.mark.slow  # 57 s
 def test_compiled_regions_diagnose_an_fp16_overflow_as_numerics(monkeypatch, tmp_path):
     """`make demo`'s diagnosis part as it runs there (``check_impl="auto"``: the fp16 run's
     regions compiled on a CPU): the failing device's three faults are faults, every finding of

@@ -106,6 +106,7 @@ def test_the_weight_sums_follow_a_fused_optimizer_step_by_step():
     assert handle.drain() == []
 
 
+@pytest.mark.slow  # 26 s
 def test_micro_batches_of_one_optimizer_step_share_the_weight_sums():
     """Gradient accumulation (4 micro-batches a step, a fused AdamW that bumps no version): after
     the first optimizer step (before it, the clock cannot tell an optimizer's updates from a

@@ -152,7 +152,7 @@ def test_the_registered_ops_repair_a_block_beyond_the_eager_budget():
     assert max_diff(got[1], want[1]) <= 1e-5
 
 
-@pytest.mark.parametrize("impl", ["eager", "compiled"])
+@pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_backward_fault_under_bf16_autocast_is_corrected(impl):
     """Under autocast the checks see the bf16 operands the GEMMs multiplied; ``compiled``: as
     the default (``check_impl="auto"``) runs bf16 checks on a CPU, as compiled regions (the

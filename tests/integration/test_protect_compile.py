@@ -250,6 +250,7 @@ def test_compiled_registered_ops_correct_every_projection_fault(family):
     _every_fault_corrected(model, compiled, handle, batch(family), ("q", "k", "v", "out"))
 
 
+@pytest.mark.slow  # 31 s
 def test_a_compiled_model_runs_the_accumulator_gemms():
     """``check_impl="accumulator"`` inside a model the user compiles: the accumulator GEMMs stay
     registered ops (one graph, no break), a clean step flags nothing, and a clean compiled

@@ -237,6 +237,7 @@ def test_compiled_fullgraph_without_recompiles(layout):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # 60 s
 def test_compiled_after_protect_without_example_discovers_once_then_compiles_nothing_more():
     """torch.compile(model, fullgraph=True) after protect_(model): the first call runs
     discovery outside the compiled region (eager, once) and compiles the checked step; the

@@ -98,7 +98,9 @@ class Report:
 
 
 def cases(which: str = "test") -> list[Case]:
-    """``"test"``: what ``make test`` compiles: the production setting (checks on, causal with a
+    """``"smoke"``: what ``make test`` compiles (one case: the production setting of bf16 at
+    d 128 on sm_90; the GEMM checks' kernels always). ``"test"``: what ``make test-all``
+    compiles: the production setting (checks on, causal with a
     padding mask, no injection) of fp16 / bf16 at d 64 and 128, fp32 at d 64 and fp32 on TF32
     at d 128, on sm_90 and sm_80 (sm_80 fp16 at d 128 and bf16 at d 64 left to the full set:
     they compile as their neighbours do), and every other launch option (no causal mask,
@@ -107,8 +109,10 @@ def cases(which: str = "test") -> list[Case]:
     TF32) and head size 64 / 80 / 128, each checked, checked with injection and unchecked,
     plus the same options. fp32 without TF32 at d > 64 is compiled for the table but not
     launched by the fused backend (``flash.FP32_MAX_HEAD``)."""
+    if which == "smoke":  # make test's: the production setting of bf16 at d 128 on sm_90
+        return [Case("bf16", 128, 90, mask=True)]
     if which not in ("test", "full"):
-        raise ValueError(f"cases must be 'test' or 'full', got {which!r}")
+        raise ValueError(f"cases must be 'smoke', 'test' or 'full', got {which!r}")
     chosen: list[Case] = []
     heads = (64, 128) if which == "test" else (64, 80, 128)
     kinds = [("fp16", False), ("bf16", False), ("fp32", False), ("fp32", True)]
@@ -416,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m attnchecker.kernels.aot", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--cases", default="test", choices=("test", "full"))
+    p.add_argument("--cases", default="test", choices=("smoke", "test", "full"))
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", type=Path, help="write the reports as JSON rows")
     p.add_argument("--table", type=Path, help="write a markdown table")

@@ -10,8 +10,10 @@ unit with the same faulty value); no tensor argument offset in 32 bits. The GEMM
 kernels (``attnchecker.kernels.gemm_check``) compile for every dtype on both targets with no
 spill, no stack frame and 64-bit offsets.
 
-The cases (``aot.cases("test")``) compile once per test run, in a subprocess (this process
-interprets the kernels), in about 30 s on 2 cores.
+The cases compile once per test run, in a subprocess (this process interprets the kernels):
+``aot.cases("smoke")`` (one case, the production setting of bf16 at d 128 on sm_90) and the
+GEMM checks' kernels in ``make test``; every case of ``aot.cases("test")`` in ``make test-all``
+(about 190 s on 2 cores with a cold Triton cache: the default run's largest item).
 """
 
 from __future__ import annotations
@@ -40,12 +42,15 @@ KERNELS = ("fwd", "dkdv", "dq")
 DOTS = {"fwd": (2, 1), "dkdv": (4, 2), "dq": (3, 0)}  # (GEMMs, recomputations when checked)
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict[tuple[Case, str], Report]:
+SMOKE = cases("smoke")
+SLOW = pytest.mark.slow
+
+
+def _compiled(tmp_path_factory, which: str) -> dict[tuple[Case, str], Report]:
     out = tmp_path_factory.mktemp("aot") / "reports.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "attnchecker.kernels.aot", "--cases", "test", "--json", str(out),
+        [sys.executable, "-m", "attnchecker.kernels.aot", "--cases", which, "--json", str(out),
          "--jobs", "2"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -54,14 +59,33 @@ def reports(tmp_path_factory) -> dict[tuple[Case, str], Report]:
     return {(r.case, r.kernel): r for r in rows}
 
 
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict[tuple[Case, str], Report]:
+    return _compiled(tmp_path_factory, "smoke")
+
+
+@pytest.fixture(scope="module")
+def every(tmp_path_factory) -> dict[tuple[Case, str], Report]:
+    return _compiled(tmp_path_factory, "test")
+
+
+@pytest.fixture
+def reports(request, case) -> dict[tuple[Case, str], Report]:
+    """The compiled set ``case`` is in: the smoke set's (and the GEMM kernels') in the default
+    run, every test case's in the slow one."""
+    gemm = case.d == 0
+    return request.getfixturevalue("smoke" if case in SMOKE or gemm else "every")
+
+
 def _ids(pairs):
     return [f"{c.name}-{k}".replace(" ", "-") for c, k in pairs]
 
 
-PAIRS = [(c, k) for c in CASES for k in KERNELS]
+PAIRS = [pytest.param(c, k, marks=() if c in SMOKE else SLOW, id=_ids([(c, k)])[0])
+         for c in CASES for k in KERNELS]  # fmt: skip
 
 
-@pytest.mark.parametrize(("case", "kernel"), PAIRS, ids=_ids(PAIRS))
+@pytest.mark.parametrize(("case", "kernel"), PAIRS)
 def test_every_configuration_compiles(reports, case, kernel):
     rep = reports[case, kernel]
     assert rep.error is None, rep.error
@@ -85,7 +109,7 @@ def _spill_limit(case: Case, kernel: str) -> int | None:
     return SPILL_LIMIT[case.inject]
 
 
-@pytest.mark.parametrize(("case", "kernel"), PAIRS, ids=_ids(PAIRS))
+@pytest.mark.parametrize(("case", "kernel"), PAIRS)
 def test_registers_spills_stack_and_shared_memory(reports, case, kernel):
     rep = reports[case, kernel]
     limit = _spill_limit(case, kernel)
@@ -96,7 +120,7 @@ def test_registers_spills_stack_and_shared_memory(reports, case, kernel):
     assert rep.shared <= SHARED_LIMIT[case.arch], (rep.shared, rep.launch)
 
 
-@pytest.mark.parametrize(("case", "kernel"), PAIRS, ids=_ids(PAIRS))
+@pytest.mark.parametrize(("case", "kernel"), PAIRS)
 def test_no_gemm_is_merged_and_offsets_are_64_bit(reports, case, kernel):
     rep = reports[case, kernel]
     gemms, recomputes = DOTS[kernel]

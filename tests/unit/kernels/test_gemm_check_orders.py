@@ -129,7 +129,10 @@ def test_every_launch_leaves_the_arrival_counters_at_zero(flagged):
         assert not gc.counters(torch.device("cpu"), 1).any(), how
 
 
-@pytest.mark.parametrize("lost", [False, True], ids=["located", "lost"])
+@pytest.mark.parametrize(
+    "lost",
+    [pytest.param(False, marks=pytest.mark.slow, id="located"), pytest.param(True, id="lost")],
+)
 def test_a_flagged_gemm_check_is_the_same_in_every_program_order(lost):
     want = _gemm(lost)
     rec = want["rec"].tolist()
@@ -144,7 +147,10 @@ def test_a_flagged_gemm_check_is_the_same_in_every_program_order(lost):
             _same(want, _gemm(lost))
 
 
-@pytest.mark.parametrize("lost", [False, True], ids=["located", "lost"])
+@pytest.mark.parametrize(
+    "lost",
+    [pytest.param(False, marks=pytest.mark.slow, id="located"), pytest.param(True, id="lost")],
+)
 def test_a_flagged_projection_check_is_the_same_in_every_program_order(lost):
     want = _projection(lost)
     log = want["log"]
