@@ -329,7 +329,9 @@ def patch_backward(
 
     def forward(x: Tensor) -> Tensor:
         weight, bias = module.weight, module.bias
-        if sharded.is_sharded(weight) and not conv1d:  # tensor parallel: each rank's GEMM
+        if sharded.is_sharded(weight) and (conv1d or sharded.split(weight, state.name) is None):
+            return kind.forward(module, x)  # replicated: the DTensor layer's own (unchecked dX)
+        if sharded.is_sharded(weight):  # tensor parallel: each rank's GEMM (attention.sharded)
 
             def local(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
                 g = sharded.local_groups(weight, groups, dx)

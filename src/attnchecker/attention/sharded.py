@@ -105,6 +105,8 @@ def linear(
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     how = split(weight, name)
+    if how is None:
+        raise ValueError(f"{name}: linear() takes a split weight (a replicated one runs as is)")
     mesh = weight.device_mesh
     if how == COLUMNS:
         want = (Replicate(),)
