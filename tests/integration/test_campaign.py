@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from attnchecker import cli
 from attnchecker.inject.campaign import (
     CampaignConfig,
@@ -154,6 +156,7 @@ def test_a_second_campaign_in_one_process_gets_its_own_setup(tmp_path):
     assert setup.batches[0]["input_ids"].shape == (second.batch, 16) and setup.lr == 3e-3
 
 
+@pytest.mark.slow  # 30 s
 def test_campaign_on_the_fused_backend(tmp_path):
     """The same campaign on backend="triton": kernel sites of the forward and the backward; the
     unprotected arm runs the kernels unchecked and dies, the protected one is corrected."""

@@ -76,7 +76,8 @@ def test_compiled_regions_check_and_repair_as_the_eager_ops(family):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="needs triton (CUDA or its interpreter)")
-@pytest.mark.parametrize("family", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 38 s (gpt2)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_triton_check_kernels_check_and_repair_every_linear_backward_gemm(family):
     """``check_impl="triton"``: the projections' dX and dW checks run the Triton kernels of
     ``attnchecker.kernels.gemm_check`` (here in Triton's interpreter), the other checks as

@@ -86,6 +86,7 @@ def _twins(layers: int, scope: str):
     return plain, model, handle, opts
 
 
+@pytest.mark.slow  # 48 s
 def test_the_weight_sums_follow_a_fused_optimizer_step_by_step():
     """Five steps of a fused AdamW at a large learning rate (the weights move a lot) with the
     checks on the registered ops: no false alarm, and the losses equal the plain model's (a

@@ -279,6 +279,7 @@ def test_the_deviation_criterion_is_the_campaigns():
     assert deviates([2.0, 2.0 + 4e-5], [2.0, 2.0], p, p, 1e-3)  # the loss only
 
 
+@pytest.mark.slow  # 33 s
 def test_the_plans_schedule_against_naive_ones_at_its_measured_cost(camp, tmp_path):
     """``validate --pricing --budgets B``: the plan's schedule at B and each naive kind whose
     measured overhead fits under the schedule's, run as mixtures with their predictions; the

@@ -66,7 +66,8 @@ BF16_KERNELS_CEILING = 104
 
 @pytest.mark.parametrize(
     ("family", "sites", "fullgraph"),
-    [("llama", ("v",), True),  # GQA, and the eager engine traced whole (fullgraph=True)
+    [("llama", (), True),  # GQA, and the eager engine traced whole (fullgraph=True)
+     pytest.param("llama", ("v",), True, marks=SLOW),  # a projection's fault: a recompilation
      # fused Q|K|V (Conv1D): the bf16 test below and test_schedule.py compile gpt2 by default
      pytest.param("gpt2", (), False, marks=SLOW),
      pytest.param("bert", ("scores",), False, marks=SLOW),  # an encoder (45 s: the slow set)

@@ -199,7 +199,9 @@ def test_kind_table_is_complete():
 
 @pytest.mark.parametrize(
     "config",
-    [ABFTConfig(policy="warn"), ABFTConfig(backend="sdpa", check_impl="triton", policy="warn"),
+    [ABFTConfig(policy="warn"),
+     pytest.param(ABFTConfig(backend="sdpa", check_impl="triton", policy="warn"),
+                  marks=pytest.mark.slow),  # 24 s
      ABFTConfig(backend="triton", policy="warn")],
     ids=["eager_core", "sdpa_route_triton", "fused_kernels"],
 )  # fmt: skip

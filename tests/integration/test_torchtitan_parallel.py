@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -159,17 +158,19 @@ def _beyond(call) -> None:  # NaN in both of this rank's heads: beyond max_heads
     call.tensor[:, :, 2, 2] = math.nan
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.models.llama3.infra.parallelize as parallelize
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     parallel_dims.device_type = "cpu"  # torchtitan's meshes on the CPU
     torch.set_num_threads(1)  # four processes on the machine's cores
     parallelize.disable_fsdp_gradient_division = lambda model: None  # gloo: no PREMUL_SUM
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store, not a TCP port chosen in advance: another test's gloo could take that port
+    # before rank 0 listened on it, and ranks connecting to the wrong listener abort in gloo
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
+                            world_size=world)  # fmt: skip
     try:
         from torchtitan.distributed import ParallelDims
 
@@ -218,15 +219,12 @@ def ranks(tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("titan")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # forked from one server that imported torchtitan and attnchecker once (four fresh
     # interpreters each importing them took ~30 s of the test on two cores)
     preload = [__name__, "attnchecker.integrations.torchtitan",
                "torchtitan.models.llama3.infra.parallelize"]  # fmt: skip
     multiprocessing.set_forkserver_preload(preload)
-    mp.start_processes(_rank, args=(DP * TP, port, str(out)), nprocs=DP * TP, join=True,
+    mp.start_processes(_rank, args=(DP * TP, str(out)), nprocs=DP * TP, join=True,
                        start_method="forkserver")  # fmt: skip
     return [torch.load(out / f"rank{r}.pt") for r in range(DP * TP)]
 
