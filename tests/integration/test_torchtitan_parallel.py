@@ -212,8 +212,7 @@ def _rank(rank: int, world: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def _ranks(tmp_path_factory):
     import multiprocessing
 
     import torch.multiprocessing as mp
@@ -229,7 +228,7 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(DP * TP)]
 
 
-def test_protected_clean_steps_equal_the_unprotected_run(ranks):
+def _protected_clean_steps_equal_the_unprotected_run(ranks):
     for r in ranks:
         plain_loss, plain_params = r["plain"]
         clean_loss, _, clean_params = r["clean"]
@@ -238,7 +237,7 @@ def test_protected_clean_steps_equal_the_unprotected_run(ranks):
             torch.testing.assert_close(clean_params[COMPARE_AT][n], p, rtol=1e-5, atol=1e-6)
 
 
-def test_a_clean_step_adds_one_collective_the_guards_flag(ranks):
+def _a_clean_step_adds_one_collective_the_guards_flag(ranks):
     """The collectives of one step, as gloo records them (the profiler): the protected step
     has the unprotected one's (FSDP's all-gathers and reduce-scatters, the tensor-parallel
     reductions: 41 on each rank here) and one all-reduce more, of the guard's flag. The checks
@@ -252,14 +251,14 @@ def test_a_clean_step_adds_one_collective_the_guards_flag(ranks):
         assert not plain - protected
 
 
-def test_fifty_clean_steps_report_nothing(ranks):
+def _fifty_clean_steps_report_nothing(ranks):
     for r in ranks:
         events = r["clean"][1]
         assert len(events) == STEPS_CLEAN
         assert [e for step in events.values() for e in step] == []
 
 
-def test_every_site_on_every_rank_is_corrected_in_its_step(ranks):
+def _every_site_on_every_rank_is_corrected_in_its_step(ranks):
     coords = {(r["faulty"][1][1][0]["mesh"]["fsdp"], r["faulty"][1][1][0]["mesh"]["tp"])
               for r in ranks}  # fmt: skip
     assert coords == {(0, 0), (0, 1), (1, 0), (1, 1)}  # each rank names its place in the mesh
@@ -274,7 +273,7 @@ def test_every_site_on_every_rank_is_corrected_in_its_step(ranks):
             torch.testing.assert_close(r["faulty"][2][done][n], p, rtol=1e-5, atol=1e-6)
 
 
-def test_the_sdpa_route_under_full_checkpointing_corrects_them_too(ranks):
+def _the_sdpa_route_under_full_checkpointing_corrects_them_too(ranks):
     for rank, r in enumerate(ranks):
         summary = r["route"][3]["per_module"]["layers.0.attention.inner_attention"]
         assert summary["engine"] == "sdpa", summary  # the route ran, not the eager engine
@@ -291,7 +290,7 @@ def test_the_sdpa_route_under_full_checkpointing_corrects_them_too(ranks):
             torch.testing.assert_close(r["route"][2][done][n], p, rtol=1e-5, atol=1e-6)
 
 
-def test_an_uncorrectable_fault_on_one_rank_skips_the_step_on_all(ranks):
+def _an_uncorrectable_fault_on_one_rank_skips_the_step_on_all(ranks):
     """Rank 3's NaN scores are beyond repair: a computation fault there. Its tensor-parallel
     peer (rank 2) receives the NaN through the row-split layers' reduction and reports what it
     then sees as numerics (its GEMMs agree with their NaN operands: not its hardware); the
@@ -311,3 +310,15 @@ def test_an_uncorrectable_fault_on_one_rank_skips_the_step_on_all(ranks):
         assert r["faulty"][3] == 1  # skipped on every rank
         before, after = r["faulty"][2][last - 1], r["faulty"][2][last]
         assert all(torch.equal(after[n], p) for n, p in before.items())  # nothing moved
+
+
+def test_fsdp2_x_tensor_parallel_through_the_converter(tmp_path_factory):
+    """One test item: the four processes run once (a module fixture under xdist's work
+    stealing ran once a worker), then each claim of the module docstring."""
+    ranks = _ranks(tmp_path_factory)
+    _protected_clean_steps_equal_the_unprotected_run(ranks)
+    _a_clean_step_adds_one_collective_the_guards_flag(ranks)
+    _fifty_clean_steps_report_nothing(ranks)
+    _every_site_on_every_rank_is_corrected_in_its_step(ranks)
+    _the_sdpa_route_under_full_checkpointing_corrects_them_too(ranks)
+    _an_uncorrectable_fault_on_one_rank_skips_the_step_on_all(ranks)
