@@ -74,7 +74,7 @@ def test_steps_module_grad_and_optimizer_sites():
         .at(2).site("module:transformer.h.1.mlp").kind("near_inf").add()
         .site("grad:transformer.h.0.attn.c_proj.weight").kind("scale", value=4.0).pattern("1R")
         .add()
-        .at(1).site("optim:lm_head.weight:exp_avg").kind("nan").add()
+        .at(1).site("optim:lm_head.weight:exp_avg:written").kind("nan").add()
         .build()
     )  # fmt: skip
     inputs = batch("gpt2")
@@ -87,13 +87,39 @@ def test_steps_module_grad_and_optimizer_sites():
             if step == 1:
                 assert fired_before_step == set()
     assert [(r.site, r.step) for r in inj.records] == [
-        ("optim:lm_head.weight:exp_avg", 1),
+        ("optim:lm_head.weight:exp_avg:written", 1),
         ("module:transformer.h.1.mlp", 2),
         ("grad:transformer.h.0.attn.c_proj.weight", 2),
     ]
     scaled = inj.records[2]
     assert scaled.new == pytest.approx([4 * v for v in scaled.old])
     assert not inj.unfired
+
+
+@pytest.mark.parametrize("key", ["exp_avg_sq", "param"])
+def test_an_optimizer_fault_at_step_s_changes_step_s_update(key):
+    """Issue 57: ``optim:<param>:<key>`` at step s fires before step s's update, which reads it:
+    the parameters differ from the clean run's right after step s, not one step later."""
+    def run(plan):
+        torch.manual_seed(0)
+        model, _ = models("gpt2")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        after = []
+        with Injector(model, plan, optimizer=opt) as inj:
+            for _ in range(3):
+                model(**batch("gpt2")).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                after.append(model.lm_head.weight.detach().clone())
+        return after, inj
+
+    clean, _ = run(FaultPlan([]))
+    plan = FaultPlan.builder(seed=1).at(2).site(f"optim:lm_head.weight:{key}").kind(
+        "scale", value=16.0).add().build()  # fmt: skip
+    faulty, inj = run(plan)
+    assert [r.step for r in inj.records] == [2]
+    assert torch.equal(clean[0], faulty[0])
+    assert not torch.equal(clean[1], faulty[1])  # step 2's update read the fault
 
 
 def test_checkpointing_replays_do_not_fire_twice():

@@ -11,13 +11,18 @@ from attnchecker.attention.schedule import Schedule
 from attnchecker.errors import ConfigError
 
 __all__ = [
-    "ALL_OPS", "BACKENDS", "GRAD_OPS", "LINEAR_OPS", "OPS", "POLICIES", "SCOPES", "ABFTConfig",
+    "ALL_OPS", "BACKENDS", "GRAD_OPS", "INVARIANTS", "LINEAR_OPS", "OPS", "POLICIES", "SCOPES",
+    "ABFTConfig",
 ]  # fmt: skip
 
 SCOPES = ("attention", "all_linear")
 POLICIES = ("raise", "skip_step", "warn", "replay")
 MODES = ("naive", "passing")
 BACKENDS = ("eager", "sdpa", "triton", "auto")
+INVARIANTS = ("norm", "update")
+"""Checks beyond the GEMMs (``ABFTConfig.invariants``): the normalisations' outputs
+(:mod:`attnchecker.models.norms`) and the optimizer's update (:mod:`attnchecker.recovery.
+update_check`, run by :func:`attnchecker.guard`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +102,14 @@ class ABFTConfig:
       calls of its layer on average), but on CUDA the check runs as ~200 small torch ops a
       layer until it has a kernel of its own: +5.3 points modelled at Llama-8B widths
       (``benchmarks/gpu_layer_model.py``, issue 55).
+    - ``invariants``: checks beyond the GEMMs, where faulty GPUs' CUDA cores fail (a subset of
+      :data:`INVARIANTS`): ``"norm"``, every RMSNorm / LayerNorm output element against its
+      row recomputed from the input (a per-element rounding bound; the worst ``max_rows`` rows
+      of a call repaired by the module's own forward, on the device); ``"update"``, the
+      optimizer's new state and parameters against row checksums of the update
+      (:func:`attnchecker.guard` runs it: AdamW, Adam, SGD; one wrong element a row located and
+      repaired after the step). Default none: their cost on a GPU is modelled, not measured
+      (``docs/invariants.md``).
     - ``strict``: a model of one's own with attention protect_ cannot route (written by hand,
       ``flex_attention``, ...; :mod:`attnchecker.models.sdpa`) is refused (True), or protected
       at the SDPA calls it has, with a warning and ``summary()["attention"]`` naming the rest
@@ -116,6 +129,7 @@ class ABFTConfig:
     schedule: tuple[tuple[int, str, int], ...] | None = None
     strict: bool = True
     sampled_rows: int = 0
+    invariants: tuple[str, ...] = ()
 
     @property
     def period(self) -> int:
@@ -143,6 +157,11 @@ class ABFTConfig:
             raise ConfigError(
                 f"check_impl must be one of {list(CHECK_IMPLS)}, got {self.check_impl!r}"
             )
+        if isinstance(self.invariants, str):
+            raise ConfigError(f"invariants must be a tuple, e.g. invariants=({self.invariants!r},)")
+        if unknown := sorted(set(self.invariants) - set(INVARIANTS)):
+            raise ConfigError(f"unknown invariants {unknown}; choose from {list(INVARIANTS)}")
+        object.__setattr__(self, "invariants", tuple(i for i in INVARIANTS if i in self.invariants))
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
         for name in ("max_rows", "max_heads"):

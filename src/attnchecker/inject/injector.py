@@ -125,7 +125,8 @@ class Injector:
         for i, f in faults:
             if f.family == "module":
                 module = self.model.get_submodule(f.site.split(":", 1)[1])
-                self._undo.append(module.register_forward_hook(partial(self._on_module, i)).remove)
+                self._undo.append(module.register_forward_hook(
+                    partial(self._on_module, i), prepend=True).remove)  # before any check
             elif f.family == "grad":
                 name = f.site.split(":", 1)[1]
                 if name not in params:
@@ -134,11 +135,13 @@ class Injector:
             elif f.family == "optim":
                 if self.optimizer is None:
                     raise ConfigError(f"fault at {f.site!r} needs Injector(..., optimizer=...)")
-                name, key = f.site.split(":", 2)[1:]
+                name, key, when = _optim_site(f.site)
                 if name not in params:
                     raise ConfigError(f"no parameter {name!r} in the model")
                 hook = partial(self._on_optimizer, i, params[name], key)
-                self._undo.append(self.optimizer.register_step_post_hook(hook).remove)
+                register = (self.optimizer.register_step_pre_hook if when == "before"
+                            else self.optimizer.register_step_post_hook)  # fmt: skip
+                self._undo.append(register(hook).remove)
 
     def _install_linear(self, handle, faults: list[Fault]) -> None:
         """Linear sites: the named linear layers' sites, between each GEMM and its check. A
@@ -276,8 +279,17 @@ class Injector:
 
     def _on_optimizer(self, i: int, param: Tensor, key: str, *_: object) -> None:
         state = self.optimizer.state.get(param, {})
-        if self._due(i, self.plan.faults[i], replay=False) and isinstance(state.get(key), Tensor):
-            self._fire(i, state[key].data, None)
+        target = param if key == "param" else state.get(key)
+        if self._due(i, self.plan.faults[i], replay=False) and isinstance(target, Tensor):
+            local = target.to_local() if hasattr(target, "to_local") else target
+            self._fire(i, local.data, None)
+
+
+def _optim_site(site: str) -> tuple[str, str, str]:
+    """``(parameter, state key or "param", "before" | "written")`` of an ``optim:`` site."""
+    parts = site.split(":")
+    when = parts[3] if len(parts) > 3 else "before"
+    return parts[1], parts[2], when
 
 
 def _describe(index: tuple) -> str:

@@ -11,8 +11,12 @@ the fault fires, so the same plan on the same model always hits the same element
   between the GEMM and its check (``scope="all_linear"``) like an attention site;
 - ``module:<qualified name>``: the output of any module (``module:bert.encoder.layer.0.output``);
 - ``grad:<parameter name>``: a parameter's gradient during backward;
-- ``optim:<parameter name>:<state key>``: an optimizer state tensor (e.g. ``exp_avg``), just
-  before the optimizer step;
+- ``optim:<parameter name>:<state key>``: an optimizer state tensor (``exp_avg``,
+  ``exp_avg_sq``, ``momentum_buffer``) or, as key ``param``, the parameter itself, just before
+  step s's update (in a step pre-hook: the update of step s reads the faulty value; a state
+  tensor exists from the optimizer's first step, so a fault at step 1 on one does not fire);
+  ``optim:<parameter name>:<key>:written``: the same tensor just after step s's update (a wrong
+  value the update wrote);
 - ``kernel:<site>``: a GEMM inside the fused kernels of a layer (``ABFTConfig(backend=
   "triton")``): ``s``, ``pv`` in the forward, ``st``, ``dpt``, ``dv``, ``dk``, ``sq``, ``dp``,
   ``dq`` in the backward (:data:`attnchecker.kernels.flash.SITES`); patterns 0D, 1R, 1C;
@@ -101,6 +105,14 @@ class Fault:
                 "'linear:<role>:<op>', 'module:<name>', 'grad:<param>', "
                 "'optim:<param>:<state key>', 'kernel:<site>'"
             )
+        if prefix == "optim":
+            parts = self.site.split(":")
+            written = parts[3:] in ([], ["written"])
+            if len(parts) not in (3, 4) or not all(parts[1:3]) or not written:
+                raise ConfigError(
+                    f"an optim site is 'optim:<param>:<state key or param>' (optionally "
+                    f"':written': after the update), got {self.site!r}"
+                )
         if prefix == "linear" and linear_parts(self.site.split(":", 1)[1]) is None:
             raise ConfigError(
                 f"a linear site is 'linear:<role>:<op>' with op one of {list(LINEAR_OPS)} "

@@ -198,6 +198,10 @@ class ProtectionHandle:
         self._pending: Pending | None = None
         # per device, the checks that fired and whether it is a quarantine candidate
         self.devices = DeviceLedger()
+        # checks beyond the GEMMs (ABFTConfig.invariants): the norms' (models.norms) and the
+        # guarded optimizer's update check (recovery.update_check), read with the drain
+        self.invariants: list = []
+        self._settled: list[Event] = []  # events an earlier settle() read, for the next drain
 
     @property
     def modules(self) -> list[str]:
@@ -265,11 +269,20 @@ class ProtectionHandle:
         dev = self._clock.count.device
         rows = [st.records.rows(self._clock.count).to(dev) for st in states]
         extra = [] if also is None else [also.detach().reshape(-1).to(dev, torch.float64)]
-        if not rows and not extra:
+        inv = [i.tensor().detach().reshape(-1).to(dev, torch.float64) for i in self.invariants]
+        if inv:  # the clock too: their events' step
+            inv.append(self._clock.count.detach().reshape(-1).double())
+        if not rows and not extra and not inv:
             return []
-        values = torch.cat([r.flatten().double() for r in rows] + extra).tolist()
+        values = torch.cat([r.flatten().double() for r in rows] + inv + extra).tolist()
         if extra:
             self.read_also = values[len(values) - extra[0].numel() :]
+        at = sum(r.numel() for r in rows)
+        self._inv_values = []
+        for t in inv[:-1]:
+            self._inv_values.append(values[at : at + t.numel()])
+            at += t.numel()
+        self._inv_step = int(values[at]) if inv else 0
         at, out = 0, []
         width = len(RECORD_FIELDS)
         for r in rows:
@@ -340,6 +353,8 @@ class ProtectionHandle:
                 if n:
                     _count(self._totals, op, rec)
                     events.append(_event(name, st.layer, op, rec, tile=op in kernel))
+        events = self._settled + events + self._invariant_events()
+        self._settled = []
         for e in events:
             self._causes[e.cause] = self._causes.get(e.cause, 0) + e.count
         events = self._name_device(events)
@@ -347,6 +362,38 @@ class ProtectionHandle:
         if bad:
             self._apply_policy(bad, events)
         return events
+
+    def _invariant_events(self) -> list[Event]:
+        """The invariants' events from the values :meth:`_read` read (their repairs, on the
+        fault path only, happen here: :mod:`attnchecker.recovery.update_check`)."""
+        out = []
+        for inv, values in zip(self.invariants, getattr(self, "_inv_values", []), strict=False):
+            for e in inv.events(values, self._inv_step):
+                out.append(Event(**e))
+                _count(self._totals, e["op"], {"detected": 1,
+                       "lost": float(e["action"] == "uncorrectable")})  # fmt: skip
+        self._inv_values = []
+        return out
+
+    def settle(self) -> None:
+        """Read (one host transfer) and repair what an invariant flagged since the last drain,
+        when one has something pending (the update check, after the optimizer's step): the
+        root's forward pre-hook calls it, so a repaired parameter is in place before the next
+        forward. Its events come with the next :meth:`drain`."""
+        if not any(getattr(i, "pending", False) for i in self.invariants):
+            return
+        self._read_invariants()
+        self._settled += self._invariant_events()
+
+    def _read_invariants(self) -> None:
+        dev = self._clock.count.device
+        inv = [i.tensor().detach().reshape(-1).to(dev, torch.float64) for i in self.invariants]
+        values = torch.cat([*inv, self._clock.count.detach().reshape(-1).double()]).tolist()
+        at, self._inv_values = 0, []
+        for t in inv:
+            self._inv_values.append(values[at : at + t.numel()])
+            at += t.numel()
+        self._inv_step = int(values[at])
 
     def _name_device(self, events: list[Event]) -> list[Event]:
         """The ledger fed with this drain's events (:mod:`attnchecker.recovery.ledger`); the
@@ -448,12 +495,22 @@ class ProtectionHandle:
             "per_module": _pending(self.config, self._pending)
             if self._pending is not None
             else {name: _coverage(st) for name, st in self._states.items()},
+            # the checks beyond the GEMMs asked for (ABFTConfig.invariants): per check, what it
+            # covers and what it does not, and why
+            "invariants": {i.op: i.summary() for i in self.invariants}
+            | {op: {"checked": False, "why_not": _NOT_YET[op]}
+               for op in self.config.invariants
+               if op in _NOT_YET and op not in {i.op for i in self.invariants}},
         }
 
     def _remove(self) -> None:
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+
+
+_NOT_YET = {"update": "no guarded optimizer yet: attnchecker.guard(optimizer, handle) checks "
+                      "the update"}
 
 
 def _accumulator(config, states) -> dict[str, object] | None:

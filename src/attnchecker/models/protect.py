@@ -67,6 +67,19 @@ def protect_(
         defer(model, handle, lambda call: _protect(model, handle, why, call))
     else:
         _protect(model, handle, family or why, example)
+    if "norm" in config.invariants:
+        from attnchecker.models.norms import NormCheck
+
+        norms = NormCheck(model, max_rows=config.max_rows, scale=config.tolerance_scale,
+                          device=clock.count.device)  # fmt: skip
+        handle.invariants.append(norms)
+        handle._undo += norms.undo
+        if norms.unchecked:
+            warnings.warn(
+                f"attnchecker: {len(norms.unchecked)} norm module(s) not checked: "
+                + "; ".join(f"{n} ({why})" for n, why in norms.unchecked.items()),
+                RuntimeWarning, stacklevel=2,
+            )  # fmt: skip
     setattr(model, _HANDLE, handle)
     handle._undo.append(lambda: delattr(model, _HANDLE))
     return handle
@@ -130,6 +143,10 @@ def _protect(
             if clock.count.device != device:  # moved after protect_ (a guard, not a sync)
                 for state in states.values():
                     state.follow(device)
+                for inv in handle.invariants:
+                    inv.follow(device)
+            if handle.invariants and not torch.compiler.is_compiling():
+                handle.settle()  # an update check's repair, before this forward reads weights
             clock.tick(device)
 
         undo.append(model.register_forward_pre_hook(tick).remove)

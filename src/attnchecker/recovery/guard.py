@@ -66,7 +66,15 @@ class GuardedOptimizer:
     grad_scale = _forwarded("grad_scale")
     found_inf = _forwarded("found_inf")
 
-    def __init__(self, optimizer: torch.optim.Optimizer, handle: Any, *, group: Any = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        handle: Any,
+        *,
+        group: Any = None,
+        check_update: bool | None = None,
+        names: dict[int, str] | None = None,
+    ):
         self.optimizer = optimizer
         self._step = optimizer.step  # as bound now (an integration may reroute optimizer.step)
         self.handle = handle
@@ -75,6 +83,19 @@ class GuardedOptimizer:
         self.fused = isinstance(optimizer, _FUSED) and all(
             g.get("fused") for g in optimizer.param_groups
         )
+        # the update check (ABFTConfig(invariants=("update",)), or asked for here), read with
+        # the handle's drain
+        config = getattr(handle, "config", None)
+        if check_update is None:
+            check_update = config is not None and "update" in config.invariants
+        self.update = None
+        if check_update:
+            from attnchecker.recovery.update_check import UpdateCheck
+
+            scale = config.tolerance_scale if config is not None else 1.0
+            self.update = UpdateCheck(optimizer, names=names, scale=scale)
+            if hasattr(handle, "invariants"):
+                handle.invariants.append(self.update)
         # whose first step leaves state a skipped step must not (see the module docstring)
         self._reads_first = not self.fused or (
             isinstance(optimizer, torch.optim.SGD)
@@ -94,25 +115,44 @@ class GuardedOptimizer:
     def step(self, closure: Any = None, *, flag: Tensor | None = None) -> Any:
         """The optimizer's step, skipped where the flag (:meth:`flag`, or the one given, already
         reduced) is set."""
+        rest = self.update.before() if self.update is not None else None
         flag = self.flag() if flag is None else flag
+        if rest is not None:  # a parameter changed at rest under L2 decay: skip, then repair
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(rest, op=torch.distributed.ReduceOp.MAX,
+                                             group=self.group)  # fmt: skip
+            flag = torch.maximum(flag, rest.to(flag.device))
         self.skipped = flag.clone() if self.skipped is None else self.skipped.add_(flag)
         if self._reads_first and self._first_step() and bool(flag):  # one read, then never
             return None  # the state a first step creates cannot be masked to "absent"
-        if self.fused:
-            opt = self.optimizer
-            theirs = getattr(opt, "found_inf", None)  # GradScaler's, when it drives this step
-            # max, not protection's flag alone: an overflow or an uncorrectable error skips the
-            # step, on the device (no host read)
-            both = flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))
-            opt.found_inf = both
-            try:
-                return self._step(closure)
-            finally:
-                if theirs is None:
-                    del opt.found_inf
-                else:  # the scaler deletes its own after the step
-                    opt.found_inf = theirs
-        return self._masked_step(flag, closure)
+        self._taken = flag  # the fused step widens it with GradScaler's own
+        out = self._fused_step(flag, closure) if self.fused else self._masked_step(flag, closure)
+        if self.update is not None:
+            self.update.after(self._taken)
+        return out
+
+    def settle(self) -> list[dict[str, object]]:
+        """Without a handle's drain (``guard(opt, FiniteGradients(...), check_update=True)``):
+        read the update check's counts (one host transfer), repair what they flag, and return
+        its events."""
+        if self.update is None or not self.update.pending:
+            return []
+        return self.update.events(self.update.tensor().tolist(), -1)
+
+    def _fused_step(self, flag: Tensor, closure: Any) -> Any:
+        opt = self.optimizer
+        theirs = getattr(opt, "found_inf", None)  # GradScaler's, when it drives this step
+        # max, not protection's flag alone: an overflow or an uncorrectable error skips the
+        # step, on the device (no host read)
+        both = flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))
+        opt.found_inf = self._taken = both
+        try:
+            return self._step(closure)
+        finally:
+            if theirs is None:
+                del opt.found_inf
+            else:  # the scaler deletes its own after the step
+                opt.found_inf = theirs
 
     def _first_step(self) -> bool:
         """Whether a parameter with a gradient has no optimizer state yet: its first step
@@ -183,7 +223,20 @@ def nonfinite(params: Any, loss: Any = None) -> Tensor:
     return (~torch.isfinite(torch.stack(parts).sum())).to(torch.float32)
 
 
-def guard(optimizer: torch.optim.Optimizer, handle: Any, *, group: Any = None) -> GuardedOptimizer:
+def guard(
+    optimizer: torch.optim.Optimizer,
+    handle: Any,
+    *,
+    group: Any = None,
+    check_update: bool | None = None,
+    names: Any = None,
+) -> GuardedOptimizer:
     """``optimizer``, skipping its update on the device in a step where ``handle`` (a
-    :class:`~attnchecker.models.handle.ProtectionHandle`) recorded an uncorrectable error."""
-    return GuardedOptimizer(optimizer, handle, group=group)
+    :class:`~attnchecker.models.handle.ProtectionHandle`) recorded an uncorrectable error.
+    ``check_update`` (default: ``"update"`` in the handle's ``ABFTConfig.invariants``) checks
+    every update too (:mod:`attnchecker.recovery.update_check`); ``names`` (the model, or a
+    dict from ``id(parameter)`` to a name) names the parameters in its events."""
+    if isinstance(names, torch.nn.Module):  # a model: its parameters' names
+        names = {id(p): n for n, p in names.named_parameters()}
+    return GuardedOptimizer(optimizer, handle, group=group, check_update=check_update,
+                            names=names)  # fmt: skip

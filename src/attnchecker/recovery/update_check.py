@@ -1,0 +1,318 @@
+"""The optimizer update's check (``ABFTConfig(invariants=("update",))``, run by
+:func:`attnchecker.guard`): every parameter tensor's new optimizer state and new values against
+row checksums of what the update should have written (:mod:`attnchecker.abft.update`).
+
+- **Before the step** one pass over the gradients: their row sums (and of their squares, for
+  Adam's second moment). The state's and the parameters' row sums are those this check kept
+  after the previous step, so a value that changed *between* steps (memory, a write of the
+  previous step's kernel after its check) is seen too; they are recomputed only where a tensor's
+  version moved (a user's own write: a load, a reset) or on a first step.
+- **After the step** one pass over the new state and parameters: their row sums, compared with
+  the prediction (the previous sums when the guard skipped the step). A device count per tensor
+  and quantity, no host read.
+- **Repair** waits for that count (read with the handle's drain, or by :meth:`settle`: the
+  root's next forward does it when no drain came first): a row whose sums disagree has its one
+  wrong element located by the weighted sum (or as the row's only non-finite value) and set to
+  what makes the row's sums agree; the moments first, then the parameters, whose prediction is
+  recomputed from the repaired moments. A row with more than one wrong element is uncorrectable:
+  the event says so and the policy decides (the training loop rolls back to its checkpoint).
+
+Covered: ``torch.optim.AdamW``, ``Adam`` (L2 or decoupled weight decay), ``SGD`` (momentum,
+dampening, Nesterov, weight decay), fused / foreach / for-loop, ``maximize``. Not covered, and
+named in ``summary()``: AMSGrad (its running maximum is not linear), and any other optimizer
+(Adafactor's factored moments, Lion's sign, Muon's orthogonalisation). A GradScaler's
+``grad_scale`` is divided out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnchecker.abft.update import as_rows, excess, locate, row_sums, unit
+
+__all__ = ["UpdateCheck", "covered"]
+
+_STATE = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def covered(optimizer: Any) -> tuple[str | None, str]:
+    """``(rule, "")`` for an optimizer this check covers (``"adam"`` or ``"sgd"``), else
+    ``(None, why)``."""
+    groups = getattr(optimizer, "param_groups", None)
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        if any(g.get("amsgrad") for g in groups):
+            return None, "AMSGrad's running maximum of v is not linear in row sums"
+        return "adam", ""
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd", ""
+    return None, f"{type(optimizer).__name__}: only Adam, AdamW and SGD updates are checked"
+
+
+@dataclass
+class _Param:
+    """One parameter tensor's kept sums (after the last step) and this step's comparison."""
+
+    name: str
+    kept: dict[str, Tensor] = field(default_factory=dict)  # quantity -> (R, 3)
+    prev: dict[str, Tensor] = field(default_factory=dict)  # the kept sums this step started from
+    versions: dict[str, int] = field(default_factory=dict)
+    inputs: dict[str, Tensor] = field(default_factory=dict)  # "g", "g2" this step
+    terms: dict[str, list] = field(default_factory=dict)  # quantity -> prediction terms
+    coef: dict[str, Any] = field(default_factory=dict)
+    rest: Tensor | None = None  # under L2 decay: the parameter moved at rest (device flag)
+
+
+class UpdateCheck:
+    """The checks of one optimizer's updates; ``counts`` (per tensor x quantity, flagged rows)
+    is what a drain reads."""
+
+    op = "update"
+
+    def __init__(self, optimizer: Any, *, names: dict[int, str] | None = None, scale: float = 1.0):
+        self.optimizer = optimizer
+        self.rule, self.why = covered(optimizer)
+        self.scale = scale
+        names = names or {}
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._state = {id(p): _Param(names.get(id(p), f"param{i}"))
+                       for i, p in enumerate(self.params)}  # fmt: skip
+        self.keys = ("param",) + _STATE.get(self.rule or "", ())
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        dev = torch.device("cpu") if dev.type == "meta" else dev
+        # flagged rows per tensor and quantity, and a last column: under L2 decay, the
+        # parameter changed since the last step (its gradient input is then wrong too)
+        self.counts = torch.zeros(len(self.params), len(self.keys) + 1, dtype=torch.float64,
+                                  device=dev)  # fmt: skip
+        self.pending = False  # an update checked whose counts no drain has read yet
+        self.corrected = self.uncorrectable = 0
+
+    # -- around the optimizer's step (the guard calls these) --
+
+    def before(self) -> Tensor | None:
+        """Row sums of this step's gradients; the kept sums refreshed where stale. Returns,
+        under L2 weight decay, a device flag: a parameter changed at rest (its gradient input
+        is then wrong: the guard skips the step, and the repair puts the parameter back)."""
+        if self.rule is None:
+            return None
+        rest = []
+        for s in self._state.values():
+            s.inputs = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                s = self._state[id(p)]
+                self._refresh(p, s)
+                g = _local(p.grad).float()
+                gs = getattr(self.optimizer, "grad_scale", None)
+                if isinstance(gs, Tensor):
+                    g = g / gs.to(g.device)
+                if group.get("maximize"):
+                    g = -g
+                wd = group.get("weight_decay", 0.0)
+                s.rest = None
+                if wd and not self._decoupled(group):
+                    w = _local(p).detach()
+                    g = g + wd * w.float()  # L2: the gradient the step uses
+                    # a parameter changed at rest corrupts that gradient: not repairable
+                    _, moved = excess(row_sums(w), [(1.0, s.kept["param"])], unit(p.dtype),
+                                      self.scale)  # fmt: skip
+                    s.rest = (moved > 0).any().double()
+                    rest.append(s.rest)
+                s.inputs = {"g": row_sums(g), "g2": row_sums(g * g)}
+        return torch.stack(rest).amax().float() if rest else None
+
+    def after(self, skipped: Tensor) -> None:
+        """Row sums of the new state and parameters against the prediction (the kept sums
+        where ``skipped``), into :attr:`counts` (device only)."""
+        if self.rule is None:
+            return
+        flagged = []
+        for p in self.params:
+            s = self._state[id(p)]
+            if not s.inputs:
+                flagged.append(torch.zeros(len(self.keys) + 1, device=self.counts.device,
+                                           dtype=torch.float64))
+                continue
+            group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
+            got = {k: row_sums(t) for k, t in self._tensors(p).items()}
+            s.coef = self._coef(p, group)
+            s.terms = self._terms(s, group, got, s.kept)
+            row = []
+            for k in self.keys:
+                if k not in got:
+                    row.append(torch.zeros((), device=self.counts.device, dtype=torch.float64))
+                    continue
+                _, over = excess(got[k], s.terms[k], unit(p.dtype), self.scale)
+                kept = s.kept.get(k)
+                if kept is not None:  # a skipped step leaves the kept sums
+                    _, over_kept = excess(got[k], [(1.0, kept)], unit(p.dtype), self.scale)
+                    over = torch.where(skipped.to(over.device) > 0, over_kept, over)
+                row.append((over > 0).sum().double())
+            moved = None if s.rest is None else s.rest * (skipped.to(s.rest.device) <= 0)
+            row.append(torch.zeros((), dtype=torch.float64) if moved is None else moved)
+            flagged.append(torch.stack([r.to(self.counts.device) for r in row]))
+            s.prev, s.kept = s.kept, got
+            s.versions = self._versions(p)
+        if flagged:
+            self.counts.add_(torch.stack(flagged))
+            self.pending = True
+
+    def _decoupled(self, group: dict) -> bool:
+        return isinstance(self.optimizer, torch.optim.AdamW) or bool(
+            group.get("decoupled_weight_decay")
+        )
+
+    def _tensors(self, p: Tensor) -> dict[str, Tensor]:
+        st = self.optimizer.state.get(p, {})
+        out = {"param": _local(p).detach()}
+        for k in self.keys[1:]:
+            if isinstance(st.get(k), Tensor):
+                out[k] = _local(st[k])
+        return out
+
+    def _versions(self, p: Tensor) -> dict[str, int]:
+        return {k: t._version for k, t in self._tensors(p).items()}
+
+    def _refresh(self, p: Tensor, s: _Param) -> None:
+        """The kept sums of a tensor someone else wrote since (or never seen)."""
+        now = self._versions(p)
+        for k, t in self._tensors(p).items():
+            if k not in s.kept or s.versions.get(k) != now[k]:
+                s.kept[k] = row_sums(t)
+        s.versions = now
+
+    def _coef(self, p: Tensor, group: dict) -> dict[str, Any]:
+        lr = group["lr"]
+        lr = lr.to(torch.float64) if isinstance(lr, Tensor) else float(lr)
+        wd = float(group.get("weight_decay", 0.0))
+        if self.rule == "sgd":
+            return {"lr": lr, "wd": wd, "mu": float(group.get("momentum", 0.0)),
+                    "damp": float(group.get("dampening", 0.0)),
+                    "nesterov": bool(group.get("nesterov"))}  # fmt: skip
+        b1, b2 = (float(b) for b in group["betas"])
+        step = self.optimizer.state[p]["step"]
+        step = step.to(torch.float64) if isinstance(step, Tensor) else float(step)
+        return {"lr": lr, "wd": wd if self._decoupled(group) else 0.0, "b1": b1, "b2": b2,
+                "eps": float(group["eps"]), "bc1": 1 - b1**step, "bc2": 1 - b2**step}  # fmt: skip
+
+    def _r(self, p: Tensor, c: dict[str, Any]) -> Tensor:
+        """Row sums of Adam's ``m' / (sqrt(v') / sqrt(bc2) + eps)`` from the new moments."""
+        st = self.optimizer.state[p]
+        m, v = _local(st["exp_avg"]).double(), _local(st["exp_avg_sq"]).double()
+        bc2 = c["bc2"]
+        root = bc2.sqrt() if isinstance(bc2, Tensor) else bc2**0.5
+        return row_sums(m / (v.sqrt() / root + c["eps"]))
+
+    def _terms(
+        self, s: _Param, group: dict, got: dict[str, Tensor], kept: dict[str, Tensor]
+    ) -> dict[str, list]:
+        c, ins = s.coef, s.inputs
+        zero = torch.zeros_like(ins["g"])
+        if self.rule == "adam":
+            p = next(q for q in group["params"] if self._state[id(q)] is s)
+            return {
+                "exp_avg": [(c["b1"], kept.get("exp_avg", zero)), (1 - c["b1"], ins["g"])],
+                "exp_avg_sq": [(c["b2"], kept.get("exp_avg_sq", zero)), (1 - c["b2"], ins["g2"])],
+                "param": [(1 - c["lr"] * c["wd"], kept["param"]),
+                          (-c["lr"] / c["bc1"], self._r(p, c))],
+            }  # fmt: skip
+        lr, mu = c["lr"], c["mu"]
+        if mu == 0:
+            return {"param": [(1.0, kept["param"]), (-lr, ins["g"])]}
+        buf = [(1.0, ins["g"])] if "momentum_buffer" not in kept else [
+            (mu, kept["momentum_buffer"]), (1 - c["damp"], ins["g"])]  # fmt: skip
+        new_buf = got.get("momentum_buffer", zero)
+        step = [(-lr, ins["g"]), (-lr * mu, new_buf)] if c["nesterov"] else [(-lr, new_buf)]
+        return {"momentum_buffer": buf, "param": [(1.0, kept["param"]), *step]}
+
+    # -- after the drain's read --
+
+    def tensor(self) -> Tensor:
+        return self.counts.reshape(-1)
+
+    def events(self, values: list[float], step: int) -> list[dict[str, object]]:
+        """Repair what the counts flag (host work, the fault path only); this drain's events."""
+        self.pending = False
+        if not any(values):
+            return []
+        width = len(self.keys) + 1
+        out = []
+        for i, p in enumerate(self.params):
+            row = values[i * width : (i + 1) * width]
+            if any(row):
+                out += self._repair(p, self._state[id(p)], row, step)
+        self.counts.zero_()
+        return out
+
+    def _repair(self, p: Tensor, s: _Param, row: list[float], step: int) -> list[dict]:
+        group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
+        tensors = self._tensors(p)
+        u = unit(p.dtype)
+        out = []
+        for k in (*self.keys[1:], "param"):  # the moments first: the parameters' prediction
+            # reads them
+            if k not in tensors:
+                continue
+            if k == "param":  # re-predicted from the repaired moments
+                now = {q: row_sums(t) for q, t in tensors.items()}
+                s.terms = self._terms(s, group, now, s.prev)
+            got = row_sums(tensors[k])
+            pred = sum(a * x[:, :2] for a, x in s.terms[k])
+            _, over = excess(got, s.terms[k], u, self.scale)
+            rows = (over > 0).nonzero().flatten().tolist()
+            if not rows:
+                continue
+            fixed = [self._fix(tensors[k], r, got[r], pred[r]) for r in rows]
+            # under L2 decay a parameter changed at rest also changed the gradient the step
+            # used: its moments cannot be rebuilt from row sums
+            lost = len(rows) if row[-1] else fixed.count(False)
+            self.corrected += len(rows) - lost
+            self.uncorrectable += lost
+            out.append({
+                "step": step, "module": s.name, "layer": -1, "op": f"{self.op}.{k}",
+                "pattern": "0D" if len(rows) == 1 else "2D", "kind": "finite"
+                if all(torch.isfinite(got[r]).all() for r in rows) else "nan",
+                "action": "uncorrectable" if lost else "corrected", "n_rows": len(rows),
+                "n_cols": 1,
+            })  # fmt: skip
+        s.kept = {k: row_sums(t) for k, t in self._tensors(p).items()}
+        s.versions = self._versions(p)
+        return out
+
+    @staticmethod
+    def _fix(t: Tensor, r: int, got: Tensor, pred: Tensor) -> bool:
+        """Set the one wrong element of row ``r`` so the row's sum is the predicted one."""
+        x = as_rows(t)[r]  # a view (t is contiguous: parameters and optimizer state are)
+        bad = (~torch.isfinite(x)).nonzero().flatten()
+        if len(bad) > 1:
+            return False
+        j = int(bad[0]) if len(bad) else locate(got[:2] - pred, x.numel())
+        if j is None:
+            return False
+        x64 = x.double()
+        others = torch.cat([x64[:j], x64[j + 1 :]]).sum()
+        with torch.no_grad():
+            x[j] = pred[0] - others
+        return True
+
+    def follow(self, device: torch.device) -> None:
+        self.counts = self.counts.to(device)
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "optimizer": type(self.optimizer).__name__,
+            "checked": self.rule is not None,
+            "why_not": self.why or None,
+            "quantities": list(self.keys) if self.rule else [],
+            "corrected": self.corrected,
+            "uncorrectable": self.uncorrectable,
+        }
