@@ -11,14 +11,14 @@ element is compared with it. A row is flagged where one element differs by more 
 
 (d the row's width, r_i the reference). The first term is the output's rounding, counted twice
 over: an implementation may round ``x * rs`` to the output dtype before the gain multiplies it
-(Llama's RMSNorm does), then round the product, and add the bias after. The second is the
-fp32 arithmetic: the row's mean square (and mean) are sums of d terms, each within ``d u_32`` of the exact value in any summation order (Higham,
-gamma_n), so ``rs`` is within ``(d / 2 + 2) u_32`` relatively and ``x_i - mu`` within
-``u_32 (|x_i| + d mean|x|)``; the subtraction's own rounding and ``eps``'s are inside the
-``+ 4``. Worst-case on purpose, like every tolerance of the package (``tolerance.py``). The
-comparison is per element, so an error is seen once it exceeds a few ulps of *its own* element
-(bf16: ~2^-7 of the element), far below a row checksum's sensitivity; a checksum over ``y``
-alone would need ``mean(x^2)``, one pass over ``x`` all the same.
+(Llama's RMSNorm does), then round the product, and add the bias after. The second is the fp32
+arithmetic: the row's mean square (and mean) are sums of d terms, each within ``d u_32`` of the
+exact value in any summation order (Higham, gamma_n), so ``rs`` is within ``(d / 2 + 2) u_32``
+relatively and ``x_i - mu`` within ``u_32 (|x_i| + d mean|x|)``; the subtraction's own rounding
+and ``eps``'s are inside the ``+ 4``. Worst-case on purpose, like every tolerance of the package
+(``tolerance.py``). The comparison is per element, so an error is seen once it exceeds a few
+ulps of *its own* element (bf16: ~2^-7 of the element), far below a row checksum's sensitivity;
+a checksum over ``y`` alone would need ``mean(x^2)``, one pass over ``x`` all the same.
 """
 
 from __future__ import annotations

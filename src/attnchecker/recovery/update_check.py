@@ -84,7 +84,7 @@ class UpdateCheck:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self._state = {id(p): _Param(names.get(id(p), f"param{i}"))
                        for i, p in enumerate(self.params)}  # fmt: skip
-        self.keys = ("param",) + _STATE.get(self.rule or "", ())
+        self.keys = ("param", *_STATE.get(self.rule or "", ()))
         dev = self.params[0].device if self.params else torch.device("cpu")
         dev = torch.device("cpu") if dev.type == "meta" else dev
         # flagged rows per tensor and quantity, and a last column: under L2 decay, the
