@@ -46,15 +46,18 @@ def spec_of(m: nn.Module) -> tuple[NormSpec | None, str]:
             return None, f"normalises over {len(m.normalized_shape)} dims (the check: the last)"
         kind = "layer" if isinstance(m, nn.LayerNorm) else "rms"
         eps = m.eps if m.eps is not None else torch.finfo(torch.float32).eps
-        return NormSpec(kind, float(eps)), ""
-    eps = _eps(m)
-    if eps is None:
-        return None, "no eps attribute (variance_epsilon / eps) to recompute it with"
-    kind = "rms" if type(m).__name__.endswith("RMSNorm") else "layer"
-    if weight is not None and weight.is_meta:  # a meta model (torchtitan): no probe possible
-        return NormSpec(kind, eps, offset=type(m).__name__.startswith("Gemma")), ""
-    for offset in (False, True):
-        spec = NormSpec(kind, eps, offset)
+        offsets: tuple[bool, ...] = (False,)
+    else:
+        eps = _eps(m)
+        if eps is None:
+            return None, "no eps attribute (variance_epsilon / eps) to recompute it with"
+        kind = "rms" if type(m).__name__.endswith("RMSNorm") else "layer"
+        offsets = (False, True)
+    if not isinstance(weight, Tensor) or weight.is_meta:  # nothing to probe with (a meta model:
+        # torchtitan's, or no weight): what the class says
+        return NormSpec(kind, float(eps), offset=type(m).__name__.startswith("Gemma")), ""
+    for offset in offsets:
+        spec = NormSpec(kind, float(eps), offset)
         if _probe(m, spec):
             return spec, ""
     return None, f"its output is not the {kind} normalisation the check recomputes (probed)"
@@ -67,12 +70,18 @@ def _probe(m: nn.Module, spec: NormSpec) -> bool:
         return False
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, d, generator=g).to(weight.device, weight.dtype)
-    with torch.no_grad():
-        y = m.forward(x)
-    if not isinstance(y, Tensor) or y.shape != x.shape:
-        return False
-    excess, _ = row_excess(spec, x, y, weight, bias if isinstance(bias, Tensor) else None)
-    return bool((excess <= 0).all())
+    kept = weight.detach().clone()
+    try:  # a weight of its own for the probe: ones (a fresh model) would make w and 1 + w alike
+        with torch.no_grad():
+            weight.copy_(torch.randn(weight.shape, generator=g))
+            y = m.forward(x)
+        if not isinstance(y, Tensor) or y.shape != x.shape:
+            return False
+        excess, _ = row_excess(spec, x, y, weight, bias if isinstance(bias, Tensor) else None)
+        return bool((excess <= 0).all())
+    finally:
+        with torch.no_grad():
+            weight.copy_(kept)
 
 
 def find_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
