@@ -46,6 +46,7 @@ __all__ = [
     "exponent_flip_bit",
     "flip_bit",
     "kernel_edit",
+    "kind_of",
 ]
 
 MODES = {"set": 0, "scale": 1, "bit": 2, "exponent": 3}
@@ -214,3 +215,13 @@ def kernel_edit(
     if spec.mode in ("bit", "exponent"):
         return spec.mode, 0.0
     return spec.mode, float(spec.parameter(value, generator))
+
+
+def kind_of(value: float) -> str:
+    """What a delivered value looked like: inf, -inf, nan, near_inf (|x| >= 1e10) or finite
+    (the spelling of ``attnchecker.inject.kinds.FaultKind``)."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return "near_inf" if abs(value) >= NEAR_INF else "finite"

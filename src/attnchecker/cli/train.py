@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from attnchecker.attention.config import POLICIES, SCOPES
+from attnchecker.attention.config import INVARIANTS, POLICIES, SCOPES
 from attnchecker.cli.common import add_backend, add_command, needs_torchrun, relaunch
 from attnchecker.models.families import FAMILIES
 from attnchecker.models.tiny import SIZES
@@ -46,8 +46,10 @@ def _train(args: argparse.Namespace) -> int:
         # a plan pins the engine it was priced for ("auto", the default, asks for none)
         backend = None if args.backend == "auto" else args.backend
         abft = load_plan(args.plan, backend=backend).replace(policy=args.policy)
+        abft = abft.replace(invariants=tuple(args.invariants)) if args.invariants else abft
     elif args.protect:
-        abft = ABFTConfig(policy=args.policy, backend=args.backend, scope=args.scope)
+        abft = ABFTConfig(policy=args.policy, backend=args.backend, scope=args.scope,
+                          invariants=tuple(args.invariants))  # fmt: skip
     if args.faults:
         faults = FaultPlan.from_json(Path(args.faults).read_text())
     else:
@@ -124,6 +126,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--fault-rate", type=float, default=0.0, help="faults per step, sampled")
     tr.add_argument("--nproc", type=int, default=1, help="processes: DDP through torchrun")
     tr.add_argument("--fault-rank", type=int, default=0, help="the rank the faults hit")
+    tr.add_argument(
+        "--invariants", nargs="+", default=[], choices=INVARIANTS, metavar="CHECK",
+        help="with --protect or --plan, checks beyond the GEMMs: norm (every RMSNorm / "
+        "LayerNorm output), update (the optimizer's update: AdamW's moments and parameters)",
+    )  # fmt: skip
     tr.add_argument(
         "--scope", default="attention", choices=SCOPES,
         help="what --protect checks: the attention modules, or every linear layer too",

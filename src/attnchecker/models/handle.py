@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnchecker.abft.eec import NEAR_INF
 from attnchecker.abft.tolerance import tf32_enabled
 from attnchecker.attention import regions
 from attnchecker.attention.config import ABFTConfig
@@ -21,6 +20,7 @@ from attnchecker.attention.records import RECORD_FIELDS
 from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock, SiteHook
 from attnchecker.errors import ConfigError, UncorrectableFaultError
+from attnchecker.faults import kind_of
 from attnchecker.recovery.ledger import DeviceLedger
 
 if TYPE_CHECKING:
@@ -84,16 +84,6 @@ class Event:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def kind_of(value: float) -> str:
-    """What a delivered value looked like: inf, -inf, nan, near_inf (|x| >= 1e10) or finite
-    (the spelling of ``attnchecker.inject.kinds.FaultKind``)."""
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return "near_inf" if abs(value) >= NEAR_INF else "finite"
 
 
 def _count(into: dict[str, dict[str, int]], op: str, rec: dict[str, float]) -> None:

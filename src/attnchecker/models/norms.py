@@ -15,6 +15,7 @@ computes something else (a scale, a different order) is named unchecked, with th
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from attnchecker.abft.norm import NormSpec, row_excess
+from attnchecker.faults import kind_of
 
 __all__ = ["NormCheck", "find_norms", "spec_of"]
 
@@ -103,7 +105,8 @@ class _Norm:
 
 class NormCheck:
     """The hooks on a model's norm modules and their records: per module a float64 row
-    ``[calls flagged, rows flagged, rows lost, non-finite seen]``, on the device."""
+    ``[calls flagged, rows flagged, rows lost, the last flagged call's worst delivered value]``,
+    on the device."""
 
     op = "norm"
 
@@ -140,7 +143,7 @@ class NormCheck:
             return
         bias = getattr(module, "bias", None)
         weight = getattr(module, "weight", None)
-        excess, _ = row_excess(
+        excess, ref = row_excess(
             n.spec, x, y, weight if isinstance(weight, Tensor) else None,
             bias if isinstance(bias, Tensor) else None, scale=self.scale,
         )  # fmt: skip
@@ -150,16 +153,20 @@ class NormCheck:
         worst = torch.topk(excess.nan_to_num(float("inf")), k).indices  # (k,)
         with torch.no_grad():
             x2 = x.detach().reshape(-1, d)
-            fixed = module.forward(x2.index_select(0, worst)).to(y.dtype)  # its own math
             y2 = y.detach().view(-1, d)
+            # the delivered value furthest from its reference, in the worst row (the event's kind)
+            off = (y2[worst[0]].float() - ref[worst[0]]).abs().nan_to_num(float("inf"))
+            value = y2[worst[0]][off.argmax()].double()
+            fixed = module.forward(x2.index_select(0, worst)).to(y.dtype)  # its own math
             keep = y2.index_select(0, worst)
             y2.index_copy_(0, worst, torch.where(bad[worst].unsqueeze(-1), fixed, keep))
             flagged = bad.sum()
             row = torch.stack([
                 (flagged > 0).double(), flagged.double(), (flagged - k).clamp(min=0).double(),
-                (~torch.isfinite(excess)).any().double(),
             ])  # fmt: skip
-            self.records[i].add_(row.to(self.records.device))
+            rec = self.records[i]
+            rec[:3].add_(row.to(rec.device))
+            rec[3].copy_(torch.where(flagged > 0, value.to(rec.device), rec[3]))
 
     # -- the handle's side (models.handle: read with the drain's one transfer) --
 
@@ -170,13 +177,14 @@ class NormCheck:
         """This drain's events (the fields of :class:`~attnchecker.models.handle.Event`)."""
         out = []
         for n, rec in zip(self.norms, _rows(values, 4), strict=True):
-            calls, rows, lost, nonfinite = rec
+            calls, rows, lost, value = rec
             if calls:
                 out.append({
                     "step": step, "module": n.name, "layer": n.layer, "op": self.op,
-                    "pattern": "1R" if rows == 1 else "2D", "kind": "nan" if nonfinite
-                    else "finite", "action": "uncorrectable" if lost else "corrected",
-                    "n_rows": int(rows), "n_cols": 0, "count": int(calls),
+                    "pattern": "1R" if rows == 1 else "2D", "kind": kind_of(value),
+                    "action": "uncorrectable" if lost else "corrected", "n_rows": int(rows),
+                    "n_cols": 0, "count": int(calls),
+                    "value": value if math.isfinite(value) else None,
                 })  # fmt: skip
         self.records.zero_()
         return out

@@ -26,6 +26,7 @@ named in ``summary()``: AMSGrad (its running maximum is not linear), and any oth
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor
 
 from attnchecker.abft.update import as_rows, excess, locate, row_sums, unit
+from attnchecker.faults import kind_of
 
 __all__ = ["UpdateCheck", "covered"]
 
@@ -274,35 +276,38 @@ class UpdateCheck:
             fixed = [self._fix(tensors[k], r, got[r], pred[r]) for r in rows]
             # under L2 decay a parameter changed at rest also changed the gradient the step
             # used: its moments cannot be rebuilt from row sums
-            lost = len(rows) if row[-1] else fixed.count(False)
+            lost = len(rows) if row[-1] else sum(v is None for v in fixed)
+            value = next((v for v in fixed if v is not None), float("nan"))
             self.corrected += len(rows) - lost
             self.uncorrectable += lost
             out.append({
                 "step": step, "module": s.name, "layer": -1, "op": f"{self.op}.{k}",
-                "pattern": "0D" if len(rows) == 1 else "2D", "kind": "finite"
-                if all(torch.isfinite(got[r]).all() for r in rows) else "nan",
+                "pattern": "0D" if len(rows) == 1 else "2D",
+                "kind": kind_of(value) if not lost else "unknown",
                 "action": "uncorrectable" if lost else "corrected", "n_rows": len(rows),
-                "n_cols": 1,
+                "n_cols": 1, "value": value if math.isfinite(value) else None,
             })  # fmt: skip
         s.kept = {k: row_sums(t) for k, t in self._tensors(p).items()}
         s.versions = self._versions(p)
         return out
 
     @staticmethod
-    def _fix(t: Tensor, r: int, got: Tensor, pred: Tensor) -> bool:
-        """Set the one wrong element of row ``r`` so the row's sum is the predicted one."""
+    def _fix(t: Tensor, r: int, got: Tensor, pred: Tensor) -> float | None:
+        """Set the one wrong element of row ``r`` so the row's sum is the predicted one; the
+        wrong value, or None when the row's error is not one element."""
         x = as_rows(t)[r]  # a view (t is contiguous: parameters and optimizer state are)
         bad = (~torch.isfinite(x)).nonzero().flatten()
         if len(bad) > 1:
-            return False
+            return None
         j = int(bad[0]) if len(bad) else locate(got[:2] - pred, x.numel())
         if j is None:
-            return False
+            return None
         x64 = x.double()
+        was = float(x64[j])
         others = torch.cat([x64[:j], x64[j + 1 :]]).sum()
         with torch.no_grad():
             x[j] = pred[0] - others
-        return True
+        return was
 
     def follow(self, device: torch.device) -> None:
         self.counts = self.counts.to(device)

@@ -187,6 +187,9 @@ def train_steps(
             before = _before(state)
             result = train_step(state)
             log.step(state, result)
+            if state.ckpt is not None and _update_lost(log.last_events):
+                _roll_back(state, log, "an update beyond repair")  # the weights are wrong
+                continue
             doubtful = False  # skipped as non-finite or reproduced: the weights may be bad
             if before is not None and _wrong(result):
                 result = _replay(state, log, before)
@@ -309,6 +312,8 @@ class TrainState:
             example = (blocks.batch(0, 1, cfg.seed)[0],) if own else None
             handle = protect_(model, cfg.abft or ABFTConfig(policy="warn"), example=example)
         skips = handle is not None and handle.config.policy in ("skip_step", "replay")
+        # the update check (ABFTConfig.invariants) runs in the guard, whatever the policy
+        checks_update = handle is not None and "update" in handle.config.invariants
         net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
         if cfg.compile:
             net = torch.compile(net)
@@ -329,7 +334,8 @@ class TrainState:
         (out / "meta.json").write_text(json.dumps(meta, indent=2))
         state = cls(cfg=cfg, out=out, rank=rank, world=world, owns_group=owns_group,
                     blocks=blocks, tragedy=tragedy, model=model, net=net, opt=opt, sched=sched,
-                    handle=handle, guarded=guard(opt, handle) if skips else None, faults=faults,
+                    handle=handle, guarded=guard(opt, handle, names=model)
+                    if skips or checks_update else None, faults=faults,
                     detector=NonTrainableDetector(), ckpt=ckpt)  # fmt: skip
         torch.manual_seed(cfg.seed)
         return state
@@ -357,7 +363,8 @@ def train_step(state: TrainState) -> StepResult:
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), float("inf"))
     # the guard's skip flag (before the drain that resets it; reduced over the ranks)
-    flag = state.guarded.flag() if state.guarded is not None else torch.zeros(())
+    skips = state.handle is not None and state.handle.config.policy in ("skip_step", "replay")
+    flag = state.guarded.flag() if state.guarded is not None and skips else torch.zeros(())
     if state.world > 1:  # every rank must take the same decision: share the worst loss
         worst = torch.stack([loss.detach(), grad_norm]).nan_to_num(float("inf"))
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -365,6 +372,12 @@ def train_step(state: TrainState) -> StepResult:
     stats = torch.stack([loss.detach().float(), grad_norm.float(), flag.to(loss.device)])
     loss_v, grad_v, skip_v = stats.tolist()  # the step's one host sync
     return StepResult(loss_v, grad_v, bool(skip_v), flag)
+
+
+def _update_lost(events: list[Event]) -> bool:
+    """An optimizer update the update check could not repair (the last step's, settled before
+    this step's forward): the parameters are wrong, and only a checkpoint has them right."""
+    return any(e.op.startswith("update.") and e.action == "uncorrectable" for e in events)
 
 
 def _wrong(result: StepResult) -> bool:
@@ -462,7 +475,8 @@ class _RunLog:
         from attnchecker.inject.injector import Injector
 
         self.inj = (
-            stack.enter_context(Injector(state.model, state.faults, step_fn=lambda: state.step + 1))
+            stack.enter_context(Injector(state.model, state.faults, optimizer=state.opt,
+                                         step_fn=lambda: state.step + 1))
             if state.faults
             else None
         )
