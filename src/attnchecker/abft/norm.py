@@ -9,13 +9,14 @@ element is compared with it. A row is flagged where one element differs by more 
     tol_i = 2 u_out (|y_i| + |r_i| + |b_i|) + (d + 4) u_32 |g_i| rs (|x_i - mu| + |x_i| + mean|x|)
             + tiny
 
-(d the row's width, r_i the reference). The first term is the output's rounding, counted twice
-over: an implementation may round ``x * rs`` to the output dtype before the gain multiplies it
-(Llama's RMSNorm does), then round the product, and add the bias after. The second is the fp32
-arithmetic: the row's mean square (and mean) are sums of d terms, each within ``d u_32`` of the
-exact value in any summation order (Higham, gamma_n), so ``rs`` is within ``(d / 2 + 2) u_32``
-relatively and ``x_i - mu`` within ``u_32 (|x_i| + d mean|x|)``; the subtraction's own rounding
-and ``eps``'s are inside the ``+ 4``. Worst-case on purpose, like every tolerance of the package
+(d the row's width, r_i the reference, u_out the larger unit roundoff of the output's and the
+input's dtypes). The first term is the output's rounding, counted twice over: an implementation
+may round ``x * rs`` to the output dtype before the gain multiplies it (Llama's RMSNorm does),
+then round the product, and add the bias after. The second is the fp32 arithmetic: the row's
+mean square (and mean) are sums of d terms, each within ``d u_32`` of the exact value in any
+summation order (Higham, gamma_n), so ``rs`` is within ``(d / 2 + 2) u_32`` relatively and ``x_i
+- mu`` within ``u_32 (|x_i| + d mean|x|)``; the subtraction's own rounding and ``eps``'s are
+inside the ``+ 4``. Worst-case on purpose, like every tolerance of the package
 (``tolerance.py``). The comparison is per element, so an error is seen once it exceeds a few
 ulps of *its own* element (bf16: ~2^-7 of the element), far below a row checksum's sensitivity;
 a checksum over ``y`` alone would need ``mean(x^2)``, one pass over ``x`` all the same.
@@ -82,7 +83,10 @@ def row_excess(
     an element exceeds its tolerance (> 0: flagged; +inf for a non-finite element), and the
     fp32 reference rows."""
     ref, bound = reference(spec, x, weight, bias)
-    u_out = torch.finfo(y.dtype).eps / 2 if y.dtype.is_floating_point else _U32
+    # the output's rounding, or the input dtype's: an implementation may round x * rs back to
+    # the input dtype before a gain of another dtype multiplies it (Qwen3's q_norm under
+    # autocast: bf16 x * rs, an fp32 weight, an fp32 output)
+    u_out = max(torch.finfo(t.dtype).eps / 2 for t in (x, y))
     got = y.detach().float()
     b = 0.0 if bias is None else bias.detach().float().abs()
     tiny = torch.finfo(y.dtype).tiny

@@ -71,6 +71,20 @@ def test_no_false_alarm_on_the_norms_of_every_kind(dtype, d):
             assert (excess <= 0).all(), (type(m).__name__, float(excess.max()))
 
 
+def test_no_false_alarm_where_the_input_is_half_and_the_weight_fp32():
+    """Under autocast a projection's output (bf16) meets a norm with fp32 weights (Qwen3's
+    q_norm): x * rs is rounded to bf16, then multiplied into an fp32 output."""
+    m = _norms(128, torch.float32)[2]
+    spec = spec_of(m)[0]
+    for seed in range(5):
+        x = _rows(64, 128, torch.bfloat16, seed)
+        with torch.no_grad():
+            y = m(x)
+        assert y.dtype == torch.float32
+        excess, _ = row_excess(spec, x, y, m.weight, None)
+        assert (excess <= 0).all()
+
+
 def test_the_probe_finds_gemmas_offset_and_refuses_what_it_cannot_recompute():
     assert spec_of(_GemmaRMSNorm(16))[0] == NormSpec("rms", 1e-6, offset=True)
     assert spec_of(_LlamaRMSNorm(16))[0] == NormSpec("rms", 1e-6, offset=False)
