@@ -26,7 +26,7 @@ from typing import Any
 from attnchecker.attention.config import ALL_OPS, OPS, ABFTConfig
 from attnchecker.errors import ConfigError
 from attnchecker.inject.kinds import DEFAULT_KINDS
-from attnchecker.inject.trial import USER_OUTCOMES
+from attnchecker.inject.trial import INVARIANT_SITES, USER_OUTCOMES
 
 __all__ = [
     "CampaignConfig", "Progress", "arm_checks", "arm_name", "load_trials", "run_campaign",
@@ -91,7 +91,7 @@ class CampaignConfig:
             Fault(step=1, site=site)
         for name, values, allowed in [
             ("families", self.families, [*FAMILIES, *own]),
-            ("sites", self.sites, [*ALL_OPS, *kernel, *linear]),
+            ("sites", self.sites, [*ALL_OPS, *kernel, *linear, *INVARIANT_SITES]),
             ("kinds", self.kinds, [k.value for k in FaultKind]),
             ("patterns", self.patterns, [p.value for p in FaultPattern]),
         ]:
@@ -111,6 +111,8 @@ class CampaignConfig:
                 "check arms run one check of a schedule alone; the fused kernels' checks are not "
                 "ops of a schedule: use backend='eager' with check_arms"
             )
+        if any(s.startswith("update.") for s in self.sites) and self.steps < 2:
+            raise ConfigError("update.* sites fire before step 2's update: steps must be >= 2")
         if self.trials < 1 or self.steps < 1 or self.workers < 1:
             raise ConfigError("trials, steps and workers must be >= 1")
         if not 0 <= self.rank < self.world:
@@ -226,20 +228,24 @@ def _run_one(args: tuple[CampaignConfig, dict[str, Any]]) -> dict[str, Any]:
     import torch
 
     from attnchecker.inject.plan import Fault
-    from attnchecker.inject.trial import run_arm
+    from attnchecker.inject.trial import invariant_fault, run_arm
 
     torch.set_num_threads(1)
     cfg, spec = args
     layer = spec.get("layer", cfg.layer)
     setup = _setup(cfg, spec["family"], layer)
-    fault = Fault(
-        step=1,
-        site=spec["site"],
-        kind=spec["kind"],
-        pattern=spec["pattern"],
-        layer=layer,
-        size=(2, 3),
-    )
+    if spec["site"] in INVARIANT_SITES:  # a norm's output, an optimizer tensor (step 2)
+        fault = invariant_fault(setup.model, spec["site"], layer, kind=spec["kind"],
+                                pattern=spec["pattern"], size=(2, 3))  # fmt: skip
+    else:
+        fault = Fault(
+            step=1,
+            site=spec["site"],
+            kind=spec["kind"],
+            pattern=spec["pattern"],
+            layer=layer,
+            size=(2, 3),
+        )
     param_tol = cfg.lr if cfg.param_tolerance is None else cfg.param_tolerance
     judge = dict(tol=cfg.tolerance, spike=cfg.spike_factor, param_tol=param_tol)
     arms: dict[str, Any] = {
@@ -253,7 +259,7 @@ def _run_one(args: tuple[CampaignConfig, dict[str, Any]]) -> dict[str, Any]:
             row = run_arm(setup, fault, spec["seed"], protected=protected, recover=recover, **judge)
             arms[arm] = {k: v for k, v in row.items() if k in kept}
     dead = arms["unprotected"]["outcome"] == "non_trainable"  # else trainable with any check
-    if cfg.check_arms and dead:
+    if cfg.check_arms and dead and spec["site"] not in INVARIANT_SITES:
         kept = ("outcome", "result", "detected_at_site", "skipped", "user")
         arms["checks"] = {
             arm_name(c, at): {k: v for k, v in run_arm(setup, fault, spec["seed"],

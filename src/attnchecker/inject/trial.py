@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from attnchecker.attention.config import ABFTConfig
 from attnchecker.attention.ops import linear_parts
+from attnchecker.errors import ConfigError
 from attnchecker.inject.injector import Injector
 from attnchecker.inject.plan import Fault, FaultPlan, check_op
 from attnchecker.models.registry import role_of
@@ -53,6 +54,13 @@ __all__ = [
 
 OBSERVED = ("scores", "context", "out", "next_input")
 RECOVERIES = ("skip", "replay")  # what a recovery arm does with a step that went wrong
+INVARIANT_SITES = ("norm", "update.exp_avg", "update.exp_avg_sq", "update.param")
+"""Campaign sites of the checks beyond the GEMMs (``ABFTConfig.invariants``), named as their
+events' ops: ``norm``, the output of the first norm module of the faulty layer's block (layer
+-1: a norm outside the blocks, the final one); ``update.<key>``, AdamW's ``exp_avg`` /
+``exp_avg_sq`` or the parameter of the block's first weight matrix (layer -1: the first one
+outside the blocks), just before step 2's update (a first step has no state yet)."""
+
 USER_OUTCOMES = ("masked", "corrected", "replayed", "skipped", "silent_deviation", "non_trainable")
 """A fault as a user meets it: no effect (masked), repaired in place by protection (corrected), a
 step recomputed (replayed), an update skipped (skipped), finite parameters that differ from the
@@ -75,20 +83,42 @@ class TrialSetup:
     example: tuple[Tensor, ...] | None = None  # protect_'s traced forward (a model of one's own)
 
 
+def invariant_fault(model: nn.Module, site: str, layer: int, **kw: Any) -> Fault:
+    """The :class:`Fault` of a campaign's :data:`INVARIANT_SITES` site in ``model``."""
+    from attnchecker.models.norms import find_norms
+
+    def in_layer(name: str) -> bool:
+        parts = name.split(".")
+        idx = [int(p) for p in parts if p.isdigit()]
+        return (idx[:1] == [layer]) if layer >= 0 else not idx
+
+    if site == "norm":
+        names = [n for n, _ in find_norms(model) if in_layer(n)]
+        target, step = f"module:{names[0]}" if names else None, 1
+    else:
+        names = [n for n, p in model.named_parameters() if p.dim() == 2 and in_layer(n)
+                 and "embed" not in n and "wte" not in n and "wpe" not in n]  # fmt: skip
+        key = site.split(".", 1)[1]
+        target, step = f"optim:{names[0]}:{key}" if names else None, 2
+    if target is None:
+        raise ConfigError(f"no {'norm module' if site == 'norm' else 'weight'} in layer {layer}")
+    return Fault(step=step, site=target, layer=layer, **kw)
+
+
 def _train(model: nn.Module, batches: list[dict[str, Tensor]], lr: float, seed: int,
-           guarded: Any = None, recover: str | None = None,
-           handle: Any = None) -> tuple[list[float], list[Any], list[bool], int]:  # fmt: skip
+           guarded: Any = None, recover: str | None = None, handle: Any = None,
+           opt: Any = None) -> tuple[list[float], list[Any], list[bool], int]:  # fmt: skip
     """Train on ``batches``; with ``guarded`` (a protection handle) the optimizer is guarded
     by it and drained every step (what ``skip_step`` needs); with ``recover`` a step that went
     wrong is skipped or replayed (``handle``: protection's, or None). (losses, events drained,
     whether each step's update was skipped, steps replayed)."""
     from attnchecker.recovery.guard import guard
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr) if opt is None else opt
     torch.manual_seed(seed)  # the same dropout masks in every arm
     if recover is not None:
         return _recovering(model, batches, opt, recover, handle)
-    step = opt if guarded is None else guard(opt, guarded)
+    step = opt if guarded is None else guard(opt, guarded, names=model)
     losses, events, skipped = [], [], []
     for inputs in batches:
         loss = model(**inputs).loss
@@ -227,18 +257,23 @@ def run_arm(
         config = config.replace(scope="all_linear")
     if check is not None:
         config = check_arm_config(*check)
+    invariant = fault.family in ("module", "optim")  # a campaign's INVARIANT_SITES
+    if protected and invariant:
+        config = config.replace(invariants=("norm", "update"))
     if recover is not None:
         config = config.replace(policy="replay" if recover == "replay" else "skip_step")
     handle = protect_(model, config.replace(backend=setup.backend), example=setup.example)
     plan = FaultPlan((fault,), seed)
     seen: dict[str, Tensor] = {}
-    with Injector(model, plan) as inj, warnings.catch_warnings():
+    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr)
+    with Injector(model, plan, optimizer=opt) as inj, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         detach = _observe(model, handle, fault.layer, seen) if not (protected or recover) else []
-        guarded = handle if check is not None else None
+        # the update check runs in the guard; the guard drains every step
+        guarded = handle if check is not None or (protected and invariant) else None
         losses, events, skipped, replays = _train(
             model, setup.batches, setup.lr, seed=0, guarded=guarded, recover=recover,
-            handle=handle if protected else None,
+            handle=handle if protected else None, opt=opt,
         )  # fmt: skip
         for d in detach:
             d.remove()
@@ -273,6 +308,10 @@ def run_arm(
             role, op = linear_parts(check_op(fault.site))
             here = (op, fault.layer, role)
             mine = [e for e in events if (e.op, e.layer, role_of(e.module)) == here]
+        elif invariant:  # the norm's or the update's check, at the faulty tensor
+            name, key = fault.site.split(":")[1], fault.site.split(":")[-1]
+            op = "norm" if fault.family == "module" else f"update.{key}"
+            mine = [e for e in events if e.op == op and e.module == name]
         else:
             mine = [e for e in events if e.op == fault.site and e.layer == fault.layer]
         actions = {e.action for e in events}
