@@ -97,3 +97,18 @@ def test_a_norm_the_check_cannot_recompute_is_named_unchecked():
     unchecked = handle.summary()["invariants"]["norm"]["unchecked"]
     assert list(unchecked) == ["model.norm"] and "probed" in unchecked["model.norm"]
     assert any("model.norm" in str(w.message) for w in caught)
+
+
+def test_a_campaign_faults_the_new_sites_and_the_protected_arm_corrects_them(tmp_path):
+    from attnchecker.inject.campaign import CampaignConfig, load_trials, run_campaign
+
+    cfg = CampaignConfig(families=("llama",), sites=("norm", "update.exp_avg_sq", "update.param"),
+                         kinds=("nan", "exponent_flip"), steps=3)  # fmt: skip
+    run_campaign(cfg, tmp_path, progress=False)
+    rows = load_trials(tmp_path)
+    assert len(rows) == 6
+    for r in rows:
+        assert r["unprotected"]["fired"] and r["unprotected"]["outcome"] != "masked", r["site"]
+        p = r["protected"]
+        assert (p["result"], p["detected_at_site"], p["user"]) == ("corrected", True, "corrected")
+        assert p["outcome"] == "masked", r["site"]

@@ -375,6 +375,13 @@ def choose(
     greedy = Greedy(ss, end)
     useful = [i for i in range(len(ss)) if greedy.gain(i, 1.0, {}) > 0]
     notes = _notes(ss, rate, cost)
+    if beyond := [op for op in vuln.ops if op not in {o.op for o in cost.ops}
+                  and (op == "norm" or op.startswith("update."))]:  # fmt: skip
+        # the checks beyond the GEMMs are whole-model switches, not (layer, op) placements
+        notes += (f"{', '.join(beyond)}: faulted by the campaign but checked by "
+                  "ABFTConfig(invariants=('norm', 'update')), a switch for the whole model that "
+                  "this schedule does not place or price: the campaign's report has their "
+                  "outcomes, docs/invariants.md their cost",)  # fmt: skip
     # without a core check the engine is not paid: the best schedule of those checks alone
     # competes with the best of all of them, which pays it
     own = Greedy(ss, end, frozenset(i for i, s in enumerate(ss) if s.op not in CORE_OPS))
