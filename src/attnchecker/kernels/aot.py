@@ -246,11 +246,12 @@ def compile_case(case: Case) -> list[Report]:
 GEMM_KERNELS = ("gemm_refs", "gemm_verify", "gemm_repair", "proj_weights", "proj_verify",
                 "proj_repair", "sdpa_kv_stats", "sdpa_fwd_verify", "sdpa_fwd_repair",
                 "sdpa_bwd_q", "sdpa_bwd_kv", "sdpa_bwd_check", "sdpa_bwd_repair_q",
-                "sdpa_bwd_repair_kv", "acc_mm")  # fmt: skip
+                "sdpa_bwd_repair_kv", "acc_mm", "inv_row_sums", "inv_norm_excess")  # fmt: skip
 """The Triton kernels of the GEMM checks (:mod:`attnchecker.kernels.gemm_check`,
 :mod:`attnchecker.kernels.projection_check`), of the SDPA route's checks
-(:mod:`attnchecker.kernels.sdpa_kernels`) and the accumulator GEMM
-(:mod:`attnchecker.kernels.acc_gemm`)."""
+(:mod:`attnchecker.kernels.sdpa_kernels`), the accumulator GEMM
+(:mod:`attnchecker.kernels.acc_gemm`) and the checks beyond the GEMMs
+(:mod:`attnchecker.kernels.invariants`: the update check's row sums, the norms' excess)."""
 
 
 def gemm_cases() -> list[Case]:
@@ -265,8 +266,10 @@ def compile_gemm_case(case: Case) -> list[Report]:
     :func:`attnchecker.kernels.projection_check.check_` (a fused Q | K | V of 36 heads of 64)."""
     import torch
 
+    from attnchecker.abft.norm import NormSpec
     from attnchecker.kernels import acc_gemm as ag
     from attnchecker.kernels import gemm_check as gc
+    from attnchecker.kernels import invariants as inv
     from attnchecker.kernels import projection_check as pc
     from attnchecker.kernels import sdpa_kernels as sk
     from attnchecker.kernels import sdpa_kernels_bwd as sb
@@ -274,7 +277,8 @@ def compile_gemm_case(case: Case) -> list[Report]:
     kernels = (gc.refs_kernel, gc.verify_kernel, gc.repair_kernel, pc.weights_kernel,
                pc.verify_kernel, pc.repair_kernel, sk.kv_stats_kernel, sk.fwd_verify_kernel,
                sk.fwd_repair_kernel, sb.bwd_q_kernel, sb.bwd_kv_kernel, sb.bwd_check_kernel,
-               sb.bwd_repair_q_kernel, sb.bwd_repair_kv_kernel, ag.mm_kernel)  # fmt: skip
+               sb.bwd_repair_q_kernel, sb.bwd_repair_kv_kernel, ag.mm_kernel,
+               inv.row_sums_kernel, inv.norm_excess_kernel)  # fmt: skip
     fns = dict(zip(GEMM_KERNELS, kernels, strict=True))
     seen: dict[str, tuple] = {}
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
@@ -293,6 +297,13 @@ def compile_gemm_case(case: Case) -> list[Report]:
         # the accumulator GEMM with a bias (its repair, gemm_repair's bias variant, replaces
         # the plain one captured above: the same kernel with the bias's add)
         ag.checked_mm(x, y, torch.zeros(2304, dtype=dtype), rec, step)
+        # AdamW's row sums after a step (parameter, moments, r) of a 4,096-wide fp32 weight; a
+        # LayerNorm's check over rows of 4,096 in the case's dtype (the widest variant of each)
+        p = torch.zeros(64, 4096)
+        inv.row_sums(p, p, p, adam=(1.0, 1e-8), kernel=True)
+        spec = NormSpec("layer", 1e-5)
+        h, w = torch.zeros(64, 4096, dtype=dtype), torch.zeros(4096, dtype=dtype)
+        inv.norm_excess(spec, h, h, w, w, kernel=True)
     return [_compile(case, kernel, *seen[kernel]) for kernel in GEMM_KERNELS]
 
 

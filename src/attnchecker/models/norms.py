@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from attnchecker.abft.norm import NormSpec, row_excess
 from attnchecker.faults import kind_of
+from attnchecker.kernels.invariants import norm_excess, use_kernels
 
 __all__ = ["NormCheck", "find_norms", "spec_of"]
 
@@ -110,8 +111,10 @@ class NormCheck:
 
     op = "norm"
 
-    def __init__(self, model: nn.Module, *, max_rows: int, scale: float, device: torch.device):
+    def __init__(self, model: nn.Module, *, max_rows: int, scale: float, device: torch.device,
+                 kernels: bool = False):  # fmt: skip
         self.max_rows, self.scale = max_rows, scale
+        self.kernels = kernels  # the Triton kernel in the interpreter too (check_impl="triton")
         self.norms: list[_Norm] = []
         self.unchecked: dict[str, str] = {}
         self.undo: list[Callable[[], None]] = []
@@ -143,10 +146,11 @@ class NormCheck:
             return
         bias = getattr(module, "bias", None)
         weight = getattr(module, "weight", None)
-        excess, ref = row_excess(
+        excess = norm_excess(
             n.spec, x, y, weight if isinstance(weight, Tensor) else None,
             bias if isinstance(bias, Tensor) else None, scale=self.scale,
-        )  # fmt: skip
+            kernel=use_kernels(y, self.kernels),
+        ).reshape(-1)  # fmt: skip
         d = y.shape[-1]
         bad = excess > 0  # (rows,)
         k = min(self.max_rows, excess.numel())
@@ -154,9 +158,9 @@ class NormCheck:
         with torch.no_grad():
             x2 = x.detach().reshape(-1, d)
             y2 = y.detach().view(-1, d)
-            # the delivered value furthest from its reference, in the worst row (the event's kind)
-            off = (y2[worst[0]].float() - ref[worst[0]]).abs().nan_to_num(float("inf"))
-            value = y2[worst[0]][off.argmax()].double()
+            # the worst row's largest delivered value (the event's kind: an extreme error is it)
+            top = y2[worst[0]].float()
+            value = top[top.abs().nan_to_num(float("inf")).argmax()].double()
             fixed = module.forward(x2.index_select(0, worst)).to(y.dtype)  # its own math
             keep = y2.index_select(0, worst)
             y2.index_copy_(0, worst, torch.where(bad[worst].unsqueeze(-1), fixed, keep))

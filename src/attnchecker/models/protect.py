@@ -71,7 +71,8 @@ def protect_(
         from attnchecker.models.norms import NormCheck
 
         norms = NormCheck(model, max_rows=config.max_rows, scale=config.tolerance_scale,
-                          device=clock.count.device)  # fmt: skip
+                          device=clock.count.device,
+                          kernels=config.check_impl == "triton")  # fmt: skip
         handle.invariants.append(norms)
         handle._undo += norms.undo
         if norms.unchecked:

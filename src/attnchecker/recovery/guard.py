@@ -93,7 +93,8 @@ class GuardedOptimizer:
             from attnchecker.recovery.update_check import UpdateCheck
 
             scale = config.tolerance_scale if config is not None else 1.0
-            self.update = UpdateCheck(optimizer, names=names, scale=scale)
+            kernels = config is not None and config.check_impl == "triton"
+            self.update = UpdateCheck(optimizer, names=names, scale=scale, kernels=kernels)
             if hasattr(handle, "invariants"):
                 handle.invariants.append(self.update)
         # whose first step leaves state a skipped step must not (see the module docstring)

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnchecker.abft.update import as_rows, excess, locate, row_sums, unit
+from attnchecker.abft.update import as_rows, excess, locate, unit
 from attnchecker.faults import kind_of
+from attnchecker.kernels.invariants import row_sums as sums
+from attnchecker.kernels.invariants import use_kernels
 
 __all__ = ["UpdateCheck", "covered"]
 
@@ -78,8 +80,10 @@ class UpdateCheck:
 
     op = "update"
 
-    def __init__(self, optimizer: Any, *, names: dict[int, str] | None = None, scale: float = 1.0):
+    def __init__(self, optimizer: Any, *, names: dict[int, str] | None = None, scale: float = 1.0,
+                 kernels: bool = False):  # fmt: skip
         self.optimizer = optimizer
+        self.kernels = kernels  # the Triton kernels in the interpreter too (check_impl="triton")
         self.rule, self.why = covered(optimizer)
         self.scale = scale
         names = names or {}
@@ -125,11 +129,11 @@ class UpdateCheck:
                     w = _local(p).detach()
                     g = g + wd * w.float()  # L2: the gradient the step uses
                     # a parameter changed at rest corrupts that gradient: not repairable
-                    _, moved = excess(row_sums(w), [(1.0, s.kept["param"])], unit(p.dtype),
+                    _, moved = excess(self._sums(w)[0], [(1.0, s.kept["param"])], unit(p.dtype),
                                       self.scale)  # fmt: skip
                     s.rest = (moved > 0).any().double()
                     rest.append(s.rest)
-                s.inputs = {"g": row_sums(g), "g2": row_sums(g * g)}
+                s.inputs = dict(zip(("g", "g2"), self._sums(g, square=True), strict=True))
         return torch.stack(rest).amax().float() if rest else None
 
     def after(self, skipped: Tensor) -> None:
@@ -145,8 +149,8 @@ class UpdateCheck:
                                            dtype=torch.float64))
                 continue
             group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
-            got = {k: row_sums(t) for k, t in self._tensors(p).items()}
             s.coef = self._coef(p, group)
+            got = self._new(p, s.coef)
             s.terms = self._terms(s, group, got, s.kept)
             row = []
             for k in self.keys:
@@ -162,7 +166,7 @@ class UpdateCheck:
             moved = None if s.rest is None else s.rest * (skipped.to(s.rest.device) <= 0)
             row.append(torch.zeros((), dtype=torch.float64) if moved is None else moved)
             flagged.append(torch.stack([r.to(self.counts.device) for r in row]))
-            s.prev, s.kept = s.kept, got
+            s.prev, s.kept = s.kept, {k: v for k, v in got.items() if k != "r"}
             s.versions = self._versions(p)
         if flagged:
             self.counts.add_(torch.stack(flagged))
@@ -189,7 +193,7 @@ class UpdateCheck:
         now = self._versions(p)
         for k, t in self._tensors(p).items():
             if k not in s.kept or s.versions.get(k) != now[k]:
-                s.kept[k] = row_sums(t)
+                s.kept[k] = self._sums(t)[0]
         s.versions = now
 
     def _coef(self, p: Tensor, group: dict) -> dict[str, Any]:
@@ -206,13 +210,19 @@ class UpdateCheck:
         return {"lr": lr, "wd": wd if self._decoupled(group) else 0.0, "b1": b1, "b2": b2,
                 "eps": float(group["eps"]), "bc1": 1 - b1**step, "bc2": 1 - b2**step}  # fmt: skip
 
-    def _r(self, p: Tensor, c: dict[str, Any]) -> Tensor:
-        """Row sums of Adam's ``m' / (sqrt(v') / sqrt(bc2) + eps)`` from the new moments."""
-        st = self.optimizer.state[p]
-        m, v = _local(st["exp_avg"]).double(), _local(st["exp_avg_sq"]).double()
-        bc2 = c["bc2"]
-        root = bc2.sqrt() if isinstance(bc2, Tensor) else bc2**0.5
-        return row_sums(m / (v.sqrt() / root + c["eps"]))
+    def _sums(self, *tensors: Tensor, **kw: Any) -> list[Tensor]:
+        return sums(*tensors, kernel=use_kernels(tensors[0], self.kernels), **kw)
+
+    def _new(self, p: Tensor, c: dict[str, Any]) -> dict[str, Tensor]:
+        """Row sums of the parameter and its state after the step, and (Adam, with both
+        moments) of ``r = m' / (sqrt(v') / sqrt(bc2) + eps)``, in one pass."""
+        tensors = self._tensors(p)
+        if self.rule == "adam" and len(tensors) == 3:
+            bc2 = c["bc2"]
+            root = bc2.sqrt() if isinstance(bc2, Tensor) else bc2**0.5
+            out = self._sums(*tensors.values(), adam=(root, c["eps"]))
+            return dict(zip((*tensors, "r"), out, strict=True))
+        return dict(zip(tensors, self._sums(*tensors.values()), strict=True))
 
     def _terms(
         self, s: _Param, group: dict, got: dict[str, Tensor], kept: dict[str, Tensor]
@@ -220,12 +230,11 @@ class UpdateCheck:
         c, ins = s.coef, s.inputs
         zero = torch.zeros_like(ins["g"])
         if self.rule == "adam":
-            p = next(q for q in group["params"] if self._state[id(q)] is s)
             return {
                 "exp_avg": [(c["b1"], kept.get("exp_avg", zero)), (1 - c["b1"], ins["g"])],
                 "exp_avg_sq": [(c["b2"], kept.get("exp_avg_sq", zero)), (1 - c["b2"], ins["g2"])],
                 "param": [(1 - c["lr"] * c["wd"], kept["param"]),
-                          (-c["lr"] / c["bc1"], self._r(p, c))],
+                          (-c["lr"] / c["bc1"], got["r"])],
             }  # fmt: skip
         lr, mu = c["lr"], c["mu"]
         if mu == 0:
@@ -265,9 +274,9 @@ class UpdateCheck:
             if k not in tensors:
                 continue
             if k == "param":  # re-predicted from the repaired moments
-                now = {q: row_sums(t) for q, t in tensors.items()}
+                now = self._new(p, s.coef)
                 s.terms = self._terms(s, group, now, s.prev)
-            got = row_sums(tensors[k])
+            got = self._sums(tensors[k])[0]
             pred = sum(a * x[:, :2] for a, x in s.terms[k])
             _, over = excess(got, s.terms[k], u, self.scale)
             rows = (over > 0).nonzero().flatten().tolist()
@@ -287,7 +296,7 @@ class UpdateCheck:
                 "action": "uncorrectable" if lost else "corrected", "n_rows": len(rows),
                 "n_cols": 1, "value": value if math.isfinite(value) else None,
             })  # fmt: skip
-        s.kept = {k: row_sums(t) for k, t in self._tensors(p).items()}
+        s.kept = {k: v for k, v in self._new(p, s.coef).items() if k != "r"}
         s.versions = self._versions(p)
         return out
 

@@ -1,0 +1,178 @@
+"""The checks beyond the GEMMs as Triton kernels, each beside its eager reference: one pass over
+the data a check reads, one launch.
+
+- :func:`row_sums` (reference :func:`attnchecker.abft.update.row_sums`): the update check's
+  row sums ``[sum x, sum (j + 1) x, sum |x|]`` of one to three tensors of one shape, and with
+  ``adam`` also of ``r = m / (sqrt(v) / root + eps)`` from the new moments (m, v the second and
+  third tensors), accumulated in fp64, a program a tile of rows (~2,048 elements a step). ``square`` adds the sums of the first
+  tensor's squares (a gradient's, for Adam's v). One launch reads each element once: the
+  gradients before the step (4 bytes a parameter in fp32), the parameters and moments after it
+  (12): what the check adds to an AdamW step that reads and writes 28.
+- :func:`norm_excess` (reference :func:`attnchecker.abft.norm.row_excess`): per row of a norm
+  module's output, how far its worst element exceeds the rounding bound against the row
+  recomputed from the input, a program a row, one read of x and y.
+
+Used where a tensor is on CUDA, and in Triton's interpreter on a CPU when the config asks for
+the kernels (``check_impl="triton"``: the tests, the launch counts); else the references run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from attnchecker.kernels import available, interpreting
+
+__all__ = ["norm_excess", "row_sums", "use_kernels"]
+
+
+def use_kernels(t: Tensor, asked: bool) -> bool:
+    """Whether the kernels run for ``t``: on CUDA, or in the interpreter when ``asked``."""
+    return available() and (t.is_cuda or (asked and interpreting()))
+
+
+@triton.jit
+def _sums(acc_s, acc_w, acc_a, x, j):
+    return acc_s + tl.sum(x, 1), acc_w + tl.sum(x * j, 1), acc_a + tl.sum(tl.abs(x), 1)
+
+
+@triton.jit
+def _put(OUT, rows, rmask, i: tl.constexpr, s, w, a):
+    tl.store(OUT + rows * 12 + 3 * i, s, mask=rmask)
+    tl.store(OUT + rows * 12 + 3 * i + 1, w, mask=rmask)
+    tl.store(OUT + rows * 12 + 3 * i + 2, a, mask=rmask)
+
+
+@triton.jit
+def row_sums_kernel(A, B, C, OUT, n_rows, n_cols, ROOT, eps, N: tl.constexpr,
+                    SQUARE: tl.constexpr, ADAM: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < n_rows
+    z = tl.zeros((ROWS,), dtype=tl.float64)
+    root = tl.load(ROOT)  # sqrt(bc2), on the device (a fused optimizer's step count is there)
+    s0, w0, a0, s1, w1, a1, s2, w2, a2, s3, w3, a3 = z, z, z, z, z, z, z, z, z, z, z, z
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = rmask[:, None] & (cols < n_cols)[None, :]
+        at = rows[:, None] * n_cols + cols[None, :]
+        j = (cols + 1).to(tl.float64)[None, :]
+        a = tl.load(A + at, mask=mask, other=0.0).to(tl.float64)
+        s0, w0, a0 = _sums(s0, w0, a0, a, j)
+        if SQUARE:
+            s1, w1, a1 = _sums(s1, w1, a1, a * a, j)
+        if N > 1:
+            b = tl.load(B + at, mask=mask, other=0.0).to(tl.float64)
+            s1, w1, a1 = _sums(s1, w1, a1, b, j)
+        if N > 2:
+            c = tl.load(C + at, mask=mask, other=0.0).to(tl.float64)
+            s2, w2, a2 = _sums(s2, w2, a2, c, j)
+            if ADAM:
+                r = tl.where(mask, b / (tl.sqrt(c) / root + eps), 0.0)
+                s3, w3, a3 = _sums(s3, w3, a3, r, j)
+    _put(OUT, rows, rmask, 0, s0, w0, a0)
+    _put(OUT, rows, rmask, 1, s1, w1, a1)
+    _put(OUT, rows, rmask, 2, s2, w2, a2)
+    _put(OUT, rows, rmask, 3, s3, w3, a3)
+
+
+def row_sums(*tensors: Tensor, square: bool = False, adam: tuple[float, float] | None = None,
+             kernel: bool = False) -> list[Tensor]:  # fmt: skip
+    """Each tensor's (rows, 3) float64 row sums (:func:`attnchecker.abft.update.row_sums`),
+    then, with ``square``, the first tensor's squares', and with ``adam=(root, eps)`` (three
+    tensors: parameter, m, v) those of ``m / (sqrt(v) / root + eps)``; in one launch when
+    ``kernel``, else by the reference."""
+    from attnchecker.abft.update import as_rows
+    from attnchecker.abft.update import row_sums as reference
+
+    if not kernel:
+        out = [reference(t) for t in tensors]
+        if square:
+            out.append(reference(tensors[0].double() ** 2))
+        if adam is not None:
+            root, eps = adam
+            m, v = tensors[1].double(), tensors[2].double()
+            out.append(reference(m / (v.sqrt() / root + eps)))
+        return out
+    rows = [as_rows(t.detach()).contiguous() for t in tensors]
+    n_rows, n_cols = rows[0].shape
+    out = torch.empty(n_rows, 4, 3, dtype=torch.float64, device=rows[0].device)
+    a, b, c = (rows + [rows[0]] * 2)[:3]
+    if square and len(rows) > 1:
+        raise ValueError("square takes one tensor")
+    root, eps = adam if adam is not None else (1.0, 0.0)
+    root = torch.as_tensor(root, dtype=torch.float64).reshape(1).to(out.device)
+    block = min(triton.next_power_of_2(max(n_cols, 16)), 512)
+    per = max(1, min(64, 2048 // block))  # rows a program: ~2,048 elements a tile
+    row_sums_kernel[(triton.cdiv(n_rows, per),)](
+        a, b, c, out, n_rows, n_cols, root, float(eps), N=len(rows), SQUARE=square,
+        ADAM=adam is not None, ROWS=per, BLOCK=block,
+    )  # fmt: skip
+    k = len(rows) + int(square) + int(adam is not None)
+    return [out[:, i] for i in range(k)]
+
+
+@triton.jit
+def norm_excess_kernel(X, Y, W, B, OUT, n_cols, eps, u_out, scale, spacing, LAYER: tl.constexpr,
+                       HAS_W: tl.constexpr, OFFSET: tl.constexpr, HAS_B: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    base = row.to(tl.int64) * n_cols
+    h = tl.load(X + base + cols, mask=mask, other=0.0).to(tl.float32)
+    got = tl.load(Y + base + cols, mask=mask, other=0.0).to(tl.float32)
+    mean_abs = 0.0
+    if LAYER:
+        mu = tl.sum(h, 0) / n_cols
+        c = tl.where(mask, h - mu, 0.0)
+        mean_abs = tl.sum(tl.abs(h), 0) / n_cols
+    else:
+        c = h
+    rs = 1.0 / tl.sqrt(tl.sum(c * c, 0) / n_cols + eps)
+    g = 1.0
+    floor = 2 * spacing
+    if HAS_W:
+        g = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        floor = 2 * spacing * (tl.abs(g) + 1.0)
+        if OFFSET:
+            g = g + 1.0
+    ref = g * (c * rs)
+    b = 0.0
+    if HAS_B:
+        bias = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        ref = ref + bias
+        b = tl.abs(bias)
+    spread = tl.abs(c) + tl.abs(h) + mean_abs
+    bound = (n_cols + 4) * 5.960464477539063e-08 * tl.abs(g) * rs * spread
+    got_abs = tl.where(got == got, tl.abs(got), 0.0)
+    got_abs = tl.where(got_abs < float("inf"), got_abs, 0.0)
+    tol = scale * (2 * u_out * (got_abs + tl.abs(ref) + b) + bound + floor)
+    err = tl.abs(got - ref)
+    err = tl.where(err == err, err, float("inf"))  # NaN: as far as it gets
+    tl.store(OUT + row.to(tl.int64), tl.max(tl.where(mask, err - tol, -float("inf")), 0))
+
+
+def norm_excess(spec, x: Tensor, y: Tensor, weight: Tensor | None, bias: Tensor | None, *,
+                scale: float = 1.0, kernel: bool = False) -> Tensor:  # fmt: skip
+    """Per row of ``y`` (rows, d), the excess of its worst element over the rounding bound
+    (:func:`attnchecker.abft.norm.row_excess`'s first result), in one launch when ``kernel``."""
+    from attnchecker.abft.norm import row_excess
+
+    if not kernel:
+        return row_excess(spec, x, y, weight, bias, scale=scale)[0]
+    d = y.shape[-1]
+    x2, y2 = x.detach().reshape(-1, d).contiguous(), y.detach().reshape(-1, d)
+    out = torch.empty(y2.shape[0], dtype=torch.float32, device=y.device)
+    u_out = max(torch.finfo(t.dtype).eps / 2 for t in (x, y))
+    spacing = max(torch.finfo(t.dtype).tiny * torch.finfo(t.dtype).eps for t in (x, y))
+    w = weight.detach() if weight is not None else x2
+    b = bias.detach() if bias is not None else x2
+    norm_excess_kernel[(y2.shape[0],)](
+        x2, y2, w, b, out, d, float(spec.eps), u_out, float(scale), spacing,
+        LAYER=spec.kind == "layer", HAS_W=weight is not None, OFFSET=spec.offset,
+        HAS_B=bias is not None, BLOCK=triton.next_power_of_2(d),
+    )  # fmt: skip
+    return out

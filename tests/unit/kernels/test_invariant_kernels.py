@@ -1,0 +1,85 @@
+"""The kernels of the checks beyond the GEMMs (kernels/invariants.py) against their eager
+references, in Triton's interpreter: the update check's fp64 row sums (to fp64 rounding) and the
+norms' per-row excess (the same rows flagged); and the two checks end to end on the kernels
+(``check_impl="triton"``), one launch a tensor or a norm call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnchecker import ABFTConfig, guard, protect_
+from attnchecker.abft.norm import NormSpec, reference
+from attnchecker.inject.injector import Injector
+from attnchecker.inject.plan import Fault, FaultPlan
+from attnchecker.kernels.invariants import norm_excess, row_sums
+from attnchecker.kernels.launches import recorded
+from attnchecker.models.tiny import build
+
+
+@pytest.mark.parametrize("shape", [(37, 100), (3, 2000), (1000,)])
+def test_the_row_sums_kernel_is_its_reference_to_fp64_rounding(shape):
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(shape, generator=g)
+    m, v = torch.randn(shape, generator=g) * 1e-3, torch.rand(shape, generator=g) * 1e-6
+    for args, kw in [((p,), {"square": True}), ((p, m, v), {"adam": (torch.tensor(0.3), 1e-8)}),
+                     ((p, m), {})]:  # fmt: skip
+        want, got = row_sums(*args, **kw), row_sums(*args, kernel=True, **kw)
+        assert len(want) == len(got)
+        for a, b in zip(want, got, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-300)
+
+
+@pytest.mark.parametrize("spec", [NormSpec("rms", 1e-6), NormSpec("layer", 1e-5),
+                                  NormSpec("rms", 1e-6, offset=True)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_norm_kernel_flags_the_rows_its_reference_flags(spec, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if spec.kind == "layer" else None
+    y = reference(spec, x, w, b)[0].to(dtype)
+    y[2, 1, 5], y[4, 0, 7], y[5, 3, 9] = float("inf"), float("nan"), y[5, 3, 9] * 1.5
+    want = norm_excess(spec, x, y, w, b)
+    got = norm_excess(spec, x, y, w, b, kernel=True)
+    assert (got > 0).nonzero().flatten().tolist() == (want > 0).nonzero().flatten().tolist()
+    assert (want > 0).sum() == 3
+
+
+def test_both_checks_run_on_their_kernels_one_launch_each():
+    def run(plan):
+        torch.manual_seed(0)
+        model = build("llama", "tiny", seed=0, vocab_size=128)  # few rows: the interpreter
+        config = ABFTConfig(ops=(), invariants=("norm", "update"), check_impl="triton",
+                            policy="warn")  # fmt: skip
+        handle = protect_(model, config)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = guard(inner, handle, names=model)
+        ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+        events = []
+        with Injector(model, plan, optimizer=inner), recorded() as launches:
+            for _ in range(2):
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                events += handle.drain()
+        return model, events, launches, handle
+
+    clean, events, launches, handle = run(FaultPlan([]))
+    assert events == []
+    norms = len(handle.summary()["invariants"]["norm"]["checked"])
+    params = len(list(clean.parameters()))
+    kinds = [launch.kernel for launch in launches]
+    assert kinds.count("norm_excess_kernel") == 2 * norms  # one a norm call
+    # a tensor: one before the step (its gradient), one after (parameter, moments, r); and once
+    # its first sums (the parameter, before the first step)
+    assert kinds.count("row_sums_kernel") == 2 * 2 * params + params
+    plan = FaultPlan([
+        Fault(step=2, site="module:model.layers.1.input_layernorm", kind="nan"),
+        Fault(step=2, site="optim:model.layers.0.mlp.up_proj.weight:exp_avg_sq", kind="inf"),
+    ])  # fmt: skip
+    faulty, events, _, _ = run(plan)
+    assert sorted((e.op, e.action) for e in events) == [
+        ("norm", "corrected"), ("update.exp_avg_sq", "corrected"), ("update.param", "corrected")]
+    for a, b in zip(clean.parameters(), faulty.parameters(), strict=True):
+        assert float((a - b).detach().abs().max()) <= 1e-6
