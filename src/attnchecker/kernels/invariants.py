@@ -1,13 +1,14 @@
 """The checks beyond the GEMMs as Triton kernels, each beside its eager reference: one pass over
 the data a check reads, one launch.
 
-- :func:`row_sums` (reference :func:`attnchecker.abft.update.row_sums`): the update check's
-  row sums ``[sum x, sum (j + 1) x, sum |x|]`` of one to three tensors of one shape, and with
+- :func:`row_sums` (reference :func:`attnchecker.abft.update.row_sums`): the update check's row
+  sums ``[sum x, sum (j + 1) x, sum |x|]`` of one to three tensors of one shape, and with
   ``adam`` also of ``r = m / (sqrt(v) / root + eps)`` from the new moments (m, v the second and
   third tensors), accumulated in fp64, a program a tile of rows (~2,048 elements a step).
   ``square`` adds the sums of the first tensor's squares (a gradient's, for Adam's v). One
-  launch reads each element once: the gradients before the step (4 bytes a parameter in fp32), the parameters and moments after it
-  (12): what the check adds to an AdamW step that reads and writes 28.
+  launch reads each element once: the gradients before the step (4 bytes a parameter in fp32),
+  the parameters and moments after it (12): what the check adds to an AdamW step that reads and
+  writes 28.
 - :func:`norm_excess` (reference :func:`attnchecker.abft.norm.row_excess`): per row of a norm
   module's output, how far its worst element exceeds the rounding bound against the row
   recomputed from the input, a program a row, one read of x and y.
