@@ -234,11 +234,14 @@ def traced_step(
     micro_batches: int = 1,
     widths: dict | None = None,
     native_gqa: bool = False,
+    fused: bool = False,
 ) -> OpTrace:
     """The :class:`OpTrace` of the second of two training steps of a ``layers``-layer
     ``family`` model at ``widths`` (:data:`LLAMA_8B` by default; ``{}``: base width), sequence
     ``L``, ``batch`` sequences a micro-batch, ``micro_batches`` of them a step (gradients
-    accumulated), then AdamW (``foreach``, as on CUDA), the gradients zeroed and, protected,
+    accumulated), then AdamW (``foreach``, as on CUDA; ``fused``: the fused kernel, what
+    :func:`attnchecker.guard` asks for; with ``"update"`` in the config's invariants, guarded:
+    the update check), the gradients zeroed and, protected,
     the records drained: plain (``config`` None, SDPA attention) or protected by ``config`` (an
     :class:`~attnchecker.ABFTConfig`; ``backend="sdpa", check_impl="triton"`` is what ``auto``
     runs on CUDA). ``native_gqa``: the flash kernel takes K / V of fewer heads as they are
@@ -269,7 +272,11 @@ def traced_step(
     model.set_attn_implementation("sdpa")
     # (values are garbage: the records may read as faults, so drain warns, silenced, not raises)
     handle = None if config is None else protect_(model, config.replace(policy="warn"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=not fused, fused=fused)
+    if handle is not None and "update" in config.invariants:  # the update check: in the guard
+        from attnchecker.recovery.guard import guard
+
+        opt = guard(opt, handle)
     ids = torch.randint(3, 128, (batch, L), generator=torch.Generator().manual_seed(0))
 
     def step(trace: OpTrace | None) -> None:

@@ -66,5 +66,7 @@ def locate(delta: Tensor, width: int) -> int | None:
     if d1 == 0 or not (abs(d1) < float("inf") and abs(dw) < float("inf")):
         return None
     j = dw / d1
+    if not abs(j) < float("inf"):
+        return None
     col = round(j)
     return col - 1 if 1 <= col <= width and abs(j - col) < 0.1 else None

@@ -11,7 +11,9 @@ the data a check reads, one launch.
   writes 28.
 - :func:`norm_excess` (reference :func:`attnchecker.abft.norm.row_excess`): per row of a norm
   module's output, how far its worst element exceeds the rounding bound against the row
-  recomputed from the input, a program a row, one read of x and y.
+  recomputed from the input, a program a row, one read of x and y; :func:`inv_norm_check`, the
+  same launch repairing a flagged row with its reference and counting it in the module's record
+  (the clean path writes nothing: one launch a norm call).
 
 Used where a tensor is on CUDA, and in Triton's interpreter on a CPU when the config asks for
 the kernels (``check_impl="triton"``: the tests, the launch counts); else the references run.
@@ -26,7 +28,8 @@ from torch import Tensor
 
 from attnchecker.kernels import available, interpreting
 
-__all__ = ["norm_excess", "row_sums", "use_kernels"]
+__all__ = ["inv_norm_check", "inv_norm_excess", "inv_row_sums", "norm_excess", "row_sums",
+           "use_kernels"]
 
 
 def use_kernels(t: Tensor, asked: bool) -> bool:
@@ -98,27 +101,51 @@ def row_sums(*tensors: Tensor, square: bool = False, adam: tuple[float, float] |
             out.append(reference(m / (v.sqrt() / root + eps)))
         return out
     rows = [as_rows(t.detach()).contiguous() for t in tensors]
-    n_rows, n_cols = rows[0].shape
-    out = torch.empty(n_rows, 4, 3, dtype=torch.float64, device=rows[0].device)
-    a, b, c = (rows + [rows[0]] * 2)[:3]
+    b, c = [*rows[1:], None, None][:2]
     if square and len(rows) > 1:
         raise ValueError("square takes one tensor")
-    root, eps = adam if adam is not None else (1.0, 0.0)
-    root = torch.as_tensor(root, dtype=torch.float64).reshape(1).to(out.device)
-    block = min(triton.next_power_of_2(max(n_cols, 16)), 512)
-    per = max(1, min(64, 2048 // block))  # rows a program: ~2,048 elements a tile
-    row_sums_kernel[(triton.cdiv(n_rows, per),)](
-        a, b, c, out, n_rows, n_cols, root, float(eps), N=len(rows), SQUARE=square,
-        ADAM=adam is not None, ROWS=per, BLOCK=block,
-    )  # fmt: skip
+    root, eps = adam if adam is not None else (_one(rows[0].device), 0.0)
+    root = torch.as_tensor(root, dtype=torch.float64).reshape(1).to(rows[0].device)
+    out = inv_row_sums(rows[0], b, c, square, adam is not None, root, float(eps))
     k = len(rows) + int(square) + int(adam is not None)
     return [out[:, i] for i in range(k)]
 
 
+_ONES: dict[torch.device, Tensor] = {}
+
+
+def _one(device: torch.device) -> Tensor:
+    """A float64 1.0 on ``device``, made once (no host-to-device copy a call)."""
+    if device not in _ONES:
+        _ONES[device] = torch.ones(1, dtype=torch.float64, device=device)
+    return _ONES[device]
+
+
+@torch.library.custom_op("attnchecker::inv_row_sums", mutates_args=())
+def inv_row_sums(a: Tensor, b: Tensor | None, c: Tensor | None, square: bool, adam: bool,
+                 root: Tensor, eps: float) -> Tensor:  # fmt: skip
+    """One launch of :func:`row_sums_kernel` over (rows, cols) tensors: (rows, 4, 3) fp64."""
+    n_rows, n_cols = a.shape
+    out = torch.empty(n_rows, 4, 3, dtype=torch.float64, device=a.device)
+    n = 1 + (b is not None) + (c is not None)
+    block = min(triton.next_power_of_2(max(n_cols, 16)), 512)
+    per = max(1, min(64, 2048 // block))  # rows a program: ~2,048 elements a tile
+    row_sums_kernel[(triton.cdiv(n_rows, per),)](
+        a, a if b is None else b, a if c is None else c, out, n_rows, n_cols, root, eps, N=n,
+        SQUARE=square, ADAM=adam, ROWS=per, BLOCK=block,
+    )  # fmt: skip
+    return out
+
+
+@inv_row_sums.register_fake
+def _(a, b, c, square, adam, root, eps):
+    return a.new_empty(a.shape[0], 4, 3, dtype=torch.float64)
+
+
 @triton.jit
-def norm_excess_kernel(X, Y, W, B, OUT, n_cols, eps, u_out, scale, spacing, LAYER: tl.constexpr,
-                       HAS_W: tl.constexpr, OFFSET: tl.constexpr, HAS_B: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+def norm_excess_kernel(X, Y, W, B, OUT, REC, n_cols, eps, u_out, scale, spacing,
+                       LAYER: tl.constexpr, HAS_W: tl.constexpr, OFFSET: tl.constexpr,
+                       HAS_B: tl.constexpr, REPAIR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -153,7 +180,18 @@ def norm_excess_kernel(X, Y, W, B, OUT, n_cols, eps, u_out, scale, spacing, LAYE
     tol = scale * (2 * u_out * (got_abs + tl.abs(ref) + b) + bound + floor)
     err = tl.abs(got - ref)
     err = tl.where(err == err, err, float("inf"))  # NaN: as far as it gets
-    tl.store(OUT + row.to(tl.int64), tl.max(tl.where(mask, err - tol, -float("inf")), 0))
+    exc = tl.max(tl.where(mask, err - tol, -float("inf")), 0)
+    if REPAIR:  # a flagged row gets its reference; the record counts it (the clean path: no write)
+        if exc > 0:
+            tl.store(Y + base + cols, ref.to(Y.dtype.element_ty), mask=mask)
+            big = tl.abs(got)
+            code = tl.where(got != got, 3.0, tl.where(big == float("inf"), 2.0,
+                                                      tl.where(big >= 1e10, 1.0, 0.0)))
+            tl.atomic_max(REC, 1.0)
+            tl.atomic_add(REC + 1, 1.0)
+            tl.atomic_max(REC + 3, tl.max(tl.where(mask, code, 0.0), 0).to(tl.float64))
+    else:
+        tl.store(OUT + row.to(tl.int64), exc)
 
 
 def norm_excess(spec, x: Tensor, y: Tensor, weight: Tensor | None, bias: Tensor | None, *,
@@ -166,14 +204,46 @@ def norm_excess(spec, x: Tensor, y: Tensor, weight: Tensor | None, bias: Tensor 
         return row_excess(spec, x, y, weight, bias, scale=scale)[0]
     d = y.shape[-1]
     x2, y2 = x.detach().reshape(-1, d).contiguous(), y.detach().reshape(-1, d)
-    out = torch.empty(y2.shape[0], dtype=torch.float32, device=y.device)
+    w = None if weight is None else weight.detach()
+    b = None if bias is None else bias.detach()
+    return inv_norm_excess(x2, y2, w, b, spec.kind == "layer", spec.offset, float(spec.eps),
+                           float(scale))  # fmt: skip
+
+
+@torch.library.custom_op("attnchecker::inv_norm_excess", mutates_args=())
+def inv_norm_excess(x: Tensor, y: Tensor, w: Tensor | None, b: Tensor | None, layer: bool,
+                    offset: bool, eps: float, scale: float) -> Tensor:  # fmt: skip
+    """One launch of :func:`norm_excess_kernel` over (rows, d) x and y: (rows,) fp32."""
+    out = torch.empty(y.shape[0], dtype=torch.float32, device=y.device)
+    _launch(x, y, w, b, out, out, layer, offset, eps, scale, repair=False)
+    return out
+
+
+@inv_norm_excess.register_fake
+def _(x, y, w, b, layer, offset, eps, scale):
+    return y.new_empty(y.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("attnchecker::inv_norm_check", mutates_args=("y", "rec"))
+def inv_norm_check(x: Tensor, y: Tensor, w: Tensor | None, b: Tensor | None, rec: Tensor,
+                   layer: bool, offset: bool, eps: float, scale: float) -> None:  # fmt: skip
+    """The norm check and its repair in one launch over (rows, d) x and y: a flagged row is
+    overwritten with its fp32 reference in y's dtype (within the bound of the module's own
+    value), and ``rec`` (float64 ``[calls, rows, 0, kind code]``) counts it; the clean path
+    writes nothing."""
+    _launch(x, y, w, b, rec, rec, layer, offset, eps, scale, repair=True)
+
+
+@inv_norm_check.register_fake
+def _(x, y, w, b, rec, layer, offset, eps, scale):
+    return None
+
+
+def _launch(x, y, w, b, out, rec, layer, offset, eps, scale, *, repair: bool) -> None:
     u_out = max(torch.finfo(t.dtype).eps / 2 for t in (x, y))
     spacing = max(torch.finfo(t.dtype).tiny * torch.finfo(t.dtype).eps for t in (x, y))
-    w = weight.detach() if weight is not None else x2
-    b = bias.detach() if bias is not None else x2
-    norm_excess_kernel[(y2.shape[0],)](
-        x2, y2, w, b, out, d, float(spec.eps), u_out, float(scale), spacing,
-        LAYER=spec.kind == "layer", HAS_W=weight is not None, OFFSET=spec.offset,
-        HAS_B=bias is not None, BLOCK=triton.next_power_of_2(d),
+    norm_excess_kernel[(y.shape[0],)](
+        x, y, x if w is None else w, x if b is None else b, out, rec, y.shape[1], eps, u_out,
+        scale, spacing, LAYER=layer, HAS_W=w is not None, OFFSET=offset, HAS_B=b is not None,
+        REPAIR=repair, BLOCK=triton.next_power_of_2(y.shape[1]),
     )  # fmt: skip
-    return out

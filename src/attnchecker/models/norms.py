@@ -15,7 +15,6 @@ computes something else (a scale, a different order) is named unchecked, with th
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,13 +23,14 @@ import torch
 from torch import Tensor, nn
 
 from attnchecker.abft.norm import NormSpec, row_excess
-from attnchecker.faults import kind_of
-from attnchecker.kernels.invariants import norm_excess, use_kernels
+from attnchecker.kernels.invariants import inv_norm_check, norm_excess, use_kernels
+from attnchecker.kernels.launches import as_on_gpu
 
 __all__ = ["NormCheck", "find_norms", "spec_of"]
 
 _NAME = re.compile(r"(RMSNorm|LayerNorm)$")
 _LAYER = re.compile(r"\.(\d+)\.")
+_KINDS = ("finite", "near_inf", "inf", "nan")  # a record's kind code: the worst value's
 
 
 def _eps(m: nn.Module) -> float | None:
@@ -106,8 +106,11 @@ class _Norm:
 
 class NormCheck:
     """The hooks on a model's norm modules and their records: per module a float64 row
-    ``[calls flagged, rows flagged, rows lost, the last flagged call's worst delivered value]``,
-    on the device."""
+    ``[calls flagged, rows flagged, rows lost, kind code]`` (:data:`_KINDS`: the worst
+    delivered value's), on the device. On the kernels (CUDA; ``check_impl="triton"`` in the
+    interpreter) one launch a call checks, repairs every flagged row with its fp32 reference
+    (within the check's bound of the module's own value) and records; else the eager reference
+    repairs the worst ``max_rows`` rows by the module's own forward (exact)."""
 
     op = "norm"
 
@@ -146,10 +149,16 @@ class NormCheck:
             return
         bias = getattr(module, "bias", None)
         weight = getattr(module, "weight", None)
+        weight = weight.detach() if isinstance(weight, Tensor) else None
+        bias = bias.detach() if isinstance(bias, Tensor) else None
+        if use_kernels(y, self.kernels):  # one launch: check, repair, record
+            d = y.shape[-1]
+            inv_norm_check(x.detach().reshape(-1, d).contiguous(), y.detach().view(-1, d),
+                           weight, bias, self.records[i], n.spec.kind == "layer",
+                           n.spec.offset, float(n.spec.eps), float(self.scale))  # fmt: skip
+            return
         excess = norm_excess(
-            n.spec, x, y, weight if isinstance(weight, Tensor) else None,
-            bias if isinstance(bias, Tensor) else None, scale=self.scale,
-            kernel=use_kernels(y, self.kernels),
+            n.spec, x, y, weight, bias, scale=self.scale
         ).reshape(-1)  # fmt: skip
         d = y.shape[-1]
         bad = excess > 0  # (rows,)
@@ -158,19 +167,24 @@ class NormCheck:
         with torch.no_grad():
             x2 = x.detach().reshape(-1, d)
             y2 = y.detach().view(-1, d)
-            # the worst row's largest delivered value (the event's kind: an extreme error is it)
-            top = y2[worst[0]].float()
-            value = top[top.abs().nan_to_num(float("inf")).argmax()].double()
+            # the worst row's largest delivered value (the event's kind: an extreme error is it;
+            # tensor indices only: a 0-dim index would be read on the host)
+            top = y2.index_select(0, worst[:1]).float().reshape(-1)
+            value = top.gather(0, top.abs().nan_to_num(float("inf")).argmax().reshape(1))
+            v = value.double().reshape(())
+            code = torch.where(v != v, 3.0, torch.where(v.abs() == float("inf"), 2.0,
+                               torch.where(v.abs() >= 1e10, 1.0, 0.0))).double()  # fmt: skip
             fixed = module.forward(x2.index_select(0, worst)).to(y.dtype)  # its own math
             keep = y2.index_select(0, worst)
-            y2.index_copy_(0, worst, torch.where(bad[worst].unsqueeze(-1), fixed, keep))
+            y2.index_copy_(0, worst, torch.where(bad.index_select(0, worst).unsqueeze(-1),
+                                                 fixed, keep))  # fmt: skip
             flagged = bad.sum()
             row = torch.stack([
                 (flagged > 0).double(), flagged.double(), (flagged - k).clamp(min=0).double(),
             ])  # fmt: skip
             rec = self.records[i]
             rec[:3].add_(row.to(rec.device))
-            rec[3].copy_(torch.where(flagged > 0, value.to(rec.device), rec[3]))
+            rec[3].copy_(torch.maximum(rec[3], torch.where(flagged > 0, code, 0.0).to(rec.device)))
 
     # -- the handle's side (models.handle: read with the drain's one transfer) --
 
@@ -180,15 +194,16 @@ class NormCheck:
     def events(self, values: list[float], step: int) -> list[dict[str, object]]:
         """This drain's events (the fields of :class:`~attnchecker.models.handle.Event`)."""
         out = []
+        if as_on_gpu():  # the cost model's trace: garbage values (the clean path is priced)
+            values = [0.0] * len(values)
         for n, rec in zip(self.norms, _rows(values, 4), strict=True):
-            calls, rows, lost, value = rec
+            calls, rows, lost, code = rec
             if calls:
                 out.append({
                     "step": step, "module": n.name, "layer": n.layer, "op": self.op,
-                    "pattern": "1R" if rows == 1 else "2D", "kind": kind_of(value),
+                    "pattern": "1R" if rows == 1 else "2D", "kind": _KINDS[int(code)],
                     "action": "uncorrectable" if lost else "corrected", "n_rows": int(rows),
                     "n_cols": 0, "count": int(calls),
-                    "value": value if math.isfinite(value) else None,
                 })  # fmt: skip
         self.records.zero_()
         return out

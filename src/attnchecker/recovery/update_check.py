@@ -37,6 +37,7 @@ from attnchecker.abft.update import as_rows, excess, locate, unit
 from attnchecker.faults import kind_of
 from attnchecker.kernels.invariants import row_sums as sums
 from attnchecker.kernels.invariants import use_kernels
+from attnchecker.kernels.launches import as_on_gpu
 
 __all__ = ["UpdateCheck", "covered"]
 
@@ -93,11 +94,13 @@ class UpdateCheck:
         self.keys = ("param", *_STATE.get(self.rule or "", ()))
         dev = self.params[0].device if self.params else torch.device("cpu")
         dev = torch.device("cpu") if dev.type == "meta" else dev
-        # flagged rows per tensor and quantity, and a last column: under L2 decay, the
+        # flagged rows per parameter group and quantity, and a last column: under L2 decay, a
         # parameter changed since the last step (its gradient input is then wrong too)
-        self.counts = torch.zeros(len(self.params), len(self.keys) + 1, dtype=torch.float64,
+        groups = len(optimizer.param_groups)
+        self.counts = torch.zeros(groups, len(self.keys) + 1, dtype=torch.float64,
                                   device=dev)  # fmt: skip
         self.pending = False  # an update checked whose counts no drain has read yet
+        self._skip = torch.zeros((), dtype=torch.bool)  # whether the last step was skipped
         self.corrected = self.uncorrectable = 0
 
     # -- around the optimizer's step (the guard calls these) --
@@ -138,39 +141,67 @@ class UpdateCheck:
 
     def after(self, skipped: Tensor) -> None:
         """Row sums of the new state and parameters against the prediction (the kept sums
-        where ``skipped``), into :attr:`counts` (device only)."""
+        where ``skipped``), into :attr:`counts` (device only). One launch a tensor for the
+        sums; the comparison is vectorised over each parameter group's tensors (the same
+        coefficients), a handful of ops a group and quantity."""
         if self.rule is None:
             return
+        skip = skipped.to(self.counts.device) > 0
+        self._skip = skip
+        width = len(self.keys) + 1
         flagged = []
-        for p in self.params:
-            s = self._state[id(p)]
-            if not s.inputs:
-                flagged.append(torch.zeros(len(self.keys) + 1, device=self.counts.device,
-                                           dtype=torch.float64))
+        for group in self.optimizer.param_groups:
+            active = [p for p in group["params"] if self._state[id(p)].inputs]
+            if not active:
+                flagged.append(torch.zeros(width, dtype=torch.float64, device=skip.device))
                 continue
-            group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
-            s.coef = self._coef(p, group)
-            got = self._new(p, s.coef)
-            s.terms = self._terms(s, group, got, s.kept)
+            coef = self._coef(active[0], group)  # a group steps together: one step count
+            news = [self._new(p, coef) for p in active]
+            states = [self._state[id(p)] for p in active]
+            for st, new in zip(states, news, strict=True):
+                st.coef = coef
+                st.terms = self._terms(st, group, new, st.kept)
+            u = max(unit(p.dtype) for p in active)
             row = []
             for k in self.keys:
-                if k not in got:
-                    row.append(torch.zeros((), device=self.counts.device, dtype=torch.float64))
-                    continue
-                _, over = excess(got[k], s.terms[k], unit(p.dtype), self.scale)
-                kept = s.kept.get(k)
-                if kept is not None:  # a skipped step leaves the kept sums
-                    _, over_kept = excess(got[k], [(1.0, kept)], unit(p.dtype), self.scale)
-                    over = torch.where(skipped.to(over.device) > 0, over_kept, over)
-                row.append((over > 0).sum().double())
-            moved = None if s.rest is None else s.rest * (skipped.to(s.rest.device) <= 0)
-            row.append(torch.zeros((), dtype=torch.float64) if moved is None else moved)
-            flagged.append(torch.stack([r.to(self.counts.device) for r in row]))
-            s.prev, s.kept = s.kept, {k: v for k, v in got.items() if k != "r"}
-            s.versions = self._versions(p)
+                over = self._compare(k, news, states, u, skip)
+                row.append(torch.zeros((), dtype=torch.float64, device=skip.device)
+                           if over is None else (over > 0).sum().double())  # fmt: skip
+            rests = [st.rest for st in states if st.rest is not None]
+            row.append(torch.stack(rests).amax() * ~skip if rests else
+                       torch.zeros((), dtype=torch.float64, device=skip.device))  # fmt: skip
+            flagged.append(torch.stack([r.to(skip.device) for r in row]))
+            for p, st, new in zip(active, states, news, strict=True):
+                st.prev, st.kept = st.kept, {k: v for k, v in new.items() if k != "r"}
+                st.versions = self._versions(p)
         if flagged:
-            self.counts.add_(torch.stack(flagged))
+            self.counts.add_(torch.stack(flagged).to(self.counts.device))
             self.pending = True
+
+    def _compare(self, k: str, news: list, states: list, u: float, skip: Tensor) -> Tensor | None:
+        """Per row of the group's tensors that have quantity ``k``: the excess over the
+        tolerance of the delivered sums against the prediction (against the kept sums where the
+        step was skipped). Tensors whose prediction has other coefficients (SGD's first
+        momentum step) are compared in their own batch."""
+        batches: dict[tuple, list[int]] = {}
+        for i, (new, st) in enumerate(zip(news, states, strict=True)):
+            if k in new:
+                sig = tuple(a if isinstance(a, float) else id(a) for a, _ in st.terms[k])
+                batches.setdefault(sig, []).append(i)
+        if not batches:
+            return None
+        parts = []
+        for idx in batches.values():
+            got = torch.cat([news[i][k] for i in idx])
+            terms = [(a, torch.cat([states[i].terms[k][t][1] for i in idx]))
+                     for t, (a, _) in enumerate(states[idx[0]].terms[k])]  # fmt: skip
+            _, over = excess(got, terms, u, self.scale)
+            kept = [states[i].kept.get(k) for i in idx]
+            if all(x is not None for x in kept):  # a skipped step leaves the kept sums
+                _, over_kept = excess(got, [(1.0, torch.cat(kept))], u, self.scale)
+                over = torch.where(skip, over_kept, over)
+            parts.append(over)
+        return torch.cat(parts)
 
     def _decoupled(self, group: dict) -> bool:
         return isinstance(self.optimizer, torch.optim.AdamW) or bool(
@@ -207,8 +238,15 @@ class UpdateCheck:
         b1, b2 = (float(b) for b in group["betas"])
         step = self.optimizer.state[p]["step"]
         step = step.to(torch.float64) if isinstance(step, Tensor) else float(step)
-        return {"lr": lr, "wd": wd if self._decoupled(group) else 0.0, "b1": b1, "b2": b2,
-                "eps": float(group["eps"]), "bc1": 1 - b1**step, "bc2": 1 - b2**step}  # fmt: skip
+        bc2 = 1 - b2**step
+        root = bc2.sqrt() if isinstance(bc2, Tensor) else bc2**0.5
+        root = torch.as_tensor(root, dtype=torch.float64).reshape(1).to(_local(p).device)
+        wd = wd if self._decoupled(group) else 0.0
+        # the group's coefficients, computed once: a tensor made a parameter would make every
+        # parameter a batch of its own in _compare
+        return {"lr": lr, "wd": wd, "b1": b1, "b2": b2, "eps": float(group["eps"]),
+                "bc1": 1 - b1**step, "bc2": bc2, "root": root, "decay": 1 - lr * wd,
+                "step_size": -lr / (1 - b1**step)}  # fmt: skip
 
     def _sums(self, *tensors: Tensor, **kw: Any) -> list[Tensor]:
         return sums(*tensors, kernel=use_kernels(tensors[0], self.kernels), **kw)
@@ -218,9 +256,7 @@ class UpdateCheck:
         moments) of ``r = m' / (sqrt(v') / sqrt(bc2) + eps)``, in one pass."""
         tensors = self._tensors(p)
         if self.rule == "adam" and len(tensors) == 3:
-            bc2 = c["bc2"]
-            root = bc2.sqrt() if isinstance(bc2, Tensor) else bc2**0.5
-            out = self._sums(*tensors.values(), adam=(root, c["eps"]))
+            out = self._sums(*tensors.values(), adam=(c["root"], c["eps"]))
             return dict(zip((*tensors, "r"), out, strict=True))
         return dict(zip(tensors, self._sums(*tensors.values()), strict=True))
 
@@ -228,20 +264,22 @@ class UpdateCheck:
         self, s: _Param, group: dict, got: dict[str, Tensor], kept: dict[str, Tensor]
     ) -> dict[str, list]:
         c, ins = s.coef, s.inputs
-        zero = torch.zeros_like(ins["g"])
+
+        def old(key: str) -> Tensor:  # a first step's state: zeros
+            return kept[key] if key in kept else torch.zeros_like(ins["g"])
+
         if self.rule == "adam":
             return {
-                "exp_avg": [(c["b1"], kept.get("exp_avg", zero)), (1 - c["b1"], ins["g"])],
-                "exp_avg_sq": [(c["b2"], kept.get("exp_avg_sq", zero)), (1 - c["b2"], ins["g2"])],
-                "param": [(1 - c["lr"] * c["wd"], kept["param"]),
-                          (-c["lr"] / c["bc1"], got["r"])],
-            }  # fmt: skip
+                "exp_avg": [(c["b1"], old("exp_avg")), (1 - c["b1"], ins["g"])],
+                "exp_avg_sq": [(c["b2"], old("exp_avg_sq")), (1 - c["b2"], ins["g2"])],
+                "param": [(c["decay"], kept["param"]), (c["step_size"], got["r"])],
+            }
         lr, mu = c["lr"], c["mu"]
         if mu == 0:
             return {"param": [(1.0, kept["param"]), (-lr, ins["g"])]}
         buf = [(1.0, ins["g"])] if "momentum_buffer" not in kept else [
             (mu, kept["momentum_buffer"]), (1 - c["damp"], ins["g"])]  # fmt: skip
-        new_buf = got.get("momentum_buffer", zero)
+        new_buf = got["momentum_buffer"] if "momentum_buffer" in got else old("momentum_buffer")
         step = [(-lr, ins["g"]), (-lr * mu, new_buf)] if c["nesterov"] else [(-lr, new_buf)]
         return {"momentum_buffer": buf, "param": [(1.0, kept["param"]), *step]}
 
@@ -253,18 +291,19 @@ class UpdateCheck:
     def events(self, values: list[float], step: int) -> list[dict[str, object]]:
         """Repair what the counts flag (host work, the fault path only); this drain's events."""
         self.pending = False
-        if not any(values):
+        if not any(values) or as_on_gpu():  # (the cost model's trace: garbage values, and the
+            self.counts.zero_()  # clean path is the one priced)
             return []
         width = len(self.keys) + 1
         out = []
-        for i, p in enumerate(self.params):
-            row = values[i * width : (i + 1) * width]
-            if any(row):
-                out += self._repair(p, self._state[id(p)], row, step)
+        for gi, group in enumerate(self.optimizer.param_groups):
+            if any(values[gi * width : (gi + 1) * width]):  # find its tensors, then repair them
+                for p in group["params"]:
+                    out += self._repair(p, self._state[id(p)], step)
         self.counts.zero_()
         return out
 
-    def _repair(self, p: Tensor, s: _Param, row: list[float], step: int) -> list[dict]:
+    def _repair(self, p: Tensor, s: _Param, step: int) -> list[dict]:
         group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
         tensors = self._tensors(p)
         u = unit(p.dtype)
@@ -284,8 +323,9 @@ class UpdateCheck:
                 continue
             fixed = [self._fix(tensors[k], r, got[r], pred[r]) for r in rows]
             # under L2 decay a parameter changed at rest also changed the gradient the step
-            # used: its moments cannot be rebuilt from row sums
-            lost = len(rows) if row[-1] else sum(v is None for v in fixed)
+            # used: its moments cannot be rebuilt from row sums (unless the step was skipped)
+            moved = s.rest is not None and bool(s.rest) and not bool(self._skip.any())
+            lost = len(rows) if moved else sum(v is None for v in fixed)
             value = next((v for v in fixed if v is not None), float("nan"))
             self.corrected += len(rows) - lost
             self.uncorrectable += lost

@@ -83,3 +83,19 @@ def test_both_checks_run_on_their_kernels_one_launch_each():
         ("norm", "corrected"), ("update.exp_avg_sq", "corrected"), ("update.param", "corrected")]
     for a, b in zip(clean.parameters(), faulty.parameters(), strict=True):
         assert float((a - b).detach().abs().max()) <= 1e-6
+
+
+def test_the_registered_ops_pass_opcheck():
+    from attnchecker.kernels.invariants import inv_norm_check, inv_norm_excess, inv_row_sums
+
+    g = torch.Generator().manual_seed(2)
+    a, b, c = (torch.rand(8, 40, generator=g) for _ in range(3))
+    root = torch.ones(1, dtype=torch.float64)
+    torch.library.opcheck(inv_row_sums, (a, b, c, False, True, root, 1e-8),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+    x = torch.randn(8, 40, generator=g)
+    torch.library.opcheck(inv_norm_excess, (x, x, a[0], None, False, False, 1e-6, 1.0),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+    rec = torch.zeros(4, dtype=torch.float64)
+    torch.library.opcheck(inv_norm_check, (x, x.clone(), a[0], None, rec, False, False, 1e-6,
+                                           1.0), test_utils=("test_schema", "test_faketensor"))
