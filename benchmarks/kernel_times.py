@@ -5,7 +5,8 @@ kernel's time). The second stage of ``scripts/gpu_check.sh``.
 
 A 1-layer llama at Llama-8B widths (L 4096) and at base width (L 1024), B 1, bf16 autocast over
 fp32 weights, the default config as CUDA runs it (the SDPA route, the GEMM checks as registered
-Triton ops): a few warm-up steps, then ``--reps`` steps in which every Triton launch is bracketed
+Triton ops) with the checks beyond the GEMMs (``invariants=("norm", "update")``, fused AdamW
+guarded): a few warm-up steps, then ``--reps`` steps in which every Triton launch is bracketed
 by CUDA events (``JITFunction.run``: the kernels run as they do, one stream, back to back). Per
 launch: its kernel, grid, programs, bytes of arguments (the bytes a repair on a clean step reads
 are its flags'), the median measured microseconds, the model's and their ratio; then per width
@@ -37,7 +38,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from attnchecker import ABFTConfig, protect_  # noqa: E402
+from attnchecker import ABFTConfig, guard, protect_  # noqa: E402
 from attnchecker.gpu_cost import FLAG_BYTES, H200, LLAMA_8B, SMS, clean_exit  # noqa: E402
 from attnchecker.kernels.launches import arg_bytes  # noqa: E402
 from attnchecker.models.tiny import build  # noqa: E402
@@ -98,8 +99,10 @@ def measure(width: str) -> dict:
     model.config.use_cache = False
     model.train()
     model.set_attn_implementation("sdpa")
-    protect_(model, ABFTConfig(backend="sdpa", check_impl="triton"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=CUDA)
+    # the checks beyond the GEMMs too (issue 57): the norms' kernel and the update's row sums
+    handle = protect_(model, ABFTConfig(backend="sdpa", check_impl="triton",
+                                        invariants=("norm", "update")))  # fmt: skip
+    opt = guard(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=CUDA), handle)
     ids = torch.randint(3, 128, (1, L), device=device)
 
     def step() -> None:

@@ -23,8 +23,9 @@
 #   check_impl="auto" on CUDA), eager / CUDA graph / compiled, at base width (L 1024) and Llama-8B widths
 #   (L 4096), arms alternated, each row written as measured (step_rows.jsonl);
 # - calibrate: benchmarks/kernel_times.py, every check kernel of one protected step (Llama-8B
-#   widths and base width, 1 layer) timed alone with CUDA events against the cost model's
-#   charge, and the device constants fitted (bandwidth, per-program rate, floor: issue 54);
+#   widths and base width, 1 layer; the norms' and the update's kernels of issue 57 included)
+#   timed alone with CUDA events against the cost model's charge, and the device constants
+#   fitted (bandwidth, per-program rate, floor: issue 54);
 # - tests: the `gpu` tests (tests/integration/test_gpu.py: the SDPA route's among them) and the
 #   fused kernels' tests
 #   (tests/unit/kernels, compiled for the GPU, no interpreter) with the system python, failing
