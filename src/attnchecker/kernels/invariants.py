@@ -247,3 +247,90 @@ def _launch(x, y, w, b, out, rec, layer, offset, eps, scale, *, repair: bool) ->
         scale, spacing, LAYER=layer, HAS_W=w is not None, OFFSET=offset, HAS_B=b is not None,
         REPAIR=repair, BLOCK=triton.next_power_of_2(y.shape[1]),
     )  # fmt: skip
+
+
+@triton.jit
+def checked_adamw_kernel(P, G, M, V, OUT, COEF, n_rows, n_cols, decay, b1, b2, eps,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """AdamW's update of one parameter tensor (rows x cols, fp32 math), and in the same pass
+    the row sums the update check compares (module docstring): of the gradient, its square, the
+    new parameter, moments and ``r = m' / (sqrt(v') / sqrt(bc2) + eps)``. ``COEF`` (fp64, on
+    the device): ``[-lr / bc1, 1 / sqrt(bc2), skip, 1 / grad scale, sign]``; a skipped step
+    writes the values it read."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < n_rows
+    step_size = tl.load(COEF).to(tl.float32)
+    inv_root = tl.load(COEF + 1).to(tl.float32)
+    skip = tl.load(COEF + 2) > 0
+    inv_scale = tl.load(COEF + 3).to(tl.float32)
+    sign = tl.load(COEF + 4).to(tl.float32)
+    z = tl.zeros((ROWS,), dtype=tl.float64)
+    s0, w0, a0, s1, w1, a1, s2, w2, a2, s3, w3, a3 = z, z, z, z, z, z, z, z, z, z, z, z
+    s4, w4, a4, s5, w5, a5 = z, z, z, z, z, z
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = rmask[:, None] & (cols < n_cols)[None, :]
+        at = rows[:, None] * n_cols + cols[None, :]
+        j = (cols + 1).to(tl.float64)[None, :]
+        p = tl.load(P + at, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32) * inv_scale * sign
+        m = tl.load(M + at, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(V + at, mask=mask, other=0.0).to(tl.float32)
+        m2 = m + (1.0 - b1) * (g - m)  # torch's lerp
+        v2 = v * b2 + (1.0 - b2) * g * g
+        denom = tl.sqrt(v2) * inv_root + eps
+        p2 = p * decay + step_size * (m2 / denom)
+        m2 = tl.where(skip, m, m2)
+        v2 = tl.where(skip, v, v2)
+        p2 = tl.where(skip, p, p2)
+        r = tl.where(mask, m2 / (tl.sqrt(v2) * inv_root + eps), 0.0)
+        tl.store(P + at, p2.to(P.dtype.element_ty), mask=mask)
+        tl.store(M + at, m2.to(M.dtype.element_ty), mask=mask)
+        tl.store(V + at, v2.to(V.dtype.element_ty), mask=mask)
+        g64 = g.to(tl.float64)
+        s0, w0, a0 = _sums(s0, w0, a0, g64, j)
+        s1, w1, a1 = _sums(s1, w1, a1, g64 * g64, j)
+        # the sums of what was stored (rounded to the tensors' dtype), as a later pass reads it
+        s2, w2, a2 = _sums(s2, w2, a2, p2.to(P.dtype.element_ty).to(tl.float64), j)
+        s3, w3, a3 = _sums(s3, w3, a3, m2.to(M.dtype.element_ty).to(tl.float64), j)
+        s4, w4, a4 = _sums(s4, w4, a4, v2.to(V.dtype.element_ty).to(tl.float64), j)
+        s5, w5, a5 = _sums(s5, w5, a5, r.to(tl.float64), j)
+    out = OUT
+    tl.store(out + rows * 18 + 0, s0, mask=rmask)
+    tl.store(out + rows * 18 + 1, w0, mask=rmask)
+    tl.store(out + rows * 18 + 2, a0, mask=rmask)
+    tl.store(out + rows * 18 + 3, s1, mask=rmask)
+    tl.store(out + rows * 18 + 4, w1, mask=rmask)
+    tl.store(out + rows * 18 + 5, a1, mask=rmask)
+    tl.store(out + rows * 18 + 6, s2, mask=rmask)
+    tl.store(out + rows * 18 + 7, w2, mask=rmask)
+    tl.store(out + rows * 18 + 8, a2, mask=rmask)
+    tl.store(out + rows * 18 + 9, s3, mask=rmask)
+    tl.store(out + rows * 18 + 10, w3, mask=rmask)
+    tl.store(out + rows * 18 + 11, a3, mask=rmask)
+    tl.store(out + rows * 18 + 12, s4, mask=rmask)
+    tl.store(out + rows * 18 + 13, w4, mask=rmask)
+    tl.store(out + rows * 18 + 14, a4, mask=rmask)
+    tl.store(out + rows * 18 + 15, s5, mask=rmask)
+    tl.store(out + rows * 18 + 16, w5, mask=rmask)
+    tl.store(out + rows * 18 + 17, a5, mask=rmask)
+
+
+@torch.library.custom_op("attnchecker::checked_adamw", mutates_args=("p", "m", "v"))
+def checked_adamw(p: Tensor, g: Tensor, m: Tensor, v: Tensor, coef: Tensor, decay: float,
+                  b1: float, b2: float, eps: float) -> Tensor:  # fmt: skip
+    """AdamW's step of one (rows, cols) parameter with its row sums, one launch: (rows, 6, 3)
+    fp64, the sums of g, g^2, p', m', v', r (:func:`checked_adamw_kernel`)."""
+    n_rows, n_cols = p.shape
+    out = torch.empty(n_rows, 6, 3, dtype=torch.float64, device=p.device)
+    block = min(triton.next_power_of_2(max(n_cols, 16)), 512)
+    per = max(1, min(64, 2048 // block))
+    checked_adamw_kernel[(triton.cdiv(n_rows, per),)](
+        p, g, m, v, out, coef, n_rows, n_cols, decay, b1, b2, eps, ROWS=per, BLOCK=block,
+    )  # fmt: skip
+    return out
+
+
+@checked_adamw.register_fake
+def _(p, g, m, v, coef, decay, b1, b2, eps):
+    return p.new_empty(p.shape[0], 6, 3, dtype=torch.float64)

@@ -116,8 +116,19 @@ class GuardedOptimizer:
     def step(self, closure: Any = None, *, flag: Tensor | None = None) -> Any:
         """The optimizer's step, skipped where the flag (:meth:`flag`, or the one given, already
         reduced) is set."""
-        rest = self.update.before() if self.update is not None else None
         flag = self.flag() if flag is None else flag
+        if self.update is not None and self.update.can_fuse():  # the step in the checked kernel
+            theirs = getattr(self.optimizer, "found_inf", None)  # GradScaler's
+            both = flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))
+            self.skipped = both.clone() if self.skipped is None else self.skipped.add_(both)
+            # through torch.optim's step wrapper: its step hooks run as for any step (the
+            # protected model's clock learns that the weights moved; an injector's optim: sites)
+            update = self.update
+            step = torch.optim.Optimizer.profile_hook_step(lambda _opt: update.fused_step(both))
+            step(self.optimizer)
+            self.update.after(both)
+            return None
+        rest = self.update.before() if self.update is not None else None
         if rest is not None:  # a parameter changed at rest under L2 decay: skip, then repair
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.all_reduce(rest, op=torch.distributed.ReduceOp.MAX,

@@ -73,6 +73,7 @@ class _Param:
     terms: dict[str, list] = field(default_factory=dict)  # quantity -> prediction terms
     coef: dict[str, Any] = field(default_factory=dict)
     rest: Tensor | None = None  # under L2 decay: the parameter moved at rest (device flag)
+    fused: dict[str, Tensor] | None = None  # the checked AdamW kernel's sums of this step
 
 
 class UpdateCheck:
@@ -104,6 +105,66 @@ class UpdateCheck:
         self.corrected = self.uncorrectable = 0
 
     # -- around the optimizer's step (the guard calls these) --
+
+    def can_fuse(self) -> bool:
+        """Whether the step itself can run in the checked AdamW kernel
+        (:func:`attnchecker.kernels.invariants.checked_adamw`: the update and its row sums in
+        one pass, nothing read twice): decoupled weight decay (AdamW), no AMSGrad, float
+        learning rates, dense contiguous parameters where the kernels run (CUDA;
+        ``check_impl="triton"`` in the interpreter)."""
+        if self.rule != "adam" or not self.params:
+            return False
+        groups = self.optimizer.param_groups
+        return (
+            all(self._decoupled(g) and not g.get("amsgrad") and isinstance(g["lr"], float)
+                and not g.get("differentiable") for g in groups)
+            and all(_local(p).is_contiguous() and not _local(p).is_sparse for p in self.params)
+            and use_kernels(_local(self.params[0]), self.kernels)
+        )  # fmt: skip
+
+    def fused_step(self, skipped: Tensor) -> None:
+        """AdamW's step in the checked kernel (one launch a tensor), its state kept as
+        ``torch.optim.AdamW`` keeps it (``step`` a float32 tensor on the device, as fused and
+        capturable AdamW do), skipped on the device where ``skipped``; then :meth:`after` reads
+        the sums the kernel took."""
+        from attnchecker.kernels.invariants import checked_adamw
+
+        for s in self._state.values():
+            s.inputs, s.fused = {}, None
+        scale = getattr(self.optimizer, "grad_scale", None)
+        for group in self.optimizer.param_groups:
+            active = [p for p in group["params"] if p.grad is not None]
+            if not active:
+                continue
+            dev = _local(active[0]).device
+            for p in active:
+                st = self.optimizer.state[p]
+                if not st:  # a first step: AdamW's own state, zeros
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=dev)
+                    st["exp_avg"] = torch.zeros_like(_local(p), memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(_local(p),
+                                                        memory_format=torch.preserve_format)
+                self._refresh(p, self._state[id(p)])
+            steps = [self.optimizer.state[p]["step"] for p in active]
+            keep = (1 - skipped.to(dev).float()).reshape(())
+            torch._foreach_add_(steps, [keep] * len(steps))  # a skipped step does not count
+            b1, b2 = (float(b) for b in group["betas"])
+            t = steps[0].double()
+            one = torch.ones((), dtype=torch.float64, device=dev)  # (a fill: no copy from host)
+            inv = one if scale is None else 1 / scale.to(dev, torch.float64).reshape(())
+            sign = -one if group.get("maximize") else one
+            coef = torch.stack([-group["lr"] / (1 - b1**t), (1 - b2**t).rsqrt(),
+                                skipped.to(dev, torch.float64).reshape(()), inv, sign])
+            decay = 1 - group["lr"] * group["weight_decay"]
+            for p in active:
+                st = self.optimizer.state[p]
+                rows = [as_rows(_local(t)) for t in (p.detach(), p.grad, st["exp_avg"],
+                                                     st["exp_avg_sq"])]  # fmt: skip
+                out = checked_adamw(*rows, coef, decay, b1, b2, float(group["eps"]))
+                s = self._state[id(p)]
+                s.inputs = {"g": out[:, 0], "g2": out[:, 1]}
+                s.fused = dict(zip(("param", "exp_avg", "exp_avg_sq", "r"),
+                                   (out[:, i] for i in range(2, 6)), strict=True))  # fmt: skip
 
     def before(self) -> Tensor | None:
         """Row sums of this step's gradients; the kept sums refreshed where stale. Returns,
@@ -254,6 +315,10 @@ class UpdateCheck:
     def _new(self, p: Tensor, c: dict[str, Any]) -> dict[str, Tensor]:
         """Row sums of the parameter and its state after the step, and (Adam, with both
         moments) of ``r = m' / (sqrt(v') / sqrt(bc2) + eps)``, in one pass."""
+        fused = self._state[id(p)].fused
+        if fused is not None:  # the checked kernel took them as it wrote
+            self._state[id(p)].fused = None
+            return fused
         tensors = self._tensors(p)
         if self.rule == "adam" and len(tensors) == 3:
             out = self._sums(*tensors.values(), adam=(c["root"], c["eps"]))

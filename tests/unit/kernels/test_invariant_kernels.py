@@ -78,9 +78,10 @@ def test_both_checks_run_on_their_kernels_one_launch_each():
     kinds = [launch.kernel for launch in launches]
     if DEVICE == "cpu":  # (the interpreter's launches are what is recorded)
         assert kinds.count("norm_excess_kernel") == 2 * norms  # one a norm call
-        # a tensor: one before the step (its gradient), one after (parameter, moments, r); and
-        # once its first sums (the parameter, before the first step)
-        assert kinds.count("row_sums_kernel") == 2 * 2 * params + params
+        # the step in the checked AdamW kernel, one launch a tensor a step; the row sums of a
+        # tensor first seen (the parameter and its zero moments, at the first step) only
+        assert kinds.count("checked_adamw_kernel") == 2 * params
+        assert kinds.count("row_sums_kernel") == 3 * params
     plan = FaultPlan([
         Fault(step=2, site="module:model.layers.1.input_layernorm", kind="nan"),
         Fault(step=2, site="optim:model.layers.0.mlp.up_proj.weight:exp_avg_sq", kind="inf"),
@@ -106,3 +107,46 @@ def test_the_registered_ops_pass_opcheck():
     rec = torch.zeros(4, dtype=torch.float64, device=DEVICE)
     torch.library.opcheck(inv_norm_check, (x, x.clone(), a[0], None, rec, False, False, 1e-6,
                                            1.0), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_checked_adamw_kernel_is_adamw_and_checks_the_update_it_writes():
+    """``check_impl="triton"`` (CUDA's default): the guard runs AdamW in the checked kernel, the
+    update and its row sums in one pass. Its parameters are torch's AdamW's to fp32 rounding; a
+    wrong moment or parameter before the update is corrected in its step; a parameter written
+    wrong after the kernel took its sums is seen at the next step's update (the gap of the
+    one-pass check, docs/invariants.md)."""
+    from attnchecker.recovery.guard import FiniteGradients
+
+    def run(check, plan=None, steps=4):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                    torch.nn.Linear(128, 8)).to(DEVICE)  # fmt: skip
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = guard(inner, FiniteGradients(model.parameters()), check_update=check)
+        if check:
+            opt.update.kernels = True
+            assert opt.update.can_fuse()
+        events = []
+        with Injector(model, plan or FaultPlan([]), optimizer=inner):
+            for s in range(steps):
+                x = torch.randn(32, 64, generator=torch.Generator().manual_seed(s)).to(DEVICE)
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                events += [(e["op"], e["action"], s) for e in opt.settle()]
+        return [p.detach() for p in model.parameters()], events
+
+    plain, _ = run(False)
+    checked, events = run(True)
+    assert events == []
+    for a, b in zip(plain, checked, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=4 * 2**-24 * float(a.abs().max()) * 4)
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        fault = Fault(step=2, site=f"optim:0.weight:{key}", kind="nan", row=3, col=5)
+        faulty, events = run(True, FaultPlan([fault]))
+        assert {a for _, a, _ in events} == {"corrected"} and {s for *_, s in events} == {1}
+        assert max(float((a - b).abs().max()) for a, b in zip(checked, faulty)) <= 1e-6
+    late = Fault(step=2, site="optim:0.weight:param:written", kind="scale", value=2.0, row=3,
+                 col=5)  # fmt: skip
+    _, events = run(True, FaultPlan([late]))
+    assert events == [("update.param", "corrected", 2)]  # the next step's
