@@ -246,12 +246,14 @@ def compile_case(case: Case) -> list[Report]:
 GEMM_KERNELS = ("gemm_refs", "gemm_verify", "gemm_repair", "proj_weights", "proj_verify",
                 "proj_repair", "sdpa_kv_stats", "sdpa_fwd_verify", "sdpa_fwd_repair",
                 "sdpa_bwd_q", "sdpa_bwd_kv", "sdpa_bwd_check", "sdpa_bwd_repair_q",
-                "sdpa_bwd_repair_kv", "acc_mm", "inv_row_sums", "inv_norm_excess")  # fmt: skip
+                "sdpa_bwd_repair_kv", "acc_mm", "inv_row_sums", "inv_norm_excess",
+                "inv_checked_adamw")  # fmt: skip
 """The Triton kernels of the GEMM checks (:mod:`attnchecker.kernels.gemm_check`,
 :mod:`attnchecker.kernels.projection_check`), of the SDPA route's checks
 (:mod:`attnchecker.kernels.sdpa_kernels`), the accumulator GEMM
 (:mod:`attnchecker.kernels.acc_gemm`) and the checks beyond the GEMMs
-(:mod:`attnchecker.kernels.invariants`: the update check's row sums, the norms' excess)."""
+(:mod:`attnchecker.kernels.invariants`: the update check's row sums, the norms' excess, the
+checked AdamW)."""
 
 
 def gemm_cases() -> list[Case]:
@@ -278,7 +280,7 @@ def compile_gemm_case(case: Case) -> list[Report]:
                pc.verify_kernel, pc.repair_kernel, sk.kv_stats_kernel, sk.fwd_verify_kernel,
                sk.fwd_repair_kernel, sb.bwd_q_kernel, sb.bwd_kv_kernel, sb.bwd_check_kernel,
                sb.bwd_repair_q_kernel, sb.bwd_repair_kv_kernel, ag.mm_kernel,
-               inv.row_sums_kernel, inv.norm_excess_kernel)  # fmt: skip
+               inv.row_sums_kernel, inv.norm_excess_kernel, inv.checked_adamw_kernel)  # fmt: skip
     fns = dict(zip(GEMM_KERNELS, kernels, strict=True))
     seen: dict[str, tuple] = {}
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
@@ -304,6 +306,8 @@ def compile_gemm_case(case: Case) -> list[Report]:
         spec = NormSpec("layer", 1e-5)
         h, w = torch.zeros(64, 4096, dtype=dtype), torch.zeros(4096, dtype=dtype)
         inv.norm_excess(spec, h, h, w, w, kernel=True)
+        coef = torch.ones(5, dtype=torch.float64)
+        inv.checked_adamw(p, p, p.clone(), p.clone(), coef, 0.99, 0.9, 0.999, 1e-8)
     return [_compile(case, kernel, *seen[kernel]) for kernel in GEMM_KERNELS]
 
 
