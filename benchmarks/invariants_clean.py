@@ -27,7 +27,9 @@ from attnchecker.models.families import FAMILIES
 from attnchecker.models.tiny import build
 from attnchecker.train.data import TokenBlocks, load_corpus, tokenizer_for
 
-ARMS = ("fp32", "bf16", "fp16", "bf16-weights")
+ARMS = ("fp32", "bf16", "fp16", "bf16-weights", "kernels-fp32", "kernels-bf16")
+KERNEL_ARMS = ("kernels-fp32", "kernels-bf16")  # check_impl="triton": the kernels (the
+# interpreter on a CPU: run with TRITON_INTERPRET=1), the checked AdamW among them
 SEQ_LEN, BATCH = 64, 4
 
 
@@ -51,10 +53,12 @@ def clean(blocks, family: str, arm: str, lr: float, steps: int, seed: int = 0) -
         model.get_input_embeddings().weight[:, :2] *= 30.0
     if arm == "bf16-weights":
         model.to(torch.bfloat16)
-    config = ABFTConfig(ops=(), invariants=("norm", "update"), policy="warn")
+    config = ABFTConfig(ops=(), invariants=("norm", "update"), policy="warn",
+                        check_impl="triton" if arm in KERNEL_ARMS else "auto")
     handle = protect_(model, config)
     opt = guard(torch.optim.AdamW(model.parameters(), lr=lr), handle, names=model)
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(arm)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16,
+           "kernels-bf16": torch.bfloat16}.get(arm)  # fmt: skip
     events, ops, losses = 0, set(), []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*uncorrectable", RuntimeWarning)
@@ -111,7 +115,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--arms", nargs="+", default=[a for a in ARMS if a not in KERNEL_ARMS],
+                    choices=ARMS)  # fmt: skip
     ap.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 1e-2])
     args = parse(ap, {"steps": 2, "families": ["llama", "gpt2"], "lrs": [1e-2]})
     torch.manual_seed(0)
@@ -126,7 +131,8 @@ def main() -> None:
                 print(f"{family:10s} {arm:12s} lr {lr:g}: {r.events} events "
                       f"({r.loss_first:.2f} -> {r.loss_last:.2f})", flush=True)  # fmt: skip
     seconds = time.perf_counter() - t0
-    write("invariants_clean", {"runs": [r.__dict__ for r in runs], "env": environment()},
+    theme = "invariants_clean_kernels" if set(args.arms) <= set(KERNEL_ARMS) else "invariants_clean"
+    write(theme, {"runs": [r.__dict__ for r in runs], "env": environment()},
           _markdown(runs, seconds))  # fmt: skip
 
 
