@@ -49,7 +49,8 @@ def test_a_norm_output_fault_is_corrected_in_its_forward(family):
             assert max_diff(got[2], want[2]) <= 1e-6, (site, kind)  # the update
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "bert"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", pytest.param("gemma2", marks=pytest.mark.slow),
+                                    pytest.param("bert", marks=pytest.mark.slow)])
 def test_an_optimizer_fault_in_a_family_model_is_corrected_after_its_step(family):
     """Right after the repair (the step of the fault) every parameter and moment equals the
     fault-free run's to the check's own bound: a repaired element is its row's predicted sum

@@ -54,7 +54,7 @@ def test_the_norm_kernel_flags_the_rows_its_reference_flags(spec, dtype):
 def test_both_checks_run_on_their_kernels_one_launch_each():
     def run(plan):
         torch.manual_seed(0)
-        model = build("llama", "tiny", seed=0, vocab_size=128).to(DEVICE)  # few rows
+        model = build("llama", "tiny", seed=0, vocab_size=128, layers=1).to(DEVICE)  # few rows
         config = ABFTConfig(ops=(), invariants=("norm", "update"), check_impl="triton",
                             policy="warn")  # fmt: skip
         handle = protect_(model, config)
@@ -83,7 +83,7 @@ def test_both_checks_run_on_their_kernels_one_launch_each():
         assert kinds.count("checked_adamw_kernel") == 2 * params
         assert kinds.count("row_sums_kernel") == 3 * params
     plan = FaultPlan([
-        Fault(step=2, site="module:model.layers.1.input_layernorm", kind="nan"),
+        Fault(step=2, site="module:model.layers.0.post_attention_layernorm", kind="nan"),
         Fault(step=2, site="optim:model.layers.0.mlp.up_proj.weight:exp_avg_sq", kind="inf"),
     ])  # fmt: skip
     faulty, events, _, _ = run(plan)
@@ -117,7 +117,7 @@ def test_the_checked_adamw_kernel_is_adamw_and_checks_the_update_it_writes():
     one-pass check, docs/invariants.md)."""
     from attnchecker.recovery.guard import FiniteGradients
 
-    def run(check, plan=None, steps=4):
+    def run(check, plan=None, steps=3):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                                     torch.nn.Linear(128, 8)).to(DEVICE)  # fmt: skip
@@ -141,11 +141,11 @@ def test_the_checked_adamw_kernel_is_adamw_and_checks_the_update_it_writes():
     assert events == []
     for a, b in zip(plain, checked, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=4 * 2**-24 * float(a.abs().max()) * 4)
-    for key in ("param", "exp_avg", "exp_avg_sq"):
+    for key in ("param", "exp_avg_sq"):
         fault = Fault(step=2, site=f"optim:0.weight:{key}", kind="nan", row=3, col=5)
         faulty, events = run(True, FaultPlan([fault]))
         assert {a for _, a, _ in events} == {"corrected"} and {s for *_, s in events} == {1}
-        assert max(float((a - b).abs().max()) for a, b in zip(checked, faulty)) <= 1e-6
+        assert max(float((a - b).abs().max()) for a, b in zip(checked, faulty, strict=True)) <= 1e-6
     late = Fault(step=2, site="optim:0.weight:param:written", kind="scale", value=2.0, row=3,
                  col=5)  # fmt: skip
     _, events = run(True, FaultPlan([late]))
