@@ -90,7 +90,7 @@ from attnchecker.adaptive.profile import (
     relative,
 )
 from attnchecker.attention.config import ABFTConfig
-from attnchecker.attention.ops import CORE_OPS, linear_parts, op_key
+from attnchecker.attention.ops import CORE_OPS, INVARIANT_OPS, linear_parts, op_key
 from attnchecker.attention.schedule import Schedule
 from attnchecker.errors import ConfigError
 
@@ -375,8 +375,7 @@ def choose(
     greedy = Greedy(ss, end)
     useful = [i for i in range(len(ss)) if greedy.gain(i, 1.0, {}) > 0]
     notes = _notes(ss, rate, cost)
-    if beyond := [op for op in vuln.ops if op not in {o.op for o in cost.ops}
-                  and (op == "norm" or op.startswith("update."))]:  # fmt: skip
+    if beyond := [op for op in vuln.ops if op in INVARIANT_OPS]:
         # the checks beyond the GEMMs are whole-model switches, not (layer, op) placements
         notes += (f"{', '.join(beyond)}: faulted by the campaign but checked by "
                   "ABFTConfig(invariants=('norm', 'update')), a switch for the whole model that "

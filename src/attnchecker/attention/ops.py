@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "ALL_OPS", "CORE_GRAD_OPS", "GRAD_OPS", "LINEAR_OPS", "OPS", "OP_TABLE", "ROUTE_CHECKS", "Op",
+    "ALL_OPS", "CORE_GRAD_OPS", "GRAD_OPS", "INVARIANT_OPS", "LINEAR_OPS", "OPS", "OP_TABLE",
+    "ROUTE_CHECKS", "Op",
     "in_backward", "linear_op", "linear_parts", "op", "op_key",
 ]  # fmt: skip
 
@@ -114,6 +115,16 @@ switch each on (any of them); the first of them checked now names its record row
 LINEAR_OPS = tuple(o.name for o in OP_TABLE if o.part == _L)
 """The checks of one linear layer outside attention (``scope="all_linear"``): its output in the
 forward, dX and dW in the backward."""
+
+
+INVARIANT_OPS = ("norm", "update.exp_avg", "update.exp_avg_sq", "update.momentum_buffer",
+                 "update.param")
+"""The checks beyond the GEMMs (``ABFTConfig.invariants``, issue 57), by the ``op`` of their
+events: ``norm``, a normalisation module's output against its row recomputed from the input
+(:mod:`attnchecker.models.norms`); ``update.<key>``, the optimizer's new state tensor or
+parameter against row checksums of the update (:mod:`attnchecker.recovery.update_check`). They
+are not GEMMs and not in :data:`OP_TABLE`: each is one switch for the whole model, not a
+(layer, op) a schedule places; a campaign faults them at its sites of the same names."""
 
 
 def op_key(name: str) -> tuple[int, str]:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from attnchecker.attention.config import ABFTConfig
-from attnchecker.attention.ops import linear_parts
+from attnchecker.attention.ops import INVARIANT_OPS, linear_parts
 from attnchecker.errors import ConfigError
 from attnchecker.inject.injector import Injector
 from attnchecker.inject.plan import Fault, FaultPlan, check_op
@@ -54,7 +54,7 @@ __all__ = [
 
 OBSERVED = ("scores", "context", "out", "next_input")
 RECOVERIES = ("skip", "replay")  # what a recovery arm does with a step that went wrong
-INVARIANT_SITES = ("norm", "update.exp_avg", "update.exp_avg_sq", "update.param")
+INVARIANT_SITES = tuple(op for op in INVARIANT_OPS if op != "update.momentum_buffer")  # AdamW's
 """Campaign sites of the checks beyond the GEMMs (``ABFTConfig.invariants``), named as their
 events' ops: ``norm``, the output of the first norm module of the faulty layer's block (layer
 -1: a norm outside the blocks, the final one); ``update.<key>``, AdamW's ``exp_avg`` /
