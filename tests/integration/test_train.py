@@ -371,3 +371,25 @@ def test_cli_train_on_the_fused_backend(tmp_path, data):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["faults_injected"] == summary["faults_corrected"] == 1
     assert not summary["non_trainable"]
+
+
+def test_an_update_beyond_repair_rolls_back_to_the_checkpoint(data, tmp_path):
+    """Issue 57: the update check repairs one wrong element a row; a whole row of a parameter
+    written wrong (``1R``) is beyond it, and ``--recovery checkpoint`` rolls back to the last
+    checkpoint (the parameters are wrong: only a checkpoint has them right); every other
+    update is checked clean."""
+    from attnchecker.inject.plan import Fault
+
+    plan = FaultPlan([Fault(step=4, site="optim:transformer.h.0.mlp.c_fc.weight:param:written",
+                            kind="scale", value=2.0, pattern="1R")])  # fmt: skip
+    abft = ABFTConfig(ops=(), invariants=("update",), policy="warn")
+    cfg = _cfg(data, protect=True, abft=abft, recovery="checkpoint", checkpoint_every=2)
+    summary = train(cfg, tmp_path / "run", faults=plan, progress=False)
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text()
+              .splitlines()]  # fmt: skip
+    lost = [e for e in events if e["type"] == "protection" and e["action"] == "uncorrectable"]
+    assert [(e["op"], e["step"]) for e in lost] == [("update.param", 4)]
+    (back,) = [e for e in events if e["type"] == "rollback"]
+    # the checkpoint due after the faulty update is not written: back to the one before it
+    assert back["reason"] == "an update beyond repair" and back["to_step"] == 2
+    assert summary["rollbacks"] == 1 and summary["uncorrectable"] == 1  # no other alarm

@@ -365,15 +365,17 @@ class ProtectionHandle:
         self._inv_values = []
         return out
 
-    def settle(self) -> None:
+    def settle(self) -> list[Event]:
         """Read (one host transfer) and repair what an invariant flagged since the last drain,
         when one has something pending (the update check, after the optimizer's step): the
         root's forward pre-hook calls it, so a repaired parameter is in place before the next
-        forward. Its events come with the next :meth:`drain`."""
+        forward. Its events come with the next :meth:`drain` (and are returned)."""
         if not any(getattr(i, "pending", False) for i in self.invariants):
-            return
+            return []
         self._read_invariants()
-        self._settled += self._invariant_events()
+        found = self._invariant_events()
+        self._settled += found
+        return found
 
     def _read_invariants(self) -> None:
         dev = self._clock.count.device

@@ -68,7 +68,7 @@ class _Param:
     name: str
     kept: dict[str, Tensor] = field(default_factory=dict)  # quantity -> (R, 3)
     prev: dict[str, Tensor] = field(default_factory=dict)  # the kept sums this step started from
-    versions: dict[str, int] = field(default_factory=dict)
+    versions: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     inputs: dict[str, Tensor] = field(default_factory=dict)  # "g", "g2" this step
     terms: dict[str, list] = field(default_factory=dict)  # quantity -> prediction terms
     coef: dict[str, Any] = field(default_factory=dict)
@@ -277,8 +277,10 @@ class UpdateCheck:
                 out[k] = _local(st[k])
         return out
 
-    def _versions(self, p: Tensor) -> dict[str, int]:
-        return {k: t._version for k, t in self._tensors(p).items()}
+    def _versions(self, p: Tensor) -> dict[str, tuple[int, int, int]]:
+        """Each tensor's identity and version: a tensor replaced (an optimizer's state loaded
+        from a checkpoint) or written since is re-summed."""
+        return {k: (id(t), t.data_ptr(), t._version) for k, t in self._tensors(p).items()}
 
     def _refresh(self, p: Tensor, s: _Param) -> None:
         """The kept sums of a tensor someone else wrote since (or never seen)."""

@@ -221,7 +221,9 @@ def train_steps(
             yield row
             torch.set_rng_state(rng)
             paused += time.perf_counter() - paused_at
-            if state.ckpt is not None and state.ckpt.due(state.step):
+            if state.ckpt is not None and state.ckpt.due(state.step) and not (
+                state.handle is not None and _update_lost(state.handle.settle())
+            ):  # (an update beyond repair is not saved: the next step rolls back past it)
                 _save_checkpoint(state)
             if state.non_trainable and cfg.stop_when_non_trainable:
                 break
