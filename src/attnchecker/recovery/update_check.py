@@ -8,8 +8,12 @@ row checksums of what the update should have written (:mod:`attnchecker.abft.upd
   previous step's kernel after its check) is seen too; they are recomputed only where a tensor's
   version moved (a user's own write: a load, a reset) or on a first step.
 - **After the step** one pass over the new state and parameters: their row sums, compared with
-  the prediction (the previous sums when the guard skipped the step). A device count per tensor
-  and quantity, no host read.
+  the prediction (the previous sums when the guard skipped the step). A device count per
+  parameter group and quantity, no host read.
+- **On the kernels** (CUDA; ``check_impl="triton"`` in the interpreter), AdamW's step runs in
+  the checked kernel (:meth:`UpdateCheck.fused_step`): the update and both passes' sums in one
+  pass, nothing read twice; a value written wrong after the kernel took its sums is then seen
+  at the next step's update.
 - **Repair** waits for that count (read with the handle's drain, or by :meth:`settle`: the
   root's next forward does it when no drain came first): a row whose sums disagree has its one
   wrong element located by the weighted sum (or as the row's only non-finite value) and set to
