@@ -148,6 +148,8 @@ class UpdateCheck:
                     st["exp_avg"] = torch.zeros_like(_local(p), memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(_local(p),
                                                         memory_format=torch.preserve_format)
+                elif st["step"].device != dev:  # a for-loop or foreach AdamW's CPU step count
+                    st["step"] = st["step"].to(dev, torch.float32)
                 self._refresh(p, self._state[id(p)])
             steps = [self.optimizer.state[p]["step"] for p in active]
             keep = (1 - skipped.to(dev).float()).reshape(())
