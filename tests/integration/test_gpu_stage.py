@@ -39,7 +39,7 @@ def test_the_gpu_check_step_stage_runs_and_archives_its_rows(tmp_path):
     (cal,) = [json.loads(line) for line in kernel_rows.splitlines()]
     kernels = {r["kernel"] for r in cal["launches"]}
     assert {"fwd_verify_kernel", "bwd_check_kernel", "weights_kernel",
-            "norm_excess_kernel", "row_sums_kernel"} <= kernels, kernels  # (issue 57's)
+            "norm_excess_kernel", "checked_adamw_kernel"} <= kernels, kernels  # (issue 57's)
     assert all(r["measured_us"] > 0 and r["modelled_us"] > 0 for r in cal["launches"])
     assert [(r["width"], r["mode"]) for r in rows] == [("base", "eager"), ("8b", "eager")]
     for row in rows:

@@ -140,8 +140,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ recovery/guard.py
     Mutant("recovery/guard.py", "op=torch.distributed.ReduceOp.MAX", "op=torch.distributed.ReduceOp.MIN",
            "one rank's flag does not skip the others: the replicas diverge"),
-    Mutant("recovery/guard.py", "both = flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))",
-           "both = flag", "under GradScaler a fused optimizer ignores the scaler's overflow"),
+    Mutant("recovery/guard.py", "return flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))",
+           "return flag", "under GradScaler a fused optimizer ignores the scaler's overflow"),
     Mutant("recovery/guard.py", 'and any(g.get("momentum", 0) for g in optimizer.param_groups)',
            "and False", "fused SGD's uninitialised momentum buffer after a skipped first step"),
     Mutant("recovery/guard.py", "                p.copy_(torch.where(skip, old, p))",

@@ -108,18 +108,26 @@ class GuardedOptimizer:
 
     def flag(self) -> Tensor:
         """1.0 where this step must be skipped (on every rank alike), as a device tensor."""
-        flag = self.handle.found_inf()
+        return self._on_every_rank(self.handle.found_inf())
+
+    def _on_every_rank(self, flag: Tensor) -> Tensor:
+        """``flag`` max-reduced over the process group (when there is one): every rank alike."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return flag
+
+    def _with_scaler(self, flag: Tensor) -> Tensor:
+        """``flag`` widened with GradScaler's ``found_inf`` when it drives this step: an
+        overflow or an uncorrectable error skips the step, on the device (no host read)."""
+        theirs = getattr(self.optimizer, "found_inf", None)
+        return flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))
 
     def step(self, closure: Any = None, *, flag: Tensor | None = None) -> Any:
         """The optimizer's step, skipped where the flag (:meth:`flag`, or the one given, already
         reduced) is set."""
         flag = self.flag() if flag is None else flag
         if self.update is not None and self.update.can_fuse():  # the step in the checked kernel
-            theirs = getattr(self.optimizer, "found_inf", None)  # GradScaler's
-            both = flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))
+            both = self._with_scaler(flag)
             self.skipped = both.clone() if self.skipped is None else self.skipped.add_(both)
             # through torch.optim's step wrapper: its step hooks run as for any step (the
             # protected model's clock learns that the weights moved; an injector's optim: sites)
@@ -130,10 +138,7 @@ class GuardedOptimizer:
             return None
         rest = self.update.before() if self.update is not None else None
         if rest is not None:  # a parameter changed at rest under L2 decay: skip, then repair
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.all_reduce(rest, op=torch.distributed.ReduceOp.MAX,
-                                             group=self.group)  # fmt: skip
-            flag = torch.maximum(flag, rest.to(flag.device))
+            flag = torch.maximum(flag, self._on_every_rank(rest).to(flag.device))
         self.skipped = flag.clone() if self.skipped is None else self.skipped.add_(flag)
         if self._reads_first and self._first_step() and bool(flag):  # one read, then never
             return None  # the state a first step creates cannot be masked to "absent"
@@ -154,9 +159,7 @@ class GuardedOptimizer:
     def _fused_step(self, flag: Tensor, closure: Any) -> Any:
         opt = self.optimizer
         theirs = getattr(opt, "found_inf", None)  # GradScaler's, when it drives this step
-        # max, not protection's flag alone: an overflow or an uncorrectable error skips the
-        # step, on the device (no host read)
-        both = flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))
+        both = self._with_scaler(flag)
         opt.found_inf = self._taken = both
         try:
             return self._step(closure)

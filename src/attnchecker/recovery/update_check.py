@@ -286,7 +286,9 @@ class UpdateCheck:
     def _versions(self, p: Tensor) -> dict[str, tuple[int, int, int]]:
         """Each tensor's identity and version: a tensor replaced (an optimizer's state loaded
         from a checkpoint) or written since is re-summed."""
-        return {k: (id(t), t.data_ptr(), t._version) for k, t in self._tensors(p).items()}
+        st = self.optimizer.state.get(p, {})
+        owners = {"param": p} | {k: st[k] for k in self.keys[1:] if isinstance(st.get(k), Tensor)}
+        return {k: (id(t), _local(t).data_ptr(), _local(t)._version) for k, t in owners.items()}
 
     def _refresh(self, p: Tensor, s: _Param) -> None:
         """The kept sums of a tensor someone else wrote since (or never seen)."""

@@ -258,7 +258,40 @@ def _sample_rows() -> list[Row]:
     return [Row("attnchecker::sdpa_fwd_sample", fwd), Row("attnchecker::sdpa_bwd_sample", bwd)]
 
 
+# ------------------------------------------------- the checks beyond the GEMMs (issue 57)
+
+
+def _tiny(*shape, seed=0):
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _inv_row_sums():
+    a, b, c = _tiny(8, 40, seed=1), _tiny(8, 40, seed=2), _tiny(8, 40, seed=3)
+    return (a, b, c, False, True, torch.ones(1, dtype=torch.float64), 1e-8)
+
+
+def _inv_norm_excess():
+    x = _tiny(8, 40) - 0.5
+    return (x, x * 2, _tiny(40, seed=4), None, False, False, 1e-6, 1.0)
+
+
+def _inv_norm_check():
+    x = _tiny(8, 40) - 0.5
+    return (x, x * 2, _tiny(40, seed=4), None, torch.zeros(4, dtype=torch.float64), False, False,
+            1e-6, 1.0)  # fmt: skip
+
+
+def _checked_adamw():
+    coef = torch.tensor([-1e-3, 1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    return (_tiny(8, 40), _tiny(8, 40, seed=1), _tiny(8, 40, seed=2) * 1e-2,
+            _tiny(8, 40, seed=3) * 1e-4, coef, 0.99, 0.9, 0.999, 1e-8)  # fmt: skip
+
+
 ROWS = [
+    Row("attnchecker::inv_row_sums", _inv_row_sums),
+    Row("attnchecker::inv_norm_excess", _inv_norm_excess),
+    Row("attnchecker::inv_norm_check", _inv_norm_check),
+    Row("attnchecker::checked_adamw", _checked_adamw),
     Row("attnchecker::gemm_refs", _gemm_refs),
     Row("attnchecker::gemm_verify", _gemm_verify),
     Row("attnchecker::gemm_repair", _gemm_repair),
@@ -274,8 +307,8 @@ ROWS = [
     *_sample_rows(),
 ]
 
-MODULES = ("acc_gemm", "gemm_check", "projection_check", "ops", "sdpa_check", "sdpa_kernels",
-           "sdpa_kernels_bwd", "sdpa_sample")  # fmt: skip
+MODULES = ("acc_gemm", "gemm_check", "invariants", "projection_check", "ops", "sdpa_check",
+           "sdpa_kernels", "sdpa_kernels_bwd", "sdpa_sample")  # fmt: skip
 """The kernels' modules that register ops (importing one registers them)."""
 
 
