@@ -32,7 +32,9 @@ def test_a_norm_output_fault_is_corrected_in_its_forward(family):
     assert handle.summary()["invariants"]["norm"]["checked"] == names
     start = {n: p.detach().clone() for n, p in protected.named_parameters()}
     for site in (names[0], names[-1]):
-        for kind, value in (("inf", None), ("nan", None), ("scale", 1 + 2**-4)):
+        # extreme and small; INF takes the last norm's turn in the campaign test and the
+        # kernels' (an INF and a NaN row reach the same branch of the check: not finite)
+        for kind, value in (("nan", None), ("scale", 1 + 2**-4)):
             with torch.no_grad():
                 for n, p in protected.named_parameters():
                     p.copy_(start[n])
