@@ -1,12 +1,12 @@
 """Row checksums of an optimizer update. Pure tensor math.
 
 Every update the package checks is, row by row, linear in row sums it can keep: AdamW's moments
-``m' = b1 m + (1 - b1) g`` and ``v' = b2 v + (1 - b2) g^2``, and its parameters
-``p' = (1 - lr wd) p - (lr / bc1) r`` with ``r = m' / (sqrt(v') / sqrt(bc2) + eps)``, computed
-from the new state; SGD's ``buf' = mu buf + (1 - damp) (g + wd p)``, ``p' = p - lr buf'``. A
-tensor is viewed as rows (its last dim; a 1-D tensor: one row), and each row keeps three float64
-sums of each quantity: ``[sum x_j, sum (j + 1) x_j, sum |x_j|]``. The plain sum detects, the
-weighted one locates a single element (``(j + 1) = dW / d1``), the absolute one bounds rounding.
+``m' = b1 m + (1 - b1) g`` and ``v' = b2 v + (1 - b2) g^2``, and its parameters ``p' = (1 - lr
+wd) p - (lr / bc1) r`` with ``r = m' / (sqrt(v') / sqrt(bc2) + eps)``, computed from the new
+state; SGD's ``buf' = mu buf + (1 - damp) (g + wd p)``, ``p' = p - lr buf'``. A tensor is viewed
+as rows (its last dim; a 1-D tensor: rows of up to 4,096), and each row keeps three float64 sums
+of each quantity: ``[sum x_j, sum (j + 1) x_j, sum |x_j|]``. The plain sum detects, the weighted
+one locates a single element (``(j + 1) = dW / d1``), the absolute one bounds rounding.
 
 Tolerance (per row, for ``q' = sum_k a_k X_k``): every element of ``q'`` is a few fp operations
 on its inputs, each rounding by at most ``u`` (the tensor's unit roundoff) of what it produces,
@@ -29,8 +29,14 @@ C = 4.0  # roundings per element (see the module docstring)
 
 
 def as_rows(t: Tensor) -> Tensor:
-    """``t`` as (rows, width): its last dim, or one row for a 0-/1-D tensor."""
-    return t.reshape(1, -1) if t.dim() < 2 else t.reshape(-1, t.shape[-1])
+    """``t`` as (rows, width): its last dim; a 0-/1-D tensor in rows of up to 4,096 where its
+    size divides (a kernel's program takes a few rows: one row of a large flat tensor would be
+    one program streaming all of it), else one row."""
+    if t.dim() >= 2:
+        return t.reshape(-1, t.shape[-1])
+    n = t.numel()
+    width = next((w for w in (4096, 2048, 1024, 512) if n > w and n % w == 0), max(n, 1))
+    return t.reshape(-1, width)
 
 
 def row_sums(t: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from attnchecker.attention.schedule import Schedule
 from attnchecker.attention.state import AttentionState, Clock, SiteHook
 from attnchecker.errors import ConfigError, UncorrectableFaultError
 from attnchecker.faults import kind_of
+from attnchecker.kernels.launches import as_on_gpu
 from attnchecker.recovery.ledger import DeviceLedger
 
 if TYPE_CHECKING:
@@ -192,6 +193,8 @@ class ProtectionHandle:
         # guarded optimizer's update check (recovery.update_check), read with the drain
         self.invariants: list = []
         self._settled: list[Event] = []  # events an earlier settle() read, for the next drain
+        self._inv_values: list[list[float]] = []  # the invariants' last read, and its step
+        self._inv_step = 0
 
     @property
     def modules(self) -> list[str]:
@@ -259,20 +262,13 @@ class ProtectionHandle:
         dev = self._clock.count.device
         rows = [st.records.rows(self._clock.count).to(dev) for st in states]
         extra = [] if also is None else [also.detach().reshape(-1).to(dev, torch.float64)]
-        inv = [i.tensor().detach().reshape(-1).to(dev, torch.float64) for i in self.invariants]
-        if inv:  # the clock too: their events' step
-            inv.append(self._clock.count.detach().reshape(-1).double())
+        inv = self._invariant_tensors()
         if not rows and not extra and not inv:
             return []
         values = torch.cat([r.flatten().double() for r in rows] + inv + extra).tolist()
         if extra:
             self.read_also = values[len(values) - extra[0].numel() :]
-        at = sum(r.numel() for r in rows)
-        self._inv_values = []
-        for t in inv[:-1]:
-            self._inv_values.append(values[at : at + t.numel()])
-            at += t.numel()
-        self._inv_step = int(values[at]) if inv else 0
+        self._take_invariants(values, sum(r.numel() for r in rows), inv)
         at, out = 0, []
         width = len(RECORD_FIELDS)
         for r in rows:
@@ -357,7 +353,9 @@ class ProtectionHandle:
         """The invariants' events from the values :meth:`_read` read (their repairs, on the
         fault path only, happen here: :mod:`attnchecker.recovery.update_check`)."""
         out = []
-        for inv, values in zip(self.invariants, getattr(self, "_inv_values", []), strict=False):
+        if as_on_gpu():  # the cost model's trace: garbage values; the clean path is priced
+            self._inv_values = [[0.0] * len(v) for v in self._inv_values]
+        for inv, values in zip(self.invariants, self._inv_values, strict=False):
             for e in inv.events(values, self._inv_step):
                 out.append(Event(**e))
                 _count(self._totals, e["op"], {"detected": 1,
@@ -372,20 +370,26 @@ class ProtectionHandle:
         forward. Its events come with the next :meth:`drain` (and are returned)."""
         if not any(getattr(i, "pending", False) for i in self.invariants):
             return []
-        self._read_invariants()
+        inv = self._invariant_tensors()
+        self._take_invariants(torch.cat(inv).tolist(), 0, inv)  # one transfer
         found = self._invariant_events()
         self._settled += found
         return found
 
-    def _read_invariants(self) -> None:
+    def _invariant_tensors(self) -> list[torch.Tensor]:
+        """What a read of the invariants transfers: each one's counts, then the clock (their
+        events' step); nothing without invariants."""
         dev = self._clock.count.device
         inv = [i.tensor().detach().reshape(-1).to(dev, torch.float64) for i in self.invariants]
-        values = torch.cat([*inv, self._clock.count.detach().reshape(-1).double()]).tolist()
-        at, self._inv_values = 0, []
-        for t in inv:
+        return [*inv, self._clock.count.detach().reshape(-1).double()] if inv else []
+
+    def _take_invariants(self, values: list[float], at: int, inv: list[torch.Tensor]) -> None:
+        """The invariants' values and the step, from ``values`` read from ``at`` on."""
+        self._inv_values = []
+        for t in inv[:-1]:
             self._inv_values.append(values[at : at + t.numel()])
             at += t.numel()
-        self._inv_step = int(values[at])
+        self._inv_step = int(values[at]) if inv else 0
 
     def _name_device(self, events: list[Event]) -> list[Event]:
         """The ledger fed with this drain's events (:mod:`attnchecker.recovery.ledger`); the

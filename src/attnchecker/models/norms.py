@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from attnchecker.abft.norm import NormSpec, row_excess
 from attnchecker.kernels.invariants import inv_norm_check, norm_excess, use_kernels
-from attnchecker.kernels.launches import as_on_gpu
 
 __all__ = ["NormCheck", "find_norms", "spec_of"]
 
@@ -194,8 +193,6 @@ class NormCheck:
     def events(self, values: list[float], step: int) -> list[dict[str, object]]:
         """This drain's events (the fields of :class:`~attnchecker.models.handle.Event`)."""
         out = []
-        if as_on_gpu():  # the cost model's trace: garbage values (the clean path is priced)
-            values = [0.0] * len(values)
         for n, rec in zip(self.norms, _rows(values, 4), strict=True):
             calls, rows, lost, code = rec
             if calls:

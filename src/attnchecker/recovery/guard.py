@@ -142,10 +142,13 @@ class GuardedOptimizer:
         self.skipped = flag.clone() if self.skipped is None else self.skipped.add_(flag)
         if self._reads_first and self._first_step() and bool(flag):  # one read, then never
             return None  # the state a first step creates cannot be masked to "absent"
-        self._taken = flag  # the fused step widens it with GradScaler's own
-        out = self._fused_step(flag, closure) if self.fused else self._masked_step(flag, closure)
+        if self.fused:
+            taken = self._with_scaler(flag)  # GradScaler's overflow skips it too
+            out = self._fused_step(taken, closure)
+        else:
+            taken, out = flag, self._masked_step(flag, closure)
         if self.update is not None:
-            self.update.after(self._taken)
+            self.update.after(taken)
         return out
 
     def settle(self) -> list[dict[str, object]]:
@@ -156,11 +159,12 @@ class GuardedOptimizer:
             return []
         return self.update.events(self.update.tensor().tolist(), -1)
 
-    def _fused_step(self, flag: Tensor, closure: Any) -> Any:
+    def _fused_step(self, both: Tensor, closure: Any) -> Any:
+        """A fused optimizer's step with ``found_inf`` = ``both`` (protection's flag widened
+        with GradScaler's: :meth:`_with_scaler`), the scaler's own put back after."""
         opt = self.optimizer
         theirs = getattr(opt, "found_inf", None)  # GradScaler's, when it drives this step
-        both = self._with_scaler(flag)
-        opt.found_inf = self._taken = both
+        opt.found_inf = both
         try:
             return self._step(closure)
         finally:

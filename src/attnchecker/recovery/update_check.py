@@ -41,7 +41,6 @@ from attnchecker.abft.update import as_rows, excess, locate, unit
 from attnchecker.faults import kind_of
 from attnchecker.kernels.invariants import row_sums as sums
 from attnchecker.kernels.invariants import use_kernels
-from attnchecker.kernels.launches import as_on_gpu
 
 __all__ = ["UpdateCheck", "covered"]
 
@@ -366,8 +365,8 @@ class UpdateCheck:
     def events(self, values: list[float], step: int) -> list[dict[str, object]]:
         """Repair what the counts flag (host work, the fault path only); this drain's events."""
         self.pending = False
-        if not any(values) or as_on_gpu():  # (the cost model's trace: garbage values, and the
-            self.counts.zero_()  # clean path is the one priced)
+        if not any(values):
+            self.counts.zero_()
             return []
         width = len(self.keys) + 1
         out = []

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton (o
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on a CPU
 
 
-@pytest.mark.parametrize("shape", [(37, 100), (3, 2000), (1000,)])
+@pytest.mark.parametrize("shape", [(37, 100), (3, 2000), (1000,), (8192,)])
 def test_the_row_sums_kernel_is_its_reference_to_fp64_rounding(shape):
     g = torch.Generator().manual_seed(0)
     p = torch.randn(shape, generator=g).to(DEVICE)
@@ -134,3 +134,13 @@ def test_the_checked_adamw_kernel_is_adamw_and_checks_the_update_it_writes():
                  col=5)  # fmt: skip
     _, events = run(True, FaultPlan([late]))
     assert events == [("update.param", "corrected", 2)]  # the next step's
+
+
+def test_a_flat_tensor_is_rows_not_one_program():
+    """A 1-D tensor whose size divides is rows of up to 4,096 (one row would be one program
+    streaming all of it); any other size, one row."""
+    from attnchecker.abft.update import as_rows
+
+    assert as_rows(torch.zeros(3 * 4096)).shape == (3, 4096)
+    assert as_rows(torch.zeros(1536)).shape == (3, 512)
+    assert as_rows(torch.zeros(1000)).shape == (1, 1000)
